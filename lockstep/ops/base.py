@@ -1,0 +1,159 @@
+"""The numeric layer's interface: what the decoder asks of every backend.
+
+Backends (see `lockstep.ops.get_ops`):
+  * `cpu_deterministic` - C++ kernels, position invariant by construction (default on CPU);
+  * `cpu_fast`          - plain torch ops (F.linear, SDPA), the yardstick and negative control;
+  * `gpu_deterministic` - Triton kernels (default on CUDA);
+  * `gpu_fast`          - cuBLAS and torch SDPA;
+  * `reference`         - float64 torch, for tests only.
+
+The contract every deterministic backend keeps (DESIGN.md, "How each part keeps the contract"):
+each output row is computed by the same sequence of floating-point operations whatever the
+number of rows M in the call, the row's index in the call, the thread count, or (for
+attention) how the sequence was split into query chunks. Reductions run in one fixed order
+that depends only on the reduced length and on absolute key positions.
+
+Shapes use T for the number of token rows in a forward step (all sequences concatenated).
+
+Attention metadata (varlen layout; the query rows of one sequence are contiguous and hold
+consecutive absolute positions):
+
+    sequence b:  query rows  cu_q[b] .. cu_q[b+1]-1
+                 positions   q_start[b] .. q_start[b] + n_b - 1      (n_b = cu_q[b+1]-cu_q[b])
+                 keys        positions 0 .. kv_len[b]-1,  kv_len[b] = q_start[b] + n_b
+                 key j lives in cache slot  slot_table[cu_kv[b] + j]
+
+    query row at position p sees keys 0..p (causal), including its own key, which the
+    decoder writes to the cache (write_kv) before calling attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """Where each query row's keys live. All tensors are int32 on the compute device."""
+
+    cu_q: torch.Tensor  # [B+1]
+    q_start: torch.Tensor  # [B]
+    kv_len: torch.Tensor  # [B]
+    cu_kv: torch.Tensor  # [B+1]
+    slot_table: torch.Tensor  # [cu_kv[B]]
+    max_q: int  # max n_b (python int, for grid sizes)
+    max_kv: int  # max kv_len[b]
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_start.shape[0])
+
+    def to(self, device: torch.device | str) -> AttentionMeta:
+        return AttentionMeta(
+            cu_q=self.cu_q.to(device),
+            q_start=self.q_start.to(device),
+            kv_len=self.kv_len.to(device),
+            cu_kv=self.cu_kv.to(device),
+            slot_table=self.slot_table.to(device),
+            max_q=self.max_q,
+            max_kv=self.max_kv,
+        )
+
+
+def build_attention_meta(
+    q_counts: list[int], q_starts: list[int], slot_tables: list[list[int]] | list[torch.Tensor]
+) -> AttentionMeta:
+    """Build metadata on the CPU from per-sequence query counts, first positions and slot
+    tables (slot_tables[b] must hold at least q_starts[b] + q_counts[b] entries)."""
+    cu_q = [0]
+    cu_kv = [0]
+    kv_len = []
+    tables = []
+    for n, start, table in zip(q_counts, q_starts, slot_tables):
+        length = start + n
+        if len(table) < length:
+            raise ValueError(f"slot table of {len(table)} entries for {length} keys")
+        cu_q.append(cu_q[-1] + n)
+        cu_kv.append(cu_kv[-1] + length)
+        kv_len.append(length)
+        tables.append(torch.as_tensor(table[:length], dtype=torch.int32))
+    i32 = torch.int32
+    return AttentionMeta(
+        cu_q=torch.tensor(cu_q, dtype=i32),
+        q_start=torch.tensor(list(q_starts), dtype=i32),
+        kv_len=torch.tensor(kv_len, dtype=i32),
+        cu_kv=torch.tensor(cu_kv, dtype=i32),
+        slot_table=torch.cat(tables) if tables else torch.zeros(0, dtype=i32),
+        max_q=max(q_counts, default=0),
+        max_kv=max(kv_len, default=0),
+    )
+
+
+class Ops(Protocol):
+    """One backend of the numeric layer. Activations are float32 on the CPU backends and the
+    model dtype (bfloat16 or float32) on the GPU; accumulation is always float32."""
+
+    name: str
+    deterministic: bool
+
+    def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Return the weight [N, K] in whatever layout `linear` wants (called once at load)."""
+        ...
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] @ weight.T -> [M, N] (+ bias). Row m depends only on x[m]."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [M, H] -> x / sqrt(mean(x^2) + eps) * weight, one row at a time."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] (gate first) -> silu(gate) * up, [M, I]."""
+        ...
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Neox-style rotary embedding (rotate_half). x [T, H, D]; cos/sin tables
+        [max_position, D/2] float32, indexed by absolute position; returns x's dtype."""
+        ...
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Copy k, v [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T] (exact copy)."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] (q's dtype).
+        Keys are visited in blocks at fixed absolute positions, never relative to the query
+        chunk; workspace never grows with the context length."""
+        ...
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] -> float32 log-probabilities, one row at a time."""
+        ...
