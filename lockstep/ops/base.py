@@ -72,7 +72,7 @@ def build_attention_meta(
     cu_kv = [0]
     kv_len = []
     tables = []
-    for n, start, table in zip(q_counts, q_starts, slot_tables):
+    for n, start, table in zip(q_counts, q_starts, slot_tables, strict=True):
         length = start + n
         if len(table) < length:
             raise ValueError(f"slot table of {len(table)} entries for {length} keys")
