@@ -1,0 +1,36 @@
+"""The per-step input of one forward pass: which tokens, where they sit, where their KV goes.
+
+Built by the model runner from the scheduler's plan and passed explicitly to the decoder (no
+module-level context). Rows of one sequence are contiguous and hold consecutive positions;
+`meta` describes where each row's keys live in the KV pool (see `lockstep.ops.base`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.ops.base import AttentionMeta
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute positions
+    out_slots: torch.Tensor  # [T] int64, KV slot each row's key and value are written to
+    meta: AttentionMeta
+    logit_rows: torch.Tensor  # [R] int64, rows whose logits the step needs
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        return ForwardBatch(
+            token_ids=self.token_ids.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            out_slots=self.out_slots.to(device, non_blocking=True),
+            meta=self.meta.to(device),
+            logit_rows=self.logit_rows.to(device, non_blocking=True),
+        )

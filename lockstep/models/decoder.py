@@ -1,0 +1,266 @@
+"""The one decoder for the Llama, Qwen2 and Qwen3 families.
+
+A pre-norm transformer with rotary embeddings, grouped-query attention and a SwiGLU MLP. All
+arithmetic goes through an `Ops` backend (lockstep.ops), so the same model code runs the
+deterministic CPU kernels, the Triton kernels, the fast yardstick and the float64 reference.
+
+Weights are loaded strictly: every tensor the loader yields must be expected and every expected
+tensor must arrive, else `ModelLoadError`. q/k/v are fused into one projection and gate/up into
+another at load time (fewer, larger matmuls); fusing concatenates rows, so each output element's
+reduction is unchanged.
+
+Position invariance: every op here is row-local (its row's bits depend only on that row) except
+attention, whose rows depend only on the keys 0..p of their own sequence. New K/V are written to
+the cache before attention, so prefix keys and new keys are read from one layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from lockstep.engine.forward_batch import ForwardBatch
+from lockstep.errors import ModelLoadError
+from lockstep.models.spec import ModelSpec
+from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
+
+if TYPE_CHECKING:
+    from lockstep.models.resolver import LoadedModel
+
+
+class KVStorage(Protocol):
+    def k_cache(self, layer: int) -> torch.Tensor: ...
+
+    def v_cache(self, layer: int) -> torch.Tensor: ...
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # prepared linear weight, rows q | k | v
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # prepared linear weight, rows gate | up
+    down: torch.Tensor
+
+
+def expected_weight_names(spec: ModelSpec) -> list[str]:
+    """The canonical tensor names a model of this spec must provide (see spec.py)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if spec.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
+def rope_tables(spec: ModelSpec, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_position, head_dim/2] float32, computed once in float64 (so every step and
+    every device type indexes the same table instead of recomputing angles)."""
+    half = spec.head_dim // 2
+    exponent = torch.arange(half, dtype=torch.float64) * 2.0 / spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta**exponent)
+    s = spec.rope_scaling
+    if s is not None:
+        # Llama 3 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
+        # the band between is interpolated smoothly.
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = s.original_max_position / s.low_freq_factor
+        high_wavelen = s.original_max_position / s.high_freq_factor
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+class Decoder:
+    """Holds the weights on one device and runs forward steps through an `Ops` backend."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_position: int,
+    ) -> None:
+        self.spec = spec
+        self.ops = ops
+        self.dtype = dtype
+        self.device = device
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.max_position = max_position
+        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
+        cos, sin = rope_tables(spec, max_position)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+    @classmethod
+    def load(
+        cls,
+        loaded: LoadedModel,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_position: int | None = None,
+    ) -> Decoder:
+        """Load `loaded`'s weights strictly, convert them to `dtype` on `device` and fuse the
+        projections. Missing or unexpected tensors raise `ModelLoadError`."""
+        device = torch.device(device)
+        spec = loaded.spec
+        expected = set(expected_weight_names(spec))
+        got: dict[str, torch.Tensor] = {}
+        for name, tensor in _strict(loaded.iter_weights(dtype, device), expected, loaded.source):
+            got[name] = tensor
+        missing = sorted(expected - set(got))
+        if missing:
+            raise ModelLoadError(
+                f"{loaded.source}: {len(missing)} expected tensor(s) missing, first {missing[0]!r}"
+            )
+
+        def norm(name: str) -> torch.Tensor:
+            return got.pop(name).to(device=device, dtype=torch.float32)
+
+        def linear(*names: str) -> torch.Tensor:
+            parts = [got.pop(n).to(device=device, dtype=dtype) for n in names]
+            fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            return ops.prepare_linear_weight(fused.contiguous())
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if spec.qkv_bias:
+                bias = torch.cat([got.pop(a + f"{x}_proj.bias") for x in "qkv"]).to(
+                    device=device, dtype=torch.float32
+                )
+            layers.append(
+                LayerWeights(
+                    input_norm=norm(p + "input_layernorm.weight"),
+                    qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    qkv_bias=bias,
+                    q_norm=norm(a + "q_norm.weight") if spec.qk_norm else None,
+                    k_norm=norm(a + "k_norm.weight") if spec.qk_norm else None,
+                    o=linear(a + "o_proj.weight"),
+                    post_norm=norm(p + "post_attention_layernorm.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
+                )
+            )
+        embed = got.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        if spec.tie_word_embeddings:
+            lm_head = ops.prepare_linear_weight(embed.contiguous())
+        else:
+            lm_head = linear("lm_head.weight")
+        final_norm = norm("model.norm.weight")
+        return cls(
+            spec, ops, dtype, device, embed, layers, final_norm, lm_head,
+            max_position or spec.max_position,
+        )  # fmt: skip
+
+    def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """Run one step: write every row's K/V into `kv` at `batch.out_slots` and return the
+        float32 logits [R, vocab] of `batch.logit_rows`."""
+        spec, ops = self.spec, self.ops
+        t = batch.num_tokens
+        h = self.embed[batch.token_ids].to(self.act_dtype)
+        residual: torch.Tensor | None = None
+        for i, w in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, w.input_norm, spec.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, w.input_norm, spec.rms_norm_eps)
+            qkv = ops.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=1)
+            q = q.reshape(t, spec.num_heads, spec.head_dim)
+            k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
+            v = v.reshape(t, spec.num_kv_heads, spec.head_dim)
+            if w.q_norm is not None and w.k_norm is not None:
+                q = ops.rms_norm(q.reshape(-1, spec.head_dim), w.q_norm, spec.rms_norm_eps)
+                k = ops.rms_norm(k.reshape(-1, spec.head_dim), w.k_norm, spec.rms_norm_eps)
+                q = q.reshape(t, spec.num_heads, spec.head_dim)
+                k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
+            q = ops.rope(q, batch.positions, self.rope_cos, self.rope_sin)
+            k = ops.rope(k, batch.positions, self.rope_cos, self.rope_sin)
+            k_cache, v_cache = kv.k_cache(i), kv.v_cache(i)
+            ops.write_kv(k_cache, v_cache, k, v, batch.out_slots)
+            o = ops.attention(q, k_cache, v_cache, batch.meta, self.scale)
+            h = ops.linear(o.reshape(t, spec.q_size), w.o)
+            x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
+            h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
+        assert residual is not None
+        x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
+        x = x.index_select(0, batch.logit_rows)
+        return ops.linear(x, self.lm_head).float()
+
+    def logits_for_sequence(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] float32 of one cold full prefill of `token_ids`, in a scratch KV
+        cache of exactly len(token_ids) slots. For tests and reference comparisons."""
+        n = len(token_ids)
+        kv = _ScratchKV(self.spec, n, self.dtype, self.device)
+        slots = torch.arange(n, dtype=torch.int64)
+        meta: AttentionMeta = build_attention_meta([n], [0], [slots])
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=torch.arange(n, dtype=torch.int64),
+            out_slots=slots,
+            meta=meta,
+            logit_rows=torch.arange(n, dtype=torch.int64),
+        ).to(self.device)
+        return self.forward(batch, kv)
+
+
+class _ScratchKV:
+    """A private KV cache for `logits_for_sequence` (the engine uses the shared KV pool)."""
+
+    def __init__(self, spec: ModelSpec, n: int, dtype: torch.dtype, device: torch.device):
+        shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
+
+def _strict(
+    weights: Iterator[tuple[str, torch.Tensor]], expected: set[str], source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name not in expected:
+            raise ModelLoadError(f"{source}: unexpected tensor {name!r} for this architecture")
+        if name in seen:
+            raise ModelLoadError(f"{source}: tensor {name!r} appears twice")
+        seen.add(name)
+        yield name, tensor
