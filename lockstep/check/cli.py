@@ -1,0 +1,236 @@
+"""The `lockstep check` subcommand: argument parsing and the command itself.
+
+`add_check_parser` registers the subcommand on the main CLI's subparsers; the parsed
+arguments' `func` is `run_check_command`, which returns the exit code: 0 when every scenario
+passed (or was skipped with a reason), 1 when any failed, 2 when the server could not be
+started or reached at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from lockstep.check.report import render_table, write_json, write_plot
+from lockstep.check.runner import CheckReport, CheckSetupError, run_checks
+from lockstep.check.scenarios import SCENARIOS, ScenarioSettings
+from lockstep.check.serve import LockstepServer, ServeError
+
+EXAMPLES = """\
+examples:
+  lockstep check --serve                                  # start Lockstep on a free port
+  lockstep check --serve --mode fast --scenarios batch    # expect a FAIL: fast mode
+  lockstep check --url http://127.0.0.1:8000 --json out.json --plot deltas.png
+  lockstep check --url http://gpu-box:8000/v1 --model Qwen/Qwen3-8B --atol 1e-6
+  lockstep check --url URL --scenarios restart --save before.json     # then restart it,
+  lockstep check --url URL --scenarios restart --against before.json  # and compare
+"""
+
+
+def _scenario_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["all"]:
+        return list(SCENARIOS)
+    for name in names:
+        if name not in SCENARIOS:
+            raise argparse.ArgumentTypeError(
+                f"unknown scenario {name!r}: expected a comma-separated list of"
+                f" {', '.join(SCENARIOS)} (or all)"
+            )
+    if not names:
+        raise argparse.ArgumentTypeError("no scenario named")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: expected an integer >= 1")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `check` on the main CLI's subparsers."""
+    p = subparsers.add_parser(
+        "check",
+        help="check that a server's outputs do not depend on scheduling (Lockstep or any "
+        "OpenAI-compatible server)",
+        description="Determinism harness: sends the same sequences alone and in bursts, cold "
+        "and from the prefix cache, generated and teacher-forced, and compares tokens and "
+        "logprobs bitwise. Scenarios: " + ", ".join(SCENARIOS) + ".",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="base URL of a running OpenAI-compatible server")
+    target.add_argument(
+        "--serve",
+        action="store_true",
+        help="start Lockstep (python -m lockstep serve) and check it",
+    )
+    p.add_argument(
+        "--model",
+        help="model name in requests (default: the first of /v1/models); with --serve, the "
+        "model Lockstep loads",
+    )
+    p.add_argument(
+        "--scenarios",
+        type=_scenario_list,
+        default=list(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
+    )
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight")
+    p.add_argument("--budget-s", type=float, default=120.0, help="time budget for all scenarios")
+    p.add_argument(
+        "--atol", type=float, default=0.0, help="allowed |delta logprob| (default 0: bitwise)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the harness's random prompts")
+    p.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens per probe")
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="context limit for the long scenario when the server has no /v1/engine; with "
+        "--serve, also passed to Lockstep",
+    )
+    p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="plot |Δlogprob| by position")
+    p.add_argument("--save", type=Path, metavar="FILE", help="restart: write fingerprints")
+    p.add_argument("--against", type=Path, metavar="FILE", help="restart: compare with FILE")
+    p.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request timeout")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="fields merged into every completion request, e.g. '{\"return_token_ids\": true}'",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    engine = p.add_argument_group("engine options (with --serve, passed to lockstep serve)")
+    engine.add_argument("--mode", choices=("deterministic", "fast"))
+    engine.add_argument("--kv-tokens", type=_positive_int)
+    engine.add_argument("--no-prefix-cache", action="store_true")
+    engine.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
+    engine.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="any other argument for lockstep serve (repeatable), e.g. --serve-arg=--chunk-size=64",
+    )
+    engine.add_argument(
+        "--serve-timeout-s", type=float, default=600.0, help="wait this long for /health"
+    )
+    p.set_defaults(func=run_check_command)
+
+
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The `lockstep serve` arguments that `--serve` passes through."""
+    out: list[str] = []
+    for flag, value in (
+        ("--model", args.model),
+        ("--mode", args.mode),
+        ("--kv-tokens", args.kv_tokens),
+        ("--max-model-len", args.max_model_len),
+        ("--device", args.device),
+        ("--dtype", args.dtype),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.no_prefix_cache:
+        out.append("--no-prefix-cache")
+    return out + list(args.serve_arg)
+
+
+def run_check_command(args: argparse.Namespace) -> int:
+    """Run `lockstep check`; returns the exit code (0 all pass, 1 a FAIL, 2 cannot check)."""
+    console = Console()
+    err = Console(stderr=True)
+    if not args.serve:
+        engine_only = [
+            flag
+            for flag, value in (
+                ("--mode", args.mode),
+                ("--kv-tokens", args.kv_tokens),
+                ("--no-prefix-cache", args.no_prefix_cache or None),
+                ("--device", args.device),
+                ("--dtype", args.dtype),
+                ("--serve-arg", args.serve_arg or None),
+            )
+            if value is not None
+        ]
+        if engine_only:
+            err.print(f"{engine_only[0]} is an engine option: it needs --serve, not --url")
+            return 2
+    settings = ScenarioSettings(
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        atol=args.atol,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        save=args.save,
+        against=args.against,
+    )
+    if args.against is not None and not args.against.is_file():
+        err.print(f"--against {args.against}: no such file")
+        return 2
+
+    def check(url: str, model: str | None) -> CheckReport:
+        return asyncio.run(
+            run_checks(
+                url,
+                args.scenarios,
+                settings,
+                model=model,
+                budget_s=args.budget_s,
+                request_timeout_s=args.request_timeout_s,
+                api_key=args.api_key,
+                extra_body=args.extra_body,
+                show_progress=not args.no_progress and sys.stderr.isatty(),
+                console=err,
+            )
+        )
+
+    try:
+        if args.serve:
+            server = LockstepServer(serve_args(args), startup_timeout_s=args.serve_timeout_s)
+            err.print(f"starting: {' '.join(server.command)}", highlight=False)
+            with server:
+                # The served model's name comes from /v1/models: --model was a path to load.
+                report = check(server.url, None)
+                if not report.passed:
+                    server.keep_log = True
+                    err.print(f"server log: {server.log_path}", highlight=False)
+        else:
+            report = check(args.url, args.model)
+    except (ServeError, CheckSetupError) as e:
+        err.print(f"lockstep check: {e}", highlight=False)
+        return 2
+    render_table(report, console)
+    if args.json is not None:
+        write_json(report, args.json)
+    if args.plot is not None:
+        write_plot(report, args.plot)
+    return 0 if report.passed else 1

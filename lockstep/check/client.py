@@ -1,0 +1,264 @@
+"""Async HTTP client for the OpenAI-compatible endpoints that `lockstep check` drives.
+
+Only what the harness needs: completions with logprobs, scoring, models, health, cache flush
+and engine info. Responses are parsed into `Completion`s that hold the values exactly as the
+server returned them (floats straight from JSON, token ids as given), so that the comparisons
+downstream are bitwise on what went over the wire.
+
+Failures are split the way the determinism contract splits them: a 4xx is the server refusing
+a request (`RequestRefused`, allowed for e.g. an over-long prompt), while a 5xx, a dropped
+connection or a timeout is a fault (`ServerFault`) that no request may ever cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+Prompt = str | list[int]
+
+
+class ServerFault(Exception):
+    """The server answered 5xx, dropped the connection or did not answer in time."""
+
+
+class RequestRefused(Exception):
+    """The server refused a request with a 4xx; `status` is the HTTP status code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One choice of a /v1/completions response, as the server returned it.
+
+    `token_ids` is None when the server does not return ids (plain OpenAI servers return only
+    token strings); `keys` is then the strings, which is what comparisons use."""
+
+    token_ids: tuple[int, ...] | None
+    tokens: tuple[str, ...]
+    logprobs: tuple[float | None, ...]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+
+    @property
+    def keys(self) -> tuple[int, ...] | tuple[str, ...]:
+        return self.token_ids if self.token_ids is not None else self.tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_ids": list(self.token_ids) if self.token_ids is not None else None,
+            "tokens": list(self.tokens),
+            "logprobs": list(self.logprobs),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Teacher-forced logprobs of a whole sequence: `logprobs[i]` is log p(token i | 0..i-1),
+    None at position 0. `token_ids` is None when the server does not say which ids it scored."""
+
+    token_ids: tuple[int, ...] | None
+    logprobs: tuple[float | None, ...]
+
+
+def parse_completion(body: dict[str, Any]) -> Completion:
+    """Parse the first choice of a /v1/completions body (raises ValueError on a bad shape)."""
+    try:
+        choice = body["choices"][0]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"completion response has no choices[0]: {str(body)[:200]}") from e
+    lp = choice.get("logprobs") or {}
+    tokens = tuple(str(t) for t in (lp.get("tokens") or ()))
+    logprobs = tuple(lp.get("token_logprobs") or ())
+    ids = choice.get("token_ids")
+    if ids is None and tokens and all(t.startswith("token_id:") for t in tokens):
+        # vLLM's `return_tokens_as_token_ids` spelling.
+        ids = [int(t.split(":", 1)[1]) for t in tokens]
+    usage = body.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(
+        token_ids=tuple(int(i) for i in ids) if ids is not None else None,
+        tokens=tokens,
+        logprobs=logprobs,
+        text=str(choice.get("text", "")),
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"),
+    )
+
+
+def parse_score(body: dict[str, Any]) -> Scored:
+    """Parse a /v1/score body: `{"data": [{"token_ids": [...], "logprobs": [null, ...]}]}`,
+    or the same keys at the top level."""
+    item = body
+    if isinstance(body.get("data"), list) and body["data"]:
+        item = body["data"][0]
+    logprobs = item.get("logprobs")
+    if logprobs is None:
+        logprobs = item.get("token_logprobs")
+    if not isinstance(logprobs, list):
+        raise ValueError(f"score response has no logprobs list: {str(body)[:200]}")
+    ids = item.get("token_ids")
+    return Scored(
+        token_ids=tuple(int(i) for i in ids) if ids is not None else None,
+        logprobs=tuple(logprobs),
+    )
+
+
+def normalize_base_url(url: str) -> str:
+    """Accept `http://host:port`, `.../` or `.../v1` alike."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class CheckClient:
+    """The harness's view of one server. At most `concurrency` requests are in flight at once;
+    `requests_sent` counts every request made, for the report."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        concurrency: int = 8,
+        timeout_s: float = 120.0,
+        api_key: str | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.base_url = normalize_base_url(base_url)
+        self.extra_body = dict(extra_body or {})
+        self.requests_sent = 0
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            limits=httpx.Limits(max_connections=concurrency + 4),
+        )
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def __aenter__(self) -> CheckClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        async with self._slots:
+            self.requests_sent += 1
+            try:
+                resp = await self._http.request(method, path, json=body)
+            except httpx.TimeoutException as e:
+                raise ServerFault(f"{method} {path}: no answer in time ({type(e).__name__})") from e
+            except httpx.TransportError as e:
+                raise ServerFault(f"{method} {path}: connection failed ({e!r})") from e
+        if resp.status_code >= 500:
+            raise ServerFault(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code >= 400:
+            raise RequestRefused(resp.status_code, _error_message(resp))
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise ServerFault(f"{method} {path}: answer is not JSON: {resp.text[:200]}") from e
+
+    async def completion(
+        self,
+        model: str,
+        prompt: Prompt,
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        echo: bool = False,
+    ) -> Completion:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": 1,
+        }
+        if temperature > 0:
+            body["top_p"] = 1.0
+        if seed is not None:
+            body["seed"] = seed
+        if echo:
+            body["echo"] = True
+        body.update(self.extra_body)
+        data = await self._request("POST", "/v1/completions", body)
+        try:
+            return parse_completion(data)
+        except ValueError as e:
+            raise ServerFault(str(e)) from e
+
+    async def score(self, model: str, prompt: Prompt) -> Scored | None:
+        """Teacher-forced logprobs from POST /v1/score; None when the server has no such
+        endpoint (404 or 405)."""
+        try:
+            data = await self._request("POST", "/v1/score", {"model": model, "prompt": prompt})
+        except RequestRefused as e:
+            if e.status in (404, 405):
+                return None
+            raise
+        try:
+            return parse_score(data)
+        except ValueError as e:
+            raise ServerFault(str(e)) from e
+
+    async def flush_cache(self) -> str | None:
+        """Empty the server's prefix cache; returns the endpoint that did it, or None when the
+        server has none (SGLang and Lockstep: /flush_cache; vLLM in dev mode:
+        /reset_prefix_cache)."""
+        for path in ("/flush_cache", "/reset_prefix_cache"):
+            try:
+                await self._request("POST", path)
+            except RequestRefused as e:
+                if e.status in (404, 405):
+                    continue
+                raise
+            return path
+        return None
+
+    async def get_optional(self, path: str) -> Any | None:
+        """GET a JSON endpoint that not every server has; None on 404/405."""
+        try:
+            return await self._request("GET", path)
+        except RequestRefused as e:
+            if e.status in (404, 405):
+                return None
+            raise
+
+    async def models(self) -> list[dict[str, Any]]:
+        data = await self._request("GET", "/v1/models")
+        return list(data.get("data") or []) if isinstance(data, dict) else []
+
+    async def health(self) -> bool:
+        """True when GET /health answers 2xx."""
+        try:
+            resp = await self._http.get("/health", timeout=10.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code < 300
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:300]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:300]
+        if "detail" in body:
+            return str(body["detail"])[:300]
+    return str(body)[:300]

@@ -1,0 +1,98 @@
+"""Output of `lockstep check`: a rich table for people, JSON for machines, and a plot of
+|delta logprob| by position (matplotlib, Agg backend, so it works without a display)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lockstep.check.compare import FAIL, PASS
+from lockstep.check.runner import CheckReport
+
+_STYLE = {PASS: "bold green", FAIL: "bold red"}
+
+
+def _fmt_delta(x: float) -> str:
+    if x == 0:
+        return "0"
+    return "inf" if math.isinf(x) else f"{x:.3g}"
+
+
+def render_table(report: CheckReport, console: Console) -> None:
+    """Print one row per scenario, then the notes and an overall verdict."""
+    engine = report.engine_info or {}
+    title = f"lockstep check: {report.model} at {report.url}"
+    if engine.get("mode"):
+        title += f" (mode {engine['mode']})"
+    table = Table(title=title, title_justify="left")
+    for col, justify in (
+        ("scenario", "left"),
+        ("requests", "right"),
+        ("positions", "right"),
+        ("flips", "right"),
+        ("first div", "right"),
+        ("max |Δlogprob|", "right"),
+        ("cached", "right"),
+        ("result", "left"),
+        ("reason", "left"),
+    ):
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for r in report.results:
+        table.add_row(
+            r.name,
+            str(r.requests),
+            str(r.positions),
+            str(r.flips),
+            "-" if r.first_divergence is None else str(r.first_divergence),
+            _fmt_delta(r.max_abs_delta),
+            str(r.cached_tokens),
+            f"[{_STYLE.get(r.status, 'yellow')}]{r.status}[/]",
+            r.reason,
+        )
+    console.print(table)
+    for r in report.results:
+        for note in r.notes:
+            console.print(f"  [dim]{r.name}:[/] {note}", highlight=False)
+    tol = "exact" if report.settings.atol == 0 else f"atol {report.settings.atol:g}"
+    verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
+    console.print(
+        f"{verdict} ({tol} comparison, {report.elapsed_s:.1f} s of a {report.budget_s:g} s budget)"
+    )
+
+
+def write_json(report: CheckReport, path: Path) -> None:
+    path.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n")
+
+
+def write_plot(report: CheckReport, path: Path) -> None:
+    """|delta logprob| by position, the largest over all compared runs, one line per scenario.
+    A symmetric-log axis keeps exact zeros visible next to tiny and large differences."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    plotted = 0
+    for r in report.results:
+        if not r.max_delta_by_position:
+            continue
+        xs = sorted(r.max_delta_by_position)
+        # inf (a logprob missing on one side) is drawn at the top of the axis as 1e3.
+        ys = [min(r.max_delta_by_position[x], 1e3) for x in xs]
+        ax.plot(xs, ys, marker="o", markersize=3, label=f"{r.name} ({r.status})")
+        plotted += 1
+    ax.set_yscale("symlog", linthresh=1e-9)
+    ax.set_xlabel("position in the completion")
+    ax.set_ylabel("max |Δ logprob|")
+    ax.set_title(f"lockstep check: {report.model} ({'PASS' if report.passed else 'FAIL'})")
+    if plotted:
+        ax.legend(loc="upper left", fontsize="small")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,452 @@
+"""The scenarios of `lockstep check`, one async function each.
+
+Every scenario computes some sequences one way (the reference: alone, cold, or generated) and
+again another way the contract says must not matter (in a burst of random batch-mates, from
+the prefix cache, teacher-forced, after a restart), and compares every position bitwise.
+Each takes a `ScenarioContext` and fills in a `ScenarioResult`; the runner counts requests,
+times the scenario and turns a `ServerFault` into a FAIL.
+
+Prompts are token ids where exact lengths matter (prefixes, cache hits, the context limit)
+and text elsewhere, so both prompt paths of a server get exercised. Random token ids come from
+a low range that every common vocabulary has as ordinary tokens (special tokens sit at the
+ends of the vocabularies of Llama, Qwen and SmolLM alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lockstep.check.client import (
+    CheckClient,
+    Completion,
+    Prompt,
+    RequestRefused,
+    Scored,
+    ServerFault,
+)
+from lockstep.check.compare import PairDiff, ScenarioResult, compare_runs
+
+T = TypeVar("T")
+
+TOKEN_ID_RANGE = (300, 8000)
+PROBE_TEXTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "Water boils at a temperature of",
+)
+FINGERPRINT_FORMAT = 1
+# Fixed, so that fingerprints saved by one run compare with a later run whatever its --seed.
+FINGERPRINT_SEED = 20240901
+
+
+@dataclass(frozen=True)
+class ScenarioSettings:
+    """The user's knobs that scenarios read (see `lockstep check --help`)."""
+
+    concurrency: int = 8
+    max_tokens: int = 16
+    atol: float = 0.0
+    seed: int = 0
+    max_model_len: int | None = None
+    save: Path | None = None
+    against: Path | None = None
+
+
+@dataclass
+class ScenarioContext:
+    """What a scenario may use: the client, the model name, the settings, a seeded RNG, its
+    time deadline (time.monotonic) and what the server said about itself."""
+
+    client: CheckClient
+    model: str
+    settings: ScenarioSettings
+    rng: random.Random
+    deadline: float
+    engine_info: dict[str, Any] | None = None
+    model_card: dict[str, Any] | None = None
+    set_total: Callable[[int], None] = lambda n: None
+    advance: Callable[[], None] = lambda: None
+    _flush_path: str | None = field(default=None, init=False)
+    _flush_known: bool = field(default=False, init=False)
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def units(self, planned: int, result: ScenarioResult, what: str) -> Iterator[int]:
+        """Yield 0..planned-1, stopping early (and saying so) when the next unit would likely
+        overrun the deadline. The first unit always runs, so every scenario compares
+        something."""
+        self.set_total(planned)
+        last = 0.0
+        for i in range(planned):
+            if i > 0 and self.time_left() < last:
+                result.truncated = True
+                result.note(f"time budget ran out: ran {i} of {planned} {what}")
+                return
+            start = time.monotonic()
+            yield i
+            last = time.monotonic() - start
+            self.advance()
+
+    async def greedy(self, prompt: Prompt, max_tokens: int | None = None) -> Completion:
+        return await self.client.completion(
+            self.model, prompt, max_tokens=max_tokens or self.settings.max_tokens
+        )
+
+    async def flush(self, result: ScenarioResult) -> bool:
+        """Empty the server's prefix cache; notes once per scenario when the server cannot."""
+        if not self._flush_known:
+            self._flush_path = await self.client.flush_cache()
+            self._flush_known = True
+        elif self._flush_path is not None:
+            await self.client.flush_cache()
+        if self._flush_path is None and not any("flush" in n for n in result.notes):
+            result.note(
+                "server has no /flush_cache or /reset_prefix_cache: runs meant cold may hit"
+            )
+        return self._flush_path is not None
+
+    def random_ids(self, n: int, rng: random.Random | None = None) -> list[int]:
+        r = rng or self.rng
+        return [r.randrange(*TOKEN_ID_RANGE) for _ in range(n)]
+
+    async def random_request(self) -> Completion:
+        """A batch-mate: random length, random output length, greedy or seeded sampling."""
+        temperature = self.rng.choice((0.0, 0.7, 1.0))
+        return await self.client.completion(
+            self.model,
+            self.random_ids(self.rng.randint(4, 200)),
+            max_tokens=self.rng.randint(1, 2 * self.settings.max_tokens),
+            temperature=temperature,
+            seed=self.rng.randrange(2**31) if temperature > 0 else None,
+        )
+
+    def compare(self, result: ScenarioResult, ref: Completion, run: Completion) -> PairDiff:
+        diff = compare_runs(ref.keys, ref.logprobs, run.keys, run.logprobs, self.settings.atol)
+        result.add_pair(diff)
+        return diff
+
+
+async def gather_all(aws: list[Awaitable[T]]) -> list[T]:
+    """Like asyncio.gather, but lets every request finish before raising the first error, so
+    that no request is left running against the server behind the harness's back."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+def _probe_prompts(ctx: ScenarioContext) -> list[Prompt]:
+    """Two probes: text, and token ids of a length that is not a power of two."""
+    return [PROBE_TEXTS[0], ctx.random_ids(45)]
+
+
+async def _alone_vs_bursts(
+    ctx: ScenarioContext, result: ScenarioResult, temperature: float, planned: int
+) -> None:
+    """Each probe alone (sequential: nothing else in flight), then inside bursts of
+    `concurrency - 1` random concurrent requests, at a random place in the burst."""
+    probes = _probe_prompts(ctx)
+    seeds = [ctx.rng.randrange(2**31) if temperature > 0 else None for _ in probes]
+
+    async def probe(i: int) -> Completion:
+        return await ctx.client.completion(
+            ctx.model,
+            probes[i],
+            max_tokens=ctx.settings.max_tokens,
+            temperature=temperature,
+            seed=seeds[i],
+        )
+
+    refs = [await probe(i) for i in range(len(probes))]
+    mates = max(1, ctx.settings.concurrency - 1)
+    for unit in ctx.units(planned, result, "bursts"):
+        i = unit % len(probes)
+        where = ctx.rng.randint(0, mates)
+        aws: list[Awaitable[Completion]] = [ctx.random_request() for _ in range(mates)]
+        aws.insert(where, probe(i))
+        outs = await gather_all(aws)
+        ctx.compare(result, refs[i], outs[where])
+        for out in outs:
+            result.add_cached(out.cached_tokens)
+    result.note(f"burst size {mates + 1}; probes: {len(probes)} (text and token ids)")
+
+
+async def scenario_batch(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Greedy probes alone versus inside bursts of concurrent random requests."""
+    await _alone_vs_bursts(ctx, result, temperature=0.0, planned=6)
+
+
+async def scenario_sampling(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Seeded temperature-1 sampling alone versus inside bursts: the draws must not depend on
+    the batch-mates."""
+    await _alone_vs_bursts(ctx, result, temperature=1.0, planned=4)
+
+
+async def scenario_prefix(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Prompts sharing prefixes of many lengths, sent in random orders (sequential and
+    concurrent rounds, cache flushed before each where possible), compared with the first
+    round."""
+    lengths = [1, 2, 3, 5, 8, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 191]
+    base = ctx.random_ids(max(lengths))
+    prompts = [base[:k] + ctx.random_ids(ctx.rng.randint(1, 4)) for k in lengths]
+    prompts.append(base)
+    max_tokens = max(1, ctx.settings.max_tokens // 2)
+    refs: list[Completion] = []
+    for rnd in ctx.units(5, result, "rounds"):
+        await ctx.flush(result)
+        order = list(range(len(prompts)))
+        ctx.rng.shuffle(order)
+        if rnd % 2 == 0:
+            outs_in_order = [await ctx.greedy(prompts[j], max_tokens) for j in order]
+        else:
+            outs_in_order = await gather_all([ctx.greedy(prompts[j], max_tokens) for j in order])
+        outs: list[Completion] = [outs_in_order[0]] * len(prompts)
+        for j, out in zip(order, outs_in_order, strict=True):
+            outs[j] = out
+            result.add_cached(out.cached_tokens)
+        if rnd == 0:
+            refs = outs
+            continue
+        for ref, out in zip(refs, outs, strict=True):
+            ctx.compare(result, ref, out)
+    result.note(
+        f"{len(prompts)} prompts sharing prefixes of {len(lengths)} lengths up to {len(base)}"
+    )
+
+
+async def scenario_radix(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Cold prefill after a cache flush versus full and partial prefix-cache hits.
+
+    A: flush, cold P.   B: P again (full hit) == A.   C: P + tail (partial hit).
+    D: flush, cold P + tail == C.   Hits must report cached_tokens > 0, or nothing was proven.
+    Without a flush endpoint only A/B run, on fresh random prompts."""
+    fresh = random.Random(ctx.rng.randrange(2**63) ^ time.monotonic_ns())
+    hit_cached: list[int | None] = []
+    for _ in ctx.units(3, result, "prompt families"):
+        can_flush = await ctx.flush(result)
+        # Without a flush, only never-seen prompts are cold: draw them from a fresh RNG.
+        prompt = ctx.random_ids(ctx.rng.randint(40, 160), None if can_flush else fresh)
+        cold = await ctx.greedy(prompt)
+        hit = await ctx.greedy(prompt)
+        ctx.compare(result, cold, hit)
+        hit_cached.append(hit.cached_tokens)
+        for out in (cold, hit):
+            result.add_cached(out.cached_tokens)
+        if cold.cached_tokens and can_flush:
+            result.note(f"a cold run after the flush reported {cold.cached_tokens} cached tokens")
+        if not can_flush:
+            continue
+        extended = prompt + ctx.random_ids(ctx.rng.randint(1, 24))
+        partial = await ctx.greedy(extended)
+        await ctx.flush(result)
+        cold_ext = await ctx.greedy(extended)
+        ctx.compare(result, cold_ext, partial)
+        hit_cached.append(partial.cached_tokens)
+        result.add_cached(partial.cached_tokens)
+        result.add_cached(cold_ext.cached_tokens)
+    misses = [c for c in hit_cached if not c]
+    if misses:
+        absent = "absent" if all(c is None for c in misses) else "0 or absent"
+        result.fail(
+            f"cache not exercised: proves nothing ({len(misses)} of {len(hit_cached)} cache"
+            f" hits reported usage.prompt_tokens_details.cached_tokens {absent})"
+        )
+
+
+async def scenario_score(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Generation logprobs versus teacher-forced scoring of prompt + completion, through
+    POST /v1/score or else echo=true on /v1/completions."""
+    prompts: list[Prompt] = [ctx.random_ids(n) for n in (7, 40, 113)] + [PROBE_TEXTS[2]]
+    method: str | None = None
+    for unit in ctx.units(len(prompts), result, "prompts"):
+        prompt = prompts[unit]
+        gen = await ctx.greedy(prompt)
+        full: Prompt
+        if isinstance(prompt, str):
+            # Text in, text scored: trusts that prompt + completion re-tokenizes the same way.
+            full = prompt + gen.text
+        elif gen.token_ids is not None:
+            full = prompt + list(gen.token_ids)
+        else:
+            result.note("server returns no completion token ids: token-id prompts not scored")
+            continue
+        scored, method = await _teacher_forced(ctx, full, method)
+        if scored is None:
+            result.skip("server has neither POST /v1/score nor echo=true with logprobs")
+            return
+        n = len(gen.logprobs)
+        lps = list(scored.logprobs[-n:]) if n else []
+        keys: tuple[Any, ...] = gen.keys
+        if scored.token_ids is not None and gen.token_ids is not None:
+            keys = tuple(scored.token_ids[-n:]) if n else ()
+        ctx.compare(result, gen, _with(gen, keys, lps))
+        result.add_cached(gen.cached_tokens)
+    result.note(f"teacher forcing through {method}")
+
+
+async def _teacher_forced(
+    ctx: ScenarioContext, full: Prompt, method: str | None
+) -> tuple[Scored | None, str | None]:
+    """Logprobs of every position of `full`: /v1/score first, else echo with max_tokens 0,
+    else echo with max_tokens 1 (whose generated token is then dropped)."""
+    if method in (None, "POST /v1/score"):
+        scored = await ctx.client.score(ctx.model, full)
+        if scored is not None:
+            return scored, "POST /v1/score"
+    for max_tokens in (0, 1):
+        label = f"echo=true, max_tokens={max_tokens}"
+        if method not in (None, "POST /v1/score", label):
+            continue
+        try:
+            out = await ctx.client.completion(ctx.model, full, max_tokens=max_tokens, echo=True)
+        except RequestRefused:
+            continue
+        lps, ids = list(out.logprobs), out.token_ids
+        if max_tokens == 1 and lps:
+            lps, ids = lps[:-1], ids[:-1] if ids is not None else None
+        return Scored(ids, tuple(lps)), label
+    return None, None
+
+
+def _with(gen: Completion, keys: tuple[Any, ...], logprobs: list[float | None]) -> Completion:
+    ids = tuple(keys) if gen.token_ids is not None else None
+    tokens = gen.tokens if ids is not None else tuple(keys)
+    return Completion(ids, tokens, tuple(logprobs), gen.text, gen.finish_reason, None, None)
+
+
+def fingerprint_requests() -> list[dict[str, Any]]:
+    """The fixed probe requests whose outputs make a fingerprint."""
+    rng = random.Random(FINGERPRINT_SEED)
+    ids = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(37)]
+    reqs: list[dict[str, Any]] = [
+        {"prompt": text, "max_tokens": 16, "temperature": 0.0} for text in PROBE_TEXTS[:3]
+    ]
+    reqs.append({"prompt": ids, "max_tokens": 16, "temperature": 0.0})
+    reqs.append({"prompt": PROBE_TEXTS[3], "max_tokens": 16, "temperature": 1.0, "seed": 1234})
+    return reqs
+
+
+async def scenario_restart(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Fingerprints (tokens and logprobs of fixed probes): `--save` writes them, `--against`
+    compares this server's with a file saved earlier (after a restart, on another machine)."""
+    save, against = ctx.settings.save, ctx.settings.against
+    if save is None and against is None:
+        result.skip("needs --save FILE (now) and --against FILE (after a restart)")
+        return
+    saved: dict[str, Any] | None = None
+    requests = fingerprint_requests()
+    if against is not None:
+        saved = json.loads(against.read_text())
+        if saved.get("format") != FINGERPRINT_FORMAT:
+            result.fail(f"{against}: not a fingerprint file of format {FINGERPRINT_FORMAT}")
+            return
+        if saved.get("model") != ctx.model:
+            result.note(f"model name differs: saved {saved.get('model')!r}, now {ctx.model!r}")
+        requests = [fp["request"] for fp in saved["fingerprints"]]
+        before = (saved.get("engine") or {}).get("fingerprint")
+        now = (ctx.engine_info or {}).get("fingerprint")
+        if before is not None and now is not None and before != now:
+            result.note(f"engine fingerprint differs: saved {before!r}, now {now!r}")
+    outs: list[Completion] = []
+    for i in ctx.units(len(requests), result, "fingerprints"):
+        req = requests[i]
+        outs.append(
+            await ctx.client.completion(
+                ctx.model,
+                req["prompt"],
+                max_tokens=req["max_tokens"],
+                temperature=req["temperature"],
+                seed=req.get("seed"),
+            )
+        )
+    if saved is not None:
+        for fp, out in zip(saved["fingerprints"], outs, strict=False):
+            ref = fp["output"]
+            ref_keys = ref["token_ids"] if ref["token_ids"] is not None else ref["tokens"]
+            diff = compare_runs(
+                ref_keys, ref["logprobs"], out.keys, out.logprobs, ctx.settings.atol
+            )
+            result.add_pair(diff)
+        if len(outs) < len(requests):
+            result.fail(f"compared only {len(outs)} of {len(requests)} fingerprints (time budget)")
+    if save is not None:
+        doc = {
+            "format": FINGERPRINT_FORMAT,
+            "model": ctx.model,
+            "engine": ctx.engine_info,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "fingerprints": [
+                {"request": req, "output": out.to_json()}
+                for req, out in zip(requests, outs, strict=False)
+            ],
+        }
+        save.write_text(json.dumps(doc, indent=1) + "\n")
+        result.note(f"saved {len(outs)} fingerprints to {save}")
+        if saved is None:
+            result.reason = "fingerprints saved; compare after a restart with --against"
+
+
+def context_limit(ctx: ScenarioContext) -> tuple[int | None, str]:
+    """The context limit and where it came from: /v1/engine, the /v1/models card (vLLM puts
+    max_model_len there) or --max-model-len."""
+    info = ctx.engine_info or {}
+    for where, value in (
+        ("GET /v1/engine", info.get("max_model_len")),
+        ("GET /v1/engine", (info.get("config") or {}).get("max_model_len")),
+        ("GET /v1/models", (ctx.model_card or {}).get("max_model_len")),
+        ("--max-model-len", ctx.settings.max_model_len),
+    ):
+        if isinstance(value, int) and value > 0:
+            return value, where
+    return None, ""
+
+
+async def scenario_long(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """Prompts at and past the context limit must be answered or refused with a 4xx, never a
+    5xx or a dead connection; /health must answer afterwards."""
+    limit, source = context_limit(ctx)
+    if limit is None:
+        result.skip("context limit unknown: the server has no /v1/engine; pass --max-model-len")
+        return
+    cases = [(max(1, limit - 8), 4), (limit, 4), (limit + 64, 4)]
+    outcomes: list[str] = []
+    for i in ctx.units(len(cases), result, "long prompts"):
+        n, max_tokens = cases[i]
+        try:
+            out = await ctx.greedy(ctx.random_ids(n), max_tokens)
+        except RequestRefused as e:
+            outcomes.append(f"{n} tokens: refused {e.status}")
+            continue
+        except ServerFault as e:
+            result.fail(f"a prompt of {n} tokens (limit {limit}) broke the server: {e}")
+            break
+        outcomes.append(f"{n} tokens: answered {len(out.logprobs)} tokens")
+        result.add_cached(out.cached_tokens)
+    if not await ctx.client.health():
+        result.fail("GET /health does not answer after the long prompts")
+    result.note(f"context limit {limit} (from {source}); " + "; ".join(outcomes))
+
+
+Scenario = Callable[[ScenarioContext, ScenarioResult], Awaitable[None]]
+
+# In run order: `long` last because it is the one most likely to take a server down.
+SCENARIOS: dict[str, Scenario] = {
+    "batch": scenario_batch,
+    "prefix": scenario_prefix,
+    "radix": scenario_radix,
+    "score": scenario_score,
+    "sampling": scenario_sampling,
+    "restart": scenario_restart,
+    "long": scenario_long,
+}
