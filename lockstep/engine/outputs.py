@@ -36,6 +36,7 @@ class StepOutput:
     seed: int
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    new_token_logprobs: list[float] = field(default_factory=list)  # always: chosen tokens'
 
 
 @dataclass

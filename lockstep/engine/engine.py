@@ -1,0 +1,315 @@
+"""The engine loop: requests in, one scheduled forward step at a time, outputs back.
+
+Every entry point (the Python `LLM`, the CLI, the HTTP server, `lockstep check --serve`) runs
+through this class. It is not thread-safe: exactly one thread calls it (the server runs it in
+a dedicated loop thread).
+
+    add_request -> Scheduler.waiting -> schedule() -> ModelRunner.run() -> log_softmax
+                -> prompt logprobs / sampling -> text and stop handling -> StepOutput
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import lockstep
+from lockstep.cache.kv_pool import KVPool
+from lockstep.cache.radix import RadixCache
+from lockstep.config import EngineConfig
+from lockstep.engine.model_runner import ModelRunner
+from lockstep.engine.outputs import StepOutput, TokenLogprob
+from lockstep.engine.request import Request, Status
+from lockstep.engine.sampler import choose_token, token_logprob
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.text_output import TextOutput
+from lockstep.errors import RequestError
+from lockstep.models.decoder import Decoder
+from lockstep.models.resolver import resolve_model
+from lockstep.ops import get_ops
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit kv_tokens the CPU pool is capped: a CPU serves few long sequences, and a
+# pool sized from RAM alone would zero gigabytes at start-up for nothing.
+CPU_DEFAULT_KV_TOKEN_CAP = 65536
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.resolved_device)
+        self.dtype = getattr(torch, config.resolved_dtype)
+        loaded = resolve_model(config.model, random_seed=config.random_seed)
+        self.loaded = loaded
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        spec = loaded.spec
+        self.max_model_len = config.max_model_len or spec.max_position
+        self.ops = get_ops(self.device.type, config.mode)
+        self.decoder = Decoder.load(loaded, self.ops, self.dtype, self.device, self.max_model_len)
+        kv_tokens = config.kv_tokens or self._kv_tokens_from_memory()
+        self.pool = KVPool(
+            kv_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
+        )
+        self.radix = RadixCache(self.pool, enabled=config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.radix,
+            max_batch_tokens=config.max_batch_tokens,
+            chunk_size=config.chunk_size,
+            max_running=config.max_running,
+        )
+        self.runner = ModelRunner(self.decoder, self.pool)
+        self.requests: dict[str, Request] = {}
+        self._arrival = itertools.count()
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generated_tokens_total = 0
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s mode=%s kv_tokens=%d",
+            self.model_name, self.device, config.resolved_dtype, config.mode, kv_tokens,
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        namespace: str | None = None,
+    ) -> None:
+        """Queue a request. Raises `RequestError` when it can never be served as given."""
+        if request_id in self.requests:
+            raise RequestError(f"request_id={request_id!r} is already in use")
+        if params.n != 1:
+            raise RequestError(f"n={params.n} is invalid here: the engine serves one sequence "
+                               "per request (fan out n requests with seeds seed+i)")  # fmt: skip
+        prompt_text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(ids, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_ids=ids,
+            params=params,
+            seed=seed,
+            arrival=next(self._arrival),
+            namespace=namespace,
+            prompt_text=prompt_text,
+        )
+        request.text_output = TextOutput(self.tokenizer, ids, params)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("prompt is empty: expected at least one token")
+        vocab = self.decoder.spec.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is out of range: expected 0..{vocab - 1}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together they "
+                f"exceed the context limit max_model_len={self.max_model_len}"
+            )
+        need = len(ids) + params.max_tokens - 1
+        if need > self.pool.num_slots:
+            raise RequestError(
+                f"the request needs up to {need} KV slots but the KV pool holds "
+                f"{self.pool.num_slots}: it could never run (raise kv_tokens)"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its own KV slots at once; it yields no further output."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request)
+            request.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            if self.scheduler.waiting:
+                raise RuntimeError("scheduler made no progress with requests waiting")
+            return []
+        logits, layout = self.runner.run(plan)
+        logprobs = self.ops.log_softmax(logits)
+        outputs: list[StepOutput] = []
+        for part in layout:
+            request = part.chunk.request
+            prompt_done_before = request.num_computed >= len(request.prompt_ids)
+            request.num_computed = part.chunk.end
+            if part.prompt_positions:
+                self._record_prompt_logprobs(request, part.prompt_positions, part.prompt_rows,
+                                             logprobs)  # fmt: skip
+            if not prompt_done_before and request.num_computed >= len(request.prompt_ids):
+                self._on_prefill_done(request)
+            if part.sample_row is not None:
+                out = self._sample(request, logits[part.sample_row], logprobs[part.sample_row])
+                outputs.append(out)
+        for out in outputs:
+            if out.finished:
+                request = self.requests.pop(out.request_id)
+                self.scheduler.finish(request)
+        if self.config.debug_checks:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _on_prefill_done(self, request: Request) -> None:
+        if request.num_preemptions == 0:
+            self.prompt_tokens_total += len(request.prompt_ids)
+            self.cached_tokens_total += max(request.cached_tokens, 0)
+        # Share the prompt's KV with requests that arrive while this one still decodes.
+        self.scheduler.cache_prefix(request)
+
+    def _record_prompt_logprobs(
+        self, request: Request, positions: list[int], rows: list[int], logprobs: torch.Tensor
+    ) -> None:
+        k = request.params.prompt_logprobs or 0
+        assert request.prompt_logprobs is not None
+        for p, row in zip(positions, rows, strict=True):
+            request.prompt_logprobs.append(
+                token_logprob(logprobs[row], request.prompt_ids[p + 1], k)
+            )
+            request.prompt_logprobs_next = p + 2
+
+    def _sample(self, request: Request, logits: torch.Tensor, logprobs: torch.Tensor) -> StepOutput:
+        params = request.params
+        token = choose_token(
+            logits,
+            logprobs,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=request.seed,
+            position=request.num_tokens,
+        )
+        request.output_ids.append(token)
+        self.generated_tokens_total += 1
+        chosen: TokenLogprob = token_logprob(logprobs, token, params.logprobs or 0)
+        request.logprobs.append(chosen)
+        finish, stop_reason = self._finish_reason(request, token)
+        # The text of an EOS or stop token is not part of the output (as in vLLM).
+        text = request.text_output.push(
+            token if finish in (None, "length") else None, final=finish is not None
+        )
+        if text.stop_string is not None:
+            finish, stop_reason = "stop", text.stop_string
+        out = StepOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            new_text=text.text,
+            new_logprobs=[chosen] if params.logprobs is not None else None,
+            finished=finish is not None,
+            finish_reason=finish,
+            prompt_tokens=len(request.prompt_ids),
+            cached_tokens=max(request.cached_tokens, 0),
+            completion_tokens=len(request.output_ids),
+            seed=request.seed,
+            stop_reason=stop_reason,
+            new_token_logprobs=[chosen.logprob],
+        )
+        if not request.prompt_logprobs_sent:
+            out.prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
+        if finish is not None:
+            request.finish_reason, request.stop_reason = finish, stop_reason
+        return out
+
+    def _finish_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
+        params = request.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop", None
+        if len(request.output_ids) >= params.max_tokens:
+            return "length", None
+        return None, None
+
+    # ----------------------------------------------------------------- cache and status
+    def flush_cache(self) -> int:
+        """Evict every cached prefix no running request holds; returns the tokens freed."""
+        return self.radix.flush()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_total": self.pool.num_slots,
+            "kv_free": self.pool.num_free,
+            "kv_cached": self.radix.num_cached_tokens,
+            "kv_in_use": self.scheduler.in_use,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "generated_tokens_total": self.generated_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the results depend on (DESIGN.md, "What may change results")."""
+        return {
+            "engine_version": lockstep.__version__,
+            "kernel_table_version": getattr(self.ops, "kernel_table_version", self.ops.name),
+            "ops_backend": self.ops.name,
+            "mode": self.config.mode,
+            "dtype": self.config.resolved_dtype,
+            "device": self.device.type,
+            "device_name": _device_name(self.device),
+            "model": self.model_name,
+            "model_source": self.loaded.source,
+        }
+
+    def _kv_tokens_from_memory(self) -> int:
+        spec = self.decoder.spec
+        per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                           self.dtype)  # fmt: skip
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * self.config.kv_memory_fraction) // per_token)
+        available = _available_ram()
+        tokens = int(available * self.config.kv_memory_fraction) // per_token
+        return max(1, min(tokens, CPU_DEFAULT_KV_TOKEN_CAP))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+__all__ = ["Engine", "Status"]

@@ -1,0 +1,147 @@
+"""Token selection that keeps the contract: a token at position t is a pure function of
+(logits_t, the request's seed, t).
+
+* Greedy picks the largest logit; ties go to the lowest token id.
+* Sampling is Gumbel-max with a counter-based generator: the noise for token v at position t
+  is a hash of (seed, t, v), so a request's draws never depend on its batch-mates, on how many
+  draws happened before, or on any global RNG state.
+* Everything between the logits and the choice uses only IEEE-754 basic operations (+, -, *, /,
+  comparisons) on float64, which are correctly rounded on every device and code path; torch's
+  exp/log are not used, because their vectorized and scalar paths may differ in the last bit
+  and an element's path can depend on where it sits in the tensor. `_exp` and `_log` below are
+  built from those basic operations.
+* Filters (temperature, top-k, top-p, min-p) act on the tempered distribution, in that order
+  of strictness; ties in sorting keep the lower token id first (stable sorts).
+
+Reported logprobs are the log-softmax of the raw logits (the `Ops` backend's deterministic
+row kernel), independent of the sampling filters, so generation and teacher-forced scoring
+report the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.engine.outputs import TokenLogprob
+
+_LN2 = 0.6931471805599453
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values < 2**32. The multiplier is below
+    2**31 so no product overflows int64."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def _uniform(seed: int, position: int, n: int, device: torch.device) -> torch.Tensor:
+    """n float64 values in (0, 1), a pure function of (seed, position, index)."""
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    key = _hash32(torch.tensor([position & _MASK32], dtype=torch.int64, device=device))
+    key = _hash32(key ^ hi)
+    key = _hash32(key ^ lo)
+    idx = torch.arange(n, dtype=torch.int64, device=device)
+    a = _hash32(_hash32(idx) ^ key)
+    b = _hash32(a ^ 0x5BD1E995)
+    # 53 random bits: 32 from a, 21 from b; +0.5 keeps the value strictly inside (0, 1).
+    bits = a.to(torch.float64) * 2.0**21 + (b >> 11).to(torch.float64)
+    return (bits + 0.5) / 2.0**53
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp for float64 x <= 0 from basic operations: x = k ln2 + r, |r| <= ln2/2, a Taylor
+    series for exp(r) (error < 1e-16 relative), then an exact scaling by 2**k."""
+    x = x.clamp(min=-745.0)
+    k = torch.round(x / _LN2)
+    r = x - k * _LN2
+    term = torch.ones_like(r)
+    total = torch.ones_like(r)
+    for i in range(1, 18):
+        term = term * r / i
+        total = total + term
+    return torch.ldexp(total, k.to(torch.int32))
+
+
+def _log(x: torch.Tensor) -> torch.Tensor:
+    """log for float64 x > 0 from basic operations: x = m 2**e with m in [0.5, 1) (exact),
+    log m = 2 atanh((m-1)/(m+1)) as a series in z**2 (|z| <= 1/3, 30 terms: error < 1e-16)."""
+    m, e = torch.frexp(x)
+    z = (m - 1.0) / (m + 1.0)
+    z2 = z * z
+    total = torch.zeros_like(z)
+    for i in range(29, -1, -1):
+        total = total * z2 + 1.0 / (2 * i + 1)
+    return 2.0 * z * total + e.to(torch.float64) * _LN2
+
+
+def gumbel_noise(seed: int, position: int, n: int, device: torch.device) -> torch.Tensor:
+    """-log(-log(u)) for the counter-based uniforms of (seed, position)."""
+    return -_log(-_log(_uniform(seed, position, n, device)))
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    """What one sampling call decided for one row."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely tokens of one row, by descending logprob, ties by ascending id."""
+    if k <= 0:
+        return ()
+    values, ids = torch.sort(logprobs, descending=True, stable=True)
+    return tuple(
+        (int(i), float(v)) for i, v in zip(ids[:k].tolist(), values[:k].tolist(), strict=True)
+    )
+
+
+def choose_token(
+    logits: torch.Tensor,
+    logprobs: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    seed: int,
+    position: int,
+) -> int:
+    """Pick the token for one row. `logits` is the raw float32 row, `logprobs` its log-softmax.
+    `position` is the absolute position the chosen token will occupy."""
+    if temperature == 0.0:
+        # torch.argmax returns the first maximal index: ties go to the lowest token id.
+        return int(torch.argmax(logits).item())
+    scores = logits.to(torch.float64) / temperature
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    best = scores.max()
+    if top_k > 0 and top_k < scores.numel():
+        order = torch.sort(scores, descending=True, stable=True).indices
+        keep = torch.zeros_like(keep)
+        keep[order[:top_k]] = True
+    if min_p > 0.0:
+        keep &= scores >= best + math.log(min_p)
+    if top_p < 1.0:
+        masked = torch.where(keep, scores, torch.full_like(scores, -math.inf))
+        order = torch.sort(masked, descending=True, stable=True).indices
+        probs = _exp(masked[order] - best)
+        cumulative = torch.cumsum(probs, dim=0)
+        # Keep the smallest prefix whose mass reaches top_p of the kept mass; always keep one.
+        cutoff = int(torch.searchsorted(cumulative, cumulative[-1] * top_p).item()) + 1
+        keep = torch.zeros_like(keep)
+        keep[order[: max(1, cutoff)]] = True
+    noisy = scores + gumbel_noise(seed, position, scores.numel(), scores.device)
+    noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
+    return int(torch.argmax(noisy).item())
+
+
+def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """The chosen (or teacher-forced) token's logprob with the top-k alternatives."""
+    return TokenLogprob(token_id, float(logprobs[token_id].item()), top_logprobs(logprobs, k))

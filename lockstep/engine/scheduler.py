@@ -1,0 +1,213 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recomputation.
+
+Each step the scheduler fills a token budget (`max_batch_tokens`):
+  1. running requests, oldest first: one token for those decoding, up to `chunk_size` more
+     prompt tokens for those still prefilling (prefill and decode share the step);
+  2. then waiting requests, preferring the longest cached prefix (ties: oldest first), while
+     fewer than `max_running` run and the budget and the KV pool allow.
+When the pool runs dry it first evicts unlocked radix leaves (LRU), then preempts the newest
+running requests: their computed KV goes into the radix cache and they wait again. Position
+invariance makes the recomputation bit-identical, so preemption never changes an output.
+
+Slot ownership (see `Request`): the radix cache owns `slots[:prefix_len]` (locked through
+`prefix_node`), the request owns the rest. `in_use` = sum of requests' own slots, and
+`free + cached + in_use == total` is checked by `check_integrity`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.cache.kv_pool import KVPool
+from lockstep.cache.radix import RadixCache
+from lockstep.engine.request import Request, Status
+
+# How many of the oldest waiting requests admission looks at when it prefers cache hits;
+# bounded so a long queue costs O(window) prefix matches per step and nobody starves.
+ADMISSION_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute positions start..end-1 of `request` this step."""
+
+    request: Request
+    start: int
+    end: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: KVPool,
+        radix: RadixCache,
+        *,
+        max_batch_tokens: int,
+        chunk_size: int,
+        max_running: int,
+    ) -> None:
+        self.pool = pool
+        self.radix = radix
+        self.max_batch_tokens = max_batch_tokens
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue management
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def in_use(self) -> int:
+        return sum(r.num_owned_slots for r in self.running)
+
+    def check_integrity(self) -> None:
+        self.radix.check_integrity(in_use=self.in_use)
+
+    # ----------------------------------------------------------------- planning
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_batch_tokens
+        plan: list[ScheduledChunk] = []
+        for request in sorted(self.running, key=lambda r: r.arrival):
+            if budget == 0:
+                break
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed, self.chunk_size, budget)
+            if not self._reserve(n, keep=request, planned=plan):
+                self._preempt(request)
+                continue
+            plan.append(self._allocate(request, n))
+            budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            chunk = self._admit_one(budget, plan)
+            if chunk is None:
+                break
+            plan.append(chunk)
+            budget -= chunk.end - chunk.start
+        return plan
+
+    def _admit_one(self, budget: int, plan: list[ScheduledChunk]) -> ScheduledChunk | None:
+        best, best_len = None, -1
+        for request in self.waiting[:ADMISSION_WINDOW]:
+            length = self._match(request).length if self.radix.enabled else 0
+            if length > best_len:
+                best, best_len = request, length
+        assert best is not None
+        match = self._match(best)
+        self.radix.lock(match.node)
+        best.prefix_node = match.node
+        best.slots = match.slots.tolist()
+        best.prefix_len = best.num_computed = match.length
+        n = min(best.num_tokens - best.num_computed, self.chunk_size, budget)
+        if not self._reserve(n, keep=best, planned=plan, may_preempt=False):
+            self.radix.unlock(match.node)
+            best.prefix_node, best.slots, best.prefix_len, best.num_computed = None, [], 0, 0
+            return None
+        if best.cached_tokens < 0:
+            best.cached_tokens = match.length
+        self.waiting.remove(best)
+        best.status = Status.RUNNING
+        self.running.append(best)
+        return self._allocate(best, n)
+
+    def _match(self, request: Request):  # noqa: ANN202 - returns the radix PrefixMatch
+        # At least one token must be computed to produce logits; a request that wants prompt
+        # logprobs computes every position (logits are not cached, only KV).
+        limit = 0 if request.wants_prompt_logprobs else request.num_tokens - 1
+        return self.radix.match_prefix(request.all_ids[:limit], request.namespace)
+
+    def _reserve(
+        self, n: int, keep: Request, planned: list[ScheduledChunk], may_preempt: bool = True
+    ) -> bool:
+        """Make n slots free: evict cached leaves, then (if allowed) preempt the newest running
+        requests other than `keep` that are not part of this step's plan yet."""
+        if self.pool.num_free < n:
+            self.radix.evict(n - self.pool.num_free)
+        planned_ids = {id(c.request) for c in planned}
+        while self.pool.num_free < n and may_preempt:
+            victims = [r for r in self.running if r is not keep and id(r) not in planned_ids]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda r: r.arrival))
+            if self.pool.num_free < n:
+                self.radix.evict(n - self.pool.num_free)
+        return self.pool.num_free >= n
+
+    def _allocate(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed
+        request.slots.extend(self.pool.alloc(n).tolist())
+        return ScheduledChunk(request, start, start + n)
+
+    # ----------------------------------------------------------------- releasing KV
+    def cache_prefix(self, request: Request) -> None:
+        """Hand the request's computed KV to the radix cache (so others can reuse it) and keep
+        it locked for the request. Where the tree already held the same tokens, the request's
+        duplicate slots are freed and it adopts the tree's: by the contract their bits agree."""
+        upto = request.num_computed
+        if not self.radix.enabled or upto <= request.prefix_len:
+            return
+        tokens = request.all_ids[:upto]
+        self.radix.insert(tokens, torch.tensor(request.slots[:upto], dtype=torch.int64),
+                          request.namespace)  # fmt: skip
+        match = self.radix.match_prefix(tokens, request.namespace)
+        tree_slots = match.slots.tolist()
+        duplicates = [
+            own
+            for own, tree in zip(
+                request.slots[request.prefix_len : upto],
+                tree_slots[request.prefix_len : upto],
+                strict=True,
+            )  # fmt: skip
+            if own != tree
+        ]
+        if duplicates:
+            self.pool.free(torch.tensor(duplicates, dtype=torch.int64))
+        self.radix.lock(match.node)
+        self.radix.unlock(request.prefix_node)
+        request.slots[:upto] = tree_slots
+        request.prefix_node = match.node
+        request.prefix_len = upto
+
+    def _release(self, request: Request, keep_in_cache: bool) -> None:
+        if keep_in_cache:
+            self.cache_prefix(request)
+        own = request.slots[request.prefix_len :]
+        if own:
+            self.pool.free(torch.tensor(own, dtype=torch.int64))
+        if request.prefix_node is not None:
+            self.radix.unlock(request.prefix_node)
+        request.slots, request.prefix_len, request.prefix_node = [], 0, None
+        request.num_computed = 0
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request, keep_in_cache=True)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)
+        self.waiting.sort(key=lambda r: r.arrival)
+
+    def finish(self, request: Request) -> None:
+        """A finished request's KV stays in the cache (unlocked, evictable)."""
+        self._release(request, keep_in_cache=True)
+        self.running.remove(request)
+        request.status = Status.FINISHED
+
+    def abort(self, request: Request) -> None:
+        """Free the request's own slots at once (its cached prefix stays, unlocked)."""
+        if request.status is Status.RUNNING:
+            self._release(request, keep_in_cache=False)
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
