@@ -1,0 +1,143 @@
+"""The default CPU backend: C++ kernels that are position invariant by construction.
+
+Each output element is computed by one fixed sequence of fp32 operations (see the header of
+`csrc/lockstep_cpu.cpp` for the reduction orders), so a row's bits do not depend on how many
+rows share the call, where the row sits, the thread count, or (attention) how its sequence was
+split into query chunks. Activations are fp32; weights fp32 or bf16; KV cache fp32 or bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.ops.base import AttentionMeta
+from lockstep.ops.cpu_build import load_extension
+
+# Reduction lanes: weights are padded along K to a multiple of this at preparation.
+LANES = 16
+# Keys per online-softmax block, at absolute positions 0, B, 2B, ... Part of the numerics:
+# changing it changes the bits (the engine version must change with it).
+KEY_BLOCK = 32
+SIMD_VARIANTS = {"auto": 0, "avx2": 1, "scalar": 2, "avx512": 3}
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+class CpuDeterministicOps:
+    """`Ops` backed by `csrc/lockstep_cpu.cpp`.
+
+    `simd` picks the kernel path ("auto", "avx512", "avx2", "scalar"); all give the same bits,
+    which the tests check. `key_block` exists so tests can show that changing the attention
+    reduction order does change bits; the engine always uses the default.
+    """
+
+    name = "cpu_deterministic"
+    deterministic = True
+
+    def __init__(self, simd: str = "auto", key_block: int = KEY_BLOCK) -> None:
+        self._ext = load_extension()
+        if simd not in SIMD_VARIANTS:
+            raise ValueError(f"simd={simd!r} is invalid: expected one of {sorted(SIMD_VARIANTS)}")
+        if simd != "auto" and simd not in self._ext.simd_variants():
+            raise ValueError(
+                f"simd={simd!r} is not compiled for this CPU: available {self._ext.simd_variants()}"
+            )
+        if key_block not in (16, 32, 64):
+            raise ValueError(f"key_block={key_block} is invalid: expected 16, 32 or 64")
+        self._simd = SIMD_VARIANTS[simd]
+        self._key_block = key_block
+
+    def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Keep fp32 / bf16 as is (other dtypes become fp32); zero-pad K to a multiple of 16."""
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            weight = weight.to(torch.float32)
+        pad = -weight.shape[1] % LANES
+        if pad:
+            weight = F.pad(weight, (0, pad))
+        return weight.contiguous()
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = _f32(x)
+        k = x.shape[-1]
+        if weight.shape[1] % LANES or weight.dtype not in (torch.float32, torch.bfloat16):
+            weight = self.prepare_linear_weight(weight)
+        if k > weight.shape[1]:
+            raise ValueError(f"linear: x has K={k} but the weight has {weight.shape[1]} columns")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if k < weight.shape[1]:
+            # Zero padding is part of the defined arithmetic (prepare_linear_weight pads too).
+            x2 = F.pad(x2, (0, weight.shape[1] - k))
+        b = None if bias is None else _f32(bias)
+        out = self._ext.linear(x2.contiguous(), weight.contiguous(), b, self._simd)
+        return out.reshape(*lead, weight.shape[0])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        (out,) = self._ext.rms_norm(
+            _f32(x).reshape(-1, shape[-1]), None, _f32(weight), eps, self._simd
+        )
+        return out.reshape(shape)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        h = shape[-1]
+        out, summed = self._ext.rms_norm(
+            _f32(x).reshape(-1, h), _f32(residual).reshape(-1, h), _f32(weight), eps, self._simd
+        )
+        return out.reshape(shape), summed.reshape(shape)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._ext.silu_mul(_f32(gate_up), self._simd)
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        out = self._ext.rope(_f32(x), positions.to(torch.int64).contiguous(), _f32(cos), _f32(sin))
+        return out.to(x.dtype)
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        index = slots.to(torch.int64)
+        k_cache.index_copy_(0, index, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, index, v.to(v_cache.dtype))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        if k_cache.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"KV cache dtype {k_cache.dtype} is invalid: expected fp32 or bf16")
+        out = self._ext.attention(
+            _f32(q),
+            k_cache.contiguous(),
+            v_cache.contiguous(),
+            meta.cu_q.to(torch.int32).contiguous(),
+            meta.q_start.to(torch.int32).contiguous(),
+            meta.cu_kv.to(torch.int32).contiguous(),
+            meta.slot_table.to(torch.int32).contiguous(),
+            scale,
+            self._key_block,
+            self._simd,
+        )
+        return out.to(q.dtype)
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._ext.log_softmax(_f32(logits), self._simd)

@@ -1,0 +1,868 @@
+// Lockstep CPU kernels: every output element is computed by one fixed sequence of fp32
+// operations that depends only on the element's own inputs (never on M, the row's index in
+// the call, the thread count, or how a sequence was split into query chunks).
+//
+// The arithmetic is defined by the code, not by the compiler: all kernels are written once
+// against a 16-lane vector type `V` with three implementations (AVX-512, AVX2 as two 8-lane
+// halves, and portable scalar code using std::fma) whose lane-wise operations are IEEE exact
+// (add, mul, fma, div, min, max, round-to-nearest-even), so the three give the same bits.
+// Compile with -ffp-contract=off so that no a*b+c is silently fused.
+//
+// Fixed reduction order used everywhere ("lane-partial + tree"):
+//   lane l (0..15) accumulates elements k = l, l+16, l+32, ... in ascending k (FMA),
+//   then  s8[i] = a[i] + a[i+8],  s4[i] = s8[i] + s8[i+4],  s2[i] = s4[i] + s4[i+2],
+//         sum = s2[0] + s2[1].
+// Reduced lengths are padded with zeros to a multiple of 16.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <xmmintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace lockstep {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ----------------------------------------------------------------------------------------
+// 16-lane vector types. min/max follow the x86 rule (second operand if unordered or equal)
+// in all three so that NaN and signed zeros behave identically.
+// ----------------------------------------------------------------------------------------
+
+struct VecScalar {
+  float v[16];
+  static constexpr const char* kName = "scalar";
+
+  static VecScalar zero() { return set1(0.f); }
+  static VecScalar set1(float a) {
+    VecScalar r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a;
+    return r;
+  }
+  static VecScalar load(const float* p) {
+    VecScalar r;
+    std::memcpy(r.v, p, sizeof(r.v));
+    return r;
+  }
+  static VecScalar load(const uint16_t* p) {  // bfloat16 -> fp32 is exact: shift left 16
+    VecScalar r;
+    for (int i = 0; i < 16; ++i) {
+      uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+      std::memcpy(&r.v[i], &bits, 4);
+    }
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  static VecScalar fma(const VecScalar& a, const VecScalar& b, const VecScalar& c) {
+    VecScalar r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  }
+#define LOCKSTEP_SCALAR_BINOP(NAME, EXPR)                            \
+  static VecScalar NAME(const VecScalar& a, const VecScalar& b) {    \
+    VecScalar r;                                                     \
+    for (int i = 0; i < 16; ++i) {                                   \
+      const float x = a.v[i], y = b.v[i];                            \
+      r.v[i] = (EXPR);                                               \
+    }                                                                \
+    return r;                                                        \
+  }
+  LOCKSTEP_SCALAR_BINOP(add, x + y)
+  LOCKSTEP_SCALAR_BINOP(sub, x - y)
+  LOCKSTEP_SCALAR_BINOP(mul, x * y)
+  LOCKSTEP_SCALAR_BINOP(div, x / y)
+  LOCKSTEP_SCALAR_BINOP(min, x < y ? x : y)
+  LOCKSTEP_SCALAR_BINOP(max, x > y ? x : y)
+#undef LOCKSTEP_SCALAR_BINOP
+  static VecScalar round_even(const VecScalar& a) {
+    VecScalar r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::nearbyint(a.v[i]);
+    return r;
+  }
+  // 2^n for integral n in [-126, 127].
+  static VecScalar pow2i(const VecScalar& n) {
+    VecScalar r;
+    for (int i = 0; i < 16; ++i) {
+      uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n.v[i]) + 127) << 23;
+      std::memcpy(&r.v[i], &bits, 4);
+    }
+    return r;
+  }
+  // Lanes where x < t (ordered) become +0, others keep val.
+  static VecScalar zero_where_less(const VecScalar& x, float t, const VecScalar& val) {
+    VecScalar r;
+    for (int i = 0; i < 16; ++i) r.v[i] = x.v[i] < t ? 0.f : val.v[i];
+    return r;
+  }
+  float reduce_add() const {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+  }
+  float reduce_max() const {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; ++i) s8[i] = v[i] > v[i + 8] ? v[i] : v[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] > s8[i + 4] ? s8[i] : s8[i + 4];
+    for (int i = 0; i < 2; ++i) s2[i] = s4[i] > s4[i + 2] ? s4[i] : s4[i + 2];
+    return s2[0] > s2[1] ? s2[0] : s2[1];
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct VecAvx2 {
+  __m256 lo, hi;  // lanes 0..7 and 8..15
+  static constexpr const char* kName = "avx2";
+
+  static VecAvx2 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static VecAvx2 set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+  static VecAvx2 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static __m256 bf16x8(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static VecAvx2 load(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+  static VecAvx2 fma(const VecAvx2& a, const VecAvx2& b, const VecAvx2& c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+  }
+#define LOCKSTEP_AVX2_BINOP(NAME, INTR) \
+  static VecAvx2 NAME(const VecAvx2& a, const VecAvx2& b) { return {INTR(a.lo, b.lo), INTR(a.hi, b.hi)}; }
+  LOCKSTEP_AVX2_BINOP(add, _mm256_add_ps)
+  LOCKSTEP_AVX2_BINOP(sub, _mm256_sub_ps)
+  LOCKSTEP_AVX2_BINOP(mul, _mm256_mul_ps)
+  LOCKSTEP_AVX2_BINOP(div, _mm256_div_ps)
+  LOCKSTEP_AVX2_BINOP(min, _mm256_min_ps)
+  LOCKSTEP_AVX2_BINOP(max, _mm256_max_ps)
+#undef LOCKSTEP_AVX2_BINOP
+  static VecAvx2 round_even(const VecAvx2& a) {
+    constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+  }
+  static __m256 pow2i8(__m256 n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static VecAvx2 pow2i(const VecAvx2& n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
+  static VecAvx2 zero_where_less(const VecAvx2& x, float t, const VecAvx2& val) {
+    __m256 tt = _mm256_set1_ps(t);
+    return {_mm256_andnot_ps(_mm256_cmp_ps(x.lo, tt, _CMP_LT_OQ), val.lo),
+            _mm256_andnot_ps(_mm256_cmp_ps(x.hi, tt, _CMP_LT_OQ), val.hi)};
+  }
+  float reduce_add() const {
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+  float reduce_max() const {
+    __m256 s8 = _mm256_max_ps(lo, hi);
+    __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_max_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_max_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+struct VecAvx512 {
+  __m512 v;
+  static constexpr const char* kName = "avx512";
+
+  static VecAvx512 zero() { return {_mm512_setzero_ps()}; }
+  static VecAvx512 set1(float a) { return {_mm512_set1_ps(a)}; }
+  static VecAvx512 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VecAvx512 load(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static VecAvx512 fma(const VecAvx512& a, const VecAvx512& b, const VecAvx512& c) {
+    return {_mm512_fmadd_ps(a.v, b.v, c.v)};
+  }
+  static VecAvx512 add(const VecAvx512& a, const VecAvx512& b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static VecAvx512 sub(const VecAvx512& a, const VecAvx512& b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static VecAvx512 mul(const VecAvx512& a, const VecAvx512& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static VecAvx512 div(const VecAvx512& a, const VecAvx512& b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static VecAvx512 min(const VecAvx512& a, const VecAvx512& b) { return {_mm512_min_ps(a.v, b.v)}; }
+  static VecAvx512 max(const VecAvx512& a, const VecAvx512& b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static VecAvx512 round_even(const VecAvx512& a) {
+    return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  }
+  static VecAvx512 pow2i(const VecAvx512& n) {
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+  }
+  static VecAvx512 zero_where_less(const VecAvx512& x, float t, const VecAvx512& val) {
+    __mmask16 lt = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(t), _CMP_LT_OQ);
+    return {_mm512_maskz_mov_ps(static_cast<__mmask16>(~lt), val.v)};
+  }
+  float reduce_add() const {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+  float reduce_max() const {
+    __m256 s8 = _mm256_max_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s4 = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_max_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_max_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+};
+#endif
+
+// ----------------------------------------------------------------------------------------
+// Shared helpers
+// ----------------------------------------------------------------------------------------
+
+// Worker threads and the caller may differ in MXCSR (flush-to-zero, rounding mode); pin the
+// default state for the duration of a task so that a row's bits never depend on which thread
+// computed it.
+class FpEnvGuard {
+ public:
+  FpEnvGuard() : saved_(_mm_getcsr()) { _mm_setcsr(0x1F80); }
+  ~FpEnvGuard() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+};
+
+// Runs fn(task) for task in [0, n) on torch's intra-op threads, handing tasks out dynamically
+// (tasks have unequal cost, e.g. causal attention tiles). Which thread runs a task never
+// changes the task's arithmetic.
+template <class F>
+void parallel_tasks(int64_t n, const F& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    FpEnvGuard guard;
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t);
+  });
+}
+
+// Deterministic exp (Cephes expf scheme): one formula for every lane and every caller, so
+// silu and softmax never depend on whether an element went down a vector or a tail path.
+// x < -87.34 (including -inf) gives +0; x above 88.38 saturates; NaN propagates.
+template <class V>
+inline V vexp(const V& x) {
+  const V xc = V::max(V::set1(-87.3365478515625f), V::min(V::set1(88.3762626647949f), x));
+  const V n = V::round_even(V::mul(xc, V::set1(1.44269504088896341f)));
+  V r = V::fma(n, V::set1(-0.693359375f), xc);
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  V p = V::set1(1.9875691500e-4f);
+  p = V::fma(p, r, V::set1(1.3981999507e-3f));
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  V y = V::fma(p, V::mul(r, r), r);
+  y = V::add(y, V::set1(1.f));
+  return V::zero_where_less(x, -87.3365478515625f, V::mul(y, V::pow2i(n)));
+}
+
+template <class V>
+inline float sexp(float x) {
+  float out[16];
+  vexp<V>(V::set1(x)).store(out);
+  return out[0];
+}
+
+// Loads n < 16 floats, filling the other lanes with `fill`.
+template <class V>
+inline V load_partial(const float* p, int64_t n, float fill) {
+  float buf[16];
+  for (int i = 0; i < 16; ++i) buf[i] = i < n ? p[i] : fill;
+  return V::load(buf);
+}
+
+template <class V>
+inline void store_partial(const V& a, float* p, int64_t n) {
+  float buf[16];
+  a.store(buf);
+  for (int64_t i = 0; i < n; ++i) p[i] = buf[i];
+}
+
+// Sum of x[i]^2 over i < n in the lane-partial + tree order (tail lanes are zero).
+template <class V>
+inline float sum_squares(const float* x, int64_t n) {
+  V acc = V::zero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    V a = V::load(x + i);
+    acc = V::fma(a, a, acc);
+  }
+  if (i < n) {
+    V a = load_partial<V>(x + i, n - i, 0.f);
+    acc = V::fma(a, a, acc);
+  }
+  return acc.reduce_add();
+}
+
+enum class Simd : int64_t { kAuto = 0, kAvx2 = 1, kScalar = 2, kAvx512 = 3 };
+
+// Calls fn.template operator()<V>() with the vector type selected by `simd`.
+template <class F>
+auto dispatch_simd(int64_t simd, const F& fn) {
+  switch (static_cast<Simd>(simd)) {
+    case Simd::kScalar:
+      return fn(VecScalar{});
+#if defined(__AVX2__) && defined(__FMA__)
+    case Simd::kAvx2:
+      return fn(VecAvx2{});
+#endif
+#if defined(__AVX512F__)
+    case Simd::kAvx512:
+      return fn(VecAvx512{});
+#endif
+    case Simd::kAuto:
+#if defined(__AVX512F__)
+      return fn(VecAvx512{});
+#elif defined(__AVX2__) && defined(__FMA__)
+      return fn(VecAvx2{});
+#else
+      return fn(VecScalar{});
+#endif
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "lockstep: SIMD variant ", simd, " is not compiled in");
+  return fn(VecScalar{});
+}
+
+std::vector<std::string> simd_variants() {
+  std::vector<std::string> names{"scalar"};
+#if defined(__AVX2__) && defined(__FMA__)
+  names.emplace_back("avx2");
+#endif
+#if defined(__AVX512F__)
+  names.emplace_back("avx512");
+#endif
+  return names;
+}
+
+// ----------------------------------------------------------------------------------------
+// linear: out[m, n] = tree(lane partials of x[m, :] * w[n, :]) + bias[n]
+// ----------------------------------------------------------------------------------------
+
+constexpr int64_t kTileRows = 4;     // rows sharing each loaded weight vector
+constexpr int64_t kTileCols = 6;     // output columns sharing each loaded x vector
+constexpr int64_t kPanelCols = 48;   // columns per task (a multiple of kTileCols)
+constexpr int64_t kChunkRows = 64;   // rows per task (keeps the x chunk in L2)
+
+template <class V, class W, int R, int C>
+inline void linear_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t kp,
+                        const float* bias, float* out, int64_t ldo) {
+  V acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
+  for (int64_t k = 0; k < kp; k += 16) {
+    V xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = V::load(x + r * ldx + k);
+    for (int c = 0; c < C; ++c) {
+      const V wv = V::load(w + c * ldw + k);
+      for (int r = 0; r < R; ++r) acc[r][c] = V::fma(xv[r], wv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float s = acc[r][c].reduce_add();
+      if (bias != nullptr) s = s + bias[c];
+      out[r * ldo + c] = s;
+    }
+}
+
+template <class V, class W>
+void linear_impl(const float* x, const W* w, const float* bias, float* out, int64_t m, int64_t n,
+                 int64_t kp) {
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  parallel_tasks(panels * chunks, [&](int64_t task) {
+    // Consecutive tasks share a weight panel (still in L2) and walk down the row chunks.
+    const int64_t c_begin = (task / chunks) * kPanelCols;
+    const int64_t c_end = std::min(n, c_begin + kPanelCols);
+    const int64_t r_begin = (task % chunks) * kChunkRows;
+    const int64_t r_end = std::min(m, r_begin + kChunkRows);
+    for (int64_t c0 = c_begin; c0 < c_end; c0 += kTileCols) {
+      const bool full_c = c0 + kTileCols <= c_end;
+      const W* wt = w + c0 * kp;
+      const float* bt = bias ? bias + c0 : nullptr;
+      for (int64_t r0 = r_begin; r0 < r_end; r0 += kTileRows) {
+        const int64_t nr = std::min(kTileRows, r_end - r0);
+        const float* xt = x + r0 * kp;
+        float* ot = out + r0 * n + c0;
+        // Tile shape only decides which elements share loads; each element's arithmetic is
+        // the same in every tile kernel.
+        if (nr == kTileRows && full_c) {
+          linear_tile<V, W, kTileRows, kTileCols>(xt, kp, wt, kp, kp, bt, ot, n);
+        } else if (nr == kTileRows) {
+          for (int64_t c = 0; c < c_end - c0; ++c)
+            linear_tile<V, W, kTileRows, 1>(xt, kp, wt + c * kp, kp, kp, bt ? bt + c : nullptr,
+                                            ot + c, n);
+        } else {
+          for (int64_t r = 0; r < nr; ++r) {
+            if (full_c) {
+              linear_tile<V, W, 1, kTileCols>(xt + r * kp, kp, wt, kp, kp, bt, ot + r * n, n);
+            } else {
+              for (int64_t c = 0; c < c_end - c0; ++c)
+                linear_tile<V, W, 1, 1>(xt + r * kp, kp, wt + c * kp, kp, kp,
+                                        bt ? bt + c : nullptr, ot + r * n + c, n);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// x [M, Kp] fp32 contiguous, w [N, Kp] fp32 or bf16 contiguous, Kp % 16 == 0.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  int64_t simd) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "lockstep linear: x and w must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  const int64_t m = x.size(0), kp = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == kp && kp % 16 == 0, "lockstep linear: x is [", m, ", ", kp,
+              "], w is [", n, ", ", w.size(1), "]; both need the same K, a multiple of 16");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == n,
+                "bias must be contiguous fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    if (w.scalar_type() == at::kFloat) {
+      linear_impl<V, float>(x.data_ptr<float>(), w.data_ptr<float>(), bp, out.data_ptr<float>(),
+                            m, n, kp);
+    } else {
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be fp32 or bf16");
+      linear_impl<V, uint16_t>(x.data_ptr<float>(),
+                               reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bp,
+                               out.data_ptr<float>(), m, n, kp);
+    }
+    return 0;
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------
+// Row-wise ops: rms_norm / add_rms_norm, silu_mul, log_softmax
+// ----------------------------------------------------------------------------------------
+
+// Rows per task for the cheap row-wise ops (only granularity, never arithmetic).
+constexpr int64_t kRowGrain = 16;
+
+template <class V>
+void rms_row(const float* x, const float* w, float eps, float* out, int64_t h) {
+  const float mean = sum_squares<V>(x, h) / static_cast<float>(h);
+  const V inv = V::set1(1.f / std::sqrt(mean + eps));
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16)
+    V::mul(V::mul(V::load(x + i), inv), V::load(w + i)).store(out + i);
+  if (i < h) {
+    V y = V::mul(V::mul(load_partial<V>(x + i, h - i, 0.f), inv),
+                 load_partial<V>(w + i, h - i, 0.f));
+    store_partial(y, out + i, h - i);
+  }
+}
+
+// Returns rms_norm(x + residual) and writes the sum into `sum_out` (if given) first.
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps, int64_t simd) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rms_norm: x must be contiguous fp32 [M, H]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "rms_norm: weight must be contiguous fp32 [H]");
+  const int64_t m = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  at::Tensor sum;
+  const float* xp = x.data_ptr<float>();
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat &&
+                    residual->is_contiguous(),
+                "add_rms_norm: residual must match x");
+    rp = residual->data_ptr<float>();
+    sum = at::empty_like(x);
+  }
+  float* sp = residual.has_value() ? sum.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    parallel_tasks((m + kRowGrain - 1) / kRowGrain, [&](int64_t task) {
+      const int64_t end = std::min(m, (task + 1) * kRowGrain);
+      for (int64_t r = task * kRowGrain; r < end; ++r) {
+        const float* row = xp + r * h;
+        if (rp != nullptr) {
+          for (int64_t i = 0; i < h; ++i) sp[r * h + i] = row[i] + rp[r * h + i];
+          row = sp + r * h;
+        }
+        rms_row<V>(row, wp, feps, op + r * h, h);
+      }
+    });
+    return 0;
+  });
+  if (residual.has_value()) return {out, sum};
+  return {out};
+}
+
+template <class V>
+inline V silu_mul_vec(const V& g, const V& u) {
+  const V e = vexp(V::sub(V::zero(), g));
+  return V::mul(V::div(g, V::add(V::set1(1.f), e)), u);
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t simd) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
+                  gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be contiguous fp32 [M, 2I]");
+  const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({m, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    parallel_tasks((m + kRowGrain - 1) / kRowGrain, [&](int64_t task) {
+      const int64_t end = std::min(m, (task + 1) * kRowGrain);
+      for (int64_t r = task * kRowGrain; r < end; ++r) {
+        const float* g = gp + r * 2 * inter;
+        const float* u = g + inter;
+        float* o = op + r * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16)
+          silu_mul_vec(V::load(g + i), V::load(u + i)).store(o + i);
+        if (i < inter) {
+          const int64_t n = inter - i;
+          store_partial(silu_mul_vec(load_partial<V>(g + i, n, 0.f), load_partial<V>(u + i, n, 0.f)),
+                        o + i, n);
+        }
+      }
+    });
+    return 0;
+  });
+  return out;
+}
+
+at::Tensor log_softmax(const at::Tensor& logits, int64_t simd) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "log_softmax: logits must be contiguous fp32 [R, V]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  at::Tensor out = at::empty_like(logits);
+  const float* lp = logits.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    parallel_tasks(rows, [&](int64_t r) {
+      const float* x = lp + r * vocab;
+      float* o = op + r * vocab;
+      const int64_t full = vocab / 16 * 16;
+      V mx = V::set1(-kInf);
+      for (int64_t i = 0; i < full; i += 16) mx = V::max(mx, V::load(x + i));
+      if (full < vocab) mx = V::max(mx, load_partial<V>(x + full, vocab - full, -kInf));
+      const float row_max = mx.reduce_max();
+      const V vmax = V::set1(row_max);
+      V acc = V::zero();
+      for (int64_t i = 0; i < full; i += 16) acc = V::add(acc, vexp(V::sub(V::load(x + i), vmax)));
+      if (full < vocab)
+        acc = V::add(acc, vexp(V::sub(load_partial<V>(x + full, vocab - full, -kInf), vmax)));
+      const V vlog = V::set1(std::log(acc.reduce_add()));
+      for (int64_t i = 0; i < full; i += 16)
+        V::sub(V::sub(V::load(x + i), vmax), vlog).store(o + i);
+      if (full < vocab)
+        store_partial(V::sub(V::sub(load_partial<V>(x + full, vocab - full, 0.f), vmax), vlog),
+                      o + full, vocab - full);
+    });
+    return 0;
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------
+// rope (neox / rotate_half): separate multiplies and adds per element, no FMA
+// ----------------------------------------------------------------------------------------
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rope: x must be contiguous fp32 [T, H, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "rope: positions must be int64");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.size(1) == half &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "rope: cos/sin must be contiguous fp32 [max_position, D/2]");
+  const int64_t max_pos = cos.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < max_pos, "rope: position ", pp[i], " outside [0, ",
+                max_pos, ")");
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_tasks((t + kRowGrain - 1) / kRowGrain, [&](int64_t task) {
+    const int64_t end = std::min(t, (task + 1) * kRowGrain);
+    for (int64_t i = task * kRowGrain; i < end; ++i) {
+      const float* c = cp + pp[i] * half;
+      const float* s = sp + pp[i] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* a = xp + (i * heads + h) * d;
+        float* o = op + (i * heads + h) * d;
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = a[j], x2 = a[j + half];
+          const float p1 = x1 * c[j], p2 = x2 * s[j], p3 = x2 * c[j], p4 = x1 * s[j];
+          o[j] = p1 - p2;
+          o[j + half] = p3 + p4;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------
+// attention: causal, paged (token-granular slots), GQA, online softmax over key blocks at
+// absolute positions 0, B, 2B, ...
+//
+//   for each query row (position p) and head, for each block j0 = 0, B, ... <= p:
+//     s[j]  = (sum_d q[d]*k_j[d], ascending d, FMA from 0) * scale     keys j0..min(p, j0+B-1)
+//     m'    = max(m, max_j s[j]);  a = exp(m - m')
+//     e[j]  = exp(s[j] - m')                   (masked keys: exp(-inf) = 0)
+//     l     = l*a + tree_sum(e);  acc[d] = acc[d]*a, then acc[d] += e[j]*v_j[d] for j ascending
+//   out = acc / l
+// A row's bits depend on q and keys 0..p only. Work is tiled as (sequence, kv head, row tile)
+// so that one gathered key block serves every query row and head of the GQA group; the tile
+// decides only who shares loads.
+// ----------------------------------------------------------------------------------------
+
+constexpr int64_t kAttnRowTile = 16;
+
+struct AttnTask {
+  int64_t seq, row0, rows, kv_head, head0, heads;
+};
+
+template <class T>
+inline void to_f32(const T* src, float* dst, int64_t n);
+template <>
+inline void to_f32<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+inline void to_f32<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &bits, 4);
+  }
+}
+
+template <class V, class KV, int NV>
+void attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* cu_q,
+                    const int32_t* q_start, const int32_t* cu_kv, const int32_t* slots,
+                    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, float scale,
+                    float* out) {
+  constexpr int64_t kBlock = NV * 16;
+  const int64_t group = hq / hkv, dv = d / 16;
+  std::vector<AttnTask> tasks;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t n = cu_q[b + 1] - cu_q[b];
+    // Latest (most expensive) tiles first so dynamic scheduling balances the causal triangle.
+    for (int64_t r0 = ((n - 1) / kAttnRowTile) * kAttnRowTile; r0 >= 0; r0 -= kAttnRowTile)
+      for (int64_t g = 0; g < hkv; ++g)
+        tasks.push_back({b, r0, std::min(kAttnRowTile, n - r0), g, g * group, group});
+  }
+  // Too few tasks to keep the threads busy (small-batch decode): one task per query head.
+  if (static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads() && group > 1) {
+    std::vector<AttnTask> split;
+    for (const AttnTask& t : tasks)
+      for (int64_t h = 0; h < group; ++h) split.push_back({t.seq, t.row0, t.rows, t.kv_head,
+                                                           t.head0 + h, 1});
+    tasks.swap(split);
+  }
+  parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t ti) {
+    const AttnTask& t = tasks[ti];
+    const int64_t pairs = t.rows * t.heads;
+    // Workspace is bounded by the tile, never by the context length.
+    std::vector<float> kt(d * kBlock), vb(kBlock * d), acc(pairs * d), sc(kBlock);
+    std::vector<float> m_run(pairs, -kInf), l_run(pairs, 0.f);
+    std::vector<int64_t> pos(pairs);
+    std::vector<const float*> qrow(pairs);
+    std::vector<float*> orow(pairs);
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t h = 0; h < t.heads; ++h) {
+        const int64_t p = r * t.heads + h;
+        const int64_t row = cu_q[t.seq] + t.row0 + r;
+        pos[p] = q_start[t.seq] + t.row0 + r;
+        qrow[p] = q + (row * hq + t.head0 + h) * d;
+        orow[p] = out + (row * hq + t.head0 + h) * d;
+      }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    const int32_t* table = slots + cu_kv[t.seq];
+    const int64_t last = pos[pairs - 1];
+    float kbuf[512];
+    for (int64_t j0 = 0; j0 <= last; j0 += kBlock) {
+      const int64_t nk = std::min(kBlock, last + 1 - j0);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        if (j < nk) {
+          const int64_t slot = table[j0 + j];
+          to_f32(kc + (slot * hkv + t.kv_head) * d, kbuf, d);
+          to_f32(vc + (slot * hkv + t.kv_head) * d, vb.data() + j * d, d);
+          for (int64_t e = 0; e < d; ++e) kt[e * kBlock + j] = kbuf[e];
+        } else {
+          for (int64_t e = 0; e < d; ++e) kt[e * kBlock + j] = 0.f;
+        }
+      }
+      for (int64_t p = 0; p < pairs; ++p) {
+        if (pos[p] < j0) continue;
+        const int64_t valid = std::min(kBlock, pos[p] - j0 + 1);
+        V s[NV];
+        for (int i = 0; i < NV; ++i) s[i] = V::zero();
+        const float* qp = qrow[p];
+        for (int64_t e = 0; e < d; ++e) {
+          const V qe = V::set1(qp[e]);
+          for (int i = 0; i < NV; ++i) s[i] = V::fma(qe, V::load(kt.data() + e * kBlock + i * 16), s[i]);
+        }
+        const V vscale = V::set1(scale);
+        for (int i = 0; i < NV; ++i) V::mul(s[i], vscale).store(sc.data() + i * 16);
+        for (int64_t j = valid; j < kBlock; ++j) sc[j] = -kInf;
+        V mx = V::load(sc.data());
+        for (int i = 1; i < NV; ++i) mx = V::max(mx, V::load(sc.data() + i * 16));
+        const float bmax = mx.reduce_max();
+        const float m_old = m_run[p];
+        const float m_new = m_old > bmax ? m_old : bmax;
+        const float alpha = sexp<V>(m_old - m_new);
+        const V vm = V::set1(m_new);
+        V bsum = V::zero();
+        for (int i = 0; i < NV; ++i) {
+          const V e = vexp(V::sub(V::load(sc.data() + i * 16), vm));
+          e.store(sc.data() + i * 16);
+          bsum = V::add(bsum, e);
+        }
+        l_run[p] = l_run[p] * alpha + bsum.reduce_add();
+        m_run[p] = m_new;
+        float* ap = acc.data() + p * d;
+        const V va = V::set1(alpha);
+        for (int64_t c = 0; c < dv; ++c) {
+          V a = V::mul(V::load(ap + c * 16), va);
+          for (int64_t j = 0; j < valid; ++j)
+            a = V::fma(V::set1(sc[j]), V::load(vb.data() + j * d + c * 16), a);
+          a.store(ap + c * 16);
+        }
+      }
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const V vl = V::set1(l_run[p]);
+      for (int64_t c = 0; c < dv; ++c)
+        V::div(V::load(acc.data() + p * d + c * 16), vl).store(orow[p] + c * 16);
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& cu_q, const at::Tensor& q_start, const at::Tensor& cu_kv,
+                     const at::Tensor& slot_table, double scale, int64_t key_block,
+                     int64_t simd) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "attention: q must be contiguous fp32 [T, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "attention: k_cache and v_cache must be contiguous [S, Hkv, D] of one dtype");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d && d % 16 == 0 && d <= 512,
+              "attention: head_dim must match and be a multiple of 16 (<= 512), got ", d);
+  TORCH_CHECK(hq % hkv == 0, "attention: Hq=", hq, " is not a multiple of Hkv=", hkv);
+  for (const at::Tensor* t : {&cu_q, &q_start, &cu_kv, &slot_table})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "attention: meta must be int32");
+  const int64_t num_seqs = q_start.size(0);
+  TORCH_CHECK(cu_q.size(0) == num_seqs + 1 && cu_kv.size(0) == num_seqs + 1,
+              "attention: cu_q / cu_kv must have B+1 entries");
+  const int32_t* cq = cu_q.data_ptr<int32_t>();
+  const int32_t* qs = q_start.data_ptr<int32_t>();
+  const int32_t* ck = cu_kv.data_ptr<int32_t>();
+  const int32_t* st = slot_table.data_ptr<int32_t>();
+  TORCH_CHECK(cq[num_seqs] == q.size(0), "attention: cu_q[B]=", cq[num_seqs], " but q has ",
+              q.size(0), " rows");
+  const int64_t num_slots = k_cache.size(0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t kv_len = qs[b] + cq[b + 1] - cq[b];
+    TORCH_CHECK(qs[b] >= 0 && ck[b + 1] - ck[b] >= kv_len,
+                "attention: sequence ", b, " has fewer slots than keys");
+    for (int64_t j = 0; j < kv_len; ++j)
+      TORCH_CHECK(st[ck[b] + j] >= 0 && st[ck[b] + j] < num_slots, "attention: slot ",
+                  st[ck[b] + j], " outside the cache");
+  }
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  const float fscale = static_cast<float>(scale);
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    auto run = [&](auto nv_tag) {
+      constexpr int NV = decltype(nv_tag)::value;
+      if (k_cache.scalar_type() == at::kFloat) {
+        attention_impl<V, float, NV>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                                     v_cache.data_ptr<float>(), cq, qs, ck, st, num_seqs, hq,
+                                     hkv, d, fscale, out.data_ptr<float>());
+      } else {
+        TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "attention: cache must be fp32/bf16");
+        attention_impl<V, at::BFloat16, NV>(
+            q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+            v_cache.data_ptr<at::BFloat16>(), cq, qs, ck, st, num_seqs, hq, hkv, d, fscale,
+            out.data_ptr<float>());
+      }
+    };
+    switch (key_block) {
+      case 16:
+        run(std::integral_constant<int, 1>{});
+        break;
+      case 32:
+        run(std::integral_constant<int, 2>{});
+        break;
+      case 64:
+        run(std::integral_constant<int, 4>{});
+        break;
+      default:
+        TORCH_CHECK(false, "attention: key_block=", key_block, " must be 16, 32 or 64");
+    }
+    return 0;
+  });
+  return out;
+}
+
+}  // namespace lockstep
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("simd_variants", &lockstep::simd_variants);
+  m.def("linear", &lockstep::linear);
+  m.def("rms_norm", &lockstep::rms_norm);
+  m.def("silu_mul", &lockstep::silu_mul);
+  m.def("log_softmax", &lockstep::log_softmax);
+  m.def("rope", &lockstep::rope);
+  m.def("attention", &lockstep::attention);
+}

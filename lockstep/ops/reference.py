@@ -1,0 +1,92 @@
+"""Float64 reference backend: the slow, obvious oracle the fast kernels are tested against.
+
+Every op converts its inputs to float64 and returns float64 (the KV cache keeps its own dtype),
+so a whole forward pass in reference mode stays in float64. Tests only; not for serving.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.ops.base import AttentionMeta
+
+f64 = torch.float64
+
+
+class ReferenceOps:
+    """`Ops` in float64 torch, written for clarity rather than speed."""
+
+    name = "reference"
+    deterministic = True
+
+    def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(f64)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = x.to(f64) @ weight.to(f64).T
+        return out if bias is None else out + bias.to(f64)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.to(f64)
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(f64)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x.to(f64) + residual.to(f64)
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.to(f64).chunk(2, dim=-1)
+        return gate / (1 + torch.exp(-gate)) * up
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        c = cos.to(f64)[positions.long()].unsqueeze(1)
+        s = sin.to(f64)[positions.long()].unsqueeze(1)
+        x1, x2 = x.to(f64).chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        index = slots.to(torch.int64)
+        k_cache.index_copy_(0, index, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, index, v.to(v_cache.dtype))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        q = q.to(f64)
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[1]
+        cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()
+        for b in range(meta.num_seqs):
+            for i in range(cu_q[b + 1] - cu_q[b]):
+                pos = q_start[b] + i
+                slots = meta.slot_table[cu_kv[b] : cu_kv[b] + pos + 1].long()
+                k = k_cache[slots].to(f64).repeat_interleave(group, 1)  # [L, Hq, D]
+                v = v_cache[slots].to(f64).repeat_interleave(group, 1)
+                row = cu_q[b] + i
+                scores = torch.einsum("hd,lhd->hl", q[row], k) * scale
+                weights = torch.softmax(scores, dim=-1)
+                out[row] = torch.einsum("hl,lhd->hd", weights, v)
+        return out
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits.to(f64)
+        m = x.max(-1, keepdim=True).values
+        return x - m - torch.log(torch.exp(x - m).sum(-1, keepdim=True))
