@@ -1,0 +1,119 @@
+"""End-to-end throughput benchmark: prefill and decode through the real engine.
+
+For each mode and batch size it starts one engine, runs `batch` requests of `prompt_len`
+random-token prompts with `gen_len` greedy tokens (ignore_eos), and reports prefill tokens/s,
+decode tokens/s (aggregate and per request) and the deterministic/fast ratio. A human table
+first, then ONE JSON document on the last line.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lockstep.engine.engine import Engine
+from lockstep.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class DecodeResult:
+    mode: str
+    batch: int
+    prompt_len: int
+    gen_len: int
+    prefill_tok_s: float
+    decode_tok_s: float  # aggregate over the batch
+    decode_ms_per_step: float
+
+
+def run_decode_bench(
+    engine: Engine, batch: int, prompt_len: int, gen_len: int, seed: int = 0
+) -> DecodeResult:
+    rng = random.Random(seed)
+    vocab = engine.decoder.spec.vocab_size
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    # Distinct first tokens so no request hits another's prefix in the cache.
+    for i in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        engine.add_request(f"bench-{seed}-{i}", prompt, params)
+    t0 = time.perf_counter()
+    first_token_at = None
+    steps_after_first = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        if _is_cuda(engine):
+            torch.cuda.synchronize()
+        if first_token_at is None:
+            if len(outs) == batch:
+                first_token_at = time.perf_counter()
+        else:
+            steps_after_first += 1
+    t1 = time.perf_counter()
+    assert first_token_at is not None
+    decode_s = t1 - first_token_at
+    return DecodeResult(
+        mode=engine.config.mode,
+        batch=batch,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        prefill_tok_s=batch * prompt_len / (first_token_at - t0),
+        decode_tok_s=batch * steps_after_first / decode_s if decode_s > 0 else float("nan"),
+        decode_ms_per_step=1000 * decode_s / max(steps_after_first, 1),
+    )
+
+
+def _is_cuda(engine: Engine) -> bool:
+    return engine.device.type == "cuda"
+
+
+def bench_modes(
+    options: dict[str, Any], modes: list[str], batches: list[int], prompt_len: int, gen_len: int
+) -> dict[str, Any]:
+    from lockstep.config import EngineConfig
+
+    results: list[DecodeResult] = []
+    for mode in modes:
+        opts = dict(options, mode=mode)
+        opts["max_running"] = max(max(batches), 1)
+        opts["max_batch_tokens"] = max(opts.get("max_batch_tokens", 1024), prompt_len, max(batches))
+        opts["chunk_size"] = min(opts.get("chunk_size", 512), opts["max_batch_tokens"])
+        engine = Engine(EngineConfig.from_options(**opts))
+        run_decode_bench(engine, 1, min(prompt_len, 16), 4, seed=99)  # warm-up
+        for b in batches:
+            results.append(run_decode_bench(engine, b, prompt_len, gen_len, seed=b))
+            engine.flush_cache()
+    print(f"{'mode':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/step':>10}")
+    for r in results:
+        print(
+            f"{r.mode:<14}{r.batch:>6}{r.prefill_tok_s:>15.1f}{r.decode_tok_s:>14.1f}"
+            f"{r.decode_ms_per_step:>10.2f}"
+        )
+    ratios = {}
+    by = {(r.mode, r.batch): r for r in results}
+    for b in batches:
+        det, fast = by.get(("deterministic", b)), by.get(("fast", b))
+        if det and fast:
+            ratios[str(b)] = det.decode_tok_s / fast.decode_tok_s
+            print(f"batch {b}: deterministic / fast decode throughput = {ratios[str(b)]:.3f}")
+    return {
+        "benchmark": "decode",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "options": {k: v for k, v in options.items() if v is not None},
+        "results": [asdict(r) for r in results],
+        "det_over_fast_decode": ratios,
+    }
+
+
+def print_json_last(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc))

@@ -1,0 +1,73 @@
+"""Command-line flags for engine options, shared by every subcommand that starts an engine.
+
+One flag per `EngineConfig` field, generated from the dataclass so a new option cannot be
+forgotten; booleans that default to True get a `--no-...` flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from lockstep.config import DEVICES, DTYPES, MODES, EngineConfig
+
+_HELP = {
+    "model": "GGUF file, Hugging Face folder or random:PRESET (default: embedded SmolLM2-135M)",
+    "mode": "deterministic (default) or fast (plain torch/cuBLAS; the yardstick)",
+    "device": "auto, cpu or cuda",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16",
+    "kv_tokens": "KV pool size in tokens (default: a fraction of free memory)",
+    "kv_memory_fraction": "fraction of free memory for the KV pool when --kv-tokens is absent",
+    "max_model_len": "context limit in tokens (default: the model's)",
+    "max_batch_tokens": "tokens per forward step, prefill and decode together",
+    "chunk_size": "most prompt tokens one request prefills per step",
+    "max_running": "most requests running at once",
+    "enable_prefix_cache": "disable the radix prefix cache",
+    "cuda_graphs": "disable CUDA graphs for decode",
+    "num_threads": "CPU threads (default: torch's)",
+    "random_seed": "seed of random-weight presets",
+    "debug_checks": "check KV cache integrity after every step",
+}
+_CHOICES = {"mode": MODES, "device": DEVICES, "dtype": DTYPES}
+_NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model" and not include_model:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in _NEGATED:
+            group.add_argument(
+                _NEGATED[f.name], dest=f.name, action="store_false", default=f.default,
+                help=_HELP[f.name],
+            )  # fmt: skip
+        elif f.type in ("bool",) or isinstance(f.default, bool):
+            group.add_argument(flag, dest=f.name, action="store_true", default=f.default,
+                               help=_HELP[f.name])  # fmt: skip
+        else:
+            kind = _arg_type(f)
+            group.add_argument(
+                flag, dest=f.name, type=kind, default=f.default, choices=_CHOICES.get(f.name),
+                help=_HELP[f.name],
+            )  # fmt: skip
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig options given on the command line (all fields, defaults included)."""
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if hasattr(args, f.name)
+    }
+
+
+def _arg_type(f: dataclasses.Field) -> Any:
+    text = str(f.type)
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str
