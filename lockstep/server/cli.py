@@ -1,0 +1,153 @@
+"""`lockstep serve`: load the engine, then serve the OpenAI-compatible API with uvicorn.
+
+The model is loaded and the port bound before uvicorn starts, so a bad option, a model that
+will not load or a port in use ends the command with one line on stderr and exit status 2, and
+never with a half-started server. `--port 0` picks a free port; the line
+`Lockstep serving <model> on http://<host>:<port>` on stderr names it.
+
+SIGTERM or SIGINT stops accepting connections and lets running requests finish for up to
+`--shutdown-timeout` seconds; whatever still runs then is aborted and its slots freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Any
+
+from lockstep.config import EngineConfig
+from lockstep.errors import ConfigError, ModelLoadError
+
+logger = logging.getLogger("lockstep.server")
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    """Registers `serve` on the `lockstep` command's subparsers."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve an OpenAI-compatible HTTP API (see docs/server.md).",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, Hugging Face folder or random:<preset>"
+        " (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM/SIGINT",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    engine = parser.add_argument_group("engine options (see EngineConfig)")
+    defaults = EngineConfig()
+    engine.add_argument("--mode", default=defaults.mode, help="deterministic | fast")
+    engine.add_argument("--device", default=defaults.device, help="auto | cpu | cuda")
+    engine.add_argument("--dtype", default=defaults.dtype, help="auto | float32 | bfloat16")
+    engine.add_argument("--kv-tokens", type=int, default=defaults.kv_tokens)
+    engine.add_argument("--kv-memory-fraction", type=float, default=defaults.kv_memory_fraction)
+    engine.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    engine.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    engine.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
+    engine.add_argument("--max-running", type=int, default=defaults.max_running)
+    engine.add_argument(
+        "--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=True
+    )
+    engine.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=True)
+    engine.add_argument("--num-threads", type=int, default=defaults.num_threads)
+    engine.add_argument("--random-seed", type=int, default=defaults.random_seed)
+    engine.add_argument("--debug-checks", action="store_true", default=False)
+    parser.set_defaults(func=run_serve_command)
+
+
+_ENGINE_OPTIONS = (
+    "model",
+    "mode",
+    "device",
+    "dtype",
+    "kv_tokens",
+    "kv_memory_fraction",
+    "max_model_len",
+    "max_batch_tokens",
+    "chunk_size",
+    "max_running",
+    "enable_prefix_cache",
+    "cuda_graphs",
+    "num_threads",
+    "random_seed",
+    "debug_checks",
+)
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = EngineConfig.from_options(**{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+        sock = _bind(args.host, args.port)
+    except (ConfigError, OSError) as exc:
+        print(f"lockstep serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from lockstep.engine.engine import Engine
+
+        engine = Engine(config)
+    except (ConfigError, ModelLoadError) as exc:
+        sock.close()
+        print(f"lockstep serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from lockstep.server.api import build_app
+
+    app = build_app(engine)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            access_log=args.log_level == "debug",
+        )
+    )
+    host, port = sock.getsockname()[:2]
+    print(f"Lockstep serving {engine.model_name} on http://{host}:{port}", file=sys.stderr)
+    sys.stderr.flush()
+    server.run(sockets=[sock])
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Binds now (not inside uvicorn) so that a port in use is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lockstep.server.cli serve ...`, for use before `lockstep` wires it in."""
+    parser = argparse.ArgumentParser(prog="lockstep")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Request bodies of the OpenAI-compatible API, as strict pydantic models.
+
+Three kinds of field, each handled on purpose (STYLE.md: honour the API you claim):
+
+- implemented fields, declared below with their ranges (the OpenAPI schema shows them);
+- OpenAI fields Lockstep does not implement (`UNSUPPORTED_FIELDS`): accepted only at their
+  neutral value (e.g. `presence_penalty: 0`), otherwise refused with a 400 naming the field;
+- anything else: refused as an unrecognized argument (`extra="forbid"`).
+
+Models are strict, so `"temperature": "1"` or `"max_tokens": true` is a 400, not a coercion.
+Response bodies are plain dicts built in `responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+
+
+class APIError(Exception):
+    """A client mistake, answered with an OpenAI-style error body and a 4xx status.
+
+    Deliberately not a `ValueError`: raised inside a pydantic validator it propagates as is
+    instead of being folded into a generic validation error that would lose `param`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _is_neutral_response_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+# OpenAI fields with no Lockstep implementation, each with the test for its neutral value.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "logit_bias": lambda v: v is None or v == {},
+    "best_of": lambda v: v is None or v == 1,
+    "suffix": lambda v: v is None or v == "",
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "parallel_tool_calls": lambda v: v is None,
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": _is_neutral_response_format,
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "service_tier": lambda v: v is None or v == "auto",
+    "store": lambda v: v is None or v is False,
+    "metadata": lambda v: v is None or v == {},
+    "verbosity": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None,
+}
+
+
+def _strip_neutral_unsupported(data: Any) -> Any:
+    """Refuse a non-neutral unsupported field; drop the neutral ones so `extra="forbid"`
+    still catches genuinely unknown names."""
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        neutral = UNSUPPORTED_FIELDS.get(key)
+        if neutral is None:
+            kept[key] = value
+        elif not neutral(value):
+            raise APIError(
+                f"{key}={value!r} is not supported by Lockstep; leave it out"
+                " (or send its neutral value)",
+                param=key,
+                code="unsupported_parameter",
+            )
+    return kept
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables it (Lockstep extension)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Lockstep extension")
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="choice i of n is sampled with seed + i"
+    )
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=64, description="Lockstep extension"
+    )
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="recorded in the request log")
+    ignore_eos: bool = Field(False, description="Lockstep extension: do not stop at EOS")
+    include_stop_str_in_output: bool = Field(False, description="Lockstep extension")
+    cache_salt: str | None = Field(
+        None,
+        max_length=256,
+        description="Lockstep extension: requests share prefix-cache entries only with the same salt",
+    )
+    return_token_ids: bool = Field(
+        False, description="Lockstep extension: add prompt_token_ids and token_ids to choices"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _strip_neutral_unsupported(data)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ScoreRequest(_Strict):
+    """Teacher-forced logprobs of given text (Lockstep's `/v1/score`, see docs/server.md)."""
+
+    model: str
+    prompt: Prompt | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    top_logprobs: int = Field(0, ge=0, le=20)
+    add_special_tokens: bool = Field(
+        True, description="for a text prompt: let the tokenizer add its special tokens"
+    )
+    cache_salt: str | None = Field(None, max_length=256)
