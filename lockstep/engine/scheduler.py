@@ -155,26 +155,17 @@ class Scheduler:
         upto = request.num_computed
         if not self.radix.enabled or upto <= request.prefix_len:
             return
-        tokens = request.all_ids[:upto]
-        self.radix.insert(tokens, torch.tensor(request.slots[:upto], dtype=torch.int64),
-                          request.namespace)  # fmt: skip
-        match = self.radix.match_prefix(tokens, request.namespace)
-        tree_slots = match.slots.tolist()
-        duplicates = [
-            own
-            for own, tree in zip(
-                request.slots[request.prefix_len : upto],
-                tree_slots[request.prefix_len : upto],
-                strict=True,
-            )  # fmt: skip
-            if own != tree
-        ]
-        if duplicates:
-            self.pool.free(torch.tensor(duplicates, dtype=torch.int64))
-        self.radix.lock(match.node)
+        result = self.radix.insert(
+            request.all_ids[:upto],
+            torch.tensor(request.slots[:upto], dtype=torch.int64),
+            request.namespace,
+        )
+        if result.duplicate_slots.numel():
+            self.pool.free(result.duplicate_slots)
+        self.radix.lock(result.node)
         self.radix.unlock(request.prefix_node)
-        request.slots[:upto] = tree_slots
-        request.prefix_node = match.node
+        request.slots[:upto] = result.cached_slots.tolist()
+        request.prefix_node = result.node
         request.prefix_len = upto
 
     def _release(self, request: Request, keep_in_cache: bool) -> None:
