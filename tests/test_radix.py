@@ -442,7 +442,7 @@ def test_integrity_catches_a_wrong_in_use_count():
 
 # ---- the state machine against a reference model -----------------------------------------
 
-POOL_SLOTS = 40
+POOL_SLOTS = 24
 NAMESPACES = [None, "a"]
 Key = tuple[str | None, tuple[int, ...]]
 
@@ -646,7 +646,7 @@ if LONG:
     MACHINE_SETTINGS = settings(max_examples=5_000, stateful_step_count=100, deadline=None)
 else:
     MACHINE_SETTINGS = settings(
-        max_examples=300, stateful_step_count=50, deadline=None, derandomize=True, database=None
+        max_examples=600, stateful_step_count=50, deadline=None, derandomize=True, database=None
     )
 
 
