@@ -78,7 +78,6 @@ async def run_checks(
             f"unknown scenario {unknown[0]!r}: expected some of {', '.join(SCENARIOS)}"
         )
     start = time.monotonic()
-    deadline = start + budget_s
     ordered = [name for name in SCENARIOS if name in scenarios]
     async with CheckClient(
         url,
@@ -93,6 +92,8 @@ async def run_checks(
         except RequestRefused:
             engine_info = None
         results: list[ScenarioResult] = []
+        # The budget is for the scenarios: it starts once the server has said what it serves.
+        deadline = time.monotonic() + budget_s
         progress = Progress(
             TextColumn("{task.description:<9}"),
             BarColumn(),
