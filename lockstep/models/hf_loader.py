@@ -1,0 +1,235 @@
+"""Loading a Hugging Face model folder: config.json, *.safetensors and tokenizer.json.
+
+Supported: model_type llama, qwen2 (q/k/v biases) and qwen3 (q/k RMSNorm, explicit
+head_dim). Tensor names in these checkpoints are already the canonical ones (spec.py); the
+loader lists exactly what the files hold, so the decoder's strict load sees any tensor this
+loader does not understand. The only tensors left out, each for a stated reason, are old
+checkpoints' rotary inv_freq buffers and an lm_head.weight stored beside tied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+from safetensors import safe_open
+
+from lockstep.errors import ModelLoadError
+from lockstep.models.spec import ModelSpec, RopeScaling
+from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+
+
+def _rope(config: dict[str, Any], folder: Path) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either transformers 5's rope_parameters or the older
+    rope_theta + rope_scaling keys."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelLoadError(
+            f"{folder}/config.json: rope_type {rope_type!r} is not supported; supported: "
+            "default, llama3"
+        )
+    scaling = RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position=int(params["original_max_position_embeddings"]),
+    )
+    return theta, scaling
+
+
+def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
+    where = f"{folder}/config.json"
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{where}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    refused = {
+        "quantization_config": config.get("quantization_config") is not None,
+        "hidden_act": config.get("hidden_act", "silu") != "silu",
+        # Llama and Qwen3 put this bias on o_proj too, which ModelSpec has no flag for.
+        "attention_bias": bool(config.get("attention_bias")) and model_type != "qwen2",
+        "mlp_bias": bool(config.get("mlp_bias")),
+        "use_sliding_window": bool(config.get("use_sliding_window")),
+    }
+    for key, bad in refused.items():
+        if bad:
+            raise ModelLoadError(
+                f"{where}: {key}={config.get(key)!r} is not supported; supported: Llama/Qwen2/Qwen3 "
+                "dense models with silu MLPs, no o_proj/MLP bias, no sliding window, unquantized"
+            )
+    theta, scaling = _rope(config, folder)
+    heads = int(config["num_attention_heads"])
+    try:
+        return ModelSpec(
+            family=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            rope_theta=theta,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            rope_scaling=scaling,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{where}: required key {exc.args[0]} is missing") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{where}: inconsistent model shape: {exc}") from None
+
+
+class SafetensorsWeights:
+    """The folder's tensors, read one at a time from memory-mapped safetensors files."""
+
+    def __init__(self, folder: Path, spec: ModelSpec) -> None:
+        index = folder / _INDEX_FILE
+        if index.exists():
+            weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(
+                f"{folder} has no *.safetensors weights; supported weight files: *.safetensors "
+                f"(sharded with {_INDEX_FILE})"
+            )
+        self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key in file)
+        for file_name in files:
+            path = folder / file_name
+            if not path.exists():
+                raise ModelLoadError(
+                    f"{folder}: weight file {file_name} named in the index is missing"
+                )
+            with safe_open(path, framework="pt") as handle:
+                keys = list(handle.keys())
+            for key in keys:
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer derived from rope_theta, saved by old checkpoints
+                if key == "lm_head.weight" and spec.tie_word_embeddings:
+                    continue  # tied: transformers ignores the copy and uses the embedding
+                self._where[key] = (path, key)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def iter(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        by_file: dict[Path, list[str]] = {}
+        for name, (path, _) in self._where.items():
+            by_file.setdefault(path, []).append(name)
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                for name in names:
+                    tensor = handle.get_tensor(self._where[name][1])
+                    target = torch.float32 if name.endswith("norm.weight") else dtype
+                    yield name, tensor.to(device=device, dtype=target).contiguous()
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as text or as a serialized AddedToken."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"  # where transformers >= 4.43 saves it
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = folder / "chat_template.json"
+    template = tokenizer_config.get("chat_template")
+    if template is None and json_file.exists():
+        template = _read_json(json_file).get("chat_template")
+    if isinstance(template, list):  # named templates: the one called "default" is the chat one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+
+
+def hf_tokenizer(folder: Path, config: dict[str, Any]) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ModelLoadError(
+            f"{folder} has no tokenizer.json; a Hugging Face model folder needs config.json, "
+            "*.safetensors and tokenizer.json"
+        )
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises a bare Exception on a malformed file
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    tok_config_path = folder / "tokenizer_config.json"
+    tok_config = _read_json(tok_config_path) if tok_config_path.exists() else {}
+    gen_config_path = folder / "generation_config.json"
+    gen_config = _read_json(gen_config_path) if gen_config_path.exists() else {}
+
+    if "bos_token" in tok_config:  # may be null on purpose (Qwen): then there is no BOS
+        bos_text = _token_text(tok_config["bos_token"])
+        bos_id = backend.token_to_id(bos_text) if bos_text else None
+    else:
+        bos_id = config.get("bos_token_id")
+    if "add_bos_token" in tok_config:
+        add_bos = bool(tok_config["add_bos_token"])
+    else:
+        # No flag: the tokenizer.json post-processor decides, as in transformers.
+        with_specials = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and with_specials[:1] == [bos_id]
+
+    eos_text = _token_text(tok_config.get("eos_token"))
+    eos_ids = _ids(gen_config.get("eos_token_id")) | _ids(config.get("eos_token_id"))
+    if eos_text and backend.token_to_id(eos_text) is not None:
+        eos_ids.add(backend.token_to_id(eos_text))
+    template = _chat_template(folder, tok_config)
+    if template is not None:
+        eos_ids |= chat_stop_token_ids(backend)
+    return Tokenizer(
+        backend,
+        bos_token_id=bos_id,
+        eos_token_ids=eos_ids,
+        add_bos=add_bos,
+        chat_template=template,
+    )
+
+
+def load_hf_folder(folder: Path) -> tuple[ModelSpec, Tokenizer, SafetensorsWeights]:
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(
+            f"{folder} has no config.json; a Hugging Face model folder needs config.json, "
+            "*.safetensors and tokenizer.json"
+        )
+    config = _read_json(config_path)
+    spec = hf_spec(config, folder)
+    tokenizer = hf_tokenizer(folder, config)
+    return spec, tokenizer, SafetensorsWeights(folder, spec)

@@ -1,0 +1,224 @@
+"""Random-weight models with real shapes ("random:qwen3-8b"), for benchmarks and GPU tests.
+
+No machine here reaches a model hub, so the large shapes exist only as presets. Weights are
+reproducible and independent of how they are produced: each tensor comes from its own
+generator, seeded by (random_seed, tensor name), on the target device, so iteration order,
+which tensors are skipped, and how many devices share the work change nothing. Values are
+drawn in float32 and then cast, so a bf16 model holds the bf16 roundings of the float32 one.
+
+Scales keep activations O(1) through many layers: projections N(0, 1/fan_in), embeddings
+N(0, 0.02^2), biases N(0, 0.1^2), every norm weight 1.
+
+The tokenizer is byte-level: ids 0-255 are the bytes, then a few special tokens, then unused
+ids up to the vocabulary size, with a ChatML template, so text prompts work end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import tokenizers
+import torch
+from tokenizers import AddedToken, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+from lockstep.errors import ModelLoadError
+from lockstep.models.spec import ModelSpec, RopeScaling
+from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet
+
+
+@dataclass(frozen=True)
+class Preset:
+    spec: ModelSpec
+    add_bos: bool  # as the real model's tokenizer does
+
+
+def _tiny(family: str, **flags: bool) -> ModelSpec:
+    return ModelSpec(
+        family=family, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position=4096, tie_word_embeddings=flags.pop("tie", False), **flags,
+    )  # fmt: skip
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(_tiny("llama"), add_bos=True),
+    "tiny-qwen2": Preset(_tiny("qwen2", qkv_bias=True, tie=True), add_bos=False),
+    "tiny-qwen3": Preset(_tiny("qwen3", qk_norm=True), add_bos=False),
+    "smollm2-135m": Preset(
+        ModelSpec(
+            family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+            rms_norm_eps=1e-5, max_position=8192, tie_word_embeddings=True,
+        ),
+        add_bos=False,
+    ),
+    "qwen2-0.5b": Preset(
+        ModelSpec(
+            family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=True, qkv_bias=True,
+        ),
+        add_bos=False,
+    ),
+    "qwen3-0.6b": Preset(
+        ModelSpec(
+            family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+            num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=True, qk_norm=True,
+        ),
+        add_bos=False,
+    ),
+    "qwen3-8b": Preset(
+        ModelSpec(
+            family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=False, qk_norm=True,
+        ),
+        add_bos=False,
+    ),
+    "llama3-8b": Preset(
+        ModelSpec(
+            family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+            rms_norm_eps=1e-5, max_position=131072, tie_word_embeddings=False,
+            rope_scaling=RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+            ),
+        ),
+        add_bos=True,
+    ),
+}  # fmt: skip
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def expected_weight_names(spec: ModelSpec) -> list[str]:
+    """Every canonical tensor name (spec.py) a model of this spec has, in layer order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}."
+        names.append(prefix + "input_layernorm.weight")
+        for proj in ("q", "k", "v", "o"):
+            names.append(f"{prefix}self_attn.{proj}_proj.weight")
+        if spec.qkv_bias:
+            names += [f"{prefix}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
+        if spec.qk_norm:
+            names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
+        names.append(prefix + "post_attention_layernorm.weight")
+        names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
+    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    leaf = name.split(".")[-2] + "." + name.split(".")[-1]
+    shapes = {
+        "embed_tokens.weight": (v, h),
+        "lm_head.weight": (v, h),
+        "norm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (spec.q_size, h),
+        "k_proj.weight": (spec.kv_size, h),
+        "v_proj.weight": (spec.kv_size, h),
+        "o_proj.weight": (h, spec.q_size),
+        "q_proj.bias": (spec.q_size,),
+        "k_proj.bias": (spec.kv_size,),
+        "v_proj.bias": (spec.kv_size,),
+        "q_norm.weight": (spec.head_dim,),
+        "k_norm.weight": (spec.head_dim,),
+        "gate_proj.weight": (i, h),
+        "up_proj.weight": (i, h),
+        "down_proj.weight": (h, i),
+    }
+    return shapes[leaf]
+
+
+def _tensor_seed(random_seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{random_seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class RandomWeights:
+    """Weights of a preset, generated tensor by tensor on demand."""
+
+    def __init__(self, spec: ModelSpec, random_seed: int) -> None:
+        self._spec = spec
+        self._seed = random_seed
+        self._names = expected_weight_names(spec)
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def tensor(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        shape = weight_shape(self._spec, name)
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.float32, device=device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_tensor_seed(self._seed, name))
+        values = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
+        if name.endswith(".bias"):
+            std = 0.1
+        elif "embed_tokens" in name:
+            std = 0.02
+        else:
+            std = shape[1] ** -0.5
+        return values.mul_(std).to(dtype)
+
+    def iter(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._names:
+            yield name, self.tensor(name, dtype, device)
+
+
+def byte_tokenizer(vocab_size: int, add_bos: bool) -> Tokenizer:
+    """Bytes as ids 0-255, SPECIAL_TOKENS next, then "<|unused_N|>" up to vocab_size."""
+    first_unused = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < first_unused:
+        raise ModelLoadError(
+            f"a byte tokenizer needs vocab_size >= {first_unused}, got {vocab_size}"
+        )
+    alphabet = byte_level_alphabet()
+    vocab = {alphabet[b]: b for b in range(256)}
+    for offset, token in enumerate(SPECIAL_TOKENS):
+        vocab[token] = 256 + offset
+    # Unused ids stay plain vocabulary entries: BPE without merges never produces them from
+    # text, and registering ~150,000 added tokens would slow every encode.
+    for index in range(first_unused, vocab_size):
+        vocab[f"<|unused_{index}|>"] = index
+    backend = tokenizers.Tokenizer(BPE(vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    return Tokenizer(
+        backend,
+        bos_token_id=vocab["<|bos|>"],
+        eos_token_ids={vocab["<|eos|>"], vocab["<|im_end|>"]},
+        add_bos=add_bos,
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def load_preset(name: str, random_seed: int) -> tuple[ModelSpec, Tokenizer, RandomWeights]:
+    if name not in PRESETS:
+        raise ModelLoadError(
+            f"unknown preset random:{name}; presets: {', '.join('random:' + p for p in PRESETS)}"
+        )
+    preset = PRESETS[name]
+    tokenizer = byte_tokenizer(preset.spec.vocab_size, preset.add_bos)
+    return preset.spec, tokenizer, RandomWeights(preset.spec, random_seed)
