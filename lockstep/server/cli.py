@@ -17,6 +17,7 @@ import socket
 import sys
 from typing import Any
 
+from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.config import EngineConfig
 from lockstep.errors import ConfigError, ModelLoadError
 
@@ -30,12 +31,6 @@ def add_serve_parser(subparsers: Any) -> None:
         help="serve the OpenAI-compatible HTTP API",
         description="Serve an OpenAI-compatible HTTP API (see docs/server.md).",
     )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, Hugging Face folder or random:<preset>"
-        " (default: the embedded SmolLM2-135M-Instruct)",
-    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
@@ -47,44 +42,8 @@ def add_serve_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
-    engine = parser.add_argument_group("engine options (see EngineConfig)")
-    defaults = EngineConfig()
-    engine.add_argument("--mode", default=defaults.mode, help="deterministic | fast")
-    engine.add_argument("--device", default=defaults.device, help="auto | cpu | cuda")
-    engine.add_argument("--dtype", default=defaults.dtype, help="auto | float32 | bfloat16")
-    engine.add_argument("--kv-tokens", type=int, default=defaults.kv_tokens)
-    engine.add_argument("--kv-memory-fraction", type=float, default=defaults.kv_memory_fraction)
-    engine.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    engine.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
-    engine.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
-    engine.add_argument("--max-running", type=int, default=defaults.max_running)
-    engine.add_argument(
-        "--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=True
-    )
-    engine.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=True)
-    engine.add_argument("--num-threads", type=int, default=defaults.num_threads)
-    engine.add_argument("--random-seed", type=int, default=defaults.random_seed)
-    engine.add_argument("--debug-checks", action="store_true", default=False)
+    add_engine_arguments(parser)
     parser.set_defaults(func=run_serve_command)
-
-
-_ENGINE_OPTIONS = (
-    "model",
-    "mode",
-    "device",
-    "dtype",
-    "kv_tokens",
-    "kv_memory_fraction",
-    "max_model_len",
-    "max_batch_tokens",
-    "chunk_size",
-    "max_running",
-    "enable_prefix_cache",
-    "cuda_graphs",
-    "num_threads",
-    "random_seed",
-    "debug_checks",
-)
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
@@ -92,7 +51,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = EngineConfig.from_options(**{k: getattr(args, k) for k in _ENGINE_OPTIONS})
+        config = EngineConfig.from_options(**engine_options_from_args(args))
         sock = _bind(args.host, args.port)
     except (ConfigError, OSError) as exc:
         print(f"lockstep serve: error: {exc}", file=sys.stderr)

@@ -93,7 +93,9 @@ def completion_logprobs(
 
 def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
     text = tokenizer.token_str(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    # A byte-level token may hold part of a UTF-8 sequence: its raw bytes, not its display text.
+    raw = tokenizer.token_bytes(token_id) if hasattr(tokenizer, "token_bytes") else text.encode()
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]:
