@@ -1,0 +1,197 @@
+"""Computes one token sequence in many different ways through the engine's real components
+(KV pool, radix cache, model runner layout, decoder, ops backend) and compares every position
+bitwise with one cold full prefill: logits rows and the K/V entries written to the cache.
+
+A "way" (`Plan`) is: a prefix-cache hit of some length (another sequence sharing that prefix
+was computed and cached first, so the hit may end mid-node, mid key block, mid split), a
+partition of the rest into forward passes (chunk sizes 1 = decode steps), and random
+batch-mates sharing each pass (other sequences at random stages of their own prefill).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from lockstep.engine.engine import Engine
+from lockstep.engine.forward_batch import ForwardBatch
+from lockstep.ops.base import build_attention_meta
+
+
+@dataclass
+class Plan:
+    prefix_len: int  # tokens served from the radix cache (0: cold)
+    chunks: list[int]  # sizes of the forward passes over the remaining positions
+    mates_per_step: list[list[int]] = field(default_factory=list)  # mate lengths per pass
+
+    def describe(self) -> str:
+        return f"prefix={self.prefix_len} chunks={self.chunks} mates={self.mates_per_step}"
+
+
+@dataclass
+class Computed:
+    logits: torch.Tensor  # [n - first_computed, V] for positions first_computed..n-1
+    first_computed: int
+    k: torch.Tensor  # [layers, n, Hkv, D]
+    v: torch.Tensor
+
+
+class _Scratch:
+    def __init__(self, engine: Engine, n: int) -> None:
+        spec = engine.decoder.spec
+        shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=engine.pool.k_cache(0).dtype, device=engine.device)
+        self.v = torch.zeros_like(self.k)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
+
+def reference(engine: Engine, tokens: list[int]) -> Computed:
+    """One cold full prefill in a private cache (slots 0..n-1)."""
+    n = len(tokens)
+    scratch = _Scratch(engine, n)
+    slots = torch.arange(n, dtype=torch.int64)
+    batch = ForwardBatch(
+        token_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=slots.clone(),
+        out_slots=slots,
+        meta=build_attention_meta([n], [0], [slots]),
+        logit_rows=slots.clone(),
+    ).to(engine.device)
+    logits = engine.decoder.forward(batch, scratch).cpu()
+    return Computed(logits, 0, scratch.k.cpu(), scratch.v.cpu())
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    slots: list[int]
+    done: int  # positions computed
+
+
+def _step(engine: Engine, parts: list[tuple[_Seq, int]]) -> list[torch.Tensor]:
+    """One forward pass computing `n` more positions of each sequence; returns each part's
+    logits rows (all rows of the part)."""
+    tokens, positions, out_slots, rows = [], [], [], []
+    counts, starts, tables = [], [], []
+    need = sum(n for _, n in parts)
+    if engine.pool.num_free < need:
+        engine.radix.evict(need - engine.pool.num_free)
+    for seq, n in parts:
+        start, end = seq.done, seq.done + n
+        seq.slots.extend(engine.pool.alloc(n).tolist())
+        rows.append((len(tokens), len(tokens) + n))
+        tokens += seq.tokens[start:end]
+        positions += list(range(start, end))
+        out_slots += seq.slots[start:end]
+        counts.append(n)
+        starts.append(start)
+        tables.append(seq.slots[:end])
+    i64 = torch.int64
+    batch = ForwardBatch(
+        token_ids=torch.tensor(tokens, dtype=i64),
+        positions=torch.tensor(positions, dtype=i64),
+        out_slots=torch.tensor(out_slots, dtype=i64),
+        meta=build_attention_meta(counts, starts, tables),
+        logit_rows=torch.arange(len(tokens), dtype=i64),
+    ).to(engine.device)
+    logits = engine.decoder.forward(batch, engine.pool).cpu()
+    for seq, n in parts:
+        seq.done += n
+    return [logits[a:b] for a, b in rows]
+
+
+def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -> Computed:
+    """Compute `tokens` following `plan` through the engine's pool and radix cache. Leaves the
+    pool and cache as it found them apart from cached (unlocked) entries."""
+    pool, radix = engine.pool, engine.radix
+    vocab = engine.decoder.spec.vocab_size
+    owned: list[torch.Tensor] = []
+    locked = []
+    seq = _Seq(tokens, [], 0)
+    if plan.prefix_len > 0:
+        # A donor shares tokens[:prefix_len] and continues differently; it is computed and
+        # cached, so the hit below ends inside (or at the end of) the donor's node.
+        donor = _Seq(tokens[: plan.prefix_len] + [rng.randrange(vocab) for _ in range(3)], [], 0)
+        while donor.done < len(donor.tokens):
+            _step(engine, [(donor, min(rng.randint(1, 8), len(donor.tokens) - donor.done))])
+        res = radix.insert(donor.tokens, torch.tensor(donor.slots, dtype=torch.int64))
+        if res.duplicate_slots.numel():
+            pool.free(res.duplicate_slots)
+        match = radix.match_prefix(tokens[: plan.prefix_len])
+        assert match.length == plan.prefix_len, (match.length, plan.prefix_len)
+        radix.lock(match.node)
+        locked.append(match.node)
+        seq.slots = match.slots.tolist()
+        seq.done = match.length
+    first = seq.done
+    logits_parts = []
+    mates: list[_Seq] = []
+    for i, n in enumerate(plan.chunks):
+        parts = [(seq, n)]
+        for length in plan.mates_per_step[i] if i < len(plan.mates_per_step) else []:
+            mate = _Seq([rng.randrange(vocab) for _ in range(length)], [], 0)
+            mate_n = rng.randint(1, length)
+            mates.append(mate)
+            parts.append((mate, mate_n))
+        rng.shuffle(parts)  # the sequence's row offset in the pass varies too
+        out = _step(engine, parts)
+        logits_parts.append(out[[p[0] for p in parts].index(seq)])
+    n_total = len(tokens)
+    assert seq.done == n_total, (seq.done, n_total)
+    slot_ids = torch.tensor(seq.slots, dtype=torch.int64)
+    spec = engine.decoder.spec
+    slot_ids = slot_ids.to(engine.device)
+    k = torch.stack([pool.k_cache(i)[slot_ids] for i in range(spec.num_layers)])
+    v = torch.stack([pool.v_cache(i)[slot_ids] for i in range(spec.num_layers)])
+    # Give everything back: the sequence's own slots and the mates' slots are freed.
+    own = seq.slots[first:]
+    owned.append(torch.tensor(own, dtype=torch.int64))
+    owned += [torch.tensor(m.slots, dtype=torch.int64) for m in mates]
+    for slots in owned:
+        if slots.numel():
+            pool.free(slots)
+    for node in locked:
+        radix.unlock(node)
+    return Computed(torch.cat(logits_parts), first, k.cpu(), v.cpu())
+
+
+def random_plan(rng: random.Random, n: int, max_mates: int, allow_prefix: bool = True) -> Plan:
+    prefix = rng.randint(0, n - 1) if allow_prefix and rng.random() < 0.6 else 0
+    rest = n - prefix
+    chunks = []
+    style = rng.random()
+    while rest > 0:
+        if style < 0.25:
+            c = 1  # decode, one token at a time
+        elif style < 0.5:
+            c = rest  # one prefill of everything left
+        else:
+            c = rng.randint(1, rest)
+        chunks.append(c)
+        rest -= c
+    mates = [[rng.randint(1, 24) for _ in range(rng.randint(0, max_mates))] for _ in chunks]
+    return Plan(prefix, chunks, mates)
+
+
+def mismatches(ref: Computed, got: Computed) -> list[str]:
+    """Describe every way `got` differs from `ref` bitwise (empty: identical)."""
+    problems = []
+    ref_rows = ref.logits[got.first_computed :]
+    if not torch.equal(ref_rows, got.logits):
+        bad = (ref_rows != got.logits).any(dim=1).nonzero().flatten()
+        problems.append(
+            f"logits differ at positions {(bad + got.first_computed).tolist()[:8]}, "
+            f"max |delta| {float((ref_rows - got.logits).abs().max()):.3g}"
+        )
+    for name, a, b in (("K", ref.k, got.k), ("V", ref.v, got.v)):
+        if not torch.equal(a, b):
+            bad = (a != b).flatten(2).any(dim=2).any(dim=0).nonzero().flatten()
+            problems.append(f"{name} cache differs at positions {bad.tolist()[:8]}")
+    return problems

@@ -1,0 +1,202 @@
+"""The serving engine end to end: continuous batching, prefix reuse, eviction, preemption,
+abort, seeded sampling, stop conditions, accounting (issue: serving engine).
+
+The central test runs 64 requests with overlapping prefixes together under a KV budget tight
+enough to force eviction and preemption, and requires exactly the tokens and logprobs of
+running each request alone on a cold cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+from lockstep.engine.outputs import StepOutput
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.errors import RequestError
+
+
+def _engine(model: str | None, **options) -> Engine:
+    options.setdefault("kv_tokens", 4096)
+    options.setdefault("debug_checks", True)
+    return Engine(EngineConfig(model=model, device="cpu", dtype="float32", **options))
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    results: dict[str, list[StepOutput]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id].append(out)
+    return {
+        rid: (
+            [t for o in outs for t in o.new_token_ids],
+            [lp for o in outs for lp in o.new_token_logprobs],
+            outs[-1].cached_tokens,
+            outs[-1].finish_reason,
+        )
+        for rid, outs in results.items()
+    }
+
+
+def _overlapping_prompts(rng: random.Random, vocab: int, count: int) -> list[list[int]]:
+    stems = [[rng.randrange(vocab) for _ in range(rng.randint(8, 40))] for _ in range(5)]
+    prompts = []
+    for _ in range(count):
+        stem = rng.choice(stems)
+        cut = rng.randint(1, len(stem))
+        prompts.append(stem[:cut] + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))])
+    return prompts
+
+
+def _assert_pool_free(engine: Engine) -> None:
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats["kv_in_use"] == 0 and stats["num_running"] == 0
+    engine.flush_cache()
+    assert engine.pool.num_free == engine.pool.num_slots, engine.stats()
+
+
+@pytest.mark.parametrize(("model", "gen", "kv_tokens"), [("random:tiny", 16, 700), (None, 8, 600)])
+def test_batched_with_eviction_and_preemption_equals_alone(model, gen, kv_tokens) -> None:
+    rng = random.Random(0)
+    engine = _engine(model, kv_tokens=kv_tokens, max_batch_tokens=256, chunk_size=48)
+    vocab = engine.decoder.spec.vocab_size
+    prompts = _overlapping_prompts(rng, vocab, 64)
+    params = [
+        SamplingParams(max_tokens=gen, temperature=t, seed=i, ignore_eos=True, logprobs=0)
+        for i, t in enumerate(rng.choice([0.0, 1.0]) for _ in prompts)
+    ]
+    together = _run(engine, {f"r{i}": (p, params[i]) for i, p in enumerate(prompts)})
+    assert engine.scheduler.num_preemptions > 0, "the KV budget did not force a preemption"
+    assert any(cached > 0 for _, _, cached, _ in together.values()), "no prefix was reused"
+    _assert_pool_free(engine)
+
+    for i, prompt in enumerate(prompts):
+        engine.flush_cache()  # cold cache: the request runs alone from scratch
+        alone = _run(engine, {"alone": (prompt, params[i])})["alone"]
+        assert alone[2] == 0
+        assert together[f"r{i}"][:2] == alone[:2], f"request {i} differs when batched"
+    _assert_pool_free(engine)
+
+
+def test_negative_control_fast_mode_batched_differs() -> None:
+    """The same comparison in fast mode must find a difference (the test can fail)."""
+    rng = random.Random(1)
+    engine = _engine(None, mode="fast", max_batch_tokens=512, chunk_size=256)
+    vocab = engine.decoder.spec.vocab_size
+    prompts = _overlapping_prompts(rng, vocab, 16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    together = _run(engine, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    differs = 0
+    for i, prompt in enumerate(prompts):
+        engine.flush_cache()
+        alone = _run(engine, {"alone": (prompt, params)})["alone"]
+        differs += together[f"r{i}"][1] != alone[1]
+    assert differs > 0
+
+
+def test_seeded_sampling_alone_vs_among_31_others() -> None:
+    engine = _engine(None, max_batch_tokens=512)
+    rng = random.Random(2)
+    vocab = engine.decoder.spec.vocab_size
+    probe = engine.tokenizer.encode("Once upon a time")
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _run(engine, {"probe": (probe, params)})["probe"]
+    engine.flush_cache()
+    others = {
+        f"o{i}": (
+            [rng.randrange(vocab) for _ in range(rng.randint(2, 30))],
+            SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True),
+        )
+        for i in range(31)
+    }
+    batched = _run(engine, {"probe": (probe, params), **others})["probe"]
+    assert batched[:2] == alone[:2]
+    other_seed = _run(engine, {"p2": (probe, SamplingParams(
+        max_tokens=24, temperature=1.0, seed=4321, ignore_eos=True))})["p2"]  # fmt: skip
+    assert other_seed[0] != alone[0], "different seeds gave the same 24 tokens"
+    _assert_pool_free(engine)
+
+
+def test_unseeded_request_reports_its_seed_and_reproduces() -> None:
+    engine = _engine("random:tiny")
+    engine.add_request(
+        "a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    )
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    seed = outs[-1].seed
+    again = _run(engine, {"b": ([1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0,
+                                                        seed=seed, ignore_eos=True))})  # fmt: skip
+    assert again["b"][0] == [t for o in outs for t in o.new_token_ids]
+
+
+def test_abort_mid_decode_frees_slots_at_once() -> None:
+    engine = _engine("random:tiny")
+    engine.add_request("x", list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.stats()["kv_in_use"] > 0
+    engine.abort_request("x")
+    assert engine.stats()["kv_in_use"] == 0
+    assert not engine.has_unfinished()
+    _assert_pool_free(engine)
+
+
+def test_prompt_that_can_never_fit_is_rejected() -> None:
+    engine = _engine("random:tiny", kv_tokens=64)
+    with pytest.raises(RequestError, match="KV pool"):
+        engine.add_request("big", list(range(1, 60)), SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="max_model_len"):
+        engine.add_request("long", [1] * (engine.max_model_len + 1), SamplingParams(max_tokens=1))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(RequestError, match="out of range"):
+        engine.add_request("bad", [10**9], SamplingParams())
+    assert not engine.has_unfinished()
+
+
+def test_stop_conditions_and_accounting() -> None:
+    engine = _engine(None)
+    prompt = engine.tokenizer.encode("1, 2, 3, 4, 5,")
+    free_run = _run(engine, {"a": (prompt, SamplingParams(max_tokens=12, temperature=0))})["a"]
+    tokens = free_run[0]
+    assert free_run[3] in ("length", "stop")
+    # A stop token id taken from the free run ends generation right there.
+    stop_id = tokens[3]
+    first = tokens.index(stop_id)
+    res = _run(engine, {"b": (prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                     stop_token_ids=[stop_id]))})["b"]  # fmt: skip
+    assert res[0] == tokens[: first + 1] and res[3] == "stop"
+    # Repeating the prompt hits the cache.
+    assert res[2] > 0
+    # A stop string cuts the text.
+    engine.add_request("c", prompt, SamplingParams(max_tokens=12, temperature=0, stop=[" 8"]))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    text = "".join(o.new_text for o in outs)
+    assert " 8" not in text and outs[-1].finish_reason == "stop" and outs[-1].stop_reason == " 8"
+    _assert_pool_free(engine)
+
+
+def test_logprobs_top_alternatives_and_prompt_logprobs() -> None:
+    engine = _engine("random:tiny")
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=2)
+    engine.add_request("a", [5, 6, 7, 8], params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    pl = outs[0].prompt_logprobs
+    assert pl is not None and len(pl) == 4 and pl[0] is None
+    assert [e.token_id for e in pl[1:]] == [6, 7, 8]
+    for o in outs:
+        (lp,) = o.new_logprobs
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the top token
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]

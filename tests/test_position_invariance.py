@@ -1,0 +1,165 @@
+"""The property suite: position invariance, proven on random cases (DESIGN.md, "The contract").
+
+Each case draws a token sequence and a random way of computing it (a prefix-cache hit of any
+length, any partition into forward passes including one-token decode steps, random batch-mates
+in every pass at random row offsets) and compares every position's logits and K/V entries
+bitwise with one cold full prefill. Further tests cover decode versus teacher-forced scoring,
+prefix hits at every offset, and a restart in a second process. The negative control runs the
+same property in fast mode (plain torch, float32) and requires it to fail.
+
+Case counts: LOCKSTEP_LONG_TESTS=1 multiplies them (thousands of cases).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from invariance_harness import compute, mismatches, random_plan, reference
+
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+from lockstep.engine.sampling_params import SamplingParams
+
+LONG = os.environ.get("LOCKSTEP_LONG_TESTS") == "1"
+TINY_CASES = 2000 if LONG else 200
+DEFAULT_CASES = 400 if LONG else 40
+
+_SETTINGS = dict(
+    deadline=None,
+    derandomize=not LONG,  # CI runs the same cases every time; the long mode explores
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
+
+
+def _engine(model: str, mode: str = "deterministic", **options) -> Engine:
+    options.setdefault("kv_tokens", 4096)
+    return Engine(EngineConfig(model=model, mode=mode, device="cpu", dtype="float32", **options))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Engine:
+    return _engine("random:tiny")
+
+
+@pytest.fixture(scope="module")
+def default_model() -> Engine:
+    return _engine(None)
+
+
+def _check_case(engine: Engine, seed: int, max_len: int, max_mates: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, max_len)
+    tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+    plan = random_plan(rng, n, max_mates)
+    ref = reference(engine, tokens)
+    got = compute(engine, tokens, plan, rng)
+    problems = mismatches(ref, got)
+    assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
+    engine.check_integrity()
+
+
+@settings(max_examples=TINY_CASES, **_SETTINGS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_any_schedule_matches_cold_prefill_tiny(tiny: Engine, seed: int) -> None:
+    _check_case(tiny, seed, max_len=160, max_mates=4)
+
+
+@settings(max_examples=DEFAULT_CASES, **_SETTINGS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_any_schedule_matches_cold_prefill_default_model(default_model: Engine, seed: int) -> None:
+    _check_case(default_model, seed, max_len=48, max_mates=2)
+
+
+@pytest.mark.parametrize("model", ["random:tiny-qwen2", "random:tiny-qwen3"])
+def test_other_families_keep_the_contract(model: str) -> None:
+    engine = _engine(model)
+    for seed in range(15):
+        _check_case(engine, seed, max_len=100, max_mates=3)
+
+
+def test_prefix_hit_at_every_offset(tiny: Engine) -> None:
+    """Cache hits of every length 1..n-1 (so every offset modulo the key block and split)."""
+    rng = random.Random(7)
+    n = 150
+    tokens = [rng.randrange(tiny.decoder.spec.vocab_size) for _ in range(n)]
+    ref = reference(tiny, tokens)
+    from invariance_harness import Plan
+
+    for prefix in range(1, n):
+        rest = n - prefix
+        got = compute(tiny, tokens, Plan(prefix, [rest], [[rng.randint(1, 9)]]), rng)
+        problems = mismatches(ref, got)
+        assert not problems, f"prefix={prefix}: " + "; ".join(problems)
+        tiny.flush_cache()
+    tiny.check_integrity()
+
+
+def test_generation_logprobs_equal_scoring(default_model: Engine) -> None:
+    """Decode one token at a time vs a prefill of the whole text: the logprob each generated
+    token got equals, bit for bit, its teacher-forced score, greedy and sampled."""
+    from lockstep.engine.llm import LLM
+
+    llm = LLM.__new__(LLM)  # reuse the module's engine instead of loading the model again
+    llm.engine, llm.tokenizer, llm._counter = default_model, default_model.tokenizer, 0
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=20, temperature=temperature, seed=11, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
+        for out, score in zip(outs, scores, strict=True):
+            tail = score.logprobs[len(out.prompt_token_ids) :]
+            assert tail == out.logprobs, (temperature, out.text)
+    default_model.check_integrity()
+
+
+_RESTART_SCRIPT = """
+import json, random, sys, torch
+sys.path.insert(0, sys.argv[1])
+from invariance_harness import reference
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+e = Engine(EngineConfig(model="random:tiny", device="cpu", dtype="float32", kv_tokens=512))
+rng = random.Random(5)
+tokens = [rng.randrange(e.decoder.spec.vocab_size) for _ in range(64)]
+ref = reference(e, tokens)
+print(json.dumps(ref.logits.view(torch.int32).flatten().tolist()[:4096]))
+"""
+
+
+def test_restart_in_a_second_process(tiny: Engine) -> None:
+    """A fresh process (new engine, new extension load, new allocations) gives the same bits."""
+    here = os.path.dirname(__file__)
+    out = subprocess.run(
+        [sys.executable, "-c", _RESTART_SCRIPT, here],
+        capture_output=True, text=True, check=True, timeout=600,
+    )  # fmt: skip
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    rng = random.Random(5)
+    tokens = [rng.randrange(tiny.decoder.spec.vocab_size) for _ in range(64)]
+    ours = reference(tiny, tokens).logits.view(torch.int32).flatten().tolist()[:4096]
+    assert ours == theirs
+
+
+def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
+    """The same property in fast mode (plain torch, float32) must fail: the suite can fail."""
+    engine = _engine(None, mode="fast")
+    failures = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        n = rng.randint(4, 32)
+        tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+        ref = reference(engine, tokens)
+        plan = random_plan(rng, n, max_mates=3, allow_prefix=False)
+        plan.mates_per_step = [[rng.randint(4, 24) for _ in range(3)] for _ in plan.chunks]
+        got = compute(engine, tokens, plan, rng)
+        failures += bool(mismatches(ref, got))
+    assert failures > 0, "fast mode kept batch invariance on every case: the check is blind"
