@@ -1,0 +1,85 @@
+"""The deterministic GPU backend: Triton kernels whose rows do not depend on the schedule.
+
+Every method is a thin call into `lockstep.ops.triton`; the contract each kernel keeps is in
+its module docstring. Importing this module never fails for lack of triton or CUDA (CPU-only
+machines import the package tree); constructing the backend without triton does, with a clear
+message. With TRITON_INTERPRET=1 set before triton is imported, the kernels also run on CPU
+tensors (float32), which is how tests/test_ops_triton.py runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.ops.base import AttentionMeta
+
+try:
+    from lockstep.ops.triton import activation, kv_write, log_softmax, matmul, norm, rope
+    from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:  # triton missing: report when the backend is asked for
+    _IMPORT_ERROR = exc
+
+
+class GpuDeterministicOps:
+    """Ops backend over the Triton kernels (default on CUDA)."""
+
+    name = "gpu_deterministic"
+    deterministic = True
+
+    def __init__(self, attention_config: AttentionConfig | None = None) -> None:
+        if _IMPORT_ERROR is not None:
+            raise RuntimeError(
+                f"the gpu_deterministic backend needs triton ({_IMPORT_ERROR}); install the "
+                "'gpu' extra or use mode=fast"
+            )
+        self.attention_config = attention_config or DEFAULT_CONFIG
+
+    def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        # [N, K] with K contiguous is the layout both matmul kernels read.
+        return weight.contiguous()
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return matmul.matmul(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return activation.silu_mul(gate_up)
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        return rope.rope(x, positions, cos, sin)
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        kv_write.write_kv(k_cache, v_cache, k, v, slots)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta, scale, self.attention_config)
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return log_softmax.log_softmax(logits)

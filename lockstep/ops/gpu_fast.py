@@ -1,0 +1,133 @@
+"""The fast GPU backend (`--mode fast`): cuBLAS, torch SDPA and torch norms.
+
+It exists to measure what determinism costs and as the negative control: cuBLAS picks kernels
+by M and SDPA tiles by sequence length, so rows here may change with the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.ops.base import AttentionMeta
+
+
+class GpuFastOps:
+    """Ops backend over plain torch CUDA ops (not position invariant)."""
+
+    name = "gpu_fast"
+    deterministic = False
+
+    def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (h * weight.float()).to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        res = x + residual
+        return self.rms_norm(res, weight, eps), res
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        c = cos[positions.long()][:, None, :]
+        s = sin[positions.long()][:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        idx = slots.long()
+        k_cache[idx] = k
+        v_cache[idx] = v
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decode rows (one query) go through one padded SDPA call; each prefill or extend
+        chunk through its own call with a causal mask offset by its cached prefix."""
+        out = torch.empty_like(q)
+        cu_q = meta.cu_q.tolist()
+        q_start = meta.q_start.tolist()
+        kv_len = meta.kv_len.tolist()
+        cu_kv = meta.cu_kv.tolist()
+        decode = [b for b in range(meta.num_seqs) if cu_q[b + 1] - cu_q[b] == 1]
+        if decode:
+            self._decode(out, q, k_cache, v_cache, meta, scale, decode, cu_q, kv_len, cu_kv)
+        dec = set(decode)
+        for b in range(meta.num_seqs):
+            lo, hi = cu_q[b], cu_q[b + 1]
+            if b in dec or hi == lo:
+                continue
+            slots = meta.slot_table[cu_kv[b] : cu_kv[b + 1]].long()
+            k = k_cache[slots].transpose(0, 1)[None]
+            v = v_cache[slots].transpose(0, 1)[None]
+            qb = q[lo:hi].transpose(0, 1)[None]
+            if q_start[b] == 0:
+                o = F.scaled_dot_product_attention(
+                    qb, k, v, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                qpos = torch.arange(q_start[b], q_start[b] + hi - lo, device=q.device)
+                kpos = torch.arange(kv_len[b], device=q.device)
+                mask = kpos[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(
+                    qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            out[lo:hi] = o[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+        decode: list[int],
+        cu_q: list[int],
+        kv_len: list[int],
+        cu_kv: list[int],
+    ) -> None:
+        dev = q.device
+        lens = torch.tensor([kv_len[b] for b in decode], device=dev)
+        starts = torch.tensor([cu_kv[b] for b in decode], device=dev)
+        width = int(max(kv_len[b] for b in decode))
+        j = torch.arange(width, device=dev)
+        valid = j[None, :] < lens[:, None]
+        idx = torch.where(valid, starts[:, None] + j[None, :], 0)
+        slots = meta.slot_table.long()[idx]  # [Bd, L]
+        k = k_cache[slots].permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
+        v = v_cache[slots].permute(0, 2, 1, 3)
+        rows = torch.tensor([cu_q[b] for b in decode], device=dev)
+        qb = q[rows][:, :, None, :]  # [Bd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            qb, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        out[rows] = o[:, :, 0, :]

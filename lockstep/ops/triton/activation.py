@@ -1,0 +1,33 @@
+"""SiLU-and-multiply for gated MLPs, exact per element (float32 math, one rounding)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_mul_kernel(gu, y, inter, sg, sy, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(gu + row * sg + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu + row * sg + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y + row * sy + offs, out.to(y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] (gate first) -> silu(gate) * up [M, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"silu_mul wants [M, 2I] rows contiguous; got {tuple(gate_up.shape)}")
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    y = torch.empty((m, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if m:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(m, triton.cdiv(inter, block))](
+            gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block, num_warps=4
+        )
+    return y

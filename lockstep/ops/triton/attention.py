@@ -1,0 +1,384 @@
+"""Paged causal attention for prefill, extend and decode: one kernel family, one set of bits.
+
+Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
+
+    keys of a sequence, absolute positions:
+    |<------ split 0 (SPLIT keys) ------>|<------ split 1 ------>|<-- split 2 ...
+    | blk 0 | blk 1 | ... (BLOCK_N keys)| blk   | blk   | ...   |
+    0       B       2B                  S                       2S
+
+  * Keys are visited in blocks of BLOCK_N at absolute positions 0, B, 2B, ... and grouped into
+    splits of SPLIT keys at absolute positions 0, S, 2S, ...; each split starts a fresh
+    online-softmax state (max, sum, acc).
+  * Split partials are folded in ascending split order by `merge_partials`, the ONE
+    `@triton.jit` merge routine: in-kernel by the prefill path (`_attn_fwd`, WRITE_PARTIALS=0)
+    and in a second kernel by the split path (`_attn_merge`), so both compute the same sum.
+  * A block or split that is entirely in a row's causal future is an exact identity on that
+    row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
+    share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
+  * Rows of a tile are (query position, q head of one GQA group) pairs; every op on a row is
+    row-local, and the tile config (rows, BLOCK_N, warps) is the same for every path, so MMA
+    layouts and reduction orders do not change with the path.
+  * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
+    cannot contract the shared formulas differently.
+
+Workspace of the split path (float32), bounded by batch and wave size, never by context:
+    partials: WAVE * T * Hq * (D + 2) * 4 bytes, running state: T * Hq * (D + 2) * 4 bytes,
+with WAVE = min(splits of the longest sequence, max(1, WORKSPACE_BYTES // (T*Hq*(D+2)*4))).
+Contexts longer than WAVE * SPLIT run as several waves that fold into the running state in the
+same ascending order. The prefill path needs no workspace at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops.base import AttentionMeta
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile configuration. block_n and split are part of the numerics (changing them changes
+    bits); rows/warps/stages are not, as long as every path uses the same rows and warps."""
+
+    block_n: int = 64
+    split: int = 512
+    rows: int = 128  # query rows (position x head) per tile on the prefill path
+    rows_split: int = 128  # query rows per tile on the split (decode) path
+    num_warps: int = 8
+    num_warps_split: int = 8
+    num_stages: int = 2
+    num_stages_split: int = 3
+    split_path_max_tokens: int = 256  # T at or below this takes the split path
+    workspace_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.split % self.block_n:
+            raise ValueError(f"split={self.split} must be a multiple of block_n={self.block_n}")
+        for name in ("block_n", "rows", "rows_split"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16")
+
+
+# The production table (H200, Triton 3.6); see docs/gpu.md for how it was chosen.
+DEFAULT_CONFIG = AttentionConfig()
+
+
+@triton.jit
+def merge_partials(m_a, l_a, acc_a, m_b, l_b, acc_b):
+    """Fold partial (m_b, l_b, acc_b) into state (m_a, l_a, acc_a); m is in log2 units.
+    A partial with m = -inf (no visible key) is an exact identity."""
+    m_new = tl.maximum(m_a, m_b)
+    w_a = tl.where(m_a == m_new, 1.0, tl.exp2(m_a - m_new))
+    w_b = tl.where(m_b == m_new, 1.0, tl.exp2(m_b - m_new))
+    l_new = l_a * w_a + l_b * w_b
+    acc_new = acc_a * w_a[:, None] + acc_b * w_b[:, None]
+    return m_new, l_new, acc_new
+
+
+@triton.jit
+def finalize_rows(lsum, acc):
+    return acc / lsum[:, None]
+
+
+@triton.jit
+def _tile_rows(cu_q, q_start, b, tile, G: tl.constexpr, ROWS: tl.constexpr):
+    """Rows of this tile: query index within the chunk, head within the group, validity,
+    absolute position, and the tile's key bound hi (one past the last visible key)."""
+    q_lo = tl.load(cu_q + b)
+    n_q = tl.load(cu_q + b + 1) - q_lo
+    start = tl.load(q_start + b)
+    r = tile * ROWS + tl.arange(0, ROWS)
+    qi = r // G
+    gi = r % G
+    valid = qi < n_q
+    pos = tl.where(valid, start + qi, -1)
+    last_row = tl.minimum(tile * ROWS + ROWS, n_q * G) - 1
+    hi = tl.where(tile * ROWS < n_q * G, start + last_row // G + 1, 0)
+    return q_lo + qi, gi, valid, pos, hi
+
+
+@triton.jit
+def _split_partial(
+    q,
+    k_cache,
+    v_cache,
+    slots_ptr,
+    kvh,
+    skc,
+    skh,
+    svc,
+    svh,
+    pos,
+    lo,
+    hi,
+    qk_scale,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state."""
+    offs_d = tl.arange(0, D)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    lsum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        jmask = offs_j < hi
+        slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0).to(tl.int64)
+        k = tl.load(
+            k_cache + slots[:, None] * skc + kvh * skh + offs_d[None, :],
+            mask=jmask[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache + slots[:, None] * svc + kvh * svh + offs_d[None, :],
+            mask=jmask[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m = m_new
+    return m, lsum, acc
+
+
+@triton.jit
+def _attn_fwd(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    cu_q,
+    q_start,
+    cu_kv,
+    slot_table,
+    ws_m,
+    ws_l,
+    ws_acc,
+    wave_base,
+    R,
+    sqt,
+    sqh,
+    skc,
+    skh,
+    svc,
+    svh,
+    sot,
+    soh,
+    qk_scale,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    D: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+):
+    """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
+    in-kernel. Split path (WRITE_PARTIALS=1): one program per (tile, seq*kv head, split of this
+    wave), partials to the workspace for `_attn_merge`."""
+    n_tiles = tl.num_programs(0)
+    # Longest tiles (latest positions) first: better balance for causal prefill.
+    tile = n_tiles - 1 - tl.program_id(0)
+    b = tl.program_id(1) // HKV
+    kvh = tl.program_id(1) % HKV
+    tok, gi, valid, pos, hi = _tile_rows(cu_q, q_start, b, tile, G, ROWS)
+    head = kvh * G + gi
+    offs_d = tl.arange(0, D)
+    qrow = tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh
+    qt = tl.load(q + qrow[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    slots_ptr = slot_table + tl.load(cu_kv + b)
+    if WRITE_PARTIALS:
+        split = wave_base + tl.program_id(2)
+        lo = split * SPLIT
+        m, lsum, acc = _split_partial(
+            qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, lo,
+            tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D,
+        )  # fmt: skip
+        wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
+        smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
+        tl.store(ws_m + wrow, m, mask=smask)
+        tl.store(ws_l + wrow, lsum, mask=smask)
+        tl.store(ws_acc + wrow[:, None] * D + offs_d[None, :], acc, mask=smask[:, None])
+    else:
+        m_s = tl.full([ROWS], float("-inf"), tl.float32)
+        l_s = tl.zeros([ROWS], tl.float32)
+        acc_s = tl.zeros([ROWS, D], tl.float32)
+        for lo in range(0, hi, SPLIT):
+            m, lsum, acc = _split_partial(
+                qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, lo,
+                tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D,
+            )  # fmt: skip
+            m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
+        o = finalize_rows(l_s, acc_s)
+        orow = tok.to(tl.int64) * sot + head.to(tl.int64) * soh
+        tl.store(
+            out + orow[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=valid[:, None]
+        )
+
+
+@triton.jit
+def _attn_merge(
+    out,
+    cu_q,
+    q_start,
+    ws_m,
+    ws_l,
+    ws_acc,
+    st_m,
+    st_l,
+    st_acc,
+    wave_base,
+    wave,
+    R,
+    sot,
+    soh,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    D: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+):
+    """Fold this wave's split partials, ascending, into each row's running state; the last
+    wave writes the output. Same tiles as `_attn_fwd`, so the same partials exist."""
+    tile = tl.program_id(0)
+    b = tl.program_id(1) // HKV
+    kvh = tl.program_id(1) % HKV
+    tok, gi, valid, pos, hi = _tile_rows(cu_q, q_start, b, tile, G, ROWS)
+    head = kvh * G + gi
+    offs_d = tl.arange(0, D)
+    row = tok.to(tl.int64) * (HKV * G) + head
+    if FIRST:
+        m_s = tl.full([ROWS], float("-inf"), tl.float32)
+        l_s = tl.zeros([ROWS], tl.float32)
+        acc_s = tl.zeros([ROWS, D], tl.float32)
+    else:
+        m_s = tl.load(st_m + row, mask=valid, other=0.0)
+        l_s = tl.load(st_l + row, mask=valid, other=0.0)
+        acc_s = tl.load(st_acc + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    n_here = tl.minimum(wave, tl.cdiv(hi, SPLIT) - wave_base)
+    for w in range(0, n_here):
+        wrow = w * R + row
+        m = tl.load(ws_m + wrow, mask=valid, other=float("-inf"))
+        lsum = tl.load(ws_l + wrow, mask=valid, other=0.0)
+        acc = tl.load(ws_acc + wrow[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
+    if LAST:
+        o = finalize_rows(l_s, acc_s)
+        orow = tok.to(tl.int64) * sot + head.to(tl.int64) * soh
+        tl.store(
+            out + orow[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=valid[:, None]
+        )
+    else:
+        tl.store(st_m + row, m_s, mask=valid)
+        tl.store(st_l + row, l_s, mask=valid)
+        tl.store(st_acc + row[:, None] * D + offs_d[None, :], acc_s, mask=valid[:, None])
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"attention wants q [T, Hq, D] and caches [S, Hkv, D]; got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    d = q.shape[2]
+    if k_cache.shape[2] != d or d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim={d} must match the cache and be a power of two >= 16")
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[1]}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("attention wants the head_dim axis contiguous")
+
+
+def _launch_opts(num_warps: int, num_stages: int) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        opts["enable_fp_fusion"] = False
+    return opts
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMeta,
+    scale: float,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    force_path: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over the paged caches (see `lockstep.ops.base`).
+    The path (prefill or split) is chosen by T for speed only: both give the same bits.
+    `force_path` ("prefill" | "split") exists for tests and benchmarks."""
+    _check(q, k_cache, v_cache)
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    out = torch.empty_like(q)
+    b = meta.num_seqs
+    if t == 0 or b == 0:
+        return out
+    qk_scale = float(scale) * LOG2E
+    path = force_path or ("split" if t <= config.split_path_max_tokens else "prefill")
+    if path not in ("prefill", "split"):
+        raise ValueError(f"force_path={force_path!r} is invalid: expected prefill or split")
+    rows = config.rows if path == "prefill" else config.rows_split
+    n_tiles = triton.cdiv(meta.max_q * g, rows)
+    common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
+    strides = (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    if path == "prefill":
+        _attn_fwd[(n_tiles, b * hkv)](
+            q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
+            HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
+            WRITE_PARTIALS=0, **_launch_opts(config.num_warps, config.num_stages),
+        )  # fmt: skip
+        return out
+    r = t * hq
+    n_splits = triton.cdiv(meta.max_kv, config.split)
+    per_split = r * (d + 2) * 4
+    wave = max(1, min(n_splits, config.workspace_bytes // per_split))
+    f32 = torch.float32
+    ws_acc = torch.empty((wave, r, d), dtype=f32, device=q.device)
+    ws_m = torch.empty((wave, r), dtype=f32, device=q.device)
+    ws_l = torch.empty((wave, r), dtype=f32, device=q.device)
+    n_waves = math.ceil(n_splits / wave)
+    if n_waves > 1:
+        st_acc = torch.empty((r, d), dtype=f32, device=q.device)
+        st_m = torch.empty((r,), dtype=f32, device=q.device)
+        st_l = torch.empty((r,), dtype=f32, device=q.device)
+    else:
+        st_acc, st_m, st_l = ws_acc, ws_m, ws_l
+    for i in range(n_waves):
+        base = i * wave
+        _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
+            q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
+            HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
+            WRITE_PARTIALS=1, **_launch_opts(config.num_warps_split, config.num_stages_split),
+        )  # fmt: skip
+        _attn_merge[(n_tiles, b * hkv)](
+            out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
+            out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=rows, SPLIT=config.split, D=d,
+            FIRST=i == 0, LAST=i == n_waves - 1, **_launch_opts(4, 1),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,163 @@
+"""Position-invariant matmul: y = x @ w.T (+ bias), bf16/fp32 in, fp32 accumulate.
+
+Every output element reduces K in one order: a plain `tl.dot` loop over K in ascending blocks,
+no split-K, so a row's bits cannot depend on M. The tile shape is picked per M bucket from
+`TILE_TABLE` (never autotuned at run time); on an H200 with Triton 3.6 the tile shape (BM, BN,
+BK, the MMA flavour) did not change any row's bits, which tests/test_ops_triton.py re-checks
+across every bucket of the table. The TMA variant (tensor descriptors) runs the same K order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    tma: bool = False
+
+
+# (largest M of the bucket, config). Chosen on an H200 (Triton 3.6) from
+# lockstep/bench/gpu_kernels.py; see docs/gpu.md.
+TILE_TABLE: tuple[tuple[int, MatmulConfig], ...] = (
+    (16, MatmulConfig(16, 64, 128, 4, 5)),
+    (32, MatmulConfig(32, 64, 128, 4, 5)),
+    (64, MatmulConfig(64, 64, 128, 4, 4)),
+    (256, MatmulConfig(128, 128, 64, 8, 4)),
+    (1 << 62, MatmulConfig(128, 256, 64, 8, 3, tma=True)),
+)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pick_config(m: int) -> MatmulConfig:
+    for max_m, cfg in TILE_TABLE:
+        if m <= max_m:
+            return cfg
+    raise AssertionError("TILE_TABLE must end with an unbounded bucket")
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped tile order for L2 reuse; it changes which CTA computes a tile, never its bits.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr):  # fmt: skip
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    ptrs = y + rm[:, None].to(tl.int64) * sym + rn[None, :]
+    tl.store(ptrs, acc.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _matmul_kernel(
+    x, w, bias, y, M, N, K, sxm, swn, sym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    # Clamp out-of-range rows/cols to a valid one instead of masking: they are never stored.
+    rm_c = tl.where(rm < M, rm, M - 1).to(tl.int64)
+    rn_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
+    x_ptrs = x + rm_c[:, None] * sxm + rk[None, :]
+    w_ptrs = w + rn_c[None, :] * swn + rk[:, None]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=rk[None, :] < K - k * BK, other=0.0)
+            b = tl.load(w_ptrs, mask=rk[:, None] < K - k * BK, other=0.0)
+        acc = tl.dot(a, b, acc)
+        x_ptrs += BK
+        w_ptrs += BK
+    _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    x_desc, w_desc, bias, y, M, N, K, sym,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = x_desc.load([pid_m * BM, k * BK])
+        b = w_desc.load([pid_n * BN, k * BK])
+        acc = tl.dot(a, b.T, acc)
+    _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
+
+
+def matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ bias [N]) -> [M, N] in x's dtype. `config` overrides the table
+    (tests and benchmarks only)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul wants x [M, K] and w [N, K]; got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}")  # fmt: skip
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"matmul dtypes x={x.dtype} w={w.dtype}: expected equal bf16/fp16/fp32")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("matmul wants the K axis contiguous in x and w")
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({w.shape[0]},)")
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or pick_config(m)
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
+    has_bias = bias is not None
+    b = bias if has_bias else y
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.tma and not _interpreting() and x.dtype != torch.float32:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
+        w_desc = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
+        _matmul_tma_kernel[grid](
+            x_desc, w_desc, b, y, m, n, k, y.stride(0), HAS_BIAS=has_bias,
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
+        )  # fmt: skip
+        return y
+    _matmul_kernel[grid](
+        x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=has_bias,
+        EVEN_K=k % cfg.bk == 0, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,334 @@
+"""The Triton backend against a float64 reference, and its position invariance, bit for bit.
+
+Without CUDA the kernels run under the Triton interpreter (float32, small shapes); with CUDA the
+same tests run in bfloat16 on the GPU at real head sizes and the production tile configs.
+TRITON_INTERPRET must be set before triton is imported (jit decides at decoration time).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np
+import pytest
+
+from lockstep.ops.base import AttentionMeta, build_attention_meta
+from lockstep.ops.gpu_deterministic import GpuDeterministicOps
+from lockstep.ops.triton import matmul as mm
+from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+
+GPU = torch.cuda.is_available()
+
+
+def _row_local_interpreter_dot() -> None:
+    """The interpreter's tl.dot is one numpy matmul per block, whose rounding depends on the
+    block's shape and a row's place in it (BLAS kernels), unlike the GPU's MMA. Replace it with
+    a row-local dot (float64 products and sums, one rounding, then the fp32 accumulate), so that
+    the bit-equality tests below test the kernels' logic: the order of K blocks, key blocks and
+    splits stays visible, and the negative controls still bite."""
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001
+        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle(prod.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if not GPU:
+    _row_local_interpreter_dot()
+DEV = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16 if GPU else torch.float32
+# Relative error bounds against float64 (bf16 operands vs exact fp32 interpreter math).
+TOL = 2e-2 if GPU else 1e-5
+
+# Attention shapes: the interpreter gets a small config so that splits and blocks are crossed
+# with short sequences; the GPU runs the production config.
+if GPU:
+    HKV, GROUP, HD, SEQ = 8, 4, 128, 1300
+    ATTN_CFG = DEFAULT_CONFIG
+    OTHER_BLOCK_CFG = AttentionConfig(block_n=128, split=DEFAULT_CONFIG.split)
+else:
+    HKV, GROUP, HD, SEQ = 2, 2, 16, 70
+    ATTN_CFG = AttentionConfig(block_n=16, split=32, rows=32, rows_split=16, num_warps=4)
+    OTHER_BLOCK_CFG = AttentionConfig(block_n=32, split=32, rows=32, rows_split=16)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    assert not torch.isnan(out).any()
+    return float((out - ref).norm() / ref.norm())
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(DEV, DTYPE)
+
+
+@pytest.fixture(scope="module")
+def ops() -> GpuDeterministicOps:
+    return GpuDeterministicOps(ATTN_CFG)
+
+
+# ---------------------------------------------------------------------------------- matmul
+
+MM_SHAPES = [(4096, 4096), (6144, 4096)] if GPU else [(80, 96), (48, 64)]  # (N, K)
+MM_MS = [1, 2, 3, 8, 17, 32, 64, 100, 128, 256, 300, 512] if GPU else [1, 2, 5, 16, 17, 33, 40]
+
+
+@pytest.mark.parametrize("n,k", MM_SHAPES)
+def test_matmul_matches_reference(n: int, k: int) -> None:
+    x, w, bias = randn(64, k, seed=1), randn(n, k, seed=2, scale=k**-0.5), randn(n, seed=3)
+    ref = x.double() @ w.double().T + bias.double()
+    assert rel_err(mm.matmul(x, w, bias), ref) < TOL
+
+
+@pytest.mark.parametrize("n,k", MM_SHAPES)
+def test_matmul_rows_identical_for_every_m(n: int, k: int) -> None:
+    """Through the table (GPU: across its buckets) and for each table config on its own."""
+    x, w = randn(max(MM_MS), k, seed=4), randn(n, k, seed=5, scale=k**-0.5)
+    # The interpreter's tl.dot is a numpy matmul whose row bits depend on the block shape, so
+    # there the table's buckets can only be compared config by config; the MMA order on the
+    # GPU makes tile shapes invisible, and that is checked through the table itself.
+    configs = [None] if GPU else []
+    configs += [cfg for _, cfg in mm.TILE_TABLE]
+    for cfg in configs:
+        full = mm.matmul(x, w, config=cfg)
+        for m in MM_MS:
+            assert torch.equal(mm.matmul(x[:m], w, config=cfg), full[:m]), (cfg, m)
+            # Row m-1 placed first: a row's bits must not depend on its index either.
+            assert torch.equal(mm.matmul(x[m - 1 : m], w, config=cfg), full[m - 1 : m])
+
+
+@pytest.mark.parametrize("n,k", MM_SHAPES)
+def test_matmul_rows_identical_across_tile_shapes(n: int, k: int) -> None:
+    """GPU: every table config gives the same rows. Interpreter: configs that share (BM, BK)
+    (N tiling, warps, stages, grouping, TMA) give the same rows."""
+    x, w = randn(40, k, seed=6), randn(n, k, seed=7, scale=k**-0.5)
+    configs = [cfg for _, cfg in mm.TILE_TABLE]
+    if GPU:
+        first = mm.matmul(x, w, config=configs[0])
+        for cfg in configs[1:]:
+            assert torch.equal(mm.matmul(x, w, config=cfg), first), cfg
+        return
+    for cfg in configs:
+        base = mm.matmul(x, w, config=cfg)
+        for bn, warps, group in ((16, 1, 1), (128, 8, 4)):
+            var = mm.MatmulConfig(cfg.bm, bn, cfg.bk, warps, 2, group, not cfg.tma)
+            assert torch.equal(mm.matmul(x, w, config=var), base), (cfg, var)
+
+
+def test_matmul_negative_control_detects_a_changed_order() -> None:
+    """The equality checks above can fail: a reduction order that depends on M (cuBLAS on the
+    GPU) or on the K block (interpreter) changes rows."""
+    if GPU:
+        x, w = randn(2048, 4096, seed=8), randn(4096, 4096, seed=9, scale=4096**-0.5)
+        full = torch.nn.functional.linear(x, w)
+        differs = [
+            m
+            for m in (1, 16, 64, 256, 2048)
+            if not torch.equal(torch.nn.functional.linear(x[:m], w), full[:m])
+        ]
+        assert differs, "cuBLAS rows never changed with M: the control lost its teeth"
+    else:
+        x, w = randn(16, 96, seed=8), randn(32, 96, seed=9)
+        a = mm.matmul(x, w, config=mm.MatmulConfig(16, 32, 32, 4, 1))
+        b = mm.matmul(x, w, config=mm.MatmulConfig(16, 32, 64, 4, 1))
+        assert not torch.equal(a, b)
+
+
+# ------------------------------------------------------------------- row-local small kernels
+
+
+def test_norms_match_reference_and_are_row_invariant(ops: GpuDeterministicOps) -> None:
+    h = 4096 if GPU else 96
+    x, res, w = randn(37, h, seed=10), randn(37, h, seed=11), randn(h, seed=12)
+    y = ops.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert rel_err(y, ref) < TOL
+    y2, r2 = ops.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(r2, (x.float() + res.float()).to(DTYPE))
+    assert torch.equal(y2, ops.rms_norm(r2, w, 1e-6))
+    assert torch.equal(ops.rms_norm(x[5:6], w, 1e-6), y[5:6])
+    y3, r3 = ops.add_rms_norm(x[3:9], res[3:9], w, 1e-6)
+    assert torch.equal(y3, y2[3:9]) and torch.equal(r3, r2[3:9])
+
+
+def test_silu_mul_rope_write_kv(ops: GpuDeterministicOps) -> None:
+    inter = 1536 if GPU else 40
+    gu = randn(9, 2 * inter, seed=13)
+    g, u = gu.double().chunk(2, dim=-1)
+    assert rel_err(ops.silu_mul(gu), g * torch.sigmoid(g) * u) < TOL
+    assert torch.equal(ops.silu_mul(gu[4:5]), ops.silu_mul(gu)[4:5])
+
+    t, h, d = 11, 3, HD
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(64, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos().float().to(DEV), ang.sin().float().to(DEV)
+    x = randn(t, h, d, seed=14)
+    pos = torch.tensor([5, 0, 63, 7, 7, 1, 2, 3, 40, 41, 9], dtype=torch.int32, device=DEV)
+    y = ops.rope(x, pos, cos, sin)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = ang.cos()[pos.long().cpu()][:, None].to(DEV), ang.sin()[pos.long().cpu()][:, None]
+    s = s.to(DEV)
+    assert rel_err(y, torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)) < TOL
+    assert torch.equal(ops.rope(x[2:3], pos[2:3], cos, sin), y[2:3])
+
+    kc = torch.zeros(20, h, d, dtype=DTYPE, device=DEV)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 19, 0, 7], dtype=torch.int32, device=DEV)
+    k, v = randn(4, h, d, seed=15), randn(4, h, d, seed=16)
+    ops.write_kv(kc, vc, k, v, slots)
+    assert torch.equal(kc[slots.long()], k) and torch.equal(vc[slots.long()], v)
+    assert kc[1].abs().sum() == 0
+
+
+def test_log_softmax(ops: GpuDeterministicOps) -> None:
+    v = 151936 if GPU else 5000  # crosses the fixed block several times
+    logits = randn(6, v, seed=17, scale=4.0)
+    out = ops.log_softmax(logits)
+    assert out.dtype == torch.float32
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert float((out.double() - ref).abs().max()) < 1e-4
+    assert torch.equal(ops.log_softmax(logits[2:3]), out[2:3])
+
+
+# ------------------------------------------------------------------------------- attention
+
+
+class Pool:
+    """A paged KV cache with one sequence's keys scattered over random slots, plus random
+    batch-mates sharing the pool."""
+
+    def __init__(self, seed: int, length: int = SEQ, mates: int = 3) -> None:
+        rng = random.Random(seed)
+        self.mate_lens = [rng.randint(1, length + 40) for _ in range(mates)]
+        total = length + sum(self.mate_lens) + 7
+        perm = torch.randperm(total, generator=gen(seed)).to(torch.int32)
+        self.slots = perm[:length].tolist()
+        self.mate_slots, at = [], length
+        for n in self.mate_lens:
+            self.mate_slots.append(perm[at : at + n].tolist())
+            at += n
+        self.k = randn(total, HKV, HD, seed=seed + 1)
+        self.v = randn(total, HKV, HD, seed=seed + 2)
+        self.q = randn(length, HKV * GROUP, HD, seed=seed + 3)
+        self.mate_q = [randn(n, HKV * GROUP, HD, seed=seed + 10 + i) for i, n in
+                       enumerate(self.mate_lens)]  # fmt: skip
+        self.scale = HD**-0.5
+
+    def run(
+        self,
+        start: int,
+        count: int,
+        mates: list[tuple[int, int, int]] = (),
+        cfg: AttentionConfig = ATTN_CFG,
+        path: str | None = None,
+    ) -> torch.Tensor:
+        """Rows start..start+count-1 of the sequence, beside mates (index, start, count)
+        placed before it; returns only this sequence's rows."""
+        qs, counts, starts, tables = [], [], [], []
+        for i, s, n in mates:
+            qs.append(self.mate_q[i][s : s + n])
+            counts.append(n)
+            starts.append(s)
+            tables.append(self.mate_slots[i])
+        qs.append(self.q[start : start + count])
+        counts.append(count)
+        starts.append(start)
+        tables.append(self.slots)
+        meta: AttentionMeta = build_attention_meta(counts, starts, tables).to(DEV)
+        out = paged_attention(torch.cat(qs), self.k, self.v, meta, self.scale, cfg, path)
+        return out[sum(counts[:-1]) :]
+
+    def reference(self) -> torch.Tensor:
+        idx = torch.tensor(self.slots, device=DEV).long()
+        k = self.k[idx].double().repeat_interleave(GROUP, dim=1)
+        v = self.v[idx].double().repeat_interleave(GROUP, dim=1)
+        s = torch.einsum("qhd,khd->hqk", self.q.double(), k) * self.scale
+        n = len(self.slots)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=DEV).triu(1), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Pool:
+    return Pool(seed=100)
+
+
+@pytest.fixture(scope="module")
+def full(pool: Pool) -> torch.Tensor:
+    return pool.run(0, SEQ, path="prefill")
+
+
+def test_attention_matches_reference(pool: Pool, full: torch.Tensor) -> None:
+    assert rel_err(full, pool.reference()) < TOL
+
+
+@pytest.mark.parametrize("path", ["prefill", "split"])
+def test_attention_random_chunkings_match_full_prefill(
+    pool: Pool, full: torch.Tensor, path: str
+) -> None:
+    rng = random.Random(7)
+    for _ in range(3):
+        at = 0
+        while at < SEQ:
+            n = min(SEQ - at, rng.choice([1, 2, 3, 5, 16, 33, rng.randint(1, SEQ)]))
+            assert torch.equal(pool.run(at, n, path=path), full[at : at + n]), (path, at, n)
+            at += n
+
+
+def test_attention_extend_at_every_prefix_offset(pool: Pool, full: torch.Tensor) -> None:
+    """Radix-style hits: the uncached tail after a prefix of length p, for p at every residue
+    modulo the key block and modulo the split (all p on the interpreter)."""
+    if GPU:
+        offsets = sorted({*range(0, 2 * ATTN_CFG.block_n + 1), *range(ATTN_CFG.split - 70,
+                          ATTN_CFG.split + 70), *random.Random(3).sample(range(SEQ), 64)})  # fmt: skip
+    else:
+        offsets = list(range(SEQ))
+    for p in offsets:
+        n = min(SEQ - p, 1 + p % 19)
+        path = "split" if p % 2 else "prefill"
+        assert torch.equal(pool.run(p, n, path=path), full[p : p + n]), (p, n, path)
+
+
+def test_attention_one_row_decode_matches_prefill(pool: Pool, full: torch.Tensor) -> None:
+    positions = range(SEQ) if not GPU else range(0, SEQ, 7)
+    for p in positions:
+        assert torch.equal(pool.run(p, 1), full[p : p + 1]), p
+
+
+def test_attention_batch_mates_do_not_matter(pool: Pool, full: torch.Tensor) -> None:
+    rng = random.Random(11)
+    for trial in range(4):
+        mates = []
+        for i, n in enumerate(pool.mate_lens):
+            s = rng.randrange(n)
+            mates.append((i, s, rng.randint(1, n - s)))
+        rng.shuffle(mates)
+        p = rng.randrange(SEQ)
+        n = rng.randint(1, SEQ - p)
+        path = ("prefill", "split")[trial % 2]
+        assert torch.equal(pool.run(p, n, mates, path=path), full[p : p + n]), (trial, p, n)
+
+
+def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: torch.Tensor) -> None:
+    """A workspace too small for more than one split per wave still gives the same bits."""
+    tiny = AttentionConfig(**{**ATTN_CFG.__dict__, "workspace_bytes": 1})
+    assert torch.equal(pool.run(SEQ - 5, 5, cfg=tiny, path="split"), full[SEQ - 5 :])
+
+
+def test_attention_negative_control_other_key_block_differs(pool: Pool, full: torch.Tensor) -> None:
+    other = pool.run(0, SEQ, cfg=OTHER_BLOCK_CFG, path="prefill")
+    assert rel_err(other, pool.reference()) < TOL
+    assert not torch.equal(other, full), "a different key block gave the same bits"
