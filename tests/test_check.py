@@ -47,7 +47,9 @@ class FakeBehaviour:
     has_score: bool = True  # POST /v1/score; without it, echo on /v1/completions
     crash_over_limit: bool = False  # a 500 instead of a 400 past the context limit
     max_model_len: int = 300
-    token_ids_in_choice: bool = True
+    # return_token_ids: "honour" (Lockstep, vLLM), "refuse" (a 400 naming it, as OpenAI does
+    # for unknown fields) or "ignore".
+    token_ids: str = "honour"
 
 
 def _crc(ids: list[int]) -> int:
@@ -117,6 +119,8 @@ def make_app(b: FakeBehaviour) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: Request) -> Any:
         body = await req.json()
+        if "return_token_ids" in body and b.token_ids == "refuse":
+            return error(400, "Unrecognized request argument supplied: return_token_ids")
         ids = _tokenize(body["prompt"])
         max_tokens = int(body.get("max_tokens", 16))
         if len(ids) + max_tokens > b.max_model_len:
@@ -150,8 +154,8 @@ def make_app(b: FakeBehaviour) -> FastAPI:
             "finish_reason": "length",
             "logprobs": {"tokens": [chr(t) for t in out], "token_logprobs": lps},
         }
-        if b.token_ids_in_choice:
-            choice["token_ids"] = out
+        if body.get("return_token_ids") and b.token_ids == "honour":
+            choice["token_ids"] = out[-max_tokens:] if max_tokens else []
         usage: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": max_tokens}
         if b.report_cache:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -336,7 +340,7 @@ def test_radix_fails_when_the_cache_is_not_reported(fake_server: Any, tmp_path: 
 
 
 def test_server_without_flush_or_score(fake_server: Any, tmp_path: Path) -> None:
-    url = fake_server(FakeBehaviour(has_flush=False, has_score=False, token_ids_in_choice=False))
+    url = fake_server(FakeBehaviour(has_flush=False, has_score=False, token_ids="refuse"))
     out = tmp_path / "out.json"
     assert run_cli(["--url", url, "--scenarios", "radix,score", "--json", str(out)]) == 0
     results = by_name(json.loads(out.read_text()))

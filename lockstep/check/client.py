@@ -38,7 +38,9 @@ class Completion:
     """One choice of a /v1/completions response, as the server returned it.
 
     `token_ids` is None when the server does not return ids (plain OpenAI servers return only
-    token strings); `keys` is then the strings, which is what comparisons use."""
+    token strings); `keys` is then the strings, which is what comparisons use. With echo=true,
+    `token_ids` covers only what the server put in `choices[0].token_ids` (Lockstep and vLLM:
+    the completion), while `tokens` and `logprobs` cover prompt and completion."""
 
     token_ids: tuple[int, ...] | None
     tokens: tuple[str, ...]
@@ -145,6 +147,9 @@ class CheckClient:
             limits=httpx.Limits(max_connections=concurrency + 4),
         )
         self._slots = asyncio.Semaphore(concurrency)
+        # `return_token_ids` (Lockstep, vLLM) puts completion ids in each choice; None until
+        # the first answer says whether the server accepts the field.
+        self._ask_token_ids: bool | None = False if "return_token_ids" in self.extra_body else None
 
     async def __aenter__(self) -> CheckClient:
         return self
@@ -193,8 +198,21 @@ class CheckClient:
             body["seed"] = seed
         if echo:
             body["echo"] = True
+        if self._ask_token_ids is not False:
+            body["return_token_ids"] = True
         body.update(self.extra_body)
-        data = await self._request("POST", "/v1/completions", body)
+        try:
+            data = await self._request("POST", "/v1/completions", body)
+        except RequestRefused as e:
+            # Servers that refuse unknown fields (OpenAI's own) name the field: ask without it.
+            if self._ask_token_ids is not None or "return_token_ids" not in str(e):
+                raise
+            self._ask_token_ids = False
+            del body["return_token_ids"]
+            data = await self._request("POST", "/v1/completions", body)
+        else:
+            if "return_token_ids" in body:
+                self._ask_token_ids = True
         try:
             return parse_completion(data)
         except ValueError as e:

@@ -123,7 +123,8 @@ class ScenarioResult:
         self.cached_tokens += cached_tokens or 0
 
     def note(self, text: str) -> None:
-        self.notes.append(text)
+        if text not in self.notes:
+            self.notes.append(text)
 
     def fail(self, reason: str) -> None:
         if self.status == FAIL:

@@ -312,10 +312,11 @@ async def _teacher_forced(
             out = await ctx.client.completion(ctx.model, full, max_tokens=max_tokens, echo=True)
         except RequestRefused:
             continue
-        lps, ids = list(out.logprobs), out.token_ids
+        lps = list(out.logprobs)
         if max_tokens == 1 and lps:
-            lps, ids = lps[:-1], ids[:-1] if ids is not None else None
-        return Scored(ids, tuple(lps)), label
+            lps = lps[:-1]
+        # Echo's `token_ids` (where given) hold only the completion: not the scored ids.
+        return Scored(None, tuple(lps)), label
     return None, None
 
 
