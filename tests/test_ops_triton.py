@@ -100,7 +100,7 @@ def test_matmul_rows_identical_for_every_m(n: int, k: int) -> None:
     # there the table's buckets can only be compared config by config; the MMA order on the
     # GPU makes tile shapes invisible, and that is checked through the table itself.
     configs = [None] if GPU else []
-    configs += [cfg for _, cfg in mm.TILE_TABLE]
+    configs += [cfg for *_, cfg in mm.TILE_TABLE]
     for cfg in configs:
         full = mm.matmul(x, w, config=cfg)
         for m in MM_MS:
@@ -114,7 +114,7 @@ def test_matmul_rows_identical_across_tile_shapes(n: int, k: int) -> None:
     """GPU: every table config gives the same rows. Interpreter: configs that share (BM, BK)
     (N tiling, warps, stages, grouping, TMA) give the same rows."""
     x, w = randn(40, k, seed=6), randn(n, k, seed=7, scale=k**-0.5)
-    configs = [cfg for _, cfg in mm.TILE_TABLE]
+    configs = [cfg for *_, cfg in mm.TILE_TABLE]
     if GPU:
         first = mm.matmul(x, w, config=configs[0])
         for cfg in configs[1:]:

@@ -52,9 +52,9 @@ class AttentionConfig:
     block_n: int = 64
     split: int = 512
     rows: int = 128  # query rows (position x head) per tile on the prefill path
-    rows_split: int = 128  # query rows per tile on the split (decode) path
+    rows_split: int = 16  # query rows per tile on the split (decode) path
     num_warps: int = 8
-    num_warps_split: int = 8
+    num_warps_split: int = 4
     num_stages: int = 2
     num_stages_split: int = 3
     split_path_max_tokens: int = 256  # T at or below this takes the split path

@@ -28,14 +28,19 @@ class MatmulConfig:
     tma: bool = False
 
 
-# (largest M of the bucket, config). Chosen on an H200 (Triton 3.6) from
-# lockstep/bench/gpu_kernels.py; see docs/gpu.md.
-TILE_TABLE: tuple[tuple[int, MatmulConfig], ...] = (
-    (16, MatmulConfig(16, 64, 128, 4, 5)),
-    (32, MatmulConfig(32, 64, 128, 4, 5)),
-    (64, MatmulConfig(64, 64, 128, 4, 4)),
-    (256, MatmulConfig(128, 128, 64, 8, 4)),
-    (1 << 62, MatmulConfig(128, 256, 64, 8, 3, tma=True)),
+_INF = 1 << 62
+
+# (largest M, largest N, config): the first row that fits is used. Chosen on an H200
+# (Triton 3.6) with lockstep/bench/gpu_kernels.py --sweep; see docs/gpu.md. Small M is
+# bandwidth-bound: narrow N tiles give enough CTAs to stream the weight from every SM.
+TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
+    (16, 8192, MatmulConfig(16, 32, 128, 4, 6)),
+    (16, _INF, MatmulConfig(16, 64, 128, 4, 5)),
+    (32, 8192, MatmulConfig(32, 32, 128, 4, 6)),
+    (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
+    (64, _INF, MatmulConfig(64, 64, 128, 4, 4)),
+    (256, _INF, MatmulConfig(128, 128, 64, 8, 4)),
+    (_INF, _INF, MatmulConfig(128, 256, 64, 8, 3, tma=True)),
 )
 
 
@@ -43,9 +48,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pick_config(m: int) -> MatmulConfig:
-    for max_m, cfg in TILE_TABLE:
-        if m <= max_m:
+def pick_config(m: int, n: int) -> MatmulConfig:
+    for max_m, max_n, cfg in TILE_TABLE:
+        if m <= max_m and n <= max_n:
             return cfg
     raise AssertionError("TILE_TABLE must end with an unbounded bucket")
 
@@ -141,7 +146,7 @@ def matmul(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or pick_config(m)
+    cfg = config or pick_config(m, n)
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
     has_bias = bias is not None
     b = bias if has_bias else y

@@ -1,0 +1,303 @@
+"""Benchmark the deterministic Triton kernels against cuBLAS and torch SDPA on one GPU.
+
+    python -m lockstep.bench.gpu_kernels [--sweep] [--out results.json]
+
+Matmul: Qwen3-8B projection shapes at M in {1, 8, 32, 128, 512, 2048, 8192}, the table's
+config (and with --sweep, candidate configs) against cuBLAS F.linear, plus a bit check that
+rows are identical for every M and config. Attention: causal prefill of one 4k/16k/32k sequence
+against torch SDPA (flash), and decode at batch 1/32/128 over 1k/8k/32k contexts against the
+HBM floor (bytes of K and V read over the measured device copy bandwidth), plus a bit check that
+decode rows equal prefill rows. Prints a table and ONE JSON document on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.ops.base import build_attention_meta
+from lockstep.ops.triton import matmul as mm
+from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+
+SHAPES = {  # name: (N, K), Qwen3-8B
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (24576, 4096),
+    "down": (4096, 12288),
+    "lm_head": (151936, 4096),
+}
+MS = (1, 8, 32, 128, 512, 2048, 8192)
+HQ, HKV, HD = 32, 8, 128
+
+C = mm.MatmulConfig
+SWEEP_MM = {
+    16: [C(16, 32, 128, 4, 6), C(16, 64, 128, 4, 5), C(16, 32, 256, 4, 4), C(16, 64, 256, 4, 3)],
+    32: [C(32, 32, 128, 4, 6), C(32, 64, 128, 4, 5), C(32, 64, 256, 4, 3), C(16, 64, 128, 4, 5)],
+    128: [
+        C(64, 64, 128, 4, 4),
+        C(64, 128, 64, 4, 4),
+        C(128, 128, 64, 8, 4),
+        C(128, 64, 64, 4, 4),
+    ],  # fmt: skip
+    512: [
+        C(128, 128, 64, 8, 4),
+        C(128, 256, 64, 8, 3, tma=True),
+        C(128, 128, 64, 8, 4, tma=True),
+        C(64, 128, 64, 4, 4),
+    ],  # fmt: skip
+    1 << 62: [
+        C(128, 256, 64, 8, 3, tma=True),
+        C(128, 256, 64, 8, 3),
+        C(128, 128, 64, 8, 4, tma=True),
+        C(128, 256, 64, 8, 4, tma=True),
+    ],  # fmt: skip
+}
+SWEEP_ATTN_PREFILL = {
+    "r128n64w8": AttentionConfig(rows=128, block_n=64, num_warps=8, num_stages=2),
+    "r128n64w4": AttentionConfig(rows=128, block_n=64, num_warps=4, num_stages=2),
+    "r64n64w4": AttentionConfig(rows=64, block_n=64, num_warps=4, num_stages=3),
+    "r128n128w8": AttentionConfig(rows=128, block_n=128, num_warps=8, num_stages=2),
+}
+SWEEP_ATTN_DECODE = {
+    "r16n64w4": AttentionConfig(rows_split=16, block_n=64, num_warps_split=4),
+    "r16n64w1": AttentionConfig(rows_split=16, block_n=64, num_warps_split=1),
+    "r64n64w4": AttentionConfig(rows_split=64, block_n=64, num_warps_split=4),
+    "r128n64w8": AttentionConfig(rows_split=128, block_n=64, num_warps_split=8),
+    "r16n64w4s256": AttentionConfig(rows_split=16, block_n=64, num_warps_split=4, split=256),
+    "r16n128w4": AttentionConfig(rows_split=16, block_n=128, num_warps_split=4),
+}
+
+
+def bench_ms(fn, rep: int = 60) -> float:
+    """Median ms with L2 flushed between calls (triton.testing.do_bench)."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a), rep=100)
+    return 2 * a.numel() / ms / 1e9  # TB/s, bytes read + written
+
+
+def row_digest(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def run_matmul(sweep: bool, log) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+        xs = torch.randn(max(MS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ours_rows, cublas_rows = set(), set()
+        for m in MS:
+            x = xs[:m]
+            t_cublas = bench_ms(partial(F.linear, x, w))
+            cublas_rows.add(row_digest(F.linear(x, w)[:1]))
+            table_cfg = mm.pick_config(m, n)
+            cands = [table_cfg]
+            if sweep:
+                bucket = next(v for b, v in SWEEP_MM.items() if m <= b)
+                cands += [c for c in bucket if c != table_cfg]
+            times = {}
+            for cfg in cands:
+                y = mm.matmul(x, w, config=cfg)
+                ours_rows.add(row_digest(y[:1]))
+                times[cfg] = bench_ms(partial(mm.matmul, x, w, config=cfg))
+            best = min(times, key=times.get)
+            rec = {
+                "shape": name, "N": n, "K": k, "M": m, "cublas_ms": t_cublas,
+                "table_ms": times[table_cfg], "table_cfg": table_cfg.__dict__,
+                "best_ms": times[best], "best_cfg": best.__dict__,
+                "table_vs_cublas": times[table_cfg] / t_cublas,
+                "best_vs_cublas": times[best] / t_cublas,
+                "tflops_table": 2 * m * n * k / times[table_cfg] / 1e9,
+                "all": [{"cfg": c.__dict__, "ms": t} for c, t in times.items()],
+            }  # fmt: skip
+            rows.append(rec)
+            log(
+                f"mm {name:8s} M={m:5d} cublas {t_cublas:8.4f} ms  table {times[table_cfg]:8.4f}"
+                f" ({rec['table_vs_cublas']:.3f}x)  best {times[best]:8.4f} "
+                f"({rec['best_vs_cublas']:.3f}x) {best}"
+            )
+        rows.append({"shape": name, "row0_variants_triton": len(ours_rows),
+                     "row0_variants_cublas": len(cublas_rows)})  # fmt: skip
+        log(f"mm {name}: distinct bits of row 0 over M x configs: triton {len(ours_rows)}, "
+            f"cublas over M {len(cublas_rows)}")  # fmt: skip
+        torch.cuda.empty_cache()
+    return rows
+
+
+def paged_slots(lengths: list[int], page: int = 16, seed: int = 0) -> list[torch.Tensor]:
+    """Token slots of each sequence: pages of `page` tokens in a shuffled pool."""
+    n_pages = [(n + page - 1) // page for n in lengths]
+    perm = torch.randperm(sum(n_pages), generator=torch.Generator().manual_seed(seed))
+    out, at = [], 0
+    for n, p in zip(lengths, n_pages, strict=True):
+        pages = perm[at : at + p]
+        at += p
+        slots = (pages[:, None] * page + torch.arange(page)[None, :]).reshape(-1)[:n]
+        out.append(slots.to(torch.int32))
+    return out
+
+
+def run_attention_bits(log) -> dict:
+    """Decode rows vs prefill rows for every (prefill config, decode config) pair."""
+    length = 2100
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k = torch.randn(length + 64, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    q = torch.randn(length, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slots = paged_slots([length])[0]
+    meta = build_attention_meta([length], [0], [slots]).to("cuda")
+    fulls = {
+        name: paged_attention(q, k, v, meta, HD**-0.5, cfg, "prefill")
+        for name, cfg in SWEEP_ATTN_PREFILL.items()
+    }
+    positions = [0, 1, 63, 64, 65, 511, 512, 513, 1000, 1023, 1024, 1500, 2047, 2099]
+    result = {}
+    for dname, dcfg in SWEEP_ATTN_DECODE.items():
+        dec = []
+        for p in positions:
+            m1 = build_attention_meta([1], [p], [slots]).to("cuda")
+            dec.append(paged_attention(q[p : p + 1], k, v, m1, HD**-0.5, dcfg, "split"))
+        dec = torch.cat(dec)
+        for pname, full in fulls.items():
+            pcfg = SWEEP_ATTN_PREFILL[pname]
+            same = torch.equal(dec, full[positions])
+            key = f"{pname}|{dname}"
+            comparable = pcfg.block_n == dcfg.block_n and pcfg.split == dcfg.split
+            result[key] = {"equal": same, "same_block_and_split": comparable}
+            log(f"bits prefill {pname:11s} vs decode {dname:13s}: "
+                f"{'EQUAL' if same else 'differ'} (same block/split: {comparable})")  # fmt: skip
+    names = list(fulls)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            same = torch.equal(fulls[a], fulls[b])
+            result[f"{a}|{b}"] = {"equal": same}
+            log(f"bits prefill {a} vs prefill {b}: {'EQUAL' if same else 'differ'}")
+    return result
+
+
+def run_prefill(sweep: bool, log) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    cfgs = SWEEP_ATTN_PREFILL if sweep else {"table": DEFAULT_CONFIG}
+    for length in (4096, 16384, 32768):
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        q = torch.randn(length, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(length, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        slots = paged_slots([length])[0]
+        kc = torch.empty_like(k)
+        vc = torch.empty_like(v)
+        kc[slots.long().cuda()] = k
+        vc[slots.long().cuda()] = v
+        meta = build_attention_meta([length], [0], [slots]).to("cuda")
+        qs = q.transpose(0, 1)[None]
+        ks = k.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None].contiguous()
+        vs = v.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None].contiguous()
+        qs = qs.contiguous()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            t_sdpa = bench_ms(partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True))
+            ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1)
+        flops = 2 * length * length * HD * HQ
+        for name, cfg in cfgs.items():
+            out = paged_attention(q, kc, vc, meta, HD**-0.5, cfg, "prefill")
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            t = bench_ms(partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, "prefill"))
+            rec = {"len": length, "cfg": name, "ms": t, "sdpa_ms": t_sdpa, "vs_sdpa": t / t_sdpa,
+                   "tflops": flops / t / 1e9, "sdpa_tflops": flops / t_sdpa / 1e9,
+                   "rel_err_vs_sdpa": err}  # fmt: skip
+            rows.append(rec)
+            log(f"prefill L={length:6d} {name:11s} {t:8.3f} ms ({rec['tflops']:5.0f} TF/s)  "
+                f"sdpa {t_sdpa:8.3f} ms ({rec['sdpa_tflops']:5.0f})  {t / t_sdpa:.3f}x  "
+                f"err {err:.1e}")  # fmt: skip
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_decode(sweep: bool, bandwidth: float, log) -> list[dict]:
+    rows = []
+    cfgs = SWEEP_ATTN_DECODE if sweep else {"table": DEFAULT_CONFIG}
+    max_tokens = 128 * 32768
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kc = torch.randn(max_tokens + 16, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    for batch in (1, 32, 128):
+        for ctx in (1024, 8192, 32768):
+            slots = paged_slots([ctx] * batch, seed=batch + ctx)
+            meta = build_attention_meta([1] * batch, [ctx - 1] * batch, slots).to("cuda")
+            q = torch.randn(batch, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+            kv_bytes = 2 * batch * ctx * HKV * HD * 2
+            floor_ms = kv_bytes / (bandwidth * 1e12 / 2) * 1e3  # reads only: copy moves 2x
+            for name, cfg in cfgs.items():
+                t = bench_ms(partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg))
+                rec = {"batch": batch, "ctx": ctx, "cfg": name, "ms": t, "floor_ms": floor_ms,
+                       "floor_frac": floor_ms / t}  # fmt: skip
+                rows.append(rec)
+                log(f"decode B={batch:3d} ctx={ctx:6d} {name:13s} {t * 1e3:9.1f} us  floor "
+                    f"{floor_ms * 1e3:8.1f} us  {rec['floor_frac']:.2f} of floor")  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="time candidate configs too")
+    ap.add_argument("--only", default="bits,matmul,prefill,decode")
+    ap.add_argument("--out", default=None, help="also write the JSON document here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_kernels needs CUDA")
+    import triton
+
+    lines: list[str] = []
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    only = set(args.only.split(","))
+    doc = {
+        "command": "python -m lockstep.bench.gpu_kernels " + " ".join(argv or sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    doc["copy_tb_s"] = bw = copy_bandwidth()
+    log(f"device copy bandwidth {bw:.2f} TB/s")
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=1)
+
+    if "bits" in only:
+        doc["attention_bits"] = run_attention_bits(log)
+        save()
+    if "matmul" in only:
+        doc["matmul"] = run_matmul(args.sweep, log)
+        save()
+    if "prefill" in only:
+        doc["prefill"] = run_prefill(args.sweep, log)
+        save()
+    if "decode" in only:
+        doc["decode"] = run_decode(args.sweep, bw, log)
+        save()
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()
