@@ -390,7 +390,11 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         if not set(token) <= alphabet:
             token = "".join(spell[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, index)
-    backend = tokenizers.Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    try:
+        bpe = BPE(vocab, merges, fuse_unk=False, byte_fallback=False)
+    except Exception as exc:  # the Rust side raises a bare Exception (e.g. a merge's unknown token)
+        raise ModelLoadError(f"{file.path}: inconsistent BPE vocabulary: {exc}") from None
+    backend = tokenizers.Tokenizer(bpe)
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZER_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
