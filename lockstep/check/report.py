@@ -32,7 +32,7 @@ def render_table(report: CheckReport, console: Console) -> None:
     # Short headers so that the table fits 80 columns; docs/check.md spells them out.
     for col, justify in (
         ("scenario", "left"),
-        ("requests", "right"),
+        ("reqs", "right"),
         ("positions", "right"),
         ("flips", "right"),
         ("1st div", "right"),

@@ -32,7 +32,7 @@ from lockstep.check.client import (
     Scored,
     ServerFault,
 )
-from lockstep.check.compare import PairDiff, ScenarioResult, compare_runs
+from lockstep.check.compare import FAIL, PairDiff, ScenarioResult, compare_runs
 
 T = TypeVar("T")
 
@@ -202,23 +202,26 @@ async def scenario_prefix(ctx: ScenarioContext, result: ScenarioResult) -> None:
     prompts = [base[:k] + ctx.random_ids(ctx.rng.randint(1, 4)) for k in lengths]
     prompts.append(base)
     max_tokens = max(1, ctx.settings.max_tokens // 2)
-    refs: list[Completion] = []
-    for rnd in ctx.units(5, result, "rounds"):
+
+    async def send_round(concurrent: bool) -> list[Completion]:
+        """Flush, then all prompts in a random order; outputs in prompt order."""
         await ctx.flush(result)
         order = list(range(len(prompts)))
         ctx.rng.shuffle(order)
-        if rnd % 2 == 0:
-            outs_in_order = [await ctx.greedy(prompts[j], max_tokens) for j in order]
+        if concurrent:
+            outs = await gather_all([ctx.greedy(prompts[j], max_tokens) for j in order])
         else:
-            outs_in_order = await gather_all([ctx.greedy(prompts[j], max_tokens) for j in order])
-        outs: list[Completion] = [outs_in_order[0]] * len(prompts)
-        for j, out in zip(order, outs_in_order, strict=True):
-            outs[j] = out
+            outs = [await ctx.greedy(prompts[j], max_tokens) for j in order]
+        by_prompt: dict[int, Completion] = {}
+        for j, out in zip(order, outs, strict=True):
+            by_prompt[j] = out
             result.add_cached(out.cached_tokens)
-        if rnd == 0:
-            refs = outs
-            continue
-        for ref, out in zip(refs, outs, strict=True):
+        return [by_prompt[j] for j in range(len(prompts))]
+
+    refs = await send_round(concurrent=False)
+    for rnd in ctx.units(4, result, "rounds"):
+        # Concurrent first: prompts sharing prefixes arriving together is the harder case.
+        for ref, out in zip(refs, await send_round(concurrent=rnd % 2 == 0), strict=True):
             ctx.compare(result, ref, out)
     result.note(
         f"{len(prompts)} prompts sharing prefixes of {len(lengths)} lengths up to {len(base)}"
@@ -436,6 +439,8 @@ async def scenario_long(ctx: ScenarioContext, result: ScenarioResult) -> None:
         result.add_cached(out.cached_tokens)
     if not await ctx.client.health():
         result.fail("GET /health does not answer after the long prompts")
+    elif result.status != FAIL:
+        result.reason = "answered or refused with a 4xx; /health answers afterwards"
     result.note(f"context limit {limit} (from {source}); " + "; ".join(outcomes))
 
 
