@@ -436,7 +436,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def _drop_empty_namespaces(self) -> None:
-        for ns in [ns for ns, r in self._roots.items() if ns is not None]:
+        for ns in [ns for ns in self._roots if ns is not None]:
             root = self._roots[ns]
             if not root.children and root.lock_ref == 0:
                 del self._roots[ns]
