@@ -102,11 +102,15 @@ def test_matmul_rows_identical_for_every_m(n: int, k: int) -> None:
     configs = [None] if GPU else []
     configs += [cfg for *_, cfg in mm.TILE_TABLE]
     for cfg in configs:
-        full = mm.matmul(x, w, config=cfg)
+        full = mm.matmul(x, w, config=cfg, out_dtype=torch.float32)
         for m in MM_MS:
-            assert torch.equal(mm.matmul(x[:m], w, config=cfg), full[:m]), (cfg, m)
+            assert torch.equal(
+                mm.matmul(x[:m], w, config=cfg, out_dtype=torch.float32), full[:m]
+            ), (cfg, m)
             # Row m-1 placed first: a row's bits must not depend on its index either.
-            assert torch.equal(mm.matmul(x[m - 1 : m], w, config=cfg), full[m - 1 : m])
+            assert torch.equal(
+                mm.matmul(x[m - 1 : m], w, config=cfg, out_dtype=torch.float32), full[m - 1 : m]
+            )
 
 
 @pytest.mark.parametrize("n,k", MM_SHAPES)
@@ -116,15 +120,18 @@ def test_matmul_rows_identical_across_tile_shapes(n: int, k: int) -> None:
     x, w = randn(40, k, seed=6), randn(n, k, seed=7, scale=k**-0.5)
     configs = [cfg for *_, cfg in mm.TILE_TABLE]
     if GPU:
-        first = mm.matmul(x, w, config=configs[0])
+        first = mm.matmul(x, w, config=configs[0], out_dtype=torch.float32)
         for cfg in configs[1:]:
-            assert torch.equal(mm.matmul(x, w, config=cfg), first), cfg
+            assert torch.equal(mm.matmul(x, w, config=cfg, out_dtype=torch.float32), first), cfg
         return
     for cfg in configs:
-        base = mm.matmul(x, w, config=cfg)
+        base = mm.matmul(x, w, config=cfg, out_dtype=torch.float32)
         for bn, warps, group in ((16, 1, 1), (128, 8, 4)):
             var = mm.MatmulConfig(cfg.bm, bn, cfg.bk, warps, 2, group, not cfg.tma)
-            assert torch.equal(mm.matmul(x, w, config=var), base), (cfg, var)
+            assert torch.equal(mm.matmul(x, w, config=var, out_dtype=torch.float32), base), (
+                cfg,
+                var,
+            )
 
 
 def test_matmul_negative_control_detects_a_changed_order() -> None:
@@ -248,7 +255,10 @@ class Pool:
         starts.append(start)
         tables.append(self.slots)
         meta: AttentionMeta = build_attention_meta(counts, starts, tables).to(DEV)
-        out = paged_attention(torch.cat(qs), self.k, self.v, meta, self.scale, cfg, path)
+        # float32 output: every bit of the kernel's result is compared, not a bf16 rounding.
+        out = paged_attention(
+            torch.cat(qs), self.k, self.v, meta, self.scale, cfg, path, torch.float32
+        )
         return out[sum(counts[:-1]) :]
 
     def reference(self) -> torch.Tensor:

@@ -51,14 +51,17 @@ class AttentionConfig:
 
     block_n: int = 64
     split: int = 512
-    rows: int = 128  # query rows (position x head) per tile on the prefill path
-    rows_split: int = 16  # query rows per tile on the split (decode) path
-    num_warps: int = 8
+    rows: int = 64  # query rows (position x head) per tile on the prefill path
+    rows_split: int = 64  # query rows per tile on the split (decode) path
+    num_warps: int = 4
     num_warps_split: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     num_stages_split: int = 3
     split_path_max_tokens: int = 256  # T at or below this takes the split path
     workspace_bytes: int = 256 << 20
+    # Multiply-add contraction; off so that the shared formulas cannot be contracted
+    # differently in the two kernels (only a benchmark switch).
+    fp_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.split % self.block_n:
@@ -108,52 +111,61 @@ def _tile_rows(cu_q, q_start, b, tile, G: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _split_partial(
-    q,
-    k_cache,
-    v_cache,
-    slots_ptr,
-    kvh,
-    skc,
-    skh,
-    svc,
-    svh,
-    pos,
-    lo,
-    hi,
-    qk_scale,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-):
-    """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state."""
+def _block_update(
+    m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, j0, hi,
+    qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
+    row sees entirely, where the causal and bounds masks are all-true: same bits, less work."""
     offs_d = tl.arange(0, D)
+    offs_j = j0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        jmask = offs_j < hi
+        slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0).to(tl.int64)
+        k = tl.load(k_cache + slots[:, None] * skc + kvh * skh + offs_d[None, :],
+                    mask=jmask[:, None], other=0.0)  # fmt: skip
+    else:
+        slots = tl.load(slots_ptr + offs_j).to(tl.int64)
+        k = tl.load(k_cache + slots[:, None] * skc + kvh * skh + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
+    p = tl.exp2(s * qk_scale - m_use[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache + slots[:, None] * svc + kvh * svh + offs_d[None, :],
+                    mask=jmask[:, None], other=0.0)  # fmt: skip
+    else:
+        v = tl.load(v_cache + slots[:, None] * svc + kvh * svh + offs_d[None, :])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _split_partial(
+    q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, pos_lo, lo, hi, qk_scale,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
+    visited in ascending order; those wholly at or before pos_lo (the tile's first position)
+    skip the masks."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     lsum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        jmask = offs_j < hi
-        slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0).to(tl.int64)
-        k = tl.load(
-            k_cache + slots[:, None] * skc + kvh * skh + offs_d[None, :],
-            mask=jmask[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
-        p = tl.exp2(s * qk_scale - m_use[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache + slots[:, None] * svc + kvh * svh + offs_d[None, :],
-            mask=jmask[:, None],
-            other=0.0,
-        )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m = m_new
+    mid = lo + tl.maximum(tl.minimum(pos_lo + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    for j0 in range(lo, mid, BLOCK_N):
+        m, lsum, acc = _block_update(
+            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, j0, hi,
+            qk_scale, False, BLOCK_N, D,
+        )  # fmt: skip
+    for j0 in range(mid, hi, BLOCK_N):
+        m, lsum, acc = _block_update(
+            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, j0, hi,
+            qk_scale, True, BLOCK_N, D,
+        )  # fmt: skip
     return m, lsum, acc
 
 
@@ -203,11 +215,12 @@ def _attn_fwd(
     qrow = tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh
     qt = tl.load(q + qrow[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     slots_ptr = slot_table + tl.load(cu_kv + b)
+    pos_lo = tl.min(tl.where(valid, pos, hi), 0)  # first position of the tile
     if WRITE_PARTIALS:
         split = wave_base + tl.program_id(2)
         lo = split * SPLIT
         m, lsum, acc = _split_partial(
-            qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, lo,
+            qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, pos_lo, lo,
             tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
@@ -221,7 +234,7 @@ def _attn_fwd(
         acc_s = tl.zeros([ROWS, D], tl.float32)
         for lo in range(0, hi, SPLIT):
             m, lsum, acc = _split_partial(
-                qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, lo,
+                qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, pos_lo, lo,
                 tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
@@ -309,10 +322,10 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError("attention wants the head_dim axis contiguous")
 
 
-def _launch_opts(num_warps: int, num_stages: int) -> dict:
+def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool) -> dict:
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     if os.environ.get("TRITON_INTERPRET") != "1":
-        opts["enable_fp_fusion"] = False
+        opts["enable_fp_fusion"] = fp_fusion
     return opts
 
 
@@ -324,15 +337,17 @@ def paged_attention(
     scale: float,
     config: AttentionConfig = DEFAULT_CONFIG,
     force_path: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged caches (see `lockstep.ops.base`).
     The path (prefill or split) is chosen by T for speed only: both give the same bits.
-    `force_path` ("prefill" | "split") exists for tests and benchmarks."""
+    `force_path` ("prefill" | "split") and `out_dtype` (float32 shows every bit of the
+    float32 result) exist for tests and benchmarks."""
     _check(q, k_cache, v_cache)
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     b = meta.num_seqs
     if t == 0 or b == 0:
         return out
@@ -351,7 +366,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, **_launch_opts(config.num_warps, config.num_stages),
+            WRITE_PARTIALS=0, **_launch_opts(config.num_warps, config.num_stages, config.fp_fusion),
         )  # fmt: skip
         return out
     r = t * hq
@@ -374,11 +389,11 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, **_launch_opts(config.num_warps_split, config.num_stages_split),
+            WRITE_PARTIALS=1, **_launch_opts(config.num_warps_split, config.num_stages_split, config.fp_fusion),
         )  # fmt: skip
         _attn_merge[(n_tiles, b * hkv)](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
             out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=rows, SPLIT=config.split, D=d,
-            FIRST=i == 0, LAST=i == n_waves - 1, **_launch_opts(4, 1),
+            FIRST=i == 0, LAST=i == n_waves - 1, **_launch_opts(4, 1, config.fp_fusion),
         )  # fmt: skip
     return out

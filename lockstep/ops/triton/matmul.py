@@ -26,6 +26,7 @@ class MatmulConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False
+    warp_specialize: bool = False  # TMA kernel only: producer/consumer warps (Hopper)
 
 
 _INF = 1 << 62
@@ -34,13 +35,13 @@ _INF = 1 << 62
 # (Triton 3.6) with lockstep/bench/gpu_kernels.py --sweep; see docs/gpu.md. Small M is
 # bandwidth-bound: narrow N tiles give enough CTAs to stream the weight from every SM.
 TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
-    (16, 8192, MatmulConfig(16, 32, 128, 4, 6)),
+    (16, 8192, MatmulConfig(16, 32, 256, 4, 4)),
     (16, _INF, MatmulConfig(16, 64, 128, 4, 5)),
     (32, 8192, MatmulConfig(32, 32, 128, 4, 6)),
     (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
-    (64, _INF, MatmulConfig(64, 64, 128, 4, 4)),
-    (256, _INF, MatmulConfig(128, 128, 64, 8, 4)),
-    (_INF, _INF, MatmulConfig(128, 256, 64, 8, 3, tma=True)),
+    (128, 8192, MatmulConfig(64, 64, 128, 4, 4)),
+    (128, _INF, MatmulConfig(128, 128, 64, 8, 4)),
+    (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
 )
 
 
@@ -80,7 +81,8 @@ def _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS: tl.constexpr, BM:
     tl.store(ptrs, acc.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
+# M is not specialized (Triton would compile M == 1 apart): one binary per config for all M.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x, w, bias, y, M, N, K, sxm, swn, sym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -109,15 +111,15 @@ def _matmul_kernel(
     _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
     x_desc, w_desc, bias, y, M, N, K, sym,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     acc = tl.zeros([BM, BN], tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
+    for k in tl.range(0, tl.cdiv(K, BK), warp_specialize=WARP_SPECIALIZE):
         a = x_desc.load([pid_m * BM, k * BK])
         b = w_desc.load([pid_n * BN, k * BK])
         acc = tl.dot(a, b.T, acc)
@@ -129,9 +131,11 @@ def matmul(
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T (+ bias [N]) -> [M, N] in x's dtype. `config` overrides the table
-    (tests and benchmarks only)."""
+    """x [M, K] @ w[N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype; float32
+    keeps the accumulator's bits, e.g. for logits). `config` overrides the table (tests and
+    benchmarks only)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul wants x [M, K] and w [N, K]; got {tuple(x.shape)}, "
                          f"{tuple(w.shape)}")  # fmt: skip
@@ -143,7 +147,7 @@ def matmul(
         raise ValueError(f"bias shape {tuple(bias.shape)} != ({w.shape[0]},)")
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
     cfg = config or pick_config(m, n)
@@ -158,7 +162,8 @@ def matmul(
         w_desc = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
         _matmul_tma_kernel[grid](
             x_desc, w_desc, b, y, m, n, k, y.stride(0), HAS_BIAS=has_bias,
-            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+            WARP_SPECIALIZE=cfg.warp_specialize, **opts,
         )  # fmt: skip
         return y
     _matmul_kernel[grid](
