@@ -409,3 +409,68 @@ def test_report_outputs(fake_server: Any, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
     write_plot(report, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- end to end, real Lockstep
+# `lockstep check --serve` starts `python -m lockstep serve` with the embedded default model
+# on the CPU. Small counts keep the three server starts under about three minutes on 2 cores;
+# the context limit is cut to 512 so that the long scenario's prefill stays short.
+
+E2E = ["--max-model-len", "512", "--max-tokens", "8", "--concurrency", "4", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def lockstep_full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
+    """Every scenario against Lockstep in its default (deterministic) mode, saving the
+    fingerprints that a later test compares after a restart."""
+    tmp = tmp_path_factory.mktemp("check-e2e")
+    fp, out = tmp / "fingerprints.json", tmp / "out.json"
+    code = run_cli(["--serve", *E2E, "--budget-s", "45", "--save", str(fp), "--json", str(out)])
+    return code, json.loads(out.read_text()), fp
+
+
+@pytest.mark.slow
+def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path]) -> None:
+    code, doc, fp = lockstep_full_run
+    results = by_name(doc)
+    assert list(results) == list(SCENARIOS)
+    for name, r in results.items():
+        assert r["status"] == PASS, (name, r)
+    assert code == 0 and doc["engine"]["mode"] == "deterministic"
+    for name in ("batch", "prefix", "radix", "score", "sampling"):
+        assert results[name]["positions_compared"] > 0, name
+    assert results["radix"]["cached_tokens"] > 0
+    assert results["long"]["notes"][0].startswith("context limit 512 (from GET /v1/engine)")
+    assert len(json.loads(fp.read_text())["fingerprints"]) == 5
+
+
+@pytest.mark.slow
+def test_lockstep_fast_mode_fails_batch(tmp_path: Path) -> None:
+    """Negative control: plain torch float32 matmuls are not batch-invariant on the CPU."""
+    out = tmp_path / "out.json"
+    argv = ["--serve", *E2E, "--mode", "fast", "--scenarios", "batch", "--budget-s", "10"]
+    assert run_cli([*argv, "--json", str(out)]) == 1
+    batch = by_name(json.loads(out.read_text()))["batch"]
+    assert batch["status"] == FAIL and "runs differ" in batch["reason"]
+    assert batch["max_abs_delta_logprob"] > 0
+
+
+@pytest.mark.slow
+def test_lockstep_without_prefix_cache(
+    lockstep_full_run: tuple[int, dict, Path], tmp_path: Path
+) -> None:
+    """The radix scenario refuses to pass on a cache that is off; the fingerprints saved by the
+    first server match this restarted one (the cache being off must not change a bit)."""
+    _, _, fp = lockstep_full_run
+    out = tmp_path / "out.json"
+    argv = ["--serve", *E2E, "--no-prefix-cache", "--scenarios", "radix,restart"]
+    assert run_cli([*argv, "--budget-s", "20", "--against", str(fp), "--json", str(out)]) == 1
+    results = by_name(json.loads(out.read_text()))
+    assert results["radix"]["status"] == FAIL
+    assert results["radix"]["reason"].startswith("cache not exercised: proves nothing")
+    assert results["radix"]["greedy_flips"] == 0 and results["radix"]["cached_tokens"] == 0
+    assert results["restart"]["status"] == PASS
+    saved = json.loads(fp.read_text())["fingerprints"]
+    assert results["restart"]["positions_compared"] == sum(
+        len(f["output"]["logprobs"]) for f in saved
+    )
