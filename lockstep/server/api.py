@@ -195,6 +195,15 @@ def _param_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+# Fields whose pydantic errors name a union branch ("prompt.list[int].0"): one clear message.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of"
+    " token-id lists, none of them empty",
+    "stop": "a string or a list of at most 16 strings",
+    "content": "a string or a list of text parts",
+}
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
@@ -202,9 +211,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     kind = first.get("type", "")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # A field inside a union is reported per branch ("prompt.str", "prompt.list[int].0"):
-    # name the field the client wrote.
-    param = ".".join(p for p in loc if not re.search(r"[\[\]]", p) and p not in ("str",)) or None
+    # Inside a union pydantic names the branch ("prompt.list[int].0", "stop.str"): the field
+    # the client wrote is the path before the first branch name.
+    branch = next((i for i, p in enumerate(loc) if p == "str" or "[" in p), None)
+    param = ".".join(loc[:branch]) or None
     if kind == "json_invalid":
         return APIError(
             "We could not parse the JSON body of your request: "
@@ -218,13 +228,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
             code="unknown_parameter",
         )
     if kind == "missing":
+        if param is None:
+            return APIError("The request has no body: expected a JSON object.", code="missing")
         return APIError(f"Missing required parameter: {param!r}.", param=param, code="missing")
+    if branch is not None and branch > 0 and loc[branch - 1] in _UNION_FIELDS:
+        return APIError(
+            f"Invalid value for {param!r}: expected {_UNION_FIELDS[loc[branch - 1]]}",
+            param=param,
+            code="invalid_value",
+        )
     detail = first.get("msg", "invalid value")
     shown = json.dumps(first.get("input"), default=str)[:200]
     return APIError(
         f"Invalid value for {param or 'body'!r}: {detail} (got {shown})",
         param=param,
-        code="invalid_value" if kind not in ("model_type", "dict_type") else "invalid_type",
+        code="invalid_type" if kind.endswith("_type") else "invalid_value",
     )
 
 
