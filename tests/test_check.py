@@ -156,6 +156,7 @@ def make_app(b: FakeBehaviour) -> FastAPI:
         }
         if body.get("return_token_ids") and b.token_ids == "honour":
             choice["token_ids"] = out[-max_tokens:] if max_tokens else []
+            choice["prompt_token_ids"] = ids
         usage: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": max_tokens}
         if b.report_cache:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}

@@ -49,6 +49,7 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int | None
     cached_tokens: int | None
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @property
     def keys(self) -> tuple[int, ...] | tuple[str, ...]:
@@ -96,7 +97,12 @@ def parse_completion(body: dict[str, Any]) -> Completion:
         finish_reason=choice.get("finish_reason"),
         prompt_tokens=usage.get("prompt_tokens"),
         cached_tokens=details.get("cached_tokens"),
+        prompt_token_ids=_ids(choice.get("prompt_token_ids")),
     )
+
+
+def _ids(value: Any) -> tuple[int, ...] | None:
+    return tuple(int(i) for i in value) if isinstance(value, list) else None
 
 
 def parse_score(body: dict[str, Any]) -> Scored:

@@ -278,11 +278,14 @@ async def scenario_score(ctx: ScenarioContext, result: ScenarioResult) -> None:
         prompt = prompts[unit]
         gen = await ctx.greedy(prompt)
         full: Prompt
-        if isinstance(prompt, str):
-            # Text in, text scored: trusts that prompt + completion re-tokenizes the same way.
-            full = prompt + gen.text
-        elif gen.token_ids is not None:
+        if gen.token_ids is not None and gen.prompt_token_ids is not None:
+            full = list(gen.prompt_token_ids) + list(gen.token_ids)
+        elif gen.token_ids is not None and isinstance(prompt, list):
             full = prompt + list(gen.token_ids)
+        elif isinstance(prompt, str):
+            # No ids: trusts that prompt + completion text re-tokenizes into the same tokens.
+            full = prompt + gen.text
+            result.note("scored text prompts as prompt text + completion text (no token ids)")
         else:
             result.note("server returns no completion token ids: token-id prompts not scored")
             continue
