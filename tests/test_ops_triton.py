@@ -342,3 +342,17 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     other = pool.run(0, SEQ, cfg=OTHER_BLOCK_CFG, path="prefill")
     assert rel_err(other, pool.reference()) < TOL
     assert not torch.equal(other, full), "a different key block gave the same bits"
+
+
+def test_attention_negative_control_decode_tile_across_warps_differs(
+    pool: Pool, full: torch.Tensor
+) -> None:
+    """GPU: 16-row decode tiles on 4 warps split each key block across warps, so the row sum
+    reduces in another order than the prefill tiles: some rows differ. This is why the table's
+    decode tiles run on one warp. Interpreter: a different split size differs."""
+    if GPU:
+        bad = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": 4})
+    else:
+        bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
+    rows = [pool.run(p, 1, cfg=bad, path="split") for p in range(0, SEQ, 3)]
+    assert not torch.equal(torch.cat(rows), full[0:SEQ:3])

@@ -46,18 +46,22 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile configuration. block_n and split are part of the numerics (changing them changes
-    bits); rows/warps/stages are not, as long as every path uses the same rows and warps."""
+    """Tile configuration. block_n and split are part of the numerics: changing them changes
+    bits. Stages never do. Rows and warps may differ between the two paths only where the row
+    sum reduces in the same order (measured, docs/gpu.md; the GPU tests check this table)."""
 
     block_n: int = 64
     split: int = 512
-    rows: int = 64  # query rows (position x head) per tile on the prefill path
-    rows_split: int = 64  # query rows per tile on the split (decode) path
-    num_warps: int = 4
-    num_warps_split: int = 4
+    rows: int = 128  # query rows (position x head) per tile on the prefill path
+    # Decode tiles: 16 rows on ONE warp (mma.sync). A warp then holds whole key blocks of a
+    # row, and the row sum reduces in the same order as the prefill's wgmma tiles (measured:
+    # all rows equal in float32); 16 rows on 4 warps split the keys across warps and differ.
+    rows_split: int = 16
+    num_warps: int = 8
+    num_warps_split: int = 1
     num_stages: int = 3
     num_stages_split: int = 3
-    split_path_max_tokens: int = 256  # T at or below this takes the split path
+    split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
     workspace_bytes: int = 256 << 20
     # Multiply-add contraction; off so that the shared formulas cannot be contracted
     # differently in the two kernels (only a benchmark switch).
@@ -352,7 +356,7 @@ def paged_attention(
     if t == 0 or b == 0:
         return out
     qk_scale = float(scale) * LOG2E
-    path = force_path or ("split" if t <= config.split_path_max_tokens else "prefill")
+    path = force_path or ("split" if meta.max_q <= config.split_path_max_q else "prefill")
     if path not in ("prefill", "split"):
         raise ValueError(f"force_path={force_path!r} is invalid: expected prefill or split")
     rows = config.rows if path == "prefill" else config.rows_split

@@ -26,7 +26,8 @@ class MatmulConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False
-    warp_specialize: bool = False  # TMA kernel only: producer/consumer warps (Hopper)
+    warp_specialize: bool = False  # TMA kernels only: producer/consumer warps (Hopper)
+    persistent: bool = False  # TMA kernel only: one program per SM walks the tiles
 
 
 _INF = 1 << 62
@@ -35,12 +36,14 @@ _INF = 1 << 62
 # (Triton 3.6) with lockstep/bench/gpu_kernels.py --sweep; see docs/gpu.md. Small M is
 # bandwidth-bound: narrow N tiles give enough CTAs to stream the weight from every SM.
 TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
-    (16, 8192, MatmulConfig(16, 32, 256, 4, 4)),
-    (16, _INF, MatmulConfig(16, 64, 128, 4, 5)),
-    (32, 8192, MatmulConfig(32, 32, 128, 4, 6)),
+    (16, 8192, MatmulConfig(16, 32, 256, 4, 5)),
+    (16, _INF, MatmulConfig(16, 64, 256, 4, 3)),
+    (32, 32768, MatmulConfig(32, 32, 256, 4, 4)),
     (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
-    (128, 8192, MatmulConfig(64, 64, 128, 4, 4)),
-    (128, _INF, MatmulConfig(128, 128, 64, 8, 4)),
+    (128, 4096, MatmulConfig(64, 64, 128, 4, 4, tma=True)),
+    (128, _INF, MatmulConfig(128, 64, 64, 4, 4, tma=True)),
+    (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True, warp_specialize=True)),
+    (2048, 8192, MatmulConfig(128, 128, 64, 8, 5, tma=True)),
     (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
 )
 
@@ -126,6 +129,45 @@ def _matmul_tma_kernel(
     _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_persistent_kernel(
+    x_desc, w_desc, y_desc, bias, M, N, K, NUM_SMS,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    """Each program computes tiles start, start + NUM_SMS, ...; every tile still reduces K in
+    the same ascending blocks as `_matmul_kernel`, so the bits are the same."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        first_m = (tile // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % size_m
+        pid_n = (tile % group) // size_m
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k in range(0, k_tiles):
+            a = x_desc.load([pid_m * BM, k * BK])
+            b = w_desc.load([pid_n * BN, k * BK])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            rn = pid_n * BN + tl.arange(0, BN)
+            acc = acc + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_desc.store([pid_m * BM, pid_n * BN], acc.to(y_desc.dtype))
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
 def matmul(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -160,6 +202,15 @@ def matmul(
 
         x_desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
         w_desc = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
+        if cfg.persistent:
+            y_desc = TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn])
+            n_sms = _num_sms(x.device)
+            _matmul_persistent_kernel[(min(n_sms, grid[0]),)](
+                x_desc, w_desc, y_desc, b, m, n, k, n_sms, HAS_BIAS=has_bias, BM=cfg.bm,
+                BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, WARP_SPECIALIZE=cfg.warp_specialize,
+                **opts,
+            )  # fmt: skip
+            return y
         _matmul_tma_kernel[grid](
             x_desc, w_desc, b, y, m, n, k, y.stride(0), HAS_BIAS=has_bias,
             BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
