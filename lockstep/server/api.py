@@ -48,6 +48,10 @@ from lockstep.server.responses import (
 logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
+# One HTTP request may fan out to at most this many engine requests (prompts x n): a bigger
+# batch belongs in several requests, and a single one must not flood the scheduler's queue.
+MAX_SEQUENCES_PER_REQUEST = 256
+MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -87,6 +91,7 @@ def build_app(engine: Any) -> FastAPI:
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
+    app.add_middleware(_BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     _install_error_handlers(app, metrics)
 
     @app.get("/health")
@@ -120,6 +125,8 @@ def build_app(engine: Any) -> FastAPI:
             "model": served.model_name,
             "max_model_len": served.max_model_len,
             "mode": config["mode"],
+            "device": snap["config"].resolved_device,
+            "dtype": snap["config"].resolved_dtype,
             "config": config,
             "fingerprint": snap["fingerprint"],
             "system_fingerprint": served.system_fingerprint,
@@ -150,6 +157,38 @@ def _version() -> str:
     from lockstep import __version__
 
     return __version__
+
+
+class _BodySizeLimit:
+    """Refuses a body over `max_bytes` (413) before it is read into memory. Plain ASGI, not
+    `BaseHTTPMiddleware`, which would hide client disconnects from the routes."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"0")
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise APIError(self._message(), status=413, code="request_too_large")
+            return message
+
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            error = APIError(self._message(), status=413, code="request_too_large")
+            response = JSONResponse(error.body(), status_code=413)
+            return await response(scope, receive, send)
+        return await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"The request body is larger than {self.max_bytes} bytes."
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -295,20 +334,31 @@ def _prompts(served: _Served, prompt: Any, *, add_special_tokens: bool = True) -
     return ids_list
 
 
-def _chat_prompt(served: _Served, messages: list[ChatMessage]) -> list[int]:
+def _chat_prompt(
+    served: _Served, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
     """Applies the model's chat template; `developer` is OpenAI's newer name for `system`."""
     rendered = served.tokenizer.apply_chat_template(
         [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in messages
         ],
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
     )
     # The template already spells out the special tokens.
     ids = served.tokenizer.encode(rendered, add_special_tokens=False)
     if not ids:
         raise APIError("The messages render to an empty prompt.", param="messages")
     return ids
+
+
+def _check_fan_out(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(
+            f"{num_prompts} prompts x n={n} asks for {num_prompts * n} sequences: at most"
+            f" {MAX_SEQUENCES_PER_REQUEST} per request",
+            param="n" if n > 1 else "prompt",
+        )
 
 
 def _max_tokens(
@@ -401,6 +451,10 @@ def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResp
         try:
             async for chunk in chunks:
                 yield chunk
+        except EngineFailure as exc:
+            # The status line is long gone: report in-band, as OpenAI's streams do.
+            error = APIError(str(exc), status=500, type="server_error", code="engine_failure")
+            yield sse(error.body())
         finally:
             # Client gone (the stream is cancelled) or done: free whatever still runs.
             group.abort()
@@ -415,7 +469,9 @@ def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResp
 
 async def _completions(served: _Served, body: CompletionRequest, request: Request) -> Any:
     _check_model(served, body.model)
-    prompts = _prompts(served, body.prompt)
+    # Tokenizing a long text takes a while: off the event loop, so other requests stream on.
+    prompts = await asyncio.to_thread(_prompts, served, body.prompt)
+    _check_fan_out(len(prompts), body.n)
     choices: list[ChoiceState] = []
     requests = []
     for p_index, ids in enumerate(prompts):
@@ -505,7 +561,7 @@ async def _chat(served: _Served, body: ChatCompletionRequest, request: Request) 
             "max_tokens and max_completion_tokens are the same limit: send only one",
             param="max_tokens",
         )
-    ids = _chat_prompt(served, body.messages)
+    ids = await asyncio.to_thread(_chat_prompt, served, body.messages)
     limit_param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
     requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     max_tokens = _max_tokens(served, requested, len(ids), "messages", limit_param)
@@ -599,19 +655,15 @@ async def _score(served: _Served, body: ScoreRequest, request: Request) -> Any:
     if (body.prompt is None) == (body.messages is None):
         raise APIError("send exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        # The conversation as the model would read it, without a generation prompt after it.
-        rendered = served.tokenizer.apply_chat_template(
-            [
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages
-            ],
-            add_generation_prompt=False,
-        )
-        prompts = [served.tokenizer.encode(rendered, add_special_tokens=False)]
+        # The conversation as the model reads it, without a generation prompt after it.
+        prompts = [await asyncio.to_thread(_chat_prompt, served, body.messages, False)]
         prompt_param = "messages"
     else:
-        prompts = _prompts(served, body.prompt, add_special_tokens=body.add_special_tokens)
+        prompts = await asyncio.to_thread(
+            _prompts, served, body.prompt, add_special_tokens=body.add_special_tokens
+        )
         prompt_param = "prompt"
+    _check_fan_out(len(prompts), 1)
     # Scoring runs the prompt plus one (discarded) greedy token.
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=body.top_logprobs)
     for ids in prompts:
