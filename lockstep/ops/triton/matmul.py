@@ -38,13 +38,11 @@ _INF = 1 << 62
 TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
     (16, 8192, MatmulConfig(16, 32, 256, 4, 5)),
     (16, _INF, MatmulConfig(16, 64, 256, 4, 3)),
-    (32, 32768, MatmulConfig(32, 32, 256, 4, 4)),
+    (32, 32768, MatmulConfig(32, 32, 128, 4, 6)),
     (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
-    (128, 4096, MatmulConfig(64, 64, 128, 4, 4, tma=True)),
     (128, _INF, MatmulConfig(128, 64, 64, 4, 4, tma=True)),
-    (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True, warp_specialize=True)),
-    (2048, 8192, MatmulConfig(128, 128, 64, 8, 5, tma=True)),
-    (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
+    (512, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
+    (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
 )
 
 
