@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from lockstep.check.cli import add_check_parser, serve_args
-from lockstep.check.client import parse_completion, parse_score
+from lockstep.check.client import normalize_base_url, parse_completion, parse_score
 from lockstep.check.compare import FAIL, PASS, SKIP, ScenarioResult, compare_runs
 from lockstep.check.report import render_table, write_json, write_plot
 from lockstep.check.runner import run_checks
@@ -276,6 +276,11 @@ def test_parse_completion_and_score_shapes() -> None:
     assert parse_score({"token_logprobs": [None, -1.0]}).logprobs == (None, -1.0)
 
 
+def test_base_url_forms() -> None:
+    for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
+        assert normalize_base_url(url) == "http://h:1"
+
+
 def test_cli_arguments() -> None:
     with pytest.raises(SystemExit):
         parse(["--url", "http://x", "--scenarios", "batch,nope"])
@@ -445,6 +450,13 @@ def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path
     assert len(json.loads(fp.read_text())["fingerprints"]) == 5
 
 
+def test_serve_that_cannot_start_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """`lockstep serve` refusing an option ends the check at once with its log, not a hang."""
+    assert run_cli(["--serve", "--serve-arg=--no-such-option", "--serve-timeout-s", "120"]) == 2
+    err = capsys.readouterr().err
+    assert "exited with code 2 before answering /health" in err and "--no-such-option" in err
+
+
 @pytest.mark.slow
 def test_lockstep_fast_mode_fails_batch(tmp_path: Path) -> None:
     """Negative control: plain torch float32 matmuls are not batch-invariant on the CPU."""
@@ -465,7 +477,7 @@ def test_lockstep_without_prefix_cache(
     _, _, fp = lockstep_full_run
     out = tmp_path / "out.json"
     argv = ["--serve", *E2E, "--no-prefix-cache", "--scenarios", "radix,restart"]
-    assert run_cli([*argv, "--budget-s", "20", "--against", str(fp), "--json", str(out)]) == 1
+    assert run_cli([*argv, "--budget-s", "10", "--against", str(fp), "--json", str(out)]) == 1
     results = by_name(json.loads(out.read_text()))
     assert results["radix"]["status"] == FAIL
     assert results["radix"]["reason"].startswith("cache not exercised: proves nothing")

@@ -167,7 +167,8 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def run_check_command(args: argparse.Namespace) -> int:
     """Run `lockstep check`; returns the exit code (0 all pass, 1 a FAIL, 2 cannot check)."""
     console = Console()
-    err = Console(stderr=True)
+    # Soft wrap: error lines and paths stay whole when copied out of logs.
+    err = Console(stderr=True, soft_wrap=True)
     if not args.serve:
         engine_only = [
             flag

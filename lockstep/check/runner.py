@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -43,8 +44,7 @@ class CheckReport:
 
     def to_json(self) -> dict[str, Any]:
         settings = {
-            k: (str(v) if v is not None and k in ("save", "against") else v)
-            for k, v in asdict(self.settings).items()
+            k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()
         }
         return {
             "passed": self.passed,
