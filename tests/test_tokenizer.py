@@ -30,6 +30,7 @@ def test_default_tokenizer_basics(smollm):
     assert smollm.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
     assert smollm.decode([1, 4093, 2]) == "user"
     assert smollm.decode([1, 4093, 2], skip_special_tokens=False) == "<|im_start|>user<|im_end|>"
+    assert smollm.is_special(2) and not smollm.is_special(905)
     # digits are split one by one (tokenizer.ggml.pre = smollm)
     assert smollm.encode("12345") == [33, 34, 35, 36, 37]
 

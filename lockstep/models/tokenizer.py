@@ -79,7 +79,9 @@ class Tokenizer:
         self.chat_template = chat_template
         if chat_template is not None:
             compile_chat_template(chat_template)  # a broken template fails at load, not per request
-        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        added = backend.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     @property
@@ -125,7 +127,8 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def is_special(self, token_id: int) -> bool:
-        return token_id in self._added and self.backend.get_added_tokens_decoder()[token_id].special
+        """Whether decode(skip_special_tokens=True) drops this token (control tokens)."""
+        return token_id in self._special_ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes this token stands for (OpenAI's logprob "bytes" field). A byte-level token
