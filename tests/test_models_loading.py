@@ -83,6 +83,7 @@ def write_tiny_gguf(
     pre: str = "smollm",
     tokenizer_model: str = "gpt2",
     metadata: dict[str, int] | None = None,
+    tokenizer: bool = True,
 ) -> dict[str, np.ndarray]:
     """A GGUF file as llama.cpp's converter would write it; returns the HF-layout weights that
     a correct loader must reproduce (exactly for F32, up to the quantization otherwise)."""
@@ -104,15 +105,16 @@ def write_tiny_gguf(
     tokens += ["he", "ll", "hell"]
     tokens += [f"<unused{i}>" for i in range(spec.vocab_size - len(tokens))]
     types = [1] * 256 + [3, 3, 4] + [1] * (spec.vocab_size - 259)
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["h e", "l l", "he ll"])
-    writer.add_bos_token_id(256)
-    writer.add_eos_token_id(257)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    if tokenizer:
+        writer.add_tokenizer_model(tokenizer_model)
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(["h e", "l l", "he ll"])
+        writer.add_bos_token_id(256)
+        writer.add_eos_token_id(257)
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHATML_TEMPLATE)
     for name, value in weights.items():
         stored = value
         if name.endswith("q_proj.weight"):
@@ -311,6 +313,7 @@ def test_gguf_unsupported_quant_type_names_tensor_type_and_supported(tmp_path):
         ({"tokenizer_model": "llama"}, "tokenizer.ggml.model='llama' is not supported"),
         ({"pre": "chatglm-bpe"}, "tokenizer.ggml.pre='chatglm-bpe' is not supported"),
         ({"metadata": {"llama.expert_count": 8}}, "mixture-of-experts"),
+        ({"tokenizer": False}, "has no tokenizer (tokenizer.ggml.tokens is missing)"),
         (
             {"extra_tensors": {"blk.0.attn_rot.weight": (np.zeros(4, np.float32), QT.F32)}},
             "tensor blk.0.attn_rot.weight is not part of a llama-architecture model",
@@ -464,6 +467,17 @@ def test_hf_folder_unsupported_configs(tmp_path, config_extra, expected):
     with pytest.raises(ModelLoadError) as exc:
         resolve_model(str(folder))
     assert expected in _one_line(exc)
+
+
+def test_hf_folder_config_without_required_key(tmp_path):
+    folder = tmp_path / "m"
+    write_hf_folder(folder, "tiny")
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as exc:
+        resolve_model(str(folder))
+    assert "required key num_attention_heads is missing" in _one_line(exc)
 
 
 def test_hf_folder_missing_pieces(tmp_path):

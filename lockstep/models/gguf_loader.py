@@ -165,6 +165,12 @@ class GGUFFile:
                     f"{self.path}: tensor {name} has type {type_name}; supported tensor types: "
                     f"{', '.join(SUPPORTED_TYPES)}"
                 )
+            block = GGML_QUANT_SIZES[kind][0]
+            if not shape or shape[-1] % block:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} has shape {shape}, rows not a multiple of "
+                    f"{kind.name}'s block of {block}"
+                )
             tensors[name] = _TensorInfo(name, shape, kind, data_start + offset)
         for info in tensors.values():
             if info.offset + info.nbytes > len(buf):
@@ -362,6 +368,11 @@ def gguf_spec(file: GGUFFile) -> ModelSpec:
 def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
     """A byte-level BPE tokenizer from tokenizer.ggml.* (llama.cpp's "gpt2" tokenizer model)."""
     meta = file.metadata
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelLoadError(
+            f"{file.path} has no tokenizer (tokenizer.ggml.tokens is missing); supported: GGUF "
+            "files with an embedded byte-level BPE tokenizer"
+        )
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelLoadError(

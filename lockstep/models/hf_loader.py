@@ -46,12 +46,17 @@ def _rope(config: dict[str, Any], folder: Path) -> tuple[float, RopeScaling | No
             f"{folder}/config.json: rope_type {rope_type!r} is not supported; supported: "
             "default, llama3"
         )
-    scaling = RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position=int(params["original_max_position_embeddings"]),
-    )
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(
+            f"{folder}/config.json: llama3 RoPE scaling lacks {exc.args[0]}"
+        ) from None
     return theta, scaling
 
 
@@ -78,8 +83,8 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
                 "dense models with silu MLPs, no o_proj/MLP bias, no sliding window, unquantized"
             )
     theta, scaling = _rope(config, folder)
-    heads = int(config["num_attention_heads"])
     try:
+        heads = int(config["num_attention_heads"])
         return ModelSpec(
             family=model_type,
             vocab_size=int(config["vocab_size"]),
