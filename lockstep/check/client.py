@@ -267,6 +267,7 @@ class CheckClient:
 
     async def health(self) -> bool:
         """True when GET /health answers 2xx."""
+        self.requests_sent += 1
         try:
             resp = await self._http.get("/health", timeout=10.0)
         except httpx.HTTPError:

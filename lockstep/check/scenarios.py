@@ -109,7 +109,7 @@ class ScenarioContext:
             self._flush_known = True
         elif self._flush_path is not None:
             await self.client.flush_cache()
-        if self._flush_path is None and not any("flush" in n for n in result.notes):
+        if self._flush_path is None:
             result.note(
                 "server has no /flush_cache or /reset_prefix_cache: runs meant cold may hit"
             )
@@ -146,6 +146,11 @@ async def gather_all(aws: list[Awaitable[T]]) -> list[T]:
     return results  # type: ignore[return-value]
 
 
+async def _after(delay_s: float, aw: Awaitable[T]) -> T:
+    await asyncio.sleep(delay_s)
+    return await aw
+
+
 def _probe_prompts(ctx: ScenarioContext) -> list[Prompt]:
     """Two probes: text, and token ids of a length that is not a power of two."""
     return [PROBE_TEXTS[0], ctx.random_ids(45)]
@@ -155,7 +160,11 @@ async def _alone_vs_bursts(
     ctx: ScenarioContext, result: ScenarioResult, temperature: float, planned: int
 ) -> None:
     """Each probe alone (sequential: nothing else in flight), then inside bursts of
-    `concurrency - 1` random concurrent requests, at a random place in the burst."""
+    `concurrency - 1` random concurrent requests, at a random place in the burst.
+
+    Every other burst starts from a flushed cache, so the probe's prefill also runs beside
+    the batch-mates rather than only its decode; within a burst, starts are staggered by up to
+    20 ms (a few decode steps on a GPU) so that prefills land beside other requests' decodes."""
     probes = _probe_prompts(ctx)
     seeds = [ctx.rng.randrange(2**31) if temperature > 0 else None for _ in probes]
 
@@ -172,10 +181,12 @@ async def _alone_vs_bursts(
     mates = max(1, ctx.settings.concurrency - 1)
     for unit in ctx.units(planned, result, "bursts"):
         i = unit % len(probes)
+        if unit % 2 == 0:
+            await ctx.flush(result)
         where = ctx.rng.randint(0, mates)
         aws: list[Awaitable[Completion]] = [ctx.random_request() for _ in range(mates)]
         aws.insert(where, probe(i))
-        outs = await gather_all(aws)
+        outs = await gather_all([_after(ctx.rng.uniform(0, 0.02), aw) for aw in aws])
         ctx.compare(result, refs[i], outs[where])
         for out in outs:
             result.add_cached(out.cached_tokens)
