@@ -73,7 +73,7 @@ RAWS = [
     "| Country | Capital |\n|---|---|\n| France | Paris |\n| Italy |",
     _HISTORY * 2,
     _numbered_lines(40),
-    _HISTORY * 4 + _numbered_lines(60),
+    _HISTORY * 4 + _numbered_lines(10),
 ]
 LONG_CHAT = [{"role": "user", "content": "Summarize this text:\n\n" + _HISTORY * 12}]
 
