@@ -32,16 +32,20 @@ class MatmulConfig:
 
 _INF = 1 << 62
 
-# (largest M, largest N, config): the first row that fits is used. Chosen on an H200
-# (Triton 3.6) with lockstep/bench/gpu_kernels.py --sweep; see docs/gpu.md. Small M is
-# bandwidth-bound: narrow N tiles give enough CTAs to stream the weight from every SM.
+# (largest M, largest N, config): the first row that fits is used. Chosen on an H200 (Triton
+# 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep (docs/gpu.md,
+# bench/results/). Small M is bandwidth-bound: narrow N tiles give enough CTAs to stream the
+# weight from every SM. Large M: a persistent TMA kernel (one program per SM).
 TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
-    (16, 8192, MatmulConfig(16, 32, 256, 4, 5)),
-    (16, _INF, MatmulConfig(16, 64, 256, 4, 3)),
-    (32, 32768, MatmulConfig(32, 32, 128, 4, 6)),
+    (16, 4096, MatmulConfig(16, 32, 256, 4, 5)),
+    (16, _INF, MatmulConfig(16, 64, 128, 4, 5)),
+    (32, 32768, MatmulConfig(32, 32, 256, 4, 4)),
     (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
+    (128, 8192, MatmulConfig(64, 64, 128, 4, 4, tma=True)),
     (128, _INF, MatmulConfig(128, 64, 64, 4, 4, tma=True)),
-    (512, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
+    (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
+    (512, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
+    (2048, 8192, MatmulConfig(128, 128, 64, 8, 5, tma=True)),
     (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
 )
 
