@@ -45,8 +45,8 @@ class CpuDeterministicOps:
             raise ValueError(
                 f"simd={simd!r} is not compiled for this CPU: available {self._ext.simd_variants()}"
             )
-        if key_block not in (16, 32, 64):
-            raise ValueError(f"key_block={key_block} is invalid: expected 16, 32 or 64")
+        if key_block not in (16, 32):
+            raise ValueError(f"key_block={key_block} is invalid: expected 16 or 32")
         self._simd = SIMD_VARIANTS[simd]
         self._key_block = key_block
 
