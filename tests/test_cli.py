@@ -1,0 +1,75 @@
+"""The `lockstep` command: the README's main job, and one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _lockstep(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_generate_answers_paris_on_the_default_model() -> None:
+    out = _lockstep("generate", "What is the capital of France?", "--kv-tokens", "2048")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "The capital of France is Paris."
+
+
+def test_generate_raw_with_seed_is_reproducible() -> None:
+    args = ("generate", "Once upon a time", "--raw", "--temperature", "1", "--seed", "3",
+            "--max-tokens", "12", "--model", "random:tiny", "--kv-tokens", "256")  # fmt: skip
+    first, second = _lockstep(*args), _lockstep(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    _one_line_error(_lockstep("generate", "hi", "--model", str(missing)), str(missing))
+
+
+def test_unknown_preset() -> None:
+    _one_line_error(_lockstep("generate", "hi", "--model", "random:nope"), "random:nope", "tiny")
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    _one_line_error(_lockstep("generate", "hi", "--model", str(tmp_path)), "config.json")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    _one_line_error(_lockstep("generate", "hi", "--model", str(tmp_path)), "gpt2", "llama")
+
+
+def test_missing_tokenizer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _one_line_error(_lockstep("generate", "hi", "--model", str(tmp_path)), "tokenizer.json")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [("--max-running", "0", "max_running=0"), ("--chunk-size", "4096", "chunk_size=4096")],
+)
+def test_invalid_engine_option_is_one_line(flag: str, value: str, needle: str) -> None:
+    _one_line_error(_lockstep("generate", "hi", "--model", "random:tiny", flag, value), needle)

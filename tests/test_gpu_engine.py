@@ -1,0 +1,96 @@
+"""The property suite on the GPU (bfloat16, Triton kernels), with real model shapes.
+
+Runs only where CUDA is present (the GPU machine); CI has no GPU, where the same properties
+run on the CPU path (test_position_invariance.py) and the Triton kernels run under the
+interpreter (test_ops_triton.py). The negative control requires fast mode (cuBLAS, SDPA) to
+break batch invariance on the same harness.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from invariance_harness import Plan, compute, mismatches, random_plan, reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MODELS = ["random:smollm2-135m", "random:qwen3-8b"]
+
+
+def _engine(model: str, mode: str = "deterministic"):
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+
+    return Engine(
+        EngineConfig(
+            model=model,
+            mode=mode,
+            device="cuda",
+            dtype="bfloat16",
+            kv_tokens=32768,
+            max_model_len=8192,
+            cuda_graphs=False,
+        )  # fmt: skip
+    )
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def engine(request):
+    e = _engine(request.param)
+    yield e
+    del e
+    torch.cuda.empty_cache()
+
+
+def test_random_schedules_match_cold_prefill(engine) -> None:
+    for seed in range(60):
+        rng = random.Random(seed)
+        n = rng.randint(1, 700)
+        tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=4)
+        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
+        assert not problems, f"seed={seed} n={n} {plan.describe()}: " + "; ".join(problems)
+    engine.check_integrity()
+
+
+def test_prefix_hits_at_offsets_around_block_and_split(engine) -> None:
+    """Hits ending at every offset near multiples of the key block (64) and split (512)."""
+    rng = random.Random(3)
+    n = 1100
+    tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+    ref = reference(engine, tokens)
+    offsets = sorted({o + d for o in (64, 128, 512, 1024) for d in (-1, 0, 1)} | {1, 33, 700})
+    for prefix in offsets:
+        got = compute(engine, tokens, Plan(prefix, [n - prefix], [[rng.randint(1, 40)]]), rng)
+        problems = mismatches(ref, got)
+        assert not problems, f"prefix={prefix}: " + "; ".join(problems)
+        engine.flush_cache()
+
+
+def test_generation_logprobs_equal_scoring(engine) -> None:
+    from lockstep.engine.llm import LLM
+    from lockstep.engine.sampling_params import SamplingParams
+
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 300)]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
+    for out, score in zip(outs, scores, strict=True):
+        assert score.logprobs[len(out.prompt_token_ids) :] == out.logprobs
+
+
+def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
+    engine = _engine("random:smollm2-135m", mode="fast")
+    failures = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        n = rng.randint(16, 200)
+        tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=4, allow_prefix=False)
+        plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks]
+        failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
+    assert failures > 0
