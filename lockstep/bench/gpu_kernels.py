@@ -38,30 +38,47 @@ HQ, HKV, HD = 32, 8, 128
 
 C = mm.MatmulConfig
 SWEEP_MM = {
-    16: [C(16, 32, 256, 4, 5), C(16, 64, 256, 4, 3), C(16, 64, 128, 4, 5), C(16, 32, 128, 4, 6)],
-    32: [C(32, 32, 128, 4, 6), C(32, 64, 128, 4, 5), C(32, 32, 256, 4, 4)],
+    16: [
+        C(16, 32, 256, 4, 5),
+        C(16, 64, 128, 4, 5),
+        C(16, 16, 256, 4, 6),
+        C(16, 16, 512, 4, 4),
+        C(16, 32, 512, 4, 3),
+        C(16, 32, 256, 2, 6),
+        C(16, 32, 128, 4, 8),
+        C(16, 16, 256, 2, 8),
+        C(16, 32, 256, 4, 5, tma=True),
+        C(16, 64, 256, 4, 4, tma=True),
+    ],
+    32: [
+        C(32, 32, 256, 4, 4),
+        C(32, 64, 128, 4, 5),
+        C(32, 16, 256, 4, 6),
+        C(32, 32, 512, 4, 3),
+        C(32, 32, 256, 4, 5, tma=True),
+    ],
     128: [
         C(64, 64, 128, 4, 4, tma=True),
         C(128, 64, 64, 4, 4, tma=True),
-        C(64, 128, 64, 4, 4, tma=True),
-        C(128, 64, 64, 4, 4, tma=True, persistent=True),
-        C(64, 64, 128, 4, 4),
-        C(64, 32, 128, 4, 5),
+        C(128, 32, 128, 4, 4, tma=True),
+        C(64, 32, 128, 4, 5, tma=True),
+        C(128, 64, 128, 4, 3, tma=True),
+        C(64, 64, 256, 4, 3, tma=True),
+        C(128, 64, 64, 8, 4, tma=True),
     ],
     512: [
         C(128, 128, 64, 8, 4, tma=True),
-        C(128, 128, 64, 8, 4, tma=True, warp_specialize=True),
         C(128, 128, 64, 8, 4, tma=True, persistent=True),
-        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
+        C(128, 64, 64, 4, 4, tma=True),
+        C(128, 64, 128, 4, 3, tma=True),
         C(64, 128, 64, 4, 4, tma=True),
+        C(64, 64, 128, 4, 4, tma=True),
+        C(128, 256, 64, 8, 3, tma=True),
     ],
     1 << 62: [
         C(128, 128, 64, 8, 4, tma=True, persistent=True),
         C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
-        C(128, 128, 64, 8, 4, tma=True),
         C(128, 128, 64, 8, 5, tma=True),
-        C(128, 128, 64, 8, 3, tma=True, persistent=True),
-        C(128, 128, 128, 8, 2, tma=True, persistent=True),
     ],
 }
 SWEEP_ATTN_PREFILL = {
@@ -109,14 +126,14 @@ def row_digest(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
-def run_matmul(sweep: bool, log) -> list[dict]:
+def run_matmul(sweep: bool, log, ms: tuple[int, ...] = MS) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
-        xs = torch.randn(max(MS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        xs = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16, generator=gen)
         ours_rows, cublas_rows = set(), set()
-        for m in MS:
+        for m in ms:
             x = xs[:m]
             t_cublas = graph_ms(partial(F.linear, x, w))
             cublas_rows.add(row_digest(F.linear(x, w)[:1]))  # bf16 out: cuBLAS has no fp32 out
@@ -272,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", action="store_true", help="time candidate configs too")
     ap.add_argument("--only", default="bits,matmul,prefill,decode")
     ap.add_argument("--out", default=None, help="also write the JSON document here")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="matmul M values")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels needs CUDA")
@@ -308,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         doc["attention_bits"] = run_attention_bits(log)
         save()
     if "matmul" in only:
-        doc["matmul"] = run_matmul(args.sweep, log)
+        doc["matmul"] = run_matmul(args.sweep, log, tuple(int(m) for m in args.ms.split(",")))
         save()
     if "prefill" in only:
         doc["prefill"] = run_prefill(args.sweep, log)
