@@ -80,7 +80,7 @@ def write_plot(report: CheckReport, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    plotted = 0
+    plotted, largest = 0, 0.0
     for r in report.results:
         if not r.max_delta_by_position:
             continue
@@ -89,7 +89,9 @@ def write_plot(report: CheckReport, path: Path) -> None:
         ys = [min(r.max_delta_by_position[x], 1e3) for x in xs]
         ax.plot(xs, ys, marker="o", markersize=3, label=f"{r.name} ({r.status})")
         plotted += 1
+        largest = max(largest, *ys)
     ax.set_yscale("symlog", linthresh=1e-9)
+    ax.set_ylim(0, max(1e-3, 10 * largest))
     ax.set_xlabel("position in the completion")
     ax.set_ylabel("max |Δ logprob|")
     ax.set_title(f"lockstep check: {report.model} ({'PASS' if report.passed else 'FAIL'})")

@@ -162,8 +162,9 @@ async def _alone_vs_bursts(
     """Each probe alone (sequential: nothing else in flight), then inside bursts of
     `concurrency - 1` random concurrent requests, at a random place in the burst.
 
-    Every other burst starts from a flushed cache, so the probe's prefill also runs beside
-    the batch-mates rather than only its decode; within a burst, starts are staggered by up to
+    Probes alternate, and the cache is flushed before bursts 2, 6, ...: each probe comes
+    from the cache (hit, hit), then cold (cold, cold), and so on, so that the probe's prefill
+    also runs beside the batch-mates and not only its decode. Within a burst, starts are staggered by up to
     20 ms (a few decode steps on a GPU) so that prefills land beside other requests' decodes."""
     probes = _probe_prompts(ctx)
     seeds = [ctx.rng.randrange(2**31) if temperature > 0 else None for _ in probes]
@@ -181,7 +182,7 @@ async def _alone_vs_bursts(
     mates = max(1, ctx.settings.concurrency - 1)
     for unit in ctx.units(planned, result, "bursts"):
         i = unit % len(probes)
-        if unit % 2 == 0:
+        if unit % 4 == 2:
             await ctx.flush(result)
         where = ctx.rng.randint(0, mates)
         aws: list[Awaitable[Completion]] = [ctx.random_request() for _ in range(mates)]
