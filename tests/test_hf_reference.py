@@ -131,9 +131,10 @@ def test_capital_of_france(llm):
 
 
 def _tiny_config(family: str):
+    # head_dim 64 (the CPU kernels take 64 or 128); Qwen3's is explicit and != hidden / heads.
     common = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
         rms_norm_eps=1e-6,
     )  # fmt: skip
     if family == "llama":
@@ -148,7 +149,7 @@ def _tiny_config(family: str):
             tie_word_embeddings=True,
         )  # fmt: skip
     return transformers.Qwen3Config(
-        **common, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=False,
     )  # fmt: skip
 
@@ -188,8 +189,13 @@ def test_tiny_random_models_match_transformers(tmp_path, family):
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
     assert ref.abs().max() > 1.0  # the comparison is not between near-zero logits
-    delta = (ours - ref).abs().max().item()
-    assert delta < 1e-5, f"{family}: max |delta logit| = {delta:.2e}"
+    delta = (ours - ref).abs()
+    # transformers computes RoPE angles position * inv_freq in float32 (also in float64 mode),
+    # an error that grows with the position (~1e-5 rad at 150); Lockstep's tables are float64.
+    # Hence 1e-5 over the first 64 positions and a looser bound over the rest.
+    early, late = delta[:64].max().item(), delta.max().item()
+    assert early < 1e-5, f"{family}: max |delta logit| over positions 0-63 = {early:.2e}"
+    assert late < 3e-5, f"{family}: max |delta logit| over positions 0-149 = {late:.2e}"
 
 
 # ----------------------------------------------------------------------------- (c)
@@ -213,6 +219,7 @@ TOKENIZER_STRINGS = [
 @pytest.mark.parametrize("text", TOKENIZER_STRINGS, ids=range(len(TOKENIZER_STRINGS)))
 def test_tokenization_matches_transformers(llm, hf_tokenizer, text):
     ours = llm.tokenizer
+    assert (ours.bos_token, ours.eos_token) == (hf_tokenizer.bos_token, hf_tokenizer.eos_token)
     expected = hf_tokenizer(text, add_special_tokens=True).input_ids
     assert ours.encode(text) == expected
     assert ours.decode(expected) == hf_tokenizer.decode(expected, skip_special_tokens=True)

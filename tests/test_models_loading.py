@@ -267,6 +267,7 @@ def test_gguf_tokenizer_from_metadata(tmp_path):
     assert tok.decode(ids) == "hello<think> 42"  # control tokens are skipped, user-defined kept
     assert tok.decode(ids, skip_special_tokens=False) == "hello<|im_start|><think> 42"
     assert tok.eos_token_ids == frozenset({257}) and tok.bos_token_id == 256 and not tok.add_bos
+    assert tok.eos_token == "<|im_end|>"
 
 
 def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path):
@@ -410,13 +411,14 @@ def test_hf_folder_round_trip(tmp_path, preset, shards):
     tok = loaded.tokenizer
     assert tok.chat_template == CHATML_TEMPLATE and not tok.add_bos and tok.bos_token_id is None
     assert tok.eos_token_ids == frozenset({257, 259})  # <|eos|>, and <|im_end|> for chat
+    assert tok.eos_token == "<|eos|>"
 
 
 def test_hf_folder_skips_inv_freq_and_tied_lm_head(tmp_path):
     folder = tmp_path / "m"
     extra = {
         "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
-        "lm_head.weight": torch.zeros(512, 64),
+        "lm_head.weight": torch.zeros(512, 128),
     }
     write_hf_folder(folder, "tiny-qwen2", extra_tensors=extra)
     names = resolve_model(str(folder)).weight_names()
@@ -426,7 +428,7 @@ def test_hf_folder_skips_inv_freq_and_tied_lm_head(tmp_path):
 def test_hf_folder_unexpected_tensor_is_refused(tmp_path):
     folder = tmp_path / "m"
     write_hf_folder(
-        folder, "tiny", extra_tensors={"model.layers.0.self_attn.o_proj.bias": torch.ones(64)}
+        folder, "tiny", extra_tensors={"model.layers.0.self_attn.o_proj.bias": torch.ones(128)}
     )
     with pytest.raises(ModelLoadError) as exc:
         resolve_model(str(folder))
@@ -525,8 +527,8 @@ def test_preset_scales_keep_activations_order_one():
         torch.equal(t, torch.ones_like(t)) for n, t in weights.items() if n.endswith("norm.weight")
     )
     q = weights["model.layers.0.self_attn.q_proj.weight"]
-    assert abs(q.std().item() * 64**0.5 - 1.0) < 0.05
-    x = torch.randn(256, 64)
+    assert abs(q.std().item() * 128**0.5 - 1.0) < 0.05
+    x = torch.randn(256, 128)
     assert 0.8 < (x @ q.T).std().item() < 1.2
     assert abs(weights["model.embed_tokens.weight"].std().item() - 0.02) < 0.002
 

@@ -31,6 +31,8 @@ def test_default_tokenizer_basics(smollm):
     assert smollm.decode([1, 4093, 2]) == "user"
     assert smollm.decode([1, 4093, 2], skip_special_tokens=False) == "<|im_start|>user<|im_end|>"
     assert smollm.is_special(2) and not smollm.is_special(905)
+    # the model's own EOS, not the smallest stop id (<|endoftext|> = 0)
+    assert smollm.eos_token == "<|im_end|>" and smollm.bos_token == "<|im_start|>"
     # digits are split one by one (tokenizer.ggml.pre = smollm)
     assert smollm.encode("12345") == [33, 34, 35, 36, 37]
 

@@ -434,6 +434,7 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         backend,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        eos_token_id=None if eos is None else int(eos),
         # Without the flag, no BOS: what transformers' GGUF tokenizer (the reference) does for
         # byte-level vocabularies.
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),

@@ -212,9 +212,13 @@ def hf_tokenizer(folder: Path, config: dict[str, Any]) -> Tokenizer:
         add_bos = bos_id is not None and with_specials[:1] == [bos_id]
 
     eos_text = _token_text(tok_config.get("eos_token"))
-    eos_ids = _ids(gen_config.get("eos_token_id")) | _ids(config.get("eos_token_id"))
-    if eos_text and backend.token_to_id(eos_text) is not None:
-        eos_ids.add(backend.token_to_id(eos_text))
+    primary_eos = backend.token_to_id(eos_text) if eos_text else None
+    config_eos = _ids(config.get("eos_token_id"))
+    if primary_eos is None and config_eos:
+        primary_eos = min(config_eos)
+    eos_ids = _ids(gen_config.get("eos_token_id")) | config_eos
+    if primary_eos is not None:
+        eos_ids.add(primary_eos)
     template = _chat_template(folder, tok_config)
     if template is not None:
         eos_ids |= chat_stop_token_ids(backend)
@@ -224,6 +228,7 @@ def hf_tokenizer(folder: Path, config: dict[str, Any]) -> Tokenizer:
         eos_token_ids=eos_ids,
         add_bos=add_bos,
         chat_template=template,
+        eos_token_id=primary_eos,
     )
 
 

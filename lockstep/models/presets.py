@@ -36,9 +36,12 @@ class Preset:
 
 
 def _tiny(family: str, **flags: bool) -> ModelSpec:
+    # head_dim 64: the smallest the CPU attention kernels take (64 or 128, as real models use);
+    # num_heads * head_dim (256) differs from hidden_size (128), as in Qwen3, so a decoder that
+    # confuses the two fails on the tiny models already.
     return ModelSpec(
-        family=family, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+        family=family, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6,
         max_position=4096, tie_word_embeddings=flags.pop("tie", False), **flags,
     )  # fmt: skip
 
@@ -209,6 +212,7 @@ def byte_tokenizer(vocab_size: int, add_bos: bool) -> Tokenizer:
         backend,
         bos_token_id=vocab["<|bos|>"],
         eos_token_ids={vocab["<|eos|>"], vocab["<|im_end|>"]},
+        eos_token_id=vocab["<|eos|>"],
         add_bos=add_bos,
         chat_template=CHATML_TEMPLATE,
     )

@@ -70,11 +70,19 @@ class Tokenizer:
         eos_token_ids: frozenset[int] | set[int],
         add_bos: bool,
         chat_template: str | None,
+        eos_token_id: int | None = None,
     ) -> None:
+        """eos_token_id: the model's own EOS (what templates see as `eos_token`); it must be
+        one of eos_token_ids. Defaults to the smallest of them."""
         self.backend = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        if eos_token_id is None and self.eos_token_ids:
+            eos_token_id = min(self.eos_token_ids)
+        if eos_token_id is not None and eos_token_id not in self.eos_token_ids:
+            raise ValueError(f"eos_token_id={eos_token_id} is not in eos_token_ids")
+        self.eos_token_id = eos_token_id
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
         if chat_template is not None:
@@ -90,10 +98,8 @@ class Tokenizer:
 
     @property
     def eos_token(self) -> str | None:
-        """The text of the smallest EOS id (what chat templates see as `eos_token`)."""
-        if not self.eos_token_ids:
-            return None
-        return self.backend.id_to_token(min(self.eos_token_ids))
+        """The text of the model's own EOS token (what chat templates see as `eos_token`)."""
+        return None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token text such as "<|im_start|>" becomes its one id.
