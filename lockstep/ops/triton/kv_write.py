@@ -14,7 +14,8 @@ def _write_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < HD
+    # A negative slot marks a padding row (e.g. a CUDA graph's unused batch rows): no write.
+    mask = (offs < HD) & (offs * 0 + slot >= 0)  # broadcast: the interpreter wants a tensor
     tl.store(kc + slot * skc + offs, tl.load(k + t * skt + offs, mask=mask), mask=mask)
     tl.store(vc + slot * svc + offs, tl.load(v + t * svt + offs, mask=mask), mask=mask)
 
@@ -26,7 +27,8 @@ def write_kv(
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """k, v [T, Hkv, D] -> caches [S, Hkv, D] at rows `slots` [T]."""
+    """k, v [T, Hkv, D] -> caches [S, Hkv, D] at rows `slots` [T]; rows whose slot is
+    negative are padding and are not written."""
     if k.shape != v.shape or k.dim() != 3 or k_cache.shape[1:] != k.shape[1:]:
         raise ValueError(f"write_kv shapes k {tuple(k.shape)} v {tuple(v.shape)} cache "
                          f"{tuple(k_cache.shape)}")  # fmt: skip

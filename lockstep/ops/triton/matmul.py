@@ -3,8 +3,9 @@
 Every output element reduces K in one order: a plain `tl.dot` loop over K in ascending blocks,
 no split-K, so a row's bits cannot depend on M. The tile shape is picked per M bucket from
 `TILE_TABLE` (never autotuned at run time); on an H200 with Triton 3.6 the tile shape (BM, BN,
-BK, the MMA flavour) did not change any row's bits, which tests/test_ops_triton.py re-checks
-across every bucket of the table. The TMA variant (tensor descriptors) runs the same K order.
+BK, the MMA flavour: mma.sync at BM 16/32, wgmma at BM >= 64) did not change any row's bits,
+which tests/test_ops_triton.py re-checks across every config of the table. Three kernels share
+the K order: pointer loads, TMA tensor descriptors, and a persistent TMA kernel for large M.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ _INF = 1 << 62
 # bench/results/). Small M is bandwidth-bound: narrow N tiles give enough CTAs to stream the
 # weight from every SM. Large M: a persistent TMA kernel (one program per SM).
 TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
-    (16, 4096, MatmulConfig(16, 32, 256, 4, 5)),
-    (16, _INF, MatmulConfig(16, 64, 128, 4, 5)),
+    (16, 4096, MatmulConfig(16, 32, 256, 4, 5, tma=True)),
+    (16, _INF, MatmulConfig(16, 64, 256, 4, 4, tma=True)),
+    (32, 4096, MatmulConfig(32, 32, 256, 4, 5, tma=True)),
     (32, 32768, MatmulConfig(32, 32, 256, 4, 4)),
     (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
-    (128, 8192, MatmulConfig(64, 64, 128, 4, 4, tma=True)),
+    (128, 4096, MatmulConfig(64, 64, 256, 4, 3, tma=True)),
+    (128, 8192, MatmulConfig(128, 64, 128, 4, 3, tma=True)),
     (128, _INF, MatmulConfig(128, 64, 64, 4, 4, tma=True)),
     (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
     (512, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
