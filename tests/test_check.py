@@ -383,6 +383,12 @@ def test_restart_against_a_changed_fingerprint_fails(fake_server: Any, tmp_path:
     restart = by_name(json.loads(out.read_text()))["restart"]
     assert restart["status"] == FAIL and restart["first_divergence"] == 3
     assert run_cli(["--url", url, "--scenarios", "restart"]) == 0  # nothing to do: skipped
+    fp.write_text("{not json")
+    assert (
+        run_cli(["--url", url, "--scenarios", "restart", "--against", str(fp), "--json", str(out)])
+        == 1
+    )
+    assert "cannot read it" in by_name(json.loads(out.read_text()))["restart"]["reason"]
 
 
 def test_budget_stops_scenarios_cleanly(fake_server: Any) -> None:

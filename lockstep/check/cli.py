@@ -56,6 +56,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: expected a number > 0")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -97,7 +104,9 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
     )
     p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight")
-    p.add_argument("--budget-s", type=float, default=120.0, help="time budget for all scenarios")
+    p.add_argument(
+        "--budget-s", type=_positive_float, default=120.0, help="time budget for all scenarios"
+    )
     p.add_argument(
         "--atol", type=float, default=0.0, help="allowed |delta logprob| (default 0: bitwise)"
     )

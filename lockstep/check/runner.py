@@ -8,6 +8,7 @@ part-way stops after its current unit and says so (see `ScenarioContext.units`).
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from lockstep.check.client import CheckClient, RequestRefused, ServerFault
 from lockstep.check.compare import FAIL, ScenarioResult
 from lockstep.check.scenarios import SCENARIOS, ScenarioContext, ScenarioSettings
+
+logger = logging.getLogger(__name__)
 
 
 class CheckSetupError(Exception):
@@ -131,6 +134,9 @@ async def run_checks(
                     result.fail(f"server fault: {e}")
                 except RequestRefused as e:
                     result.fail(f"request refused: {e}")
+                except Exception as e:  # one odd server answer must not end the whole run
+                    logger.exception("scenario %s", name)
+                    result.fail(f"unexpected error: {type(e).__name__}: {e}")
                 result.finish(settings.atol)
                 result.requests = client.requests_sent - sent_before
                 result.elapsed_s = time.monotonic() - t0

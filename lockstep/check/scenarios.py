@@ -368,9 +368,15 @@ async def scenario_restart(ctx: ScenarioContext, result: ScenarioResult) -> None
     saved: dict[str, Any] | None = None
     requests = fingerprint_requests()
     if against is not None:
-        saved = json.loads(against.read_text())
-        if saved.get("format") != FINGERPRINT_FORMAT:
-            result.fail(f"{against}: not a fingerprint file of format {FINGERPRINT_FORMAT}")
+        try:
+            saved = json.loads(against.read_text())
+        except (OSError, ValueError) as e:
+            result.fail(f"--against {against}: cannot read it: {e}")
+            return
+        if not isinstance(saved, dict) or saved.get("format") != FINGERPRINT_FORMAT:
+            result.fail(
+                f"--against {against}: not a fingerprint file of format {FINGERPRINT_FORMAT}"
+            )
             return
         if saved.get("model") != ctx.model:
             result.note(f"model name differs: saved {saved.get('model')!r}, now {ctx.model!r}")
