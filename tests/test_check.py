@@ -362,7 +362,7 @@ def test_long_prompt_that_breaks_the_server_fails(fake_server: Any, tmp_path: Pa
     ok = fake_server()
     assert run_cli(["--url", ok, "--scenarios", "long", "--json", str(out)]) == 0
     long = by_name(json.loads(out.read_text()))["long"]
-    assert "refused 400" in long["notes"][0] and "answered 4 tokens" in long["notes"][0]
+    assert "refused 400" in long["notes"][-1] and "answered 4 tokens" in long["notes"][-1]
     bad = fake_server(FakeBehaviour(crash_over_limit=True))
     assert run_cli(["--url", bad, "--scenarios", "long", "--json", str(out)]) == 1
     long = by_name(json.loads(out.read_text()))["long"]
@@ -452,7 +452,9 @@ def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path
     for name in ("batch", "prefix", "radix", "score", "sampling"):
         assert results[name]["positions_compared"] > 0, name
     assert results["radix"]["cached_tokens"] > 0
-    assert results["long"]["notes"][0].startswith("context limit 512 (from GET /v1/engine)")
+    assert any(
+        n.startswith("context limit 512 (from GET /v1/engine)") for n in results["long"]["notes"]
+    )
     assert len(json.loads(fp.read_text())["fingerprints"]) == 5
 
 
