@@ -5,7 +5,7 @@
 Measures each linear of the model (fp32 and bf16 weights) at M = 1, 16, 512, 1500, attention
 at decode and prefill shapes, and a whole random-weight decoder step (decode at batch 1 and 16,
 prefill of 512 and 1500 tokens) built from the ops. Prints a table, then one JSON document on
-the last line. Timings are medians; the machine may be shared, so compare within one run.
+the last line. Timings are the best of --repeats samples.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -35,8 +34,9 @@ LINEARS = {  # name: (N, K); q/k/v and gate/up fused as the decoder is expected 
 }
 
 
-def median_time(fn: Callable[[], object], repeats: int, min_seconds: float = 0.05) -> float:
-    """Median seconds per call over `repeats` batches (each at least min_seconds long)."""
+def best_time(fn: Callable[[], object], repeats: int, min_seconds: float = 0.05) -> float:
+    """Fastest seconds per call over `repeats` batches (each at least min_seconds long): the
+    minimum, not the median, because the CPU may be shared and interference only adds."""
     fn()
     start = time.perf_counter()
     fn()
@@ -48,7 +48,7 @@ def median_time(fn: Callable[[], object], repeats: int, min_seconds: float = 0.0
         for _ in range(inner):
             fn()
         samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def bench_linears(ops: dict[str, Ops], repeats: int) -> list[dict]:
@@ -63,7 +63,7 @@ def bench_linears(ops: dict[str, Ops], repeats: int) -> list[dict]:
                 row = {"op": f"linear.{name}", "wdtype": str(wdtype)[6:], "M": m, "N": n, "K": k}
                 for label, backend in ops.items():
                     w = backend.prepare_linear_weight(weight)
-                    sec = median_time(partial(backend.linear, x, w), repeats)
+                    sec = best_time(partial(backend.linear, x, w), repeats)
                     row[f"{label}_ms"] = sec * 1e3
                     row[f"{label}_GBps"] = w.numel() * w.element_size() / sec / 1e9
                     row[f"{label}_GFLOPs"] = 2 * m * n * k / sec / 1e9
@@ -102,7 +102,7 @@ def bench_attention(ops: dict[str, Ops], repeats: int) -> list[dict]:
             q = torch.randn(sum(counts), HQ, HEAD_DIM)
             row = {"op": f"attention {label}", "cache": str(cache_dtype)[6:]}
             for name, backend in ops.items():
-                sec = median_time(
+                sec = best_time(
                     partial(backend.attention, q, k_cache, v_cache, meta, HEAD_DIM**-0.5), repeats
                 )
                 row[f"{name}_ms"] = sec * 1e3
@@ -172,7 +172,7 @@ def bench_model(ops: dict[str, Ops], repeats: int) -> list[dict]:
                 meta, positions = paged_batch(counts, starts, 4096)
                 hidden = torch.randn(sum(counts), HIDDEN)
                 reps = repeats if sum(counts) < 100 else max(3, repeats // 3)
-                sec = median_time(partial(model.step, hidden, meta, positions), reps, 0.0)
+                sec = best_time(partial(model.step, hidden, meta, positions), reps, 0.0)
                 tokens = sum(counts)
                 rows.append(
                     {

@@ -396,6 +396,7 @@ constexpr int64_t kTileCols = 4;     // output columns sharing each loaded x vec
 constexpr int64_t kRowCols = 16;     // columns per single-row tile (decode, leftover rows)
 constexpr int64_t kPanelCols = 48;   // columns per task (a multiple of kRowCols)
 constexpr int64_t kChunkRows = 64;   // rows per task (keeps the x chunk in L2)
+constexpr int64_t kWidenRows = 32;   // bf16 panels are widened to fp32 from this many rows
 
 template <class V, class W, int R, int C>
 inline void linear_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t kp,
@@ -484,7 +485,7 @@ void linear_impl(const float* x, const W* w, const float* bias, float* out, int6
     const float* bt = bias ? bias + c_begin : nullptr;
     float* ot = out + r_begin * n + c_begin;
     if constexpr (std::is_same_v<W, uint16_t>) {
-      if (nr > kTileRows) {
+      if (nr >= kWidenRows) {
         // Many rows reuse each weight: widen the bf16 panel to fp32 once (exact) instead of
         // in every row tile.
         thread_local std::vector<float> panel;
