@@ -53,7 +53,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", "0", *self.args],
+            [sys.executable, "-m", "lockstep", "serve", "--port", "0", *self.args],
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -539,7 +539,7 @@ def test_cli_errors_are_one_line_exit_2() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     for bad in (["--kv-tokens", "0"], ["--model", "/no/such/model.gguf"]):
         done = subprocess.run(
-            [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", "0", *bad],
+            [sys.executable, "-m", "lockstep", "serve", "--port", "0", *bad],
             cwd=REPO,
             env=env,
             capture_output=True,

@@ -47,9 +47,10 @@ def add_serve_parser(subparsers: Any) -> None:
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # `lockstep`'s main may have configured logging already (then basicConfig does nothing):
+    # the level of Lockstep's own loggers is set either way, so request logs (with `user`) show.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lockstep").setLevel(args.log_level.upper())
     try:
         config = EngineConfig.from_options(**engine_options_from_args(args))
         sock = _bind(args.host, args.port)
@@ -97,16 +98,3 @@ def _bind(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m lockstep.server.cli serve ...`, for use before `lockstep` wires it in."""
-    parser = argparse.ArgumentParser(prog="lockstep")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(subparsers)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
