@@ -410,6 +410,12 @@ def _bad_cases(model: str) -> list[tuple[str, object, int, str | None]]:
         ),
         ("/v1/chat/completions", {**chat, "messages": _user(LONG_PROMPT)}, 400, "messages"),
         (
+            "/v1/completions",
+            {**comp, "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),  # fmt: skip
+        (
             "/v1/chat/completions",
             {"model": model, "messages": _user("hi"), "max_completion_tokens": 10**6},
             400,

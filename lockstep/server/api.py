@@ -218,7 +218,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(EngineFailure)
     async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
-        return reply(APIError(str(exc), status=500, type="server_error", code="engine_failure"))
+        return reply(_engine_failure_error(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -226,6 +226,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return reply(
             APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error")
         )
+
+
+def _engine_failure_error(exc: EngineFailure) -> APIError:
+    if exc.unavailable:
+        return APIError(str(exc), status=503, type="server_error", code="unavailable")
+    return APIError(str(exc), status=500, type="server_error", code="engine_failure")
 
 
 def _param_of(message: str) -> str | None:
@@ -453,8 +459,7 @@ def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResp
                 yield chunk
         except EngineFailure as exc:
             # The status line is long gone: report in-band, as OpenAI's streams do.
-            error = APIError(str(exc), status=500, type="server_error", code="engine_failure")
-            yield sse(error.body())
+            yield sse(_engine_failure_error(exc).body())
         finally:
             # Client gone (the stream is cancelled) or done: free whatever still runs.
             group.abort()
@@ -467,8 +472,14 @@ def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResp
 # -- routes ------------------------------------------------------------------------------
 
 
+def _check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+
 async def _completions(served: _Served, body: CompletionRequest, request: Request) -> Any:
     _check_model(served, body.model)
+    _check_stream_options(body)
     # Tokenizing a long text takes a while: off the event loop, so other requests stream on.
     prompts = await asyncio.to_thread(_prompts, served, body.prompt)
     _check_fan_out(len(prompts), body.n)
@@ -554,6 +565,7 @@ async def _completions(served: _Served, body: CompletionRequest, request: Reques
 
 async def _chat(served: _Served, body: ChatCompletionRequest, request: Request) -> Any:
     _check_model(served, body.model)
+    _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
     if body.max_tokens is not None and body.max_completion_tokens is not None:

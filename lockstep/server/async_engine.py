@@ -37,7 +37,12 @@ T = TypeVar("T")
 
 
 class EngineFailure(Exception):
-    """The engine raised inside `step()`; every request in flight is failed with this."""
+    """The engine raised inside `step()`, or is stopping: every request in flight is failed
+    with this. `unavailable` marks the second case (a 503, not a bug)."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 class AsyncEngine:
@@ -90,7 +95,7 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run `fn(engine)` on the engine thread and return its result (or raise its error)."""
         if not self.alive:
-            raise EngineFailure("the engine is not running")
+            raise EngineFailure("the engine is not running", unavailable=True)
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def command() -> None:
@@ -154,7 +159,7 @@ class AsyncEngine:
             for command in commands:
                 command()
             if stopping:
-                self._abort_all("the server is shutting down")
+                self._abort_all("the server is shutting down", unavailable=True)
                 return
             busy = self.engine.has_unfinished()
             if not busy:
@@ -186,14 +191,16 @@ class AsyncEngine:
             group, index = route
             self._loop.call_soon_threadsafe(group.queue.put_nowait, (index, output))
 
-    def _abort_all(self, reason: str) -> None:
+    def _abort_all(self, reason: str, *, unavailable: bool = False) -> None:
         assert self._loop is not None
         for request_id, (group, index) in list(self._routes.items()):
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("aborting %s failed", request_id)
-            self._loop.call_soon_threadsafe(group.queue.put_nowait, (index, EngineFailure(reason)))
+            self._loop.call_soon_threadsafe(
+                group.queue.put_nowait, (index, EngineFailure(reason, unavailable=unavailable))
+            )
         self._routes.clear()
 
 
