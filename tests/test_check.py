@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from lockstep.check.cli import add_check_parser, serve_args
 from lockstep.check.client import normalize_base_url, parse_completion, parse_score
@@ -44,7 +44,9 @@ class FakeBehaviour:
     batch_dependent: bool = False  # logprobs shift with the number of requests in flight
     report_cache: bool = True  # usage.prompt_tokens_details.cached_tokens
     has_flush: bool = True
-    has_score: bool = True  # POST /v1/score; without it, echo on /v1/completions
+    # POST /v1/score: "yes"; "absent" (404); "refuse" (a 400, as vLLM's cross-encoder
+    # /v1/score answers for a generative model). Echo on /v1/completions works regardless.
+    score: str = "yes"
     crash_over_limit: bool = False  # a 500 instead of a 400 past the context limit
     max_model_len: int = 300
     # return_token_ids: "honour" (Lockstep, vLLM), "refuse" (a 400 naming it, as OpenAI does
@@ -104,14 +106,16 @@ def make_app(b: FakeBehaviour) -> FastAPI:
     if b.has_flush:
 
         @app.post("/flush_cache")
-        async def flush() -> dict[str, bool]:
+        async def flush() -> PlainTextResponse:
             seen.clear()
-            return {"ok": True}
+            return PlainTextResponse("Cache flushed.")  # as SGLang answers: not JSON
 
-    if b.has_score:
+    if b.score != "absent":
 
         @app.post("/v1/score")
         async def score(req: Request) -> Any:
+            if b.score == "refuse":
+                return error(400, "The model does not support the Score API")
             ids = _tokenize((await req.json())["prompt"])
             lps = [None] + [_logprob(ids[:i], ids[i]) for i in range(1, len(ids))]
             return {"data": [{"token_ids": ids, "logprobs": lps}]}
@@ -345,16 +349,19 @@ def test_radix_fails_when_the_cache_is_not_reported(fake_server: Any, tmp_path: 
     assert results["prefix"]["status"] == PASS
 
 
-def test_server_without_flush_or_score(fake_server: Any, tmp_path: Path) -> None:
-    url = fake_server(FakeBehaviour(has_flush=False, has_score=False, token_ids="refuse"))
+@pytest.mark.parametrize("score", ["absent", "refuse"])
+def test_server_without_flush_or_score(fake_server: Any, tmp_path: Path, score: str) -> None:
+    url = fake_server(FakeBehaviour(has_flush=False, score=score, token_ids="refuse"))
     out = tmp_path / "out.json"
     assert run_cli(["--url", url, "--scenarios", "radix,score", "--json", str(out)]) == 0
     results = by_name(json.loads(out.read_text()))
     assert any("no /flush_cache" in n for n in results["radix"]["notes"])
     assert results["radix"]["runs_compared"] == 3  # cold vs full hit only, on fresh prompts
-    score = results["score"]
-    assert score["status"] == PASS and any("echo=true, max_tokens=0" in n for n in score["notes"])
-    assert score["runs_compared"] == 1  # only the text prompt: no ids to score token prompts
+    r = results["score"]
+    assert r["status"] == PASS and "teacher forcing through echo=true, max_tokens=0" in r["notes"]
+    assert r["runs_compared"] == 1  # only the text prompt: no ids to score token prompts
+    refused = [n for n in r["notes"] if n.startswith("POST /v1/score refused (HTTP 400")]
+    assert len(refused) == (score == "refuse")
 
 
 def test_long_prompt_that_breaks_the_server_fails(fake_server: Any, tmp_path: Path) -> None:

@@ -163,7 +163,14 @@ class CheckClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        json_answer: bool = True,
+    ) -> Any:
         async with self._slots:
             self.requests_sent += 1
             try:
@@ -176,6 +183,8 @@ class CheckClient:
             raise ServerFault(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:
             raise RequestRefused(resp.status_code, _error_message(resp))
+        if not json_answer:
+            return None
         try:
             return resp.json()
         except ValueError as e:
@@ -244,7 +253,8 @@ class CheckClient:
         /reset_prefix_cache)."""
         for path in ("/flush_cache", "/reset_prefix_cache"):
             try:
-                await self._request("POST", path)
+                # SGLang answers its flush in plain text.
+                await self._request("POST", path, json_answer=False)
             except RequestRefused as e:
                 if e.status in (404, 405):
                     continue

@@ -301,7 +301,7 @@ async def scenario_score(ctx: ScenarioContext, result: ScenarioResult) -> None:
         else:
             result.note("server returns no completion token ids: token-id prompts not scored")
             continue
-        scored, method = await _teacher_forced(ctx, full, method)
+        scored, method = await _teacher_forced(ctx, result, full, method)
         if scored is None:
             result.skip("server has neither POST /v1/score nor echo=true with logprobs")
             return
@@ -315,29 +315,41 @@ async def scenario_score(ctx: ScenarioContext, result: ScenarioResult) -> None:
     result.note(f"teacher forcing through {method}")
 
 
+SCORE_ENDPOINT = "POST /v1/score"
+TEACHER_FORCING = (SCORE_ENDPOINT, "echo=true, max_tokens=0", "echo=true, max_tokens=1")
+
+
 async def _teacher_forced(
-    ctx: ScenarioContext, full: Prompt, method: str | None
+    ctx: ScenarioContext, result: ScenarioResult, full: Prompt, method: str | None
 ) -> tuple[Scored | None, str | None]:
-    """Logprobs of every position of `full`: /v1/score first, else echo with max_tokens 0,
-    else echo with max_tokens 1 (whose generated token is then dropped)."""
-    if method in (None, "POST /v1/score"):
-        scored = await ctx.client.score(ctx.model, full)
-        if scored is not None:
-            return scored, "POST /v1/score"
-    for max_tokens in (0, 1):
-        label = f"echo=true, max_tokens={max_tokens}"
-        if method not in (None, "POST /v1/score", label):
-            continue
+    """Logprobs of every position of `full`, and the way that gave them. The first call tries
+    each of TEACHER_FORCING in turn (a 4xx moves on: vLLM's /v1/score, say, is for
+    cross-encoders); later calls use the way that worked, and its refusals are failures."""
+    if method is not None:
+        return await _score_with(ctx, full, method), method
+    for way in TEACHER_FORCING:
         try:
-            out = await ctx.client.completion(ctx.model, full, max_tokens=max_tokens, echo=True)
-        except RequestRefused:
+            scored = await _score_with(ctx, full, way)
+        except RequestRefused as e:
+            result.note(f"{way} refused ({e}); trying the next way")
             continue
-        lps = list(out.logprobs)
-        if max_tokens == 1 and lps:
-            lps = lps[:-1]
-        # Echo's `token_ids` (where given) hold only the completion: not the scored ids.
-        return Scored(None, tuple(lps)), label
+        if scored is not None:
+            return scored, way
     return None, None
+
+
+async def _score_with(ctx: ScenarioContext, full: Prompt, way: str) -> Scored | None:
+    """None when the server does not offer `way` (no /v1/score; echo without prompt
+    logprobs)."""
+    if way == SCORE_ENDPOINT:
+        return await ctx.client.score(ctx.model, full)
+    max_tokens = int(way[-1])
+    out = await ctx.client.completion(ctx.model, full, max_tokens=max_tokens, echo=True)
+    # With echo, logprobs cover the prompt then the completion; drop the generated token.
+    lps = list(out.logprobs)[: len(out.logprobs) - max_tokens]
+    if isinstance(full, list) and len(lps) != len(full):
+        return None  # echo ignored, or prompt logprobs left out
+    return Scored(None, tuple(lps))
 
 
 def _with(gen: Completion, keys: tuple[Any, ...], logprobs: list[float | None]) -> Completion:
