@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -555,3 +556,130 @@ def test_cli_errors_are_one_line_exit_2() -> None:
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("lockstep serve: error:"), done.stderr
+
+
+# -- engine failures (a fake engine in-process: the real one cannot be made to fail) ---------
+
+
+class _ByteTokenizer:
+    vocab_size = 257
+    eos_token_ids = frozenset({256})
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(t for t in ids if t < 256).decode(errors="replace")
+
+    def token_str(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+class _FaultyEngine:
+    """The `Engine` interface with a trivial model (always emits "a") and a switch that makes
+    `step()` raise, as an engine bug would."""
+
+    def __init__(self) -> None:
+        from lockstep.config import EngineConfig
+
+        self.config = EngineConfig(device="cpu", max_model_len=64)
+        self.model_name = "faulty"
+        self.tokenizer = _ByteTokenizer()
+        self.max_model_len = 64
+        self.fail_after = -1  # steps until step() raises; -1: never
+        self.requests: dict[str, tuple[list[int], Any, list[int]]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: list[int], params: Any, *, namespace: str | None = None
+    ) -> None:
+        self.requests[request_id] = (list(prompt), params, [])
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list:
+        from lockstep.engine.outputs import StepOutput
+
+        if self.fail_after == 0:
+            self.fail_after = -1
+            raise RuntimeError("injected engine fault")
+        self.fail_after -= self.fail_after > 0
+        time.sleep(0.01)
+        outputs = []
+        for request_id, (prompt, params, out) in list(self.requests.items()):
+            out.append(97)
+            finished = len(out) >= params.max_tokens
+            outputs.append(
+                StepOutput(
+                    request_id,
+                    [97],
+                    "a",
+                    None,
+                    finished,
+                    "length" if finished else None,
+                    len(prompt),
+                    0,
+                    len(out),
+                    0,
+                )  # fmt: skip
+            )
+            if finished:
+                del self.requests[request_id]
+        return outputs
+
+    def flush_cache(self) -> int:
+        return 0
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.requests), "num_waiting": 0, "kv_in_use": 0}
+
+    def fingerprint(self) -> dict:
+        return {"engine": "faulty"}
+
+
+@pytest.fixture
+def faulty() -> Iterator[tuple[str, _FaultyEngine]]:
+    import socket
+
+    import uvicorn
+
+    from lockstep.server.api import build_app
+
+    engine = _FaultyEngine()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    while not server.started:
+        time.sleep(0.02)
+    yield base, engine
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_engine_fault_is_a_500_and_the_server_keeps_serving(
+    faulty: tuple[str, _FaultyEngine],
+) -> None:
+    base, engine = faulty
+    body = {"model": "faulty", "prompt": "hi", "max_tokens": 20}
+    engine.fail_after = 3
+    response = httpx.post(base + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
+    # Mid-stream the status line is gone: the error arrives in-band, then the stream ends.
+    engine.fail_after = 3
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert "injected engine fault" in json.loads(events[-1][5:])["error"]["message"]
+    assert httpx.get(base + "/health").status_code == 200
+    ok = httpx.post(base + "/v1/completions", json=body, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "a" * 20
+    assert engine.requests == {}
