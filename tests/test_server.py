@@ -251,6 +251,17 @@ def test_logprobs_with_top_alternatives(client: openai.OpenAI, server: ServerPro
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_streamed_logprobs_equal_non_streamed(client: openai.OpenAI, server: ServerProcess) -> None:
+    args = dict(model=server.model, prompt="Héllo wörld, ", max_tokens=8, seed=3, logprobs=2)
+    whole = client.completions.create(**args, echo=True).choices[0].logprobs
+    parts = [
+        c.choices[0].logprobs for c in client.completions.create(**args, echo=True, stream=True)
+    ]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in getattr(p, name)] == getattr(whole, name), name
+    assert whole.token_logprobs[0] is None  # the echoed prompt's first position
+
+
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI, server: ServerProcess) -> None:
     def sample(seed: int, n: int = 1) -> list[str]:
         reply = client.chat.completions.create(

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.errors import RequestError
 from lockstep.server.async_engine import AsyncEngine, EngineFailure, RequestGroup
@@ -504,7 +505,17 @@ async def _completions(served: _Served, body: CompletionRequest, request: Reques
     created = int(time.time())
     tok = served.tokenizer
 
-    def choice_body(index: int, c: ChoiceState, text: str, new_ids: list[int], lps, first: bool):
+    def choice_body(
+        index: int,
+        c: ChoiceState,
+        text: str,
+        new_ids: list[int],
+        lps: list[TokenLogprob],
+        first: bool,
+        offset: int,
+    ) -> dict[str, Any]:
+        """A choice (or a stream's delta of it); `offset` is where `text` starts in the
+        choice's whole text, for `text_offset`."""
         out_text, ids, entries = text, list(new_ids), list(lps)
         if first and body.echo:
             out_text = tok.decode(c.prompt_ids) + out_text
@@ -512,7 +523,7 @@ async def _completions(served: _Served, body: CompletionRequest, request: Reques
             entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
         result: dict[str, Any] = {"index": index, "text": out_text, "logprobs": None}
         if body.logprobs is not None:
-            result["logprobs"] = completion_logprobs(tok, ids, entries, 0)
+            result["logprobs"] = completion_logprobs(tok, ids, entries, offset)
         if body.return_token_ids:
             result["token_ids"] = list(new_ids)
             if first:
@@ -536,7 +547,7 @@ async def _completions(served: _Served, body: CompletionRequest, request: Reques
                 return Response(status_code=499)
         out = []
         for i, c in enumerate(choices):
-            item = choice_body(i, c, c.text, c.token_ids, c.logprobs, True)
+            item = choice_body(i, c, c.text, c.token_ids, c.logprobs, True, 0)
             item["finish_reason"] = c.finish_reason
             item["stop_reason"] = c.stop_reason
             out.append(item)
@@ -550,12 +561,21 @@ async def _completions(served: _Served, body: CompletionRequest, request: Reques
             c.add(output)
             first = not c.started
             c.started = True
+            echoed = len(tok.decode(c.prompt_ids)) if body.echo else 0
+            offset = 0 if first else echoed + len(c.text) - len(output.new_text)
             item = choice_body(
-                index, c, output.new_text, output.new_token_ids, output.new_logprobs or [], first
+                index,
+                c,
+                output.new_text,
+                output.new_token_ids,
+                output.new_logprobs or [],
+                first,
+                offset,
             )
             item["finish_reason"] = output.finish_reason if output.finished else None
-            if item["text"] or output.finished or item.get("token_ids"):
-                yield sse(envelope([item], **({"usage": None} if include_usage else {})))
+            # A token whose text is held back (half a UTF-8 character) still sends its chunk:
+            # its logprobs and token id belong to this position.
+            yield sse(envelope([item], **({"usage": None} if include_usage else {})))
         if include_usage:
             yield sse(envelope([], usage=usage(choices)))
         yield sse("[DONE]")
