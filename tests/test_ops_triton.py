@@ -393,3 +393,82 @@ def test_decoder_on_gpu_any_schedule_matches_cold_prefill(mode: str) -> None:
         assert not failures, "; ".join(failures)
     else:
         assert failures, "fast mode matched every schedule: the property lost its teeth"
+
+
+class _KV:
+    """A private paged KV store [layers, slots, Hkv, D] (KVStorage protocol)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_decode_cuda_graphs_match_eager(mode: str) -> None:
+    """Decode steps replayed from CUDA graphs (padded to batch and context buckets, captured
+    on first use, replayed after) give the eager step's logits and K/V: bit for bit in
+    deterministic mode, within rounding in fast mode (cuBLAS rows change with M)."""
+    pytest.importorskip("gguf", reason="the engine's model loaders import gguf")
+    from lockstep.config import EngineConfig
+    from lockstep.engine.cuda_graphs import DecodeGraphRunner
+    from lockstep.engine.engine import Engine
+    from lockstep.engine.forward_batch import ForwardBatch
+
+    engine = Engine(
+        EngineConfig(model="random:tiny", device="cuda", dtype="bfloat16", mode=mode,
+                     kv_tokens=512)
+    )  # fmt: skip
+    dec, spec = engine.decoder, engine.decoder.spec
+    n_slots = 12000
+    shape = (spec.num_layers, n_slots, spec.num_kv_heads, spec.head_dim)
+    k0 = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    kv_eager, kv_graph = _KV(k0, torch.zeros_like(k0)), _KV(k0.clone(), torch.zeros_like(k0))
+    runner = DecodeGraphRunner(dec, kv_graph, max_batch=16, max_context=1024,
+                               batch_buckets=(4, 16), context_buckets=(256,))  # fmt: skip
+    rng = random.Random(5)
+    perm = torch.randperm(n_slots, generator=gen(5))
+    # Short and long contexts, so that steps land in both context buckets (256 and 1024).
+    lens = [rng.randint(2, 200) for _ in range(8)] + [rng.randint(300, 900) for _ in range(8)]
+    tables = [perm[sum(lens[:i]) + 20 * i :][: lens[i] + 20] for i in range(16)]
+    tokens = [[rng.randrange(spec.vocab_size) for _ in range(n + 20)] for n in lens]
+
+    def batch_of(seqs: list[int], starts: list[int], counts: list[int]) -> ForwardBatch:
+        ids, pos, out = [], [], []
+        for s, st, c in zip(seqs, starts, counts, strict=True):
+            ids += tokens[s][st : st + c]
+            pos += list(range(st, st + c))
+            out += tables[s][st : st + c].tolist()
+        return ForwardBatch(
+            token_ids=torch.tensor(ids), positions=torch.tensor(pos), out_slots=torch.tensor(out),
+            meta=build_attention_meta(counts, starts, [tables[s] for s in seqs]),
+            logit_rows=torch.arange(len(seqs)),
+        )  # fmt: skip
+
+    every = list(range(16))
+    prefill = batch_of(every, [0] * 16, [n - 1 for n in lens])
+    for kv in (kv_eager, kv_graph):
+        dec.forward(prefill.to("cuda"), kv)
+    at = [n - 1 for n in lens]
+    short = list(range(8))
+    plans = [rng.sample(short, 3), rng.sample(every, 4), every, rng.sample(every, 11),
+             rng.sample(short, 3), [12], every]  # fmt: skip
+    for step, seqs in enumerate(plans):
+        batch = batch_of(seqs, [at[s] for s in seqs], [1] * len(seqs))
+        eager = dec.forward(batch.to("cuda"), kv_eager)
+        assert runner.can_run(batch)
+        graph = runner.run(batch)
+        if mode == "deterministic":
+            assert torch.equal(graph, eager), f"step {step}: logits differ"
+            assert torch.equal(kv_graph.k, kv_eager.k) and torch.equal(kv_graph.v, kv_eager.v)
+        else:
+            assert rel_err(graph, eager.double()) < 2e-2
+        for s in seqs:
+            at[s] += 1
+    assert runner.num_graphs == 3  # (4, 256), (4, 1024), (16, 1024); the rest replayed

@@ -70,15 +70,28 @@ class GpuFastOps:
         scale: float,
     ) -> torch.Tensor:
         """Decode rows (one query) go through one padded SDPA call; each prefill or extend
-        chunk through its own call with a causal mask offset by its cached prefix."""
+        chunk through its own call with a causal mask offset by its cached prefix. A pure
+        decode step (meta.max_q == 1) never syncs with the host, so CUDA graphs can hold it."""
         out = torch.empty_like(q)
+        if meta.max_q == 1 and q.shape[0] == meta.num_seqs:
+            rows = torch.arange(meta.num_seqs, device=q.device)
+            self._decode(out, q, k_cache, v_cache, meta, scale, rows, meta.cu_kv[:-1],
+                         meta.kv_len, meta.max_kv)  # fmt: skip
+            return out
         cu_q = meta.cu_q.tolist()
         q_start = meta.q_start.tolist()
         kv_len = meta.kv_len.tolist()
         cu_kv = meta.cu_kv.tolist()
         decode = [b for b in range(meta.num_seqs) if cu_q[b + 1] - cu_q[b] == 1]
         if decode:
-            self._decode(out, q, k_cache, v_cache, meta, scale, decode, cu_q, kv_len, cu_kv)
+            dev = q.device
+            self._decode(
+                out, q, k_cache, v_cache, meta, scale,
+                torch.tensor([cu_q[b] for b in decode], device=dev),
+                torch.tensor([cu_kv[b] for b in decode], device=dev),
+                torch.tensor([kv_len[b] for b in decode], device=dev),
+                max(kv_len[b] for b in decode),
+            )  # fmt: skip
         dec = set(decode)
         for b in range(meta.num_seqs):
             lo, hi = cu_q[b], cu_q[b + 1]
@@ -110,22 +123,19 @@ class GpuFastOps:
         v_cache: torch.Tensor,
         meta: AttentionMeta,
         scale: float,
-        decode: list[int],
-        cu_q: list[int],
-        kv_len: list[int],
-        cu_kv: list[int],
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        width: int,
     ) -> None:
-        dev = q.device
-        lens = torch.tensor([kv_len[b] for b in decode], device=dev)
-        starts = torch.tensor([cu_kv[b] for b in decode], device=dev)
-        width = int(max(kv_len[b] for b in decode))
-        j = torch.arange(width, device=dev)
-        valid = j[None, :] < lens[:, None]
-        idx = torch.where(valid, starts[:, None] + j[None, :], 0)
+        """One query per sequence: rows [Bd] of q, whose keys are slot_table[starts + j] for
+        j < lens; keys gathered into [Bd, Hkv, width, D] with a padding mask."""
+        j = torch.arange(width, device=q.device)
+        valid = j[None, :] < lens.long()[:, None]
+        idx = torch.where(valid, starts.long()[:, None] + j[None, :], 0)
         slots = meta.slot_table.long()[idx]  # [Bd, L]
         k = k_cache[slots].permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
         v = v_cache[slots].permute(0, 2, 1, 3)
-        rows = torch.tensor([cu_q[b] for b in decode], device=dev)
         qb = q[rows][:, :, None, :]  # [Bd, Hq, 1, D]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
