@@ -151,6 +151,7 @@ def test_models_health_engine(server: ServerProcess, client: openai.OpenAI) -> N
     assert info["config"]["kv_tokens"] == 4096
     assert info["fingerprint"]["mode"] == "deterministic"
     assert info["stats"]["kv_total"] == 4096
+    assert info["last_engine_failure"] is None
 
 
 def test_chat_completion_greedy(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -691,6 +692,7 @@ def test_engine_fault_is_a_500_and_the_server_keeps_serving(
         events = [line for line in r.iter_lines() if line.startswith("data:")]
     assert "injected engine fault" in json.loads(events[-1][5:])["error"]["message"]
     assert httpx.get(base + "/health").status_code == 200
+    assert "injected engine fault" in httpx.get(base + "/v1/engine").json()["last_engine_failure"]
     ok = httpx.post(base + "/v1/completions", json=body, timeout=30)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "a" * 20
     assert engine.requests == {}

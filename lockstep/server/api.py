@@ -132,6 +132,7 @@ def build_app(engine: Any) -> FastAPI:
             "fingerprint": snap["fingerprint"],
             "system_fingerprint": served.system_fingerprint,
             "stats": snap["stats"],
+            "last_engine_failure": async_engine.last_failure,
         }
 
     @app.post("/flush_cache")

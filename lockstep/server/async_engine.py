@@ -60,7 +60,7 @@ class AsyncEngine:
         # request_id -> (group, choice index); touched only on the engine thread.
         self._routes: dict[str, tuple[RequestGroup, int]] = {}
         self._ids = itertools.count()
-        self.failure: str | None = None
+        self.last_failure: str | None = None  # the last engine step error, for /v1/engine
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class AsyncEngine:
                 return
             try:
                 future.set_result(fn(self.engine))
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting handler
+            except BaseException as exc:  # handed to the awaiting handler, whatever it is
                 future.set_exception(exc)
 
         self._post(command)
@@ -170,7 +170,7 @@ class AsyncEngine:
             except Exception as exc:
                 # A bug, not a client mistake: fail what is in flight, keep serving.
                 logger.exception("engine step failed")
-                self.failure = f"{type(exc).__name__}: {exc}"
+                self.last_failure = f"{type(exc).__name__}: {exc}"
                 self._abort_all(f"engine step failed: {exc}")
                 busy = self.engine.has_unfinished()
                 continue
