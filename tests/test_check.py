@@ -77,7 +77,7 @@ def _tokenize(prompt: Any) -> list[int]:
 def make_app(b: FakeBehaviour) -> FastAPI:
     app = FastAPI()
     seen: list[list[int]] = []
-    state = {"in_flight": 0}
+    state = {"in_flight": 0, "prompt_tokens": 0}
 
     def cached_prefix(ids: list[int]) -> int:
         best = 0
@@ -101,7 +101,12 @@ def make_app(b: FakeBehaviour) -> FastAPI:
 
     @app.get("/v1/engine")
     async def engine() -> dict[str, Any]:
-        return {"max_model_len": b.max_model_len, "mode": "fake", "fingerprint": "fake-1"}
+        return {
+            "max_model_len": b.max_model_len,
+            "mode": "fake",
+            "fingerprint": "fake-1",
+            "stats": {"prompt_tokens_total": state["prompt_tokens"], "num_preemptions": 0},
+        }
 
     if b.has_flush:
 
@@ -134,6 +139,7 @@ def make_app(b: FakeBehaviour) -> FastAPI:
         if max_tokens == 0 and not body.get("echo"):
             return error(400, "max_tokens=0 needs echo=true")
         state["in_flight"] += 1
+        state["prompt_tokens"] += len(ids)
         try:
             temperature, seed = float(body.get("temperature", 1.0)), body.get("seed")
             seq, out, lps = list(ids), [], []
@@ -314,6 +320,8 @@ def test_every_scenario_passes_on_a_deterministic_server(fake_server: Any, tmp_p
             assert r["positions_compared"] > 0 and r["max_abs_delta_logprob"] == 0.0, name
     assert results["radix"]["cached_tokens"] > 0
     assert any("POST /v1/score" in n for n in results["score"]["notes"])
+    counters = doc["engine_counters"]
+    assert counters["prompt_tokens_total"] > 0 and counters["num_preemptions"] == 0
     assert png.stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
     # A later run compares with the saved fingerprints.
     assert (
@@ -463,6 +471,7 @@ def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path
         n.startswith("context limit 512 (from GET /v1/engine)") for n in results["long"]["notes"]
     )
     assert len(json.loads(fp.read_text())["fingerprints"]) == 5
+    assert doc["engine_counters"]["cached_tokens_total"] > 0
 
 
 def test_serve_that_cannot_start_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,6 +60,9 @@ def render_table(report: CheckReport, console: Console) -> None:
             console.print(f"[{style}]{r.name} {r.status}[/]: {r.reason}", highlight=False)
         for note in r.notes:
             console.print(f"  [dim]{r.name}:[/] {note}", highlight=False)
+    if report.engine_counters:
+        moved = ", ".join(f"{k} +{v:g}" for k, v in report.engine_counters.items())
+        console.print(f"engine counters during the check: {moved}", highlight=False)
     tol = "exact" if report.settings.atol == 0 else f"atol {report.settings.atol:g}"
     verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
     console.print(

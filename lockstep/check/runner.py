@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ class CheckReport:
     budget_s: float
     elapsed_s: float
     results: list[ScenarioResult]
+    # Engine counters' increase over the check (Lockstep's /v1/engine stats); empty elsewhere.
+    engine_counters: dict[str, int | float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -57,6 +59,7 @@ class CheckReport:
             "settings": settings,
             "budget_s": self.budget_s,
             "elapsed_s": round(self.elapsed_s, 3),
+            "engine_counters": self.engine_counters,
             "scenarios": [r.to_json() for r in self.results],
         }
 
@@ -90,10 +93,7 @@ async def run_checks(
         extra_body=extra_body,
     ) as client:
         model, card = await _pick_model(client, model)
-        try:
-            engine_info = await client.get_optional("/v1/engine")
-        except RequestRefused:
-            engine_info = None
+        engine_info = await _engine_info(client)
         results: list[ScenarioResult] = []
         # The budget is for the scenarios: it starts once the server has said what it serves.
         deadline = time.monotonic() + budget_s
@@ -141,15 +141,41 @@ async def run_checks(
                 result.requests = client.requests_sent - sent_before
                 result.elapsed_s = time.monotonic() - t0
                 progress.remove_task(task)
+        counters = _counter_deltas(engine_info, await _engine_info(client))
     return CheckReport(
         url=client.base_url,
         model=model,
-        engine_info=engine_info if isinstance(engine_info, dict) else None,
+        engine_info=engine_info,
         settings=settings,
         budget_s=budget_s,
         elapsed_s=time.monotonic() - start,
         results=results,
+        engine_counters=counters,
     )
+
+
+async def _engine_info(client: CheckClient) -> dict[str, Any] | None:
+    """GET /v1/engine where the server has it (Lockstep); None elsewhere or if it fails."""
+    try:
+        info = await client.get_optional("/v1/engine")
+    except (ServerFault, RequestRefused):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _counter_deltas(
+    before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> dict[str, int | float]:
+    """How the engine's counters (`stats` keys `*_total` and `num_preemptions`) moved during
+    the check: says, e.g., whether preemption or the prefix cache were exercised at all."""
+    old, new = (before or {}).get("stats") or {}, (after or {}).get("stats") or {}
+    return {
+        k: new[k] - old[k]
+        for k in sorted(new)
+        if (k.endswith("_total") or k == "num_preemptions")
+        and isinstance(new[k], (int, float))
+        and isinstance(old.get(k), (int, float))
+    }
 
 
 async def _pick_model(client: CheckClient, model: str | None) -> tuple[str, dict[str, Any] | None]:
