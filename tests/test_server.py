@@ -287,6 +287,37 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI, server: ServerPr
     assert len({t[0] for t in texts}) > 1  # different seeds, different samples
 
 
+def test_logprobs_identical_alone_cached_and_batched(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """The contract end to end: one prompt's logprobs, cold, from the prefix cache and among
+    concurrent batch-mates, compared bit for bit."""
+    prompt = "In a quiet village by the sea, an old fisherman " * 3
+    salt = f"contract-{time.time_ns()}"
+
+    def run(text: str) -> tuple[object, int]:
+        reply = client.completions.create(
+            model=server.model,
+            prompt=text,
+            max_tokens=10,
+            temperature=0.7,
+            seed=11,
+            logprobs=5,
+            extra_body={"cache_salt": salt},
+        )
+        return reply.choices[
+            0
+        ].logprobs.model_dump(), reply.usage.prompt_tokens_details.cached_tokens
+
+    cold, cold_cached = run(prompt)
+    warm, warm_cached = run(prompt)
+    assert cold_cached == 0 and warm_cached > 0
+    others = [f"Unrelated request number {i}: " + "blah " * (5 * i) for i in range(5)]
+    with ThreadPoolExecutor(6) as pool:
+        batched = list(pool.map(run, [others[0], others[1], prompt, others[2], others[3]]))
+    assert cold == warm == batched[2][0]
+
+
 def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, server: ServerProcess) -> None:
     prompt = "Here is a long shared preamble about the history of tea. " * 8
     salt = f"cache-test-{time.time_ns()}"  # a namespace no earlier test used
