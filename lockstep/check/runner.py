@@ -172,7 +172,8 @@ def _counter_deltas(
     return {
         k: new[k] - old[k]
         for k in sorted(new)
-        if (k.endswith("_total") or k == "num_preemptions")
+        # kv_total is the pool's size, not a counter.
+        if (k == "num_preemptions" or (k.endswith("_total") and not k.startswith("kv_")))
         and isinstance(new[k], (int, float))
         and isinstance(old.get(k), (int, float))
     }
