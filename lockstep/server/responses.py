@@ -14,6 +14,14 @@ from typing import Any
 
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 
+# JSON has no -Infinity. OpenAI writes an impossible token's logprob as -9999.0; so do we.
+# Finite values pass through untouched (bit-exact).
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return IMPOSSIBLE_LOGPROB if value == float("-inf") else value
+
 
 @dataclass
 class ChoiceState:
@@ -81,8 +89,8 @@ def completion_logprobs(
             token_logprobs.append(None)
             top_logprobs.append(None)
         else:
-            token_logprobs.append(entry.logprob)
-            top_logprobs.append({tokenizer.token_str(t): lp for t, lp in entry.top})
+            token_logprobs.append(json_logprob(entry.logprob))
+            top_logprobs.append({tokenizer.token_str(t): json_logprob(lp) for t, lp in entry.top})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -95,7 +103,7 @@ def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any
     text = tokenizer.token_str(token_id)
     # A byte-level token may hold part of a UTF-8 sequence: its raw bytes, not its display text.
     raw = tokenizer.token_bytes(token_id) if hasattr(tokenizer, "token_bytes") else text.encode()
-    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+    return {"token": text, "logprob": json_logprob(logprob), "bytes": list(raw)}
 
 
 def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -119,14 +127,15 @@ def score_entry(
         "index": index,
         "token_ids": choice.prompt_ids,
         "tokens": [tokenizer.token_str(t) for t in choice.prompt_ids],
-        "logprobs": [None if e is None else e.logprob for e in entries],
+        "logprobs": [None if e is None else json_logprob(e.logprob) for e in entries],
     }
     if top_logprobs:
         data["top_logprobs"] = [
             None
             if e is None
             else [
-                {"token_id": t, "token": tokenizer.token_str(t), "logprob": lp} for t, lp in e.top
+                {"token_id": t, "token": tokenizer.token_str(t), "logprob": json_logprob(lp)}
+                for t, lp in e.top
             ]
             for e in entries
         ]
