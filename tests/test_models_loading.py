@@ -601,3 +601,41 @@ def test_plain_file_is_refused(tmp_path):
     with pytest.raises(ModelLoadError) as exc:
         resolve_model(str(other))
     assert "is not a .gguf file" in _one_line(exc)
+
+
+def test_hf_tokenizer_bos_from_post_processor_and_eos_union(tmp_path):
+    from tokenizers import processors
+
+    folder = tmp_path / "llama3-like"
+    write_hf_folder(folder, "tiny")
+    backend = byte_tokenizer(512, add_bos=False).backend
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", 256)]
+    )
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": {"content": "<|eos|>"}})
+    )
+    (folder / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 300]}))
+    tok = resolve_model(str(folder)).tokenizer
+    assert tok.add_bos and tok.encode("a") == [256, ord("a")]  # no flag: the post-processor
+    assert tok.encode("a", add_special_tokens=False) == [ord("a")]
+    assert tok.chat_template == CHATML_TEMPLATE
+    assert tok.eos_token_ids == frozenset({257, 259, 300}) and tok.eos_token == "<|eos|>"
+
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "add_bos_token": False, "eos_token": "<|eos|>"})
+    )
+    assert not resolve_model(str(folder)).tokenizer.add_bos  # an explicit flag wins
+
+
+def test_hf_named_chat_templates(tmp_path):
+    folder = tmp_path / "m"
+    write_hf_folder(folder, "tiny")
+    templates = [
+        {"name": "tool_use", "template": "{{ 'tools' }}"},
+        {"name": "default", "template": CHATML_TEMPLATE},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    assert resolve_model(str(folder)).tokenizer.chat_template == CHATML_TEMPLATE
