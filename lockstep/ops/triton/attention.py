@@ -17,8 +17,11 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
     share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
   * Rows of a tile are (query position, q head of one GQA group) pairs; every op on a row is
-    row-local, and the tile config (rows, BLOCK_N, warps) is the same for every path, so MMA
-    layouts and reduction orders do not change with the path.
+    row-local. The row sum of p (tl.sum over a key block) reduces in an order fixed by the
+    MMA layout, so the two paths use tiles whose rows see a key block the same way: prefill
+    128 rows on 8 warps (wgmma), decode 16 rows on one warp (mma.sync). Measured equal on an
+    H200 with Triton 3.6; 16 rows on 4 warps split a block across warps and differ (a
+    negative-control test). Re-measure on any Triton or hardware change.
   * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
     cannot contract the shared formulas differently.
 
