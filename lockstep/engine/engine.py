@@ -23,6 +23,7 @@ import lockstep
 from lockstep.cache.kv_pool import KVPool
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
+from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
@@ -69,7 +70,13 @@ class Engine:
             chunk_size=config.chunk_size,
             max_running=config.max_running,
         )
-        self.runner = ModelRunner(self.decoder, self.pool)
+        graphs = None
+        if config.use_cuda_graphs:
+            graphs = DecodeGraphRunner(
+                self.decoder, self.pool, max_batch=config.max_running,
+                max_context=self.max_model_len,
+            )  # fmt: skip
+        self.runner = ModelRunner(self.decoder, self.pool, graphs)
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()
         self.prompt_tokens_total = 0

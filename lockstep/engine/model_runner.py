@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.engine.scheduler import ScheduledChunk
 from lockstep.models.decoder import Decoder, KVStorage
@@ -29,9 +30,15 @@ class ChunkLogits:
 
 
 class ModelRunner:
-    def __init__(self, decoder: Decoder, kv: KVStorage) -> None:
+    """Runs steps eagerly, or pure decode steps from CUDA graphs when `graphs` is given (same
+    bits: see lockstep/engine/cuda_graphs.py)."""
+
+    def __init__(
+        self, decoder: Decoder, kv: KVStorage, graphs: DecodeGraphRunner | None = None
+    ) -> None:
         self.decoder = decoder
         self.kv = kv
+        self.graphs = graphs
         self.device = decoder.device
 
     def build(self, plan: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ChunkLogits]]:
@@ -79,6 +86,8 @@ class ModelRunner:
         """Run one forward step; returns float32 logits [R, vocab] (on the model's device)
         and which rows belong to which chunk."""
         batch, layout = self.build(plan)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch), layout
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         logits = self.decoder.forward(batch, self.kv)
