@@ -19,11 +19,10 @@ from lockstep.models.presets import (
     CHATML_TEMPLATE,
     PRESETS,
     byte_tokenizer,
-    expected_weight_names,
     weight_shape,
 )
 from lockstep.models.resolver import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from lockstep.models.spec import ModelSpec, RopeScaling
+from lockstep.models.spec import ModelSpec, RopeScaling, expected_weight_names
 from lockstep.models.tokenizer import byte_level_alphabet
 
 TINY = PRESETS["tiny"].spec

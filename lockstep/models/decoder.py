@@ -25,7 +25,7 @@ import torch
 
 from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.errors import ModelLoadError
-from lockstep.models.spec import ModelSpec
+from lockstep.models.spec import ModelSpec, expected_weight_names
 from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
 
 if TYPE_CHECKING:
@@ -49,23 +49,6 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # prepared linear weight, rows gate | up
     down: torch.Tensor
-
-
-def expected_weight_names(spec: ModelSpec) -> list[str]:
-    """The canonical tensor names a model of this spec must provide (see spec.py)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        if spec.qkv_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        if spec.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    return names
 
 
 def rope_tables(spec: ModelSpec, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.spec import ModelSpec, RopeScaling
+from lockstep.models.spec import ModelSpec, RopeScaling, expected_weight_names
 from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet
 
 
@@ -102,26 +102,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def expected_weight_names(spec: ModelSpec) -> list[str]:
-    """Every canonical tensor name (spec.py) a model of this spec has, in layer order."""
-    names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
-        prefix = f"model.layers.{i}."
-        names.append(prefix + "input_layernorm.weight")
-        for proj in ("q", "k", "v", "o"):
-            names.append(f"{prefix}self_attn.{proj}_proj.weight")
-        if spec.qkv_bias:
-            names += [f"{prefix}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
-        if spec.qk_norm:
-            names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
-        names.append(prefix + "post_attention_layernorm.weight")
-        names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
-    names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
 
 
 def weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:

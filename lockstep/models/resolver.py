@@ -22,8 +22,8 @@ import torch
 from lockstep.errors import ModelLoadError
 from lockstep.models.gguf_loader import load_gguf
 from lockstep.models.hf_loader import load_hf_folder
-from lockstep.models.presets import PRESETS, expected_weight_names, load_preset
-from lockstep.models.spec import ModelSpec
+from lockstep.models.presets import PRESETS, load_preset
+from lockstep.models.spec import ModelSpec, expected_weight_names
 from lockstep.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

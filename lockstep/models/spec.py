@@ -75,3 +75,23 @@ class ModelSpec:
         per_layer = attn + 3 * h * i + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
+
+
+def expected_weight_names(spec: ModelSpec) -> list[str]:
+    """Every canonical tensor name (spec.py) a model of this spec has, in layer order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}."
+        names.append(prefix + "input_layernorm.weight")
+        for proj in ("q", "k", "v", "o"):
+            names.append(f"{prefix}self_attn.{proj}_proj.weight")
+        if spec.qkv_bias:
+            names += [f"{prefix}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
+        if spec.qk_norm:
+            names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
+        names.append(prefix + "post_attention_layernorm.weight")
+        names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
