@@ -1,0 +1,156 @@
+"""Error handling of the HTTP API: every failure becomes an OpenAI-style error body.
+
+Client mistakes (bad JSON, wrong types, unknown or unsupported fields, oversized bodies) are
+4xx with `type: invalid_request_error` and, where one field is at fault, its name in `param`.
+A 5xx means a Lockstep bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lockstep.errors import RequestError
+from lockstep.server.async_engine import EngineFailure
+from lockstep.server.metrics import ServerMetrics
+from lockstep.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class BodySizeLimit:
+    """Refuses a body over `max_bytes` (413) before it is read into memory. Plain ASGI, not
+    `BaseHTTPMiddleware`, which would hide client disconnects from the routes."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"0")
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise APIError(self._message(), status=413, code="request_too_large")
+            return message
+
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            error = APIError(self._message(), status=413, code="request_too_large")
+            response = JSONResponse(error.body(), status_code=413)
+            return await response(scope, receive, send)
+        return await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"The request body is larger than {self.max_bytes} bytes."
+
+
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def reply(error: APIError) -> JSONResponse:
+        metrics.http_errors.labels(str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return reply(exc)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return reply(APIError(str(exc), param=_param_of(str(exc))))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return reply(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return reply(APIError(str(exc.detail), code=code, status=exc.status_code))
+
+    @app.exception_handler(EngineFailure)
+    async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
+        return reply(engine_failure_error(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return reply(
+            APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error")
+        )
+
+
+def engine_failure_error(exc: EngineFailure) -> APIError:
+    if exc.unavailable:
+        return APIError(str(exc), status=503, type="server_error", code="unavailable")
+    return APIError(str(exc), status=500, type="server_error", code="engine_failure")
+
+
+def _param_of(message: str) -> str | None:
+    """`SamplingParams` and the engine start messages with `name=value`."""
+    match = re.match(r"([a-z_]+)=", message)
+    return match.group(1) if match else None
+
+
+# Fields whose pydantic errors name a union branch ("prompt.list[int].0"): one clear message.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of"
+    " token-id lists, none of them empty",
+    "stop": "a string or a list of at most 16 strings",
+    "content": "a string or a list of text parts",
+}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request body")
+    first = errors[0]
+    kind = first.get("type", "")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Inside a union pydantic names the branch ("prompt.list[int].0", "stop.str"): the field
+    # the client wrote is the path before the first branch name.
+    branch = next((i for i, p in enumerate(loc) if p == "str" or "[" in p), None)
+    param = ".".join(loc[:branch]) or None
+    if kind == "json_invalid":
+        return APIError(
+            "We could not parse the JSON body of your request: "
+            + str(first.get("ctx", {}).get("error", "invalid JSON")),
+            code="invalid_json",
+        )
+    if kind == "extra_forbidden":
+        return APIError(
+            f"Unrecognized request argument supplied: {param}",
+            param=param,
+            code="unknown_parameter",
+        )
+    if kind == "missing":
+        if param is None:
+            return APIError("The request has no body: expected a JSON object.", code="missing")
+        return APIError(f"Missing required parameter: {param!r}.", param=param, code="missing")
+    if branch is not None and branch > 0 and loc[branch - 1] in _UNION_FIELDS:
+        return APIError(
+            f"Invalid value for {param!r}: expected {_UNION_FIELDS[loc[branch - 1]]}",
+            param=param,
+            code="invalid_value",
+        )
+    detail = first.get("msg", "invalid value")
+    shown = json.dumps(first.get("input"), default=str)[:200]
+    return APIError(
+        f"Invalid value for {param or 'body'!r}: {detail} (got {shown})",
+        param=param,
+        code="invalid_type" if kind.endswith("_type") else "invalid_value",
+    )

@@ -1,0 +1,163 @@
+"""Request preparation: from a validated request body to engine inputs, or a 4xx.
+
+Everything that can be refused is refused here, before the engine sees the request: unknown
+model, empty or out-of-vocabulary prompts, prompts that cannot fit the context with the
+requested completion, too many sequences in one request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.server.async_engine import AsyncEngine
+from lockstep.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+# One HTTP request may fan out to at most this many engine requests (prompts x n): a bigger
+# batch belongs in several requests, and a single one must not flood the scheduler's queue.
+MAX_SEQUENCES_PER_REQUEST = 256
+
+
+@dataclasses.dataclass
+class Served:
+    """What the routes need to know about the engine, read once at start-up."""
+
+    engine: AsyncEngine
+    model_name: str
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    created: int
+    system_fingerprint: str
+
+
+def check_model(served: Served, model: str) -> None:
+    if model != served.model_name:
+        raise APIError(
+            f"The model `{model}` does not exist; this server serves `{served.model_name}`.",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+
+
+def model_card(served: Served) -> dict[str, Any]:
+    return {
+        "id": served.model_name,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "lockstep",
+        "max_model_len": served.max_model_len,
+    }
+
+
+def prompts_of(served: Served, prompt: Any, *, add_special_tokens: bool = True) -> list[list[int]]:
+    """A prompt in any of OpenAI's four shapes, as token-id lists (ids checked in range)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids_list = []
+    for item in prompt:
+        if isinstance(item, str):
+            ids = served.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(item)
+            bad = [t for t in ids if t >= served.vocab_size]
+            if bad:
+                raise APIError(
+                    f"token id {bad[0]} is out of range: the vocabulary has"
+                    f" {served.vocab_size} tokens",
+                    param="prompt",
+                    code="invalid_value",
+                )
+        if not ids:
+            raise APIError("The prompt is empty (no tokens).", param="prompt")
+        ids_list.append(ids)
+    return ids_list
+
+
+def chat_prompt(
+    served: Served, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
+    """Applies the model's chat template; `developer` is OpenAI's newer name for `system`."""
+    rendered = served.tokenizer.apply_chat_template(
+        [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ],
+        add_generation_prompt=add_generation_prompt,
+    )
+    # The template already spells out the special tokens.
+    ids = served.tokenizer.encode(rendered, add_special_tokens=False)
+    if not ids:
+        raise APIError("The messages render to an empty prompt.", param="messages")
+    return ids
+
+
+def check_fan_out(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(
+            f"{num_prompts} prompts x n={n} asks for {num_prompts * n} sequences: at most"
+            f" {MAX_SEQUENCES_PER_REQUEST} per request",
+            param="n" if n > 1 else "prompt",
+        )
+
+
+def max_tokens_for(
+    served: Served, requested: int | None, prompt_len: int, prompt_param: str, param: str
+) -> int:
+    """Refuses what cannot fit the context before any work; None means "up to the context"."""
+    limit = served.max_model_len
+    if prompt_len >= limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens, but the prompt has"
+            f" {prompt_len} tokens (at least one token must be left to generate).",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens, but you requested"
+            f" {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for"
+            f" the completion). Reduce the prompt or {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    choice: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    seed = None if body.seed is None else body.seed + choice
+    if seed is not None and seed >= 2**63:
+        raise APIError(f"seed + n - 1 must be below 2**63 (seed={body.seed})", param="seed")
+    stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "disabled"
+        top_p=body.top_p,
+        min_p=body.min_p,
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
