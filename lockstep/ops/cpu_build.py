@@ -24,11 +24,8 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("lockstep_cpu.cpp",)
 
 # -ffp-contract=off: the arithmetic is what the code says; the compiler must not fuse a*b+c.
-# -fopenmp: at::parallel_for is a header template that only runs in parallel under OpenMP; the
-# OpenMP runtime it links (libgomp.so.1) resolves to the one torch already loaded, so
-# torch.set_num_threads governs these kernels too.
+# -fopenmp: at::parallel_for is a header template that only runs in parallel under OpenMP.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
-LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -54,11 +51,25 @@ def _cpu_signature() -> str:
     return hashlib.sha256("\n".join(sorted(set(keep))).encode()).hexdigest()[:10]
 
 
-def _build_name() -> str:
+def _ldflags() -> list[str]:
+    """Link the OpenMP runtime torch itself ships, so that there is one runtime in the process
+    (one thread pool, and torch.set_num_threads governs these kernels too); fall back to the
+    compiler's own when torch ships none (it then uses the system one, as we do)."""
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib"
+    for pattern in ("libgomp*.so*", "libiomp5*.so*"):
+        found = sorted(lib.glob(pattern))
+        if found:
+            return [f"-L{lib}", f"-Wl,-rpath,{lib}", f"-l:{found[0].name}"]
+    return ["-fopenmp"]
+
+
+def _build_name(ldflags: list[str]) -> str:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((CSRC_DIR / name).read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(" ".join(CFLAGS + tuple(ldflags)).encode())
     return f"lockstep_cpu_{digest.hexdigest()[:10]}_{_cpu_signature()}"
 
 
@@ -87,7 +98,8 @@ def load_extension() -> ModuleType:
             )
         from torch.utils.cpp_extension import load
 
-        name = _build_name()
+        ldflags = _ldflags()
+        name = _build_name(ldflags)
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         first = not (build_dir / f"{name}.so").exists()
@@ -99,7 +111,7 @@ def load_extension() -> ModuleType:
                 name=name,
                 sources=[str(CSRC_DIR / s) for s in SOURCES],
                 extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
+                extra_ldflags=ldflags,
                 build_directory=str(build_dir),
                 verbose=False,
             )
