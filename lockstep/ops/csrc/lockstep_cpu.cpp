@@ -925,8 +925,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int32_t* st = slot_table.data_ptr<int32_t>();
   TORCH_CHECK(cq[num_seqs] == q.size(0), "attention: cu_q[B]=", cq[num_seqs], " but q has ",
               q.size(0), " rows");
+  TORCH_CHECK(cq[0] == 0 && ck[0] == 0 && ck[num_seqs] <= slot_table.size(0),
+              "attention: cu_q / cu_kv must start at 0 and cu_kv[B] must not exceed the ",
+              slot_table.size(0), " slot table entries");
   const int64_t num_slots = k_cache.size(0);
   for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(cq[b + 1] >= cq[b] && ck[b + 1] >= ck[b],
+                "attention: cu_q / cu_kv must be non-decreasing (sequence ", b, ")");
     const int64_t kv_len = qs[b] + cq[b + 1] - cq[b];
     TORCH_CHECK(qs[b] >= 0 && ck[b + 1] - ck[b] >= kv_len,
                 "attention: sequence ", b, " has fewer slots than keys");
