@@ -146,8 +146,10 @@ struct VecAvx2 {
   static VecAvx2 fma(const VecAvx2& a, const VecAvx2& b, const VecAvx2& c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
   }
-#define LOCKSTEP_AVX2_BINOP(NAME, INTR) \
-  static VecAvx2 NAME(const VecAvx2& a, const VecAvx2& b) { return {INTR(a.lo, b.lo), INTR(a.hi, b.hi)}; }
+#define LOCKSTEP_AVX2_BINOP(NAME, INTR)                    \
+  static VecAvx2 NAME(const VecAvx2& a, const VecAvx2& b) { \
+    return {INTR(a.lo, b.lo), INTR(a.hi, b.hi)};           \
+  }
   LOCKSTEP_AVX2_BINOP(add, _mm256_add_ps)
   LOCKSTEP_AVX2_BINOP(sub, _mm256_sub_ps)
   LOCKSTEP_AVX2_BINOP(mul, _mm256_mul_ps)
@@ -554,7 +556,7 @@ void rms_row(const float* x, const float* w, float eps, float* out, int64_t h) {
   }
 }
 
-// Returns rms_norm(x + residual) and writes the sum into `sum_out` (if given) first.
+// Returns [rms_norm(x)], or with a residual [rms_norm(x + residual), x + residual].
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                  const at::Tensor& weight, double eps, int64_t simd) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -624,8 +626,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t simd) {
           silu_mul_vec(V::load(g + i), V::load(u + i)).store(o + i);
         if (i < inter) {
           const int64_t n = inter - i;
-          store_partial(silu_mul_vec(load_partial<V>(g + i, n, 0.f), load_partial<V>(u + i, n, 0.f)),
-                        o + i, n);
+          const V gv = load_partial<V>(g + i, n, 0.f), uv = load_partial<V>(u + i, n, 0.f);
+          store_partial(silu_mul_vec(gv, uv), o + i, n);
         }
       }
     });
@@ -915,7 +917,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               " must be 16 or 32");
   TORCH_CHECK(hq % hkv == 0, "attention: Hq=", hq, " is not a multiple of Hkv=", hkv);
   for (const at::Tensor* t : {&cu_q, &q_start, &cu_kv, &slot_table})
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "attention: meta must be int32");
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "attention: metadata tensors must be contiguous int32");
   const int64_t num_seqs = q_start.size(0);
   TORCH_CHECK(cu_q.size(0) == num_seqs + 1 && cu_kv.size(0) == num_seqs + 1,
               "attention: cu_q / cu_kv must have B+1 entries");
