@@ -335,3 +335,12 @@ def test_attention_rejects_bad_metadata(det) -> None:
     bad = build_attention_meta([4], [0], [[0, 1, 2, k_cache.shape[0]]])
     with pytest.raises(RuntimeError, match="outside the cache"):
         det.attention(q, k_cache, v_cache, bad, SCALE)
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch) -> None:
+    from lockstep.ops import cpu_build
+
+    monkeypatch.setattr(cpu_build, "_module", None)
+    monkeypatch.setenv("CXX", "no-such-compiler-lockstep")
+    with pytest.raises(cpu_build.KernelBuildError, match="needs a C\\+\\+ compiler"):
+        cpu_build.load_extension()
