@@ -8,6 +8,7 @@ break batch invariance on the same harness.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from invariance_harness import Plan, compute, mismatches, random_plan, reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MODELS = ["random:smollm2-135m", "random:qwen3-8b"]
+CASES = int(os.environ.get("LOCKSTEP_GPU_CASES", "60"))
 
 
 def _engine(model: str, mode: str = "deterministic"):
@@ -45,7 +47,7 @@ def engine(request):
 
 
 def test_random_schedules_match_cold_prefill(engine) -> None:
-    for seed in range(60):
+    for seed in range(CASES):
         rng = random.Random(seed)
         n = rng.randint(1, 700)
         tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]

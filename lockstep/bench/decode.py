@@ -87,8 +87,13 @@ def bench_modes(
         engine = Engine(EngineConfig.from_options(**opts))
         run_decode_bench(engine, 1, min(prompt_len, 16), 4, seed=99)  # warm-up
         for b in batches:
-            results.append(run_decode_bench(engine, b, prompt_len, gen_len, seed=b))
+            r = run_decode_bench(engine, b, prompt_len, gen_len, seed=b)
+            print(
+                f"# {r.mode} batch {r.batch}: decode {r.decode_ms_per_step:.3f} ms/step", flush=True
+            )
+            results.append(r)
             engine.flush_cache()
+        del engine
     print(f"{'mode':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/step':>10}")
     for r in results:
         print(

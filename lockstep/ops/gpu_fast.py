@@ -37,6 +37,9 @@ class GpuFastOps:
         res = x + residual
         return self.rms_norm(res, weight, eps), res
 
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits.float(), dim=-1)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
