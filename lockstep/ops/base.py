@@ -157,3 +157,20 @@ class Ops(Protocol):
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [R, V] -> float32 log-probabilities, one row at a time."""
         ...
+
+
+class IndexCopyKVWrite:
+    """`Ops.write_kv` as an exact torch copy (index_copy_), for the backends that need no
+    kernel of their own for it."""
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        index = slots.to(torch.int64)
+        k_cache.index_copy_(0, index, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, index, v.to(v_cache.dtype))

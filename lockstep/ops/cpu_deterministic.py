@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
 from lockstep.ops.cpu_build import load_extension
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
@@ -26,7 +26,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-class CpuDeterministicOps:
+class CpuDeterministicOps(IndexCopyKVWrite):
     """`Ops` backed by `csrc/lockstep_cpu.cpp`.
 
     `simd` picks the kernel path ("auto", "avx512", "avx2", "scalar"); all give the same bits,
@@ -102,18 +102,6 @@ class CpuDeterministicOps:
     ) -> torch.Tensor:
         out = self._ext.rope(_f32(x), positions.to(torch.int64).contiguous(), _f32(cos), _f32(sin))
         return out.to(x.dtype)
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        index = slots.to(torch.int64)
-        k_cache.index_copy_(0, index, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, index, v.to(v_cache.dtype))
 
     def attention(
         self,

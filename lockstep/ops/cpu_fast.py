@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
 
 
-class CpuFastOps:
+class CpuFastOps(IndexCopyKVWrite):
     """`Ops` from stock torch kernels; fp32 activations, weights converted to fp32 at load."""
 
     name = "cpu_fast"
@@ -50,18 +50,6 @@ class CpuFastOps:
         s = sin[positions.long()].unsqueeze(1)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        index = slots.to(torch.int64)
-        k_cache.index_copy_(0, index, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, index, v.to(v_cache.dtype))
 
     def attention(
         self,

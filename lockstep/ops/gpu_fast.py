@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
 
 
-class GpuFastOps:
+class GpuFastOps(IndexCopyKVWrite):
     """Ops backend over plain torch CUDA ops (not position invariant)."""
 
     name = "gpu_fast"
@@ -51,18 +51,6 @@ class GpuFastOps:
         s = sin[positions.long()][:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        idx = slots.long()
-        k_cache[idx] = k
-        v_cache[idx] = v
 
     def attention(
         self,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
 
 f64 = torch.float64
 
 
-class ReferenceOps:
+class ReferenceOps(IndexCopyKVWrite):
     """`Ops` in float64 torch, written for clarity rather than speed."""
 
     name = "reference"
@@ -49,18 +49,6 @@ class ReferenceOps:
         s = sin.to(f64)[positions.long()].unsqueeze(1)
         x1, x2 = x.to(f64).chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        index = slots.to(torch.int64)
-        k_cache.index_copy_(0, index, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, index, v.to(v_cache.dtype))
 
     def attention(
         self,
