@@ -344,3 +344,31 @@ def test_missing_compiler_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler-lockstep")
     with pytest.raises(cpu_build.KernelBuildError, match="needs a C\\+\\+ compiler"):
         cpu_build.load_extension()
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_attention_other_head_dims(det, ref, head_dim) -> None:
+    """Every instantiated head_dim agrees with the reference and is chunk-invariant."""
+    gen = torch.Generator().manual_seed(13)
+    n = 90
+    q = torch.randn(n, 4, head_dim, generator=gen)
+    k = torch.randn(n, 2, head_dim, generator=gen)
+    v = torch.randn(n, 2, head_dim, generator=gen)
+    slots = torch.randperm(n, generator=gen)
+    k_cache, v_cache = torch.empty_like(k), torch.empty_like(v)
+    k_cache[slots], v_cache[slots] = k, v
+    full = det.attention(q, k_cache, v_cache, build_attention_meta([n], [0], [slots]), 0.2)
+    close(full, ref.attention(q, k_cache, v_cache, build_attention_meta([n], [0], [slots]), 0.2))
+    chunks = []
+    for s in range(0, n, 17):
+        e = min(n, s + 17)
+        meta = build_attention_meta([e - s], [s], [slots])
+        chunks.append(det.attention(q[s:e].contiguous(), k_cache, v_cache, meta, 0.2))
+    assert torch.equal(torch.cat(chunks), full)
+
+
+def test_unsupported_head_dim_is_refused(det) -> None:
+    q = torch.randn(2, 2, 48)
+    cache = torch.randn(2, 2, 48)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        det.attention(q, cache, cache, build_attention_meta([2], [0], [[0, 1]]), 0.2)

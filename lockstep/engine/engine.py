@@ -31,7 +31,7 @@ from lockstep.engine.sampler import choose_token, token_logprob
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
-from lockstep.errors import RequestError
+from lockstep.errors import ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder
 from lockstep.models.resolver import resolve_model
 from lockstep.ops import get_ops
@@ -57,6 +57,12 @@ class Engine:
         spec = loaded.spec
         self.max_model_len = config.max_model_len or spec.max_position
         self.ops = get_ops(self.device.type, config.mode)
+        head_dims = getattr(self.ops, "supported_head_dims", None)
+        if head_dims is not None and spec.head_dim not in head_dims:
+            raise ModelLoadError(
+                f"{loaded.source}: head_dim={spec.head_dim} is not supported by the "
+                f"{self.ops.name} backend: supported head_dim values are {head_dims}"
+            )
         self.decoder = Decoder.load(loaded, self.ops, self.dtype, self.device, self.max_model_len)
         kv_tokens = config.kv_tokens or self._kv_tokens_from_memory()
         self.pool = KVPool(

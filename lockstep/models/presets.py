@@ -36,7 +36,7 @@ class Preset:
 
 
 def _tiny(family: str, **flags: bool) -> ModelSpec:
-    # head_dim 64: the smallest the CPU attention kernels take (64 or 128, as real models use);
+    # head_dim 64, as real small models use (the CPU attention kernels take 32, 64 or 128);
     # num_heads * head_dim (256) differs from hidden_size (128), as in Qwen3, so a decoder that
     # confuses the two fails on the tiny models already.
     return ModelSpec(

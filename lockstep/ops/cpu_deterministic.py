@@ -36,6 +36,7 @@ class CpuDeterministicOps(IndexCopyKVWrite):
 
     name = "cpu_deterministic"
     deterministic = True
+    supported_head_dims = (32, 64, 128)  # attention kernels are instantiated for these
 
     def __init__(self, simd: str = "auto", key_block: int = KEY_BLOCK) -> None:
         self._ext = load_extension()

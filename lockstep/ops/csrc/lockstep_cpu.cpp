@@ -911,8 +911,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                   v_cache.is_contiguous(),
               "attention: k_cache and v_cache must be contiguous [S, Hkv, D] of one dtype");
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == d && (d == 64 || d == 128),
-              "attention: head_dim must be 64 or 128 (and match the cache), got ", d);
+  TORCH_CHECK(k_cache.size(2) == d && (d == 32 || d == 64 || d == 128),
+              "attention: head_dim must be 32, 64 or 128 (and match the cache), got ", d);
   TORCH_CHECK(key_block == 16 || key_block == 32, "attention: key_block=", key_block,
               " must be 16 or 32");
   TORCH_CHECK(hq % hkv == 0, "attention: Hq=", hq, " is not a multiple of Hkv=", hkv);
@@ -963,9 +963,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     };
     using Nv1 = std::integral_constant<int, 1>;
     using Nv2 = std::integral_constant<int, 2>;
+    using Dv2 = std::integral_constant<int, 2>;
     using Dv4 = std::integral_constant<int, 4>;
     using Dv8 = std::integral_constant<int, 8>;
-    if (d == 64) {
+    if (d == 32) {
+      key_block == 16 ? run(Nv1{}, Dv2{}) : run(Nv2{}, Dv2{});
+    } else if (d == 64) {
       key_block == 16 ? run(Nv1{}, Dv4{}) : run(Nv2{}, Dv4{});
     } else {
       key_block == 16 ? run(Nv1{}, Dv8{}) : run(Nv2{}, Dv8{});
