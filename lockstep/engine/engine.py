@@ -187,7 +187,8 @@ class Engine:
         return outputs
 
     def _on_prefill_done(self, request: Request) -> None:
-        if request.num_preemptions == 0:
+        if not request.prompt_counted:  # once, even when preemption recomputes the prompt
+            request.prompt_counted = True
             self.prompt_tokens_total += len(request.prompt_ids)
             self.cached_tokens_total += max(request.cached_tokens, 0)
         # Share the prompt's KV with requests that arrive while this one still decodes.

@@ -50,6 +50,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    prompt_counted: bool = False  # prompt/cached tokens added to the engine's totals
     text_output: Any = None  # TextOutput: detokenization and stop strings
     prompt_logprobs_sent: bool = False
 
