@@ -57,7 +57,7 @@ def test_filters() -> None:
     assert draws(min_p=0.5) == {0, 1}  # tokens 2.. have < half the top probability
     assert draws(top_p=0.3) == {0}
     assert draws(top_p=0.6) == {0, 1}
-    assert draws() == {0, 1, 2, 3, 4} or len(draws()) >= 4
+    assert {0, 1, 2} <= draws()  # unfiltered, the 6% token shows up in 300 draws
 
 
 def test_top_logprobs_order() -> None:
