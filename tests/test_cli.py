@@ -28,6 +28,8 @@ def test_generate_raw_with_seed_is_reproducible() -> None:
     first, second = _lockstep(*args), _lockstep(*args)
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout
+    other = _lockstep(*args[:6], "4", *args[7:])  # another seed: another text (the control)
+    assert other.returncode == 0 and other.stdout != first.stdout
 
 
 def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
