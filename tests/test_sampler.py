@@ -7,13 +7,21 @@ from collections import Counter
 
 import torch
 
-from lockstep.engine.sampler import _exp, _log, _uniform, choose_token, top_logprobs
+from lockstep.engine.sampler import RowSampling, _exp, _log, _uniform, choose_tokens, top_logprobs
+
+
+def _row(**kw) -> RowSampling:
+    params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0)
+    params.update(kw)
+    return RowSampling(**params)
 
 
 def _choose(logits: torch.Tensor, **kw) -> int:
-    params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0)
-    params.update(kw)
-    return choose_token(logits, torch.log_softmax(logits, -1), **params)
+    return choose_tokens(logits[None, :], [_row(**kw)])[0]
+
+
+def _u(seed: int, position: int, n: int) -> torch.Tensor:
+    return _uniform(torch.tensor([seed]), torch.tensor([position]), n)[0]
 
 
 def test_exp_and_log_match_libm() -> None:
@@ -27,11 +35,13 @@ def test_exp_and_log_match_libm() -> None:
 
 
 def test_uniforms_are_a_function_of_seed_position_and_index() -> None:
-    a = _uniform(7, 100, 1000, torch.device("cpu"))
-    assert torch.equal(a, _uniform(7, 100, 1000, torch.device("cpu")))
-    assert torch.equal(a[:10], _uniform(7, 100, 10, torch.device("cpu")))  # prefix-stable
-    assert not torch.equal(a, _uniform(8, 100, 1000, torch.device("cpu")))
-    assert not torch.equal(a, _uniform(7, 101, 1000, torch.device("cpu")))
+    a = _u(7, 100, 1000)
+    assert torch.equal(a, _u(7, 100, 1000))
+    assert torch.equal(a[:10], _u(7, 100, 10))  # prefix-stable
+    assert not torch.equal(a, _u(8, 100, 1000))
+    assert not torch.equal(a, _u(7, 101, 1000))
+    big = _u(2**62 + 12345, 2**40, 1000)  # 64-bit seeds and large positions
+    assert bool((big > 0).all() and (big < 1).all())
     assert bool((a > 0).all() and (a < 1).all())
     assert abs(float(a.mean()) - 0.5) < 0.03
 
@@ -63,3 +73,23 @@ def test_filters() -> None:
 def test_top_logprobs_order() -> None:
     lp = torch.tensor([-1.0, -0.5, -0.5, -3.0])
     assert top_logprobs(lp, 3) == ((1, -0.5), (2, -0.5), (0, -1.0))
+
+
+def test_a_rows_token_does_not_depend_on_the_other_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 500, generator=gen) * 3
+    rows = [
+        _row(temperature=t, top_k=k, top_p=p, min_p=m, seed=i * 7, position=100 + i)
+        for i, (t, k, p, m) in enumerate(
+            [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (1.3, 0, 0.9, 0.0),
+             (1.0, 0, 1.0, 0.05), (0.5, 5, 0.8, 0.01)] * 2
+        )
+    ]  # fmt: skip
+    together = choose_tokens(logits, rows)
+    alone = [choose_tokens(logits[i : i + 1], [rows[i]])[0] for i in range(12)]
+    assert together == alone
+    reversed_order = choose_tokens(logits.flip(0), rows[::-1])[::-1]
+    assert reversed_order == together
+    # The control: moving every sampled row to another position changes some tokens.
+    shifted = [RowSampling(**{**r.__dict__, "position": r.position + 1}) for r in rows]
+    assert choose_tokens(logits, shifted) != together

@@ -27,7 +27,7 @@ from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
-from lockstep.engine.sampler import choose_token, token_logprob
+from lockstep.engine.sampler import RowSampling, choose_tokens, token_logprob, top_logprobs
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
@@ -165,7 +165,7 @@ class Engine:
             return []
         logits, layout = self.runner.run(plan)
         logprobs = self.ops.log_softmax(logits)
-        outputs: list[StepOutput] = []
+        sampling: list[tuple[Request, int]] = []
         for part in layout:
             request = part.chunk.request
             prompt_done_before = request.num_computed >= len(request.prompt_ids)
@@ -176,8 +176,8 @@ class Engine:
             if not prompt_done_before and request.num_computed >= len(request.prompt_ids):
                 self._on_prefill_done(request)
             if part.sample_row is not None:
-                out = self._sample(request, logits[part.sample_row], logprobs[part.sample_row])
-                outputs.append(out)
+                sampling.append((request, part.sample_row))
+        outputs = self._sample(sampling, logits, logprobs) if sampling else []
         for out in outputs:
             if out.finished:
                 request = self.requests.pop(out.request_id)
@@ -205,21 +205,34 @@ class Engine:
             )
             request.prompt_logprobs_next = p + 2
 
-    def _sample(self, request: Request, logits: torch.Tensor, logprobs: torch.Tensor) -> StepOutput:
+    def _sample(
+        self, sampling: list[tuple[Request, int]], logits: torch.Tensor, logprobs: torch.Tensor
+    ) -> list[StepOutput]:
+        """Choose the next token of every sampling row at once (one host sync for the step),
+        then update each request and build its output."""
+        rows = torch.tensor([row for _, row in sampling], dtype=torch.int64, device=logits.device)
+        choices = [
+            RowSampling(
+                temperature=r.params.temperature, top_k=r.params.top_k, top_p=r.params.top_p,
+                min_p=r.params.min_p, seed=r.seed, position=r.num_tokens,
+            )
+            for r, _ in sampling
+        ]  # fmt: skip
+        tokens = choose_tokens(logits.index_select(0, rows), choices)
+        token_index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        chosen_lps = logprobs.index_select(0, rows).gather(1, token_index[:, None])[:, 0].tolist()
+        outputs = []
+        for (request, row), token, lp in zip(sampling, tokens, chosen_lps, strict=True):
+            top = top_logprobs(logprobs[row], request.params.logprobs or 0)
+            outputs.append(self._advance(request, TokenLogprob(token, lp, top)))
+        return outputs
+
+    def _advance(self, request: Request, chosen: TokenLogprob) -> StepOutput:
+        """Append the chosen token to the request: logprobs, finish conditions, text."""
         params = request.params
-        token = choose_token(
-            logits,
-            logprobs,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=request.seed,
-            position=request.num_tokens,
-        )
+        token = chosen.token_id
         request.output_ids.append(token)
         self.generated_tokens_total += 1
-        chosen: TokenLogprob = token_logprob(logprobs, token, params.logprobs or 0)
         request.logprobs.append(chosen)
         finish, stop_reason = self._finish_reason(request, token)
         # The text of an EOS or stop token is not part of the output (as in vLLM).

@@ -39,14 +39,15 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def _uniform(seed: int, position: int, n: int, device: torch.device) -> torch.Tensor:
-    """n float64 values in (0, 1), a pure function of (seed, position, index)."""
-    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
-    key = _hash32(torch.tensor([position & _MASK32], dtype=torch.int64, device=device))
+def _uniform(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, n] float64 values in (0, 1): row r, column v is a pure function of (seeds[r],
+    positions[r], v). Only integer operations, so rows never depend on each other."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    key = _hash32(positions & _MASK32)
     key = _hash32(key ^ hi)
     key = _hash32(key ^ lo)
-    idx = torch.arange(n, dtype=torch.int64, device=device)
-    a = _hash32(_hash32(idx) ^ key)
+    idx = torch.arange(n, dtype=torch.int64, device=seeds.device)
+    a = _hash32(_hash32(idx)[None, :] ^ key[:, None])
     b = _hash32(a ^ 0x5BD1E995)
     # 53 random bits: 32 from a, 21 from b; +0.5 keeps the value strictly inside (0, 1).
     bits = a.to(torch.float64) * 2.0**21 + (b >> 11).to(torch.float64)
@@ -79,18 +80,22 @@ def _log(x: torch.Tensor) -> torch.Tensor:
     return 2.0 * z * total + e.to(torch.float64) * _LN2
 
 
-def gumbel_noise(seed: int, position: int, n: int, device: torch.device) -> torch.Tensor:
-    """-log(-log(u)) for the counter-based uniforms of (seed, position)."""
-    return -_log(-_log(_uniform(seed, position, n, device)))
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """-log(-log(u)) for the counter-based uniforms of each row's (seed, position)."""
+    return -_log(-_log(_uniform(seeds, positions, n)))
 
 
 @dataclass(frozen=True)
-class SamplingChoice:
-    """What one sampling call decided for one row."""
+class RowSampling:
+    """How to choose the token of one logits row. `position` is the absolute position the
+    chosen token will occupy."""
 
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    position: int
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
@@ -103,43 +108,53 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...
     )
 
 
-def choose_token(
-    logits: torch.Tensor,
-    logprobs: torch.Tensor,
-    *,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    seed: int,
-    position: int,
-) -> int:
-    """Pick the token for one row. `logits` is the raw float32 row, `logprobs` its log-softmax.
-    `position` is the absolute position the chosen token will occupy."""
-    if temperature == 0.0:
-        # torch.argmax returns the first maximal index: ties go to the lowest token id.
-        return int(torch.argmax(logits).item())
-    scores = logits.to(torch.float64) / temperature
+def choose_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
+    """Pick one token per row of raw float32 logits [R, V]. Greedy rows take the argmax (ties:
+    lowest id); sampled rows take the argmax of tempered scores plus counter-based Gumbel noise
+    over the tokens their filters keep. Work is batched across rows, but every operation is
+    elementwise or a per-row reduction, so a row's token never depends on the other rows."""
+    # torch.argmax returns the first maximal index: ties go to the lowest token id.
+    tokens = torch.argmax(logits, dim=1)
+    sampled = [i for i, r in enumerate(rows) if r.temperature > 0.0]
+    if sampled:
+        device = logits.device
+        index = torch.tensor(sampled, dtype=torch.int64, device=device)
+        chosen = [rows[i] for i in sampled]
+        temps = torch.tensor([r.temperature for r in chosen], dtype=torch.float64, device=device)
+        scores = logits.index_select(0, index).to(torch.float64) / temps[:, None]
+        keep = _filter_mask(scores, chosen)
+        seeds = torch.tensor([r.seed for r in chosen], dtype=torch.int64, device=device)
+        positions = torch.tensor([r.position for r in chosen], dtype=torch.int64, device=device)
+        noisy = scores + gumbel_noise(seeds, positions, scores.shape[1])
+        noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
+        tokens[index] = torch.argmax(noisy, dim=1)
+    return tokens.tolist()
+
+
+def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Which tokens each tempered row keeps after top-k, min-p and top-p (in that order)."""
     keep = torch.ones_like(scores, dtype=torch.bool)
-    best = scores.max()
-    if top_k > 0 and top_k < scores.numel():
-        order = torch.sort(scores, descending=True, stable=True).indices
-        keep = torch.zeros_like(keep)
-        keep[order[:top_k]] = True
-    if min_p > 0.0:
-        keep &= scores >= best + math.log(min_p)
-    if top_p < 1.0:
-        masked = torch.where(keep, scores, torch.full_like(scores, -math.inf))
-        order = torch.sort(masked, descending=True, stable=True).indices
-        probs = _exp(masked[order] - best)
-        cumulative = torch.cumsum(probs, dim=0)
-        # Keep the smallest prefix whose mass reaches top_p of the kept mass; always keep one.
-        cutoff = int(torch.searchsorted(cumulative, cumulative[-1] * top_p).item()) + 1
-        keep = torch.zeros_like(keep)
-        keep[order[: max(1, cutoff)]] = True
-    noisy = scores + gumbel_noise(seed, position, scores.numel(), scores.device)
-    noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
-    return int(torch.argmax(noisy).item())
+    best = scores.max(dim=1, keepdim=True).values
+    for i, r in enumerate(rows):
+        if not (0 < r.top_k < scores.shape[1] or r.min_p > 0.0 or r.top_p < 1.0):
+            continue
+        row = scores[i]
+        if 0 < r.top_k < row.numel():
+            order = torch.sort(row, descending=True, stable=True).indices
+            keep[i] = False
+            keep[i, order[: r.top_k]] = True
+        if r.min_p > 0.0:
+            keep[i] &= row >= best[i] + math.log(r.min_p)
+        if r.top_p < 1.0:
+            masked = torch.where(keep[i], row, torch.full_like(row, -math.inf))
+            order = torch.sort(masked, descending=True, stable=True).indices
+            probs = _exp(masked[order] - best[i])
+            cumulative = torch.cumsum(probs, dim=0)
+            # The smallest prefix whose mass reaches top_p of the kept mass; at least one.
+            cutoff = int(torch.searchsorted(cumulative, cumulative[-1:] * r.top_p).item()) + 1
+            keep[i] = False
+            keep[i, order[: max(1, cutoff)]] = True
+    return keep
 
 
 def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
