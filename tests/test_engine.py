@@ -200,3 +200,23 @@ def test_logprobs_top_alternatives_and_prompt_logprobs() -> None:
         (lp,) = o.new_logprobs
         assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the top token
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_slot_table_mirror_tracks_the_list() -> None:
+    """The int32 mirror attention reads always equals the slot list, through extends, prefix
+    adoptions and clears."""
+    from lockstep.engine.request import SlotTable
+
+    rng = random.Random(0)
+    table = SlotTable()
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.6:
+            table.extend([rng.randrange(10**6) for _ in range(rng.randint(0, 40))])
+        elif op < 0.8 and len(table):
+            k = rng.randint(1, len(table))
+            table.replace_prefix([rng.randrange(10**6) for _ in range(k)])
+        elif op < 0.85:
+            table.clear()
+        n = rng.randint(0, len(table))
+        assert table.tensor(n).tolist() == table.ids[:n]

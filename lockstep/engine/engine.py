@@ -108,7 +108,6 @@ class Engine:
         if params.n != 1:
             raise RequestError(f"n={params.n} is invalid here: the engine serves one sequence "
                                "per request (fan out n requests with seeds seed+i)")  # fmt: skip
-        prompt_text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(ids, params)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -119,7 +118,6 @@ class Engine:
             seed=seed,
             arrival=next(self._arrival),
             namespace=namespace,
-            prompt_text=prompt_text,
         )
         request.text_output = TextOutput(self.tokenizer, ids, params)
         if params.prompt_logprobs is not None:
@@ -151,7 +149,6 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
-            request.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -233,7 +230,6 @@ class Engine:
         token = chosen.token_id
         request.output_ids.append(token)
         self.generated_tokens_total += 1
-        request.logprobs.append(chosen)
         finish, stop_reason = self._finish_reason(request, token)
         # The text of an EOS or stop token is not part of the output (as in vLLM).
         text = request.text_output.push(
@@ -258,8 +254,6 @@ class Engine:
         if not request.prompt_logprobs_sent:
             out.prompt_logprobs = request.prompt_logprobs
             request.prompt_logprobs_sent = True
-        if finish is not None:
-            request.finish_reason, request.stop_reason = finish, stop_reason
         return out
 
     def _finish_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:

@@ -51,12 +51,12 @@ class ModelRunner:
         for chunk in plan:
             req, start, end = chunk.request, chunk.start, chunk.end
             row0 = len(tokens)
-            tokens.extend(req.all_ids[start:end])
+            tokens.extend(req.token_slice(start, end))
             positions.extend(range(start, end))
-            out_slots.extend(req.slots[start:end])
+            out_slots.extend(req.slots.ids[start:end])
             q_counts.append(end - start)
             q_starts.append(start)
-            tables.append(req.slots[:end])
+            tables.append(req.slots.tensor(end))
             prompt_positions: list[int] = []
             prompt_rows: list[int] = []
             if req.prompt_logprobs is not None:

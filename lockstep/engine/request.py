@@ -18,8 +18,51 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
+
+
+class SlotTable:
+    """A request's KV slots by position: a list (what the radix cache and the pool take) and
+    an int32 tensor mirror grown in place (what attention metadata takes), so a decode step
+    costs O(new slots) on the host instead of O(context)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._mirror = torch.empty(0, dtype=torch.int32)
+        self._synced = 0  # mirror[:_synced] equals ids[:_synced]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def extend(self, slots: list[int]) -> None:
+        self.ids.extend(slots)
+
+    def replace_prefix(self, slots: list[int]) -> None:
+        """Overwrite ids[:len(slots)] (a request adopting the radix cache's slots)."""
+        self.ids[: len(slots)] = slots
+        k = min(len(slots), self._synced)
+        if k:
+            self._mirror[:k] = torch.tensor(slots[:k], dtype=torch.int32)
+
+    def clear(self) -> None:
+        self.ids = []
+        self._synced = 0
+
+    def tensor(self, n: int) -> torch.Tensor:
+        """ids[:n] as an int32 tensor (a view of the mirror: read it before the next change)."""
+        if self._synced < n:
+            if self._mirror.numel() < n:
+                grown = torch.empty(max(n, 2 * self._mirror.numel(), 64), dtype=torch.int32)
+                grown[: self._synced] = self._mirror[: self._synced]
+                self._mirror = grown
+            self._mirror[self._synced : n] = torch.tensor(
+                self.ids[self._synced : n], dtype=torch.int32
+            )
+            self._synced = n
+        return self._mirror[:n]
 
 
 class Status(enum.Enum):
@@ -36,19 +79,15 @@ class Request:
     seed: int
     arrival: int  # admission order key (a counter, so scheduling is reproducible)
     namespace: str | None = None
-    prompt_text: str | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    slots: SlotTable = field(default_factory=SlotTable)
     num_computed: int = 0
     prefix_len: int = 0  # leading slots owned by the radix cache
     prefix_node: Any = None  # locked radix node covering slots[:prefix_len]
     cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_next: int = 1  # next prompt position whose logprob is still owed
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
     num_preemptions: int = 0
     prompt_counted: bool = False  # prompt/cached tokens added to the engine's totals
     text_output: Any = None  # TextOutput: detokenization and stop strings
@@ -57,6 +96,13 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without copying the whole prompt (the per-step hot path)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - p)]
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +116,3 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Most KV slots this request can ever need (the last generated token has no KV)."""
-        return len(self.prompt_ids) + self.params.max_tokens - 1

@@ -105,12 +105,14 @@ class Scheduler:
         match = self._match(best)
         self.radix.lock(match.node)
         best.prefix_node = match.node
-        best.slots = match.slots.tolist()
+        best.slots.clear()
+        best.slots.extend(match.slots.tolist())
         best.prefix_len = best.num_computed = match.length
         n = min(best.num_tokens - best.num_computed, self.chunk_size, budget)
         if not self._reserve(n, keep=best, planned=plan, may_preempt=False):
             self.radix.unlock(match.node)
-            best.prefix_node, best.slots, best.prefix_len, best.num_computed = None, [], 0, 0
+            best.slots.clear()
+            best.prefix_node, best.prefix_len, best.num_computed = None, 0, 0
             return None
         if best.cached_tokens < 0:
             best.cached_tokens = match.length
@@ -157,26 +159,27 @@ class Scheduler:
             return
         result = self.radix.insert(
             request.all_ids[:upto],
-            torch.tensor(request.slots[:upto], dtype=torch.int64),
+            torch.tensor(request.slots.ids[:upto], dtype=torch.int64),
             request.namespace,
         )
         if result.duplicate_slots.numel():
             self.pool.free(result.duplicate_slots)
         self.radix.lock(result.node)
         self.radix.unlock(request.prefix_node)
-        request.slots[:upto] = result.cached_slots.tolist()
+        request.slots.replace_prefix(result.cached_slots.tolist())
         request.prefix_node = result.node
         request.prefix_len = upto
 
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
             self.cache_prefix(request)
-        own = request.slots[request.prefix_len :]
+        own = request.slots.ids[request.prefix_len :]
         if own:
             self.pool.free(torch.tensor(own, dtype=torch.int64))
         if request.prefix_node is not None:
             self.radix.unlock(request.prefix_node)
-        request.slots, request.prefix_len, request.prefix_node = [], 0, None
+        request.slots.clear()
+        request.prefix_len, request.prefix_node = 0, None
         request.num_computed = 0
 
     def _preempt(self, request: Request) -> None:
