@@ -259,15 +259,7 @@ async def _completions(served: Served, body: CompletionRequest, request: Request
         return result
 
     def envelope(choice_list: list[dict], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": group_id,
-            "object": "text_completion",
-            "created": created,
-            "model": served.model_name,
-            "system_fingerprint": served.system_fingerprint,
-            "choices": choice_list,
-            **extra,
-        }
+        return _envelope("text_completion", group_id, created, served, choice_list, **extra)
 
     if not body.stream:
         async with group:
@@ -339,15 +331,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
     tok = served.tokenizer
 
     def envelope(obj: str, choice_list: list[dict], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": group_id,
-            "object": obj,
-            "created": created,
-            "model": served.model_name,
-            "system_fingerprint": served.system_fingerprint,
-            "choices": choice_list,
-            **extra,
-        }
+        return _envelope(obj, group_id, created, served, choice_list, **extra)
 
     if not body.stream:
         async with group:
@@ -449,4 +433,19 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
             "total_tokens": prompt_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)},
         },
+    }
+
+
+def _envelope(
+    obj: str, group_id: str, created: int, served: Any, choices: list[dict], **extra: Any
+) -> dict[str, Any]:
+    """The fields every completion and chat completion body (or chunk) carries."""
+    return {
+        "id": group_id,
+        "object": obj,
+        "created": created,
+        "model": served.model_name,
+        "system_fingerprint": served.system_fingerprint,
+        "choices": choices,
+        **extra,
     }
