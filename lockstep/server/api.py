@@ -437,7 +437,7 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
 
 
 def _envelope(
-    obj: str, group_id: str, created: int, served: Any, choices: list[dict], **extra: Any
+    obj: str, group_id: str, created: int, served: Served, choices: list[dict], **extra: Any
 ) -> dict[str, Any]:
     """The fields every completion and chat completion body (or chunk) carries."""
     return {
