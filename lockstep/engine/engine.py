@@ -26,7 +26,7 @@ from lockstep.config import EngineConfig
 from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.outputs import StepOutput, TokenLogprob
-from lockstep.engine.request import Request, Status
+from lockstep.engine.request import Request
 from lockstep.engine.sampler import RowSampling, choose_tokens, token_logprob, top_logprobs
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
@@ -333,4 +333,4 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-__all__ = ["Engine", "Status"]
+__all__ = ["Engine"]
