@@ -10,9 +10,14 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.errors import LockstepError
+
+if TYPE_CHECKING:  # the engine is imported only by the commands that start one
+    from lockstep.engine.engine import Engine
+    from lockstep.engine.sampling_params import SamplingParams
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,7 +82,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 
-def _sampling_params(args: argparse.Namespace):  # noqa: ANN202
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from lockstep.engine.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -89,7 +94,7 @@ def _sampling_params(args: argparse.Namespace):  # noqa: ANN202
     )
 
 
-def _stream(engine, request_id: str, token_ids: list[int], params) -> str:  # noqa: ANN001
+def _stream(engine: Engine, request_id: str, token_ids: list[int], params: SamplingParams) -> str:
     engine.add_request(request_id, token_ids, params)
     text = []
     while engine.has_unfinished():
@@ -101,7 +106,7 @@ def _stream(engine, request_id: str, token_ids: list[int], params) -> str:  # no
     return "".join(text)
 
 
-def _start_engine(args: argparse.Namespace):  # noqa: ANN202
+def _start_engine(args: argparse.Namespace) -> Engine:
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
 

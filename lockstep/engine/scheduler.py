@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lockstep.cache.kv_pool import KVPool
-from lockstep.cache.radix import RadixCache
+from lockstep.cache.radix import PrefixMatch, RadixCache
 from lockstep.engine.request import Request, Status
 
 # How many of the oldest waiting requests admission looks at when it prefers cache hits;
@@ -121,7 +121,7 @@ class Scheduler:
         self.running.append(best)
         return self._allocate(best, n)
 
-    def _match(self, request: Request):  # noqa: ANN202 - returns the radix PrefixMatch
+    def _match(self, request: Request) -> PrefixMatch:
         # At least one token must be computed to produce logits; a request that wants prompt
         # logprobs computes every position (logits are not cached, only KV).
         limit = 0 if request.wants_prompt_logprobs else request.num_tokens - 1
