@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta
+from lockstep.ops.torch_fast import TorchRowOps
 
 
-class CpuFastOps(IndexCopyKVWrite):
+class CpuFastOps(TorchRowOps):
     """`Ops` from stock torch kernels; fp32 activations, weights converted to fp32 at load."""
 
     name = "cpu_fast"
@@ -28,28 +29,6 @@ class CpuFastOps(IndexCopyKVWrite):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         return F.linear(x, weight, bias)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = x + residual
-        return self.rms_norm(summed, weight, eps), summed
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        c = cos[positions.long()].unsqueeze(1)
-        s = sin[positions.long()].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     def attention(
         self,
@@ -75,6 +54,3 @@ class CpuFastOps(IndexCopyKVWrite):
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
             out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
         return out
-
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits.float(), dim=-1)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta
+from lockstep.ops.torch_fast import TorchRowOps
 
 
-class GpuFastOps(IndexCopyKVWrite):
+class GpuFastOps(TorchRowOps):
     """Ops backend over plain torch CUDA ops (not position invariant)."""
 
     name = "gpu_fast"
@@ -25,32 +26,6 @@ class GpuFastOps(IndexCopyKVWrite):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (h * weight.float()).to(x.dtype)
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        res = x + residual
-        return self.rms_norm(res, weight, eps), res
-
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        c = cos[positions.long()][:, None, :]
-        s = sin[positions.long()][:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     def attention(
         self,
