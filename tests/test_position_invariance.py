@@ -121,6 +121,23 @@ def test_generation_logprobs_equal_scoring(default_model: Engine) -> None:
     default_model.check_integrity()
 
 
+def test_negative_control_fast_mode_decode_differs_from_scoring() -> None:
+    """The decode-vs-scoring comparison above can fail: in fast mode (float32 torch GEMM, whose
+    rows change with M) one-token decode steps and a whole-text prefill disagree."""
+    from lockstep.engine.llm import LLM
+
+    llm = LLM(None, mode="fast", device="cpu", dtype="float32", kv_tokens=4096)
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
+    differs = sum(
+        score.logprobs[len(out.prompt_token_ids) :] != out.logprobs
+        for out, score in zip(outs, scores, strict=True)
+    )
+    assert differs > 0, "fast mode agreed with scoring everywhere: the comparison is blind"
+
+
 _RESTART_SCRIPT = """
 import json, random, sys, torch
 sys.path.insert(0, sys.argv[1])

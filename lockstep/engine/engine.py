@@ -27,7 +27,7 @@ from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request
-from lockstep.engine.sampler import RowSampling, choose_tokens, token_logprob, top_logprobs
+from lockstep.engine.sampler import RowSampling, choose_tokens, top_logprobs
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
@@ -194,13 +194,19 @@ class Engine:
     def _record_prompt_logprobs(
         self, request: Request, positions: list[int], rows: list[int], logprobs: torch.Tensor
     ) -> None:
+        """Logprobs of prompt[p + 1] from the logits at each position p: one gather and one
+        host transfer for the chunk; top alternatives only when asked for."""
         k = request.params.prompt_logprobs or 0
         assert request.prompt_logprobs is not None
-        for p, row in zip(positions, rows, strict=True):
-            request.prompt_logprobs.append(
-                token_logprob(logprobs[row], request.prompt_ids[p + 1], k)
-            )
-            request.prompt_logprobs_next = p + 2
+        device = logprobs.device
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        token_ids = [request.prompt_ids[p + 1] for p in positions]
+        targets = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        chunk = logprobs.index_select(0, row_index)
+        values = chunk.gather(1, targets[:, None])[:, 0].tolist()
+        for i, (token, value) in enumerate(zip(token_ids, values, strict=True)):
+            request.prompt_logprobs.append(TokenLogprob(token, value, top_logprobs(chunk[i], k)))
+        request.prompt_logprobs_next = positions[-1] + 2
 
     def _sample(
         self, sampling: list[tuple[Request, int]], logits: torch.Tensor, logprobs: torch.Tensor

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.engine.outputs import TokenLogprob
-
 _LN2 = 0.6931471805599453
 _MASK32 = 0xFFFFFFFF
 
@@ -155,8 +153,3 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
             keep[i] = False
             keep[i, order[: max(1, cutoff)]] = True
     return keep
-
-
-def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
-    """The chosen (or teacher-forced) token's logprob with the top-k alternatives."""
-    return TokenLogprob(token_id, float(logprobs[token_id].item()), top_logprobs(logprobs, k))

@@ -96,13 +96,12 @@ class Scheduler:
         return plan
 
     def _admit_one(self, budget: int, plan: list[ScheduledChunk]) -> ScheduledChunk | None:
-        best, best_len = None, -1
+        best, match = None, None
         for request in self.waiting[:ADMISSION_WINDOW]:
-            length = self._match(request).length if self.radix.enabled else 0
-            if length > best_len:
-                best, best_len = request, length
-        assert best is not None
-        match = self._match(best)
+            candidate = self._match(request)
+            if match is None or candidate.length > match.length:
+                best, match = request, candidate
+        assert best is not None and match is not None
         self.radix.lock(match.node)
         best.prefix_node = match.node
         best.slots.clear()
