@@ -137,6 +137,51 @@ def test_matmul_rows_identical_across_tile_shapes(n: int, k: int) -> None:
             )
 
 
+SPLIT_SHAPE = (4096, 12288) if GPU else (48, 640)  # (N, K): K crosses split points
+SPLIT_MS = [1, 5, 16, 33, 128, 300, 2048] if GPU else [1, 5, 16, 33]
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_matmul_split_k_rows_identical_for_every_m_and_layout(splits: int) -> None:
+    """With K cut into splits, a row's bits do not depend on M, on the tile, or on whether the
+    splits run in one program or in one program each (workspace + last-arrival fold), nor on
+    the persistent kernel (GPU)."""
+    n, k = SPLIT_SHAPE
+    x, w = randn(max(SPLIT_MS), k, seed=20), randn(n, k, seed=21, scale=k**-0.5)
+    bias = randn(n, seed=22)
+    if GPU:
+        layouts = [cfg for *_, cfg in mm.TILE_TABLE] + [
+            mm.MatmulConfig(16, 32, 256, 4, 5, tma=True, split_programs=True),
+            mm.MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True),
+            mm.MatmulConfig(64, 64, 128, 4, 3, split_programs=True),
+        ]
+    else:  # same BK (the interpreter's dot rounds per K block), every layout
+        layouts = [
+            mm.MatmulConfig(16, 32, 64, 4, 1, split_programs=True),
+            mm.MatmulConfig(16, 16, 64, 4, 1),
+            mm.MatmulConfig(32, 64, 64, 4, 1, group_m=1, split_programs=True),
+        ]
+    full = mm.matmul(x, w, bias, config=layouts[0], out_dtype=torch.float32, splits=splits)
+    assert rel_err(full, x.double() @ w.double().T + bias.double()) < TOL
+    for cfg in layouts:
+        for m in SPLIT_MS:
+            got = mm.matmul(x[:m], w, bias, config=cfg, out_dtype=torch.float32, splits=splits)
+            assert torch.equal(got, full[:m]), (cfg, m)
+        # A CUDA-graph-style second call finds the arrival counters re-armed.
+        again = mm.matmul(x[:7], w, bias, config=cfg, out_dtype=torch.float32, splits=splits)
+        assert torch.equal(again, full[:7]), cfg
+
+
+def test_matmul_negative_control_split_points_are_visible() -> None:
+    """The split tests can fail: another split count changes rows (the fold is not exact)."""
+    n, k = SPLIT_SHAPE
+    x, w = randn(8, k, seed=23), randn(n, k, seed=24, scale=k**-0.5)
+    cfg = mm.MatmulConfig(16, 32, 64, 4, 1, split_programs=True)
+    one = mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=1)
+    two = mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=2)
+    assert not torch.equal(one, two)
+
+
 def test_matmul_negative_control_detects_a_changed_order() -> None:
     """The equality checks above can fail: a reduction order that depends on M (cuBLAS on the
     GPU) or on the K block (interpreter) changes rows."""

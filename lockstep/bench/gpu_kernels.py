@@ -39,46 +39,37 @@ HQ, HKV, HD = 32, 8, 128
 C = mm.MatmulConfig
 SWEEP_MM = {
     16: [
-        C(16, 32, 256, 4, 5),
-        C(16, 64, 128, 4, 5),
-        C(16, 16, 256, 4, 6),
-        C(16, 16, 512, 4, 4),
-        C(16, 32, 512, 4, 3),
-        C(16, 32, 256, 2, 6),
-        C(16, 32, 128, 4, 8),
-        C(16, 16, 256, 2, 8),
         C(16, 32, 256, 4, 5, tma=True),
-        C(16, 64, 256, 4, 4, tma=True),
+        C(16, 32, 256, 4, 5, tma=True, split_programs=True),
+        C(16, 64, 256, 4, 4, tma=True, split_programs=True),
+        C(16, 64, 128, 4, 6, tma=True, split_programs=True),
+        C(16, 128, 128, 4, 4, tma=True, split_programs=True),
+        C(16, 32, 256, 4, 4, split_programs=True),
     ],
     32: [
-        C(32, 32, 256, 4, 4),
-        C(32, 64, 128, 4, 5),
-        C(32, 16, 256, 4, 6),
-        C(32, 32, 512, 4, 3),
         C(32, 32, 256, 4, 5, tma=True),
+        C(32, 32, 256, 4, 5, tma=True, split_programs=True),
+        C(32, 64, 256, 4, 4, tma=True, split_programs=True),
+        C(32, 64, 128, 4, 5, tma=True, split_programs=True),
     ],
     128: [
-        C(64, 64, 128, 4, 4, tma=True),
-        C(128, 64, 64, 4, 4, tma=True),
-        C(128, 32, 128, 4, 4, tma=True),
-        C(64, 32, 128, 4, 5, tma=True),
-        C(128, 64, 128, 4, 3, tma=True),
         C(64, 64, 256, 4, 3, tma=True),
-        C(128, 64, 64, 8, 4, tma=True),
+        C(64, 64, 256, 4, 3, tma=True, split_programs=True),
+        C(128, 64, 128, 4, 3, tma=True, split_programs=True),
+        C(64, 128, 128, 4, 4, tma=True, split_programs=True),
+        C(128, 128, 64, 8, 4, tma=True, split_programs=True),
     ],
     512: [
         C(128, 128, 64, 8, 4, tma=True),
+        C(128, 128, 64, 8, 4, tma=True, split_programs=True),
         C(128, 128, 64, 8, 4, tma=True, persistent=True),
-        C(128, 64, 64, 4, 4, tma=True),
-        C(128, 64, 128, 4, 3, tma=True),
-        C(64, 128, 64, 4, 4, tma=True),
-        C(64, 64, 128, 4, 4, tma=True),
+        C(128, 64, 64, 4, 4, tma=True, split_programs=True),
         C(128, 256, 64, 8, 3, tma=True),
     ],
     1 << 62: [
         C(128, 128, 64, 8, 4, tma=True, persistent=True),
-        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
         C(128, 128, 64, 8, 5, tma=True),
+        C(128, 256, 64, 8, 3, tma=True),
     ],
 }
 SWEEP_ATTN_PREFILL = {
@@ -90,6 +81,8 @@ SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
     "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
     "r16n64w1s2": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=2),
+    "r16n64w1s5": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=5),
+    "r16n64w1s6": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=6),
     "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4),  # negative control
 }
 
@@ -126,53 +119,63 @@ def row_digest(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
-def run_matmul(sweep: bool, log, ms: tuple[int, ...] = MS) -> list[dict]:
+def run_matmul(sweep: bool, log, ms: tuple[int, ...] = MS,
+               split_counts: tuple[int | None, ...] = (None,)) -> list[dict]:  # fmt: skip
+    """Every shape x split count (None: the table's) x M: cuBLAS, the table config and (with
+    sweep) the bucket's candidates, timed as graph replays; row 0's bits (float32 out) are
+    collected per split count over all M and configs: one variant each is the contract."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
         xs = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        ours_rows, cublas_rows = set(), set()
+        cublas_rows = set()
+        cublas_ms = {}
         for m in ms:
-            x = xs[:m]
-            t_cublas = graph_ms(partial(F.linear, x, w))
-            cublas_rows.add(row_digest(F.linear(x, w)[:1]))  # bf16 out: cuBLAS has no fp32 out
-            table_cfg = mm.pick_config(m, n)
-            cands = [table_cfg]
-            if sweep:
-                bucket = next(v for b, v in SWEEP_MM.items() if m <= b)
-                cands += [c for c in bucket if c != table_cfg]
-            times = {}
-            for cfg in cands:
-                try:
-                    y = mm.matmul(x, w, config=cfg, out_dtype=torch.float32)
-                except Exception as exc:  # a candidate that does not compile is reported
-                    log(f"mm {name} M={m} {cfg}: failed: {str(exc).splitlines()[0][:120]}")
-                    continue
-                ours_rows.add(row_digest(y[:1]))
-                times[cfg] = graph_ms(partial(mm.matmul, x, w, config=cfg))
-            if table_cfg not in times:
-                times[table_cfg] = float("nan")
-            best = min((c for c in times if times[c] == times[c]), key=times.get)
-            rec = {
-                "shape": name, "N": n, "K": k, "M": m, "cublas_ms": t_cublas,
-                "table_ms": times[table_cfg], "table_cfg": table_cfg.__dict__,
-                "best_ms": times[best], "best_cfg": best.__dict__,
-                "table_vs_cublas": times[table_cfg] / t_cublas,
-                "best_vs_cublas": times[best] / t_cublas,
-                "tflops_table": 2 * m * n * k / times[table_cfg] / 1e9,
-                "all": [{"cfg": c.__dict__, "ms": t} for c, t in times.items()],
-            }  # fmt: skip
-            rows.append(rec)
-            log(
-                f"mm {name:8s} M={m:5d} cublas {t_cublas:8.4f} ms  table {times[table_cfg]:8.4f}"
-                f" ({rec['table_vs_cublas']:.3f}x)  best {times[best]:8.4f} "
-                f"({rec['best_vs_cublas']:.3f}x) {best}"
-            )
-        rows.append({"shape": name, "row0_variants_triton": len(ours_rows),
-                     "row0_variants_cublas": len(cublas_rows)})  # fmt: skip
-        log(f"mm {name}: distinct bits of row 0 over M x configs: triton {len(ours_rows)}, "
-            f"cublas over M {len(cublas_rows)}")  # fmt: skip
+            cublas_ms[m] = graph_ms(partial(F.linear, xs[:m], w))
+            cublas_rows.add(row_digest(F.linear(xs[:m], w)[:1]))  # bf16: no fp32 out in cuBLAS
+        for splits in split_counts:
+            s_eff = splits or mm.split_count(k)
+            ours_rows = set()
+            for m in ms:
+                x, t_cublas = xs[:m], cublas_ms[m]
+                table_cfg = mm.pick_config(m, n)
+                cands = [table_cfg]
+                if sweep:
+                    bucket = next(v for b, v in SWEEP_MM.items() if m <= b)
+                    cands += [c for c in bucket if c != table_cfg]
+                times = {}
+                for cfg in cands:
+                    run = partial(mm.matmul, x, w, config=cfg, splits=s_eff)
+                    try:
+                        y = run(out_dtype=torch.float32)
+                    except Exception as exc:  # a candidate that does not compile is reported
+                        log(f"mm {name} M={m} {cfg}: failed: {str(exc).splitlines()[0][:120]}")
+                        continue
+                    ours_rows.add(row_digest(y[:1]))
+                    times[cfg] = graph_ms(run)
+                if table_cfg not in times:
+                    times[table_cfg] = float("nan")
+                best = min((c for c in times if times[c] == times[c]), key=times.get)
+                rec = {
+                    "shape": name, "N": n, "K": k, "M": m, "splits": s_eff,
+                    "cublas_ms": t_cublas, "table_ms": times[table_cfg],
+                    "table_cfg": table_cfg.__dict__, "best_ms": times[best],
+                    "best_cfg": best.__dict__, "table_vs_cublas": times[table_cfg] / t_cublas,
+                    "best_vs_cublas": times[best] / t_cublas,
+                    "tflops_table": 2 * m * n * k / times[table_cfg] / 1e9,
+                    "all": [{"cfg": c.__dict__, "ms": t} for c, t in times.items()],
+                }  # fmt: skip
+                rows.append(rec)
+                log(
+                    f"mm {name:8s} S={s_eff} M={m:5d} cublas {t_cublas * 1e3:9.1f} us  table "
+                    f"{times[table_cfg] * 1e3:9.1f} ({rec['table_vs_cublas']:.3f}x)  best "
+                    f"{times[best] * 1e3:9.1f} ({rec['best_vs_cublas']:.3f}x) {best}"
+                )
+            rows.append({"shape": name, "splits": s_eff, "row0_variants_triton": len(ours_rows),
+                         "row0_variants_cublas": len(cublas_rows)})  # fmt: skip
+            log(f"mm {name} S={s_eff}: distinct bits of row 0 over M x configs: triton "
+                f"{len(ours_rows)}, cublas over M {len(cublas_rows)}")  # fmt: skip
         torch.cuda.empty_cache()
     return rows
 
@@ -290,6 +293,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="bits,matmul,prefill,decode")
     ap.add_argument("--out", default=None, help="also write the JSON document here")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="matmul M values")
+    ap.add_argument(
+        "--splits",
+        default="table",
+        help="matmul K split counts to time, e.g. 1,2,4 (default: the table's)",
+    )
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="matmul shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels needs CUDA")
@@ -326,7 +335,12 @@ def main(argv: list[str] | None = None) -> None:
         doc["attention_bits"] = run_attention_bits(log)
         save()
     if "matmul" in only:
-        doc["matmul"] = run_matmul(args.sweep, log, tuple(int(m) for m in args.ms.split(",")))
+        splits = (None,) if args.splits == "table" else tuple(map(int, args.splits.split(",")))
+        for name in set(SHAPES) - set(args.shapes.split(",")):
+            del SHAPES[name]
+        doc["matmul"] = run_matmul(
+            args.sweep, log, tuple(int(m) for m in args.ms.split(",")), splits
+        )
         save()
     if "prefill" in only:
         doc["prefill"] = run_prefill(args.sweep, log)

@@ -1,11 +1,21 @@
 """Position-invariant matmul: y = x @ w.T (+ bias), bf16/fp32 in, fp32 accumulate.
 
-Every output element reduces K in one order: a plain `tl.dot` loop over K in ascending blocks,
-no split-K, so a row's bits cannot depend on M. The tile shape is picked per M bucket from
-`TILE_TABLE` (never autotuned at run time); on an H200 with Triton 3.6 the tile shape (BM, BN,
-BK, the MMA flavour: mma.sync at BM 16/32, wgmma at BM >= 64) did not change any row's bits,
-which tests/test_ops_triton.py re-checks across every config of the table. Three kernels share
-the K order: pointer loads, TMA tensor descriptors, and a persistent TMA kernel for large M.
+The numerics (what every output element computes, for every M):
+
+    K is cut into `split_count(N, K)` splits at fixed points (multiples of SPLIT_ALIGN), a
+    function of the weight's shape only. Within a split, a `tl.dot` loop over K in ascending
+    blocks accumulates from zero; the split sums are then folded in ascending order starting
+    from zero: y = ((0 + p0) + p1) + ... (+ bias), rounded once to the output dtype.
+
+How the work is laid out is a speed choice picked per M bucket from `TILE_TABLE` (never
+autotuned at run time) and never changes a bit: the tile shape (BM, BN, BK, the MMA flavour:
+mma.sync at BM 16/32, wgmma at BM >= 64; on an H200 with Triton 3.6 none of these changed a
+row's bits, which tests/test_ops_triton.py re-checks), and where the splits run: all in one
+program (large M: plenty of tiles), or one program per split (small M: K-parallelism to stream
+the weight from every SM) whose partials go to a float32 workspace and are folded, in the same
+order, by the last program of the tile to finish (an atomic arrival counter, reset by that
+program, so CUDA-graph replays find it zeroed). Three kernels share the K order: pointer loads,
+TMA tensor descriptors, and a persistent TMA kernel for large M.
 """
 
 from __future__ import annotations
@@ -29,24 +39,38 @@ class MatmulConfig:
     tma: bool = False
     warp_specialize: bool = False  # TMA kernels only: producer/consumer warps (Hopper)
     persistent: bool = False  # TMA kernel only: one program per SM walks the tiles
+    split_programs: bool = False  # one program per K split, folded by the tile's last program
 
 
 _INF = 1 << 62
 
+# Split points are multiples of this, so that every BK of the table (<= 256) divides a split
+# and no K block straddles two splits.
+SPLIT_ALIGN = 256
+
+# (largest K, splits): THE NUMERICS of every matmul, keyed by the weight's K (N is not needed).
+# Changing a row here changes the bits of every model. Chosen on an H200 (Triton 3.6) from
+# lockstep/bench/gpu_kernels.py --sweep: enough K-parallelism that small-M matmuls stream the
+# weight from every SM, few enough splits that large M loses nothing (docs/gpu.md).
+SPLIT_TABLE: tuple[tuple[int, int], ...] = (
+    (1024, 1),
+    (_INF, 2),
+)
+
 # (largest M, largest N, config): the first row that fits is used. Chosen on an H200 (Triton
 # 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep (docs/gpu.md,
-# bench/results/). Small M is bandwidth-bound: narrow N tiles give enough CTAs to stream the
-# weight from every SM. Large M: a persistent TMA kernel (one program per SM).
+# bench/results/). Small M is bandwidth-bound: narrow N tiles and split programs give enough
+# CTAs to stream the weight from every SM. Large M: a persistent TMA kernel (one program per SM).
 TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
-    (16, 4096, MatmulConfig(16, 32, 256, 4, 5, tma=True)),
-    (16, _INF, MatmulConfig(16, 64, 256, 4, 4, tma=True)),
-    (32, 4096, MatmulConfig(32, 32, 256, 4, 5, tma=True)),
-    (32, 32768, MatmulConfig(32, 32, 256, 4, 4)),
+    (16, 4096, MatmulConfig(16, 32, 256, 4, 5, tma=True, split_programs=True)),
+    (16, _INF, MatmulConfig(16, 64, 256, 4, 4, tma=True, split_programs=True)),
+    (32, 4096, MatmulConfig(32, 32, 256, 4, 5, tma=True, split_programs=True)),
+    (32, 32768, MatmulConfig(32, 32, 256, 4, 4, split_programs=True)),
     (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
-    (128, 4096, MatmulConfig(64, 64, 256, 4, 3, tma=True)),
-    (128, 8192, MatmulConfig(128, 64, 128, 4, 3, tma=True)),
+    (128, 4096, MatmulConfig(64, 64, 256, 4, 3, tma=True, split_programs=True)),
+    (128, 8192, MatmulConfig(128, 64, 128, 4, 3, tma=True, split_programs=True)),
     (128, _INF, MatmulConfig(128, 64, 64, 4, 4, tma=True)),
-    (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True)),
+    (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True, split_programs=True)),
     (512, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
     (2048, 8192, MatmulConfig(128, 128, 64, 8, 5, tma=True)),
     (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
@@ -64,106 +88,176 @@ def pick_config(m: int, n: int) -> MatmulConfig:
     raise AssertionError("TILE_TABLE must end with an unbounded bucket")
 
 
+def split_count(k: int) -> int:
+    """How many splits the table asks for at this K (before alignment; see `split_length`)."""
+    for max_k, splits in SPLIT_TABLE:
+        if k <= max_k:
+            return splits
+    raise AssertionError("SPLIT_TABLE must end with an unbounded bucket")
+
+
+def split_length(k: int, splits: int) -> int:
+    """Length of every split but possibly the last: ceil(K / splits) rounded up to
+    SPLIT_ALIGN. The actual number of splits is ceil(K / split_length)."""
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    return triton.cdiv(triton.cdiv(k, splits), SPLIT_ALIGN) * SPLIT_ALIGN
+
+
 @triton.jit
-def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped tile order for L2 reuse; it changes which CTA computes a tile, never its bits.
-    pid = tl.program_id(0)
+def _tile_ids(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped tile order for L2 reuse; it changes which program computes a tile, never its bits.
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
+    first_m = (tile // group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m = first_m + (tile % group) % size_m
+    pid_n = (tile % group) // size_m
     return pid_m, pid_n
 
 
 @triton.jit
-def _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr):  # fmt: skip
+def _split_sum(x, w, pid_m, pid_n, split, M, N, K, SPLIT_LEN, sxm, swn,
+               TMA: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):  # fmt: skip
+    """One split's partial sum: K blocks of the split in ascending order, from zero. With
+    TMA, x and w are tensor descriptors (out-of-range K reads as zero); else pointers."""
+    k_lo = split * SPLIT_LEN
+    k_hi = tl.minimum(K, k_lo + SPLIT_LEN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    if TMA:
+        for kb in range(k_lo, k_hi, BK):
+            a = x.load([pid_m * BM, kb])
+            b = w.load([pid_n * BN, kb])
+            acc = tl.dot(a, b.T, acc)
+    else:
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        # Clamp out-of-range rows/cols to a valid one instead of masking: never stored.
+        rm_c = tl.where(rm < M, rm, M - 1).to(tl.int64)
+        rn_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
+        x_ptrs = x + rm_c[:, None] * sxm + (k_lo + rk)[None, :]
+        w_ptrs = w + rn_c[None, :] * swn + (k_lo + rk)[:, None]
+        for kb in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                a = tl.load(x_ptrs, mask=rk[None, :] < K - kb, other=0.0)
+                b = tl.load(w_ptrs, mask=rk[:, None] < K - kb, other=0.0)
+            acc = tl.dot(a, b, acc)
+            x_ptrs += BK
+            w_ptrs += BK
+    return acc
+
+
+@triton.jit
+def _epilogue(total, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     if HAS_BIAS:
-        acc = acc + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        total = total + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     ptrs = y + rm[:, None].to(tl.int64) * sym + rn[None, :]
-    tl.store(ptrs, acc.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(ptrs, total.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _fold_at_last_arrival(part, ws, counters, tile, split, pid_m, pid_n, M, N, NUM_SPLITS,
+                          BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """Publish this program's split sum; the tile's last program to arrive folds all of them
+    in ascending split order from zero (the same fold as one program doing every split) and
+    re-arms the counter. Returns (total, is_last)."""
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    plane = M.to(tl.int64) * N
+    tl.store(ws + split * plane + offs, part, mask=mask)
+    # Every thread's stores precede the barrier; the gpu-scope release of the arrival then
+    # publishes them to whichever program acquires the last arrival.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == NUM_SPLITS - 1
+    total = tl.zeros([BM, BN], tl.float32)
+    if is_last:
+        for s in range(0, NUM_SPLITS):
+            # .cg: read L2 (coherent), not this SM's L1.
+            total = total + tl.load(ws + s * plane + offs, mask=mask, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+        tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
+    return total, is_last
 
 
 # M is not specialized (Triton would compile M == 1 apart): one binary per config for all M.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    x, w, bias, y, M, N, K, sxm, swn, sym,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr,
+    x, w, bias, y, ws, counters, M, N, K, SPLIT_LEN, NUM_SPLITS, sxm, swn, sym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    # Clamp out-of-range rows/cols to a valid one instead of masking: they are never stored.
-    rm_c = tl.where(rm < M, rm, M - 1).to(tl.int64)
-    rn_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
-    x_ptrs = x + rm_c[:, None] * sxm + rk[None, :]
-    w_ptrs = w + rn_c[None, :] * swn + rk[:, None]
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=rk[None, :] < K - k * BK, other=0.0)
-            b = tl.load(w_ptrs, mask=rk[:, None] < K - k * BK, other=0.0)
-        acc = tl.dot(a, b, acc)
-        x_ptrs += BK
-        w_ptrs += BK
-    _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _matmul_tma_kernel(
-    x_desc, w_desc, bias, y, M, N, K, sym,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BK), warp_specialize=WARP_SPECIALIZE):
-        a = x_desc.load([pid_m * BM, k * BK])
-        b = w_desc.load([pid_n * BN, k * BK])
-        acc = tl.dot(a, b.T, acc)
-    _epilogue(acc, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
+    pid = tl.program_id(0)
+    if SPLIT_PROGRAMS:
+        tile = pid // NUM_SPLITS
+        split = pid % NUM_SPLITS
+        pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
+        part = _split_sum(x, w, pid_m, pid_n, split, M, N, K, SPLIT_LEN, sxm, swn, TMA, EVEN_K,
+                          BM, BN, BK)  # fmt: skip
+        total, is_last = _fold_at_last_arrival(part, ws, counters, tile, split, pid_m, pid_n, M,
+                                               N, NUM_SPLITS, BM, BN)  # fmt: skip
+        if is_last:
+            _epilogue(total, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
+    else:
+        pid_m, pid_n = _tile_ids(pid, M, N, BM, BN, GROUP_M)
+        total = tl.zeros([BM, BN], tl.float32)
+        for split in tl.range(0, NUM_SPLITS, flatten=True):
+            total = total + _split_sum(x, w, pid_m, pid_n, split, M, N, K, SPLIT_LEN, sxm, swn,
+                                       TMA, EVEN_K, BM, BN, BK)  # fmt: skip
+        _epilogue(total, bias, y, pid_m, pid_n, M, N, sym, HAS_BIAS, BM, BN)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_persistent_kernel(
-    x_desc, w_desc, y_desc, bias, M, N, K, NUM_SMS,
+    x_desc, w_desc, y_desc, bias, M, N, K, SPLIT_LEN, NUM_SPLITS, NUM_SMS,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
-    """Each program computes tiles start, start + NUM_SMS, ...; every tile still reduces K in
-    the same ascending blocks as `_matmul_kernel`, so the bits are the same."""
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
-    group = GROUP_M * num_n
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True,
+    """Program p computes tiles p, p + NUM_SMS, ...; one flattened loop walks (tile, split)
+    units, a tile's splits consecutively, folding each split sum into the tile's total in the
+    same order as `_matmul_kernel`, so the bits are the same."""
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    my_tiles = tl.cdiv(num_tiles - tl.program_id(0), NUM_SMS)
+    total = tl.zeros([BM, BN], tl.float32)
+    for unit in tl.range(0, my_tiles * NUM_SPLITS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
-        first_m = (tile // group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % group) % size_m
-        pid_n = (tile % group) // size_m
+        tile = tl.program_id(0) + (unit // NUM_SPLITS) * NUM_SMS
+        split = unit % NUM_SPLITS
+        pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
+        k_lo = split * SPLIT_LEN
+        k_hi = tl.minimum(K, k_lo + SPLIT_LEN)
         acc = tl.zeros([BM, BN], tl.float32)
-        for k in range(0, k_tiles):
-            a = x_desc.load([pid_m * BM, k * BK])
-            b = w_desc.load([pid_n * BN, k * BK])
+        for kb in range(k_lo, k_hi, BK):
+            a = x_desc.load([pid_m * BM, kb])
+            b = w_desc.load([pid_n * BN, kb])
             acc = tl.dot(a, b.T, acc)
-        if HAS_BIAS:
-            rn = pid_n * BN + tl.arange(0, BN)
-            acc = acc + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        y_desc.store([pid_m * BM, pid_n * BN], acc.to(y_desc.dtype))
+        total = tl.where(split == 0, 0.0, total) + acc
+        if split == NUM_SPLITS - 1:
+            out = total
+            if HAS_BIAS:
+                rn = pid_n * BN + tl.arange(0, BN)
+                out = out + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            y_desc.store([pid_m * BM, pid_n * BN], out.to(y_desc.dtype))
 
 
 _NUM_SMS: dict[int, int] = {}
+# Arrival counters of the split-programs path, one per output tile, all zero between calls
+# (each tile's last program re-arms its own). One buffer per device, never reallocated, so
+# that CUDA graphs captured against it stay valid.
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+MAX_SPLIT_TILES = 1 << 16
 
 
 def _num_sms(device: torch.device) -> int:
@@ -173,16 +267,24 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+def _counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def matmul(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype; float32
-    keeps the accumulator's bits, e.g. for logits). `config` overrides the table (tests and
-    benchmarks only)."""
+    keeps the accumulator's bits, e.g. for logits). `config` overrides the tile table and
+    `splits` the split table (tests and benchmarks only: `splits` changes the numerics)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul wants x [M, K] and w [N, K]; got {tuple(x.shape)}, "
                          f"{tuple(w.shape)}")  # fmt: skip
@@ -198,32 +300,41 @@ def matmul(
     if m == 0:
         return y
     cfg = config or pick_config(m, n)
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
+    if SPLIT_ALIGN % cfg.bk:
+        raise ValueError(f"BK {cfg.bk} must divide SPLIT_ALIGN {SPLIT_ALIGN}")
+    split_len = split_length(k, splits or split_count(k))
+    num_splits = triton.cdiv(k, split_len)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     has_bias = bias is not None
     b = bias if has_bias else y
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.tma and not _interpreting() and x.dtype != torch.float32:
+    tma = cfg.tma and not _interpreting() and x.dtype != torch.float32
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        x_desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
-        w_desc = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
+        xa = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
+        wa = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
         if cfg.persistent:
             y_desc = TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn])
             n_sms = _num_sms(x.device)
-            _matmul_persistent_kernel[(min(n_sms, grid[0]),)](
-                x_desc, w_desc, y_desc, b, m, n, k, n_sms, HAS_BIAS=has_bias, BM=cfg.bm,
-                BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, WARP_SPECIALIZE=cfg.warp_specialize,
-                **opts,
+            _matmul_persistent_kernel[(min(n_sms, tiles),)](
+                xa, wa, y_desc, b, m, n, k, split_len, num_splits, n_sms, HAS_BIAS=has_bias,
+                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+                WARP_SPECIALIZE=cfg.warp_specialize, **opts,
             )  # fmt: skip
             return y
-        _matmul_tma_kernel[grid](
-            x_desc, w_desc, b, y, m, n, k, y.stride(0), HAS_BIAS=has_bias,
-            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-            WARP_SPECIALIZE=cfg.warp_specialize, **opts,
-        )  # fmt: skip
-        return y
-    _matmul_kernel[grid](
-        x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=has_bias,
-        EVEN_K=k % cfg.bk == 0, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
+    else:
+        xa, wa = x, w
+    split_programs = cfg.split_programs and num_splits > 1 and tiles <= MAX_SPLIT_TILES
+    if split_programs:
+        ws = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        ws = counters = y  # unused
+    _matmul_kernel[(tiles * (num_splits if split_programs else 1),)](
+        xa, wa, b, y, ws, counters, m, n, k, split_len, num_splits, x.stride(0), w.stride(0),
+        y.stride(0), HAS_BIAS=has_bias, EVEN_K=k % cfg.bk == 0, TMA=tma,
+        SPLIT_PROGRAMS=split_programs, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+        **opts,
     )  # fmt: skip
     return y
