@@ -19,6 +19,7 @@ import platform
 import sys
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -87,11 +88,32 @@ SWEEP_ATTN_DECODE = {
 }
 
 
-def bench_ms(fn, rep: int = 60) -> float:
-    """Median ms with L2 flushed between calls (triton.testing.do_bench)."""
-    import triton
+_FLUSH: list[torch.Tensor] = []
 
-    return float(triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median"))
+
+def flush_l2() -> None:
+    """Evict L2 by READING a buffer larger than it. Writing one (triton's do_bench zeroes a
+    256 MiB buffer) leaves L2 full of dirty lines whose write-back the next kernel pays: about
+    50 MB at the copy rate, ~11 us, which made every small-M matmul (ours and cuBLAS alike)
+    look ~11 us slower than in a real decode step (session 2, run 10)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(512 << 20, dtype=torch.int8, device="cuda"))
+    _FLUSH[0].sum(dtype=torch.int32)
+
+
+def bench_ms(fn, rep: int = 60, warmup: int = 10) -> float:
+    """Median ms of fn over `rep` calls, each after a clean L2 flush, timed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for start, end in zip(starts, ends, strict=True):
+        flush_l2()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]))
 
 
 def copy_bandwidth() -> float:

@@ -1,0 +1,131 @@
+"""Where the time of one batch-1 decode step goes (GPU, CUDA graphs), for issue 5's floor target.
+
+    python scripts/profile_decode.py --model random:qwen3-8b [--prompt-len 512] [--steps 48]
+
+Prints, for one request decoding after a prompt: the engine's wall time per token (host work
+included), the GPU time of the captured decode graph replayed alone (CUDA events), the memory
+floor (parameter bytes read per token over the measured copy bandwidth), and a per-kernel
+table of one eager decode forward (torch.profiler). JSON on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import time
+
+import torch
+
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+from lockstep.engine.sampling_params import SamplingParams
+
+
+def copy_tb_s() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 20 / (time.perf_counter() - t0) / 1e12
+
+
+def step_weight_bytes(engine: Engine) -> int:
+    """Bytes of weights one decode step must read: every layer tensor, the final norm and the
+    LM head (the embedding table contributes one row per token, left out)."""
+    dec = engine.decoder
+    tensors = {id(t): t for t in [dec.final_norm, dec.lm_head]}
+    for layer in dec.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                tensors[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="random:qwen3-8b")
+    ap.add_argument("--mode", default="deterministic")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
+                                 dtype="bfloat16", kv_tokens=8192, max_model_len=4096,
+                                 max_running=1, cuda_graphs=True))  # fmt: skip
+    vocab = engine.decoder.spec.vocab_size
+    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    engine.add_request("p", [(7 * i + 3) % vocab for i in range(args.prompt_len)], params)
+    engine.step()  # prefill (+ first token)
+    torch.cuda.synchronize()
+    walls = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    walls = walls[2:]  # the first decode steps capture the graph
+    graphs = engine.runner.graphs
+    (entry,) = [g for (bb, _), g in graphs._graphs.items() if bb == 1]
+    replays = []
+    for _ in range(30):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        entry.graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        replays.append(s.elapsed_time(e))
+    param_bytes = step_weight_bytes(engine)
+    bw = copy_tb_s()
+    floor_ms = param_bytes / (bw * 1e12) * 1e3
+    # One eager forward of the same static batch, profiled per kernel.
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.decoder.forward(entry.batch, engine.kv)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.decoder.forward(entry.batch, engine.kv)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            kernels.setdefault(ev.name[:60], []).append(ev.device_time_total)
+    table = sorted(((sum(v), len(v), k) for k, v in kernels.items()), reverse=True)
+    print(f"{'kernel':60s} {'calls':>6s} {'total us':>10s} {'us/call':>9s}")
+    for total, n, name in table[:20]:
+        print(f"{name:60s} {n:6d} {total:10.1f} {total / n:9.2f}")
+    kernel_ms = sum(t for t, _, _ in table) / 1e3
+    doc = {
+        "command": "python scripts/profile_decode.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "mode": args.mode,
+        "model": args.model,
+        "copy_tb_s": bw,
+        "param_bytes": param_bytes,
+        "floor_ms": floor_ms,
+        "engine_ms_per_token": 1e3 * statistics.median(walls),
+        "graph_replay_ms": statistics.median(replays),
+        "eager_kernel_sum_ms": kernel_ms,
+        "kernels": [{"name": k, "calls": n, "total_us": t} for t, n, k in table],
+    }  # fmt: skip
+    print(f"floor {floor_ms:.3f} ms ({param_bytes / 1e9:.2f} GB at {bw:.2f} TB/s); engine "
+          f"{doc['engine_ms_per_token']:.3f} ms/token; graph replay {doc['graph_replay_ms']:.3f} "
+          f"ms; eager kernel sum {kernel_ms:.3f} ms; floor fraction (engine) "
+          f"{floor_ms / doc['engine_ms_per_token']:.2f}, (graph) "
+          f"{floor_ms / doc['graph_replay_ms']:.2f}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()
