@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the engine's steps")
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
                                  dtype="bfloat16", kv_tokens=8192, max_model_len=4096,
@@ -71,6 +72,19 @@ def main() -> None:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     walls = walls[2:]  # the first decode steps capture the graph
+    if args.host_profile:  # where the host's time goes in the engine's steps
+        import cProfile
+        import pstats
+
+        engine.add_request("h", [(5 * i + 1) % vocab for i in range(args.prompt_len)], params)
+        engine.step()
+        engine.step()
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        while engine.has_unfinished():
+            engine.step()
+        prof_host.disable()
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(25)
     graphs = engine.runner.graphs
     (entry,) = [g for (bb, _), g in graphs._graphs.items() if bb == 1]
     replays = []
@@ -87,10 +101,10 @@ def main() -> None:
     # One eager forward of the same static batch, profiled per kernel.
     from torch.profiler import ProfilerActivity, profile
 
-    engine.decoder.forward(entry.batch, engine.kv)
+    engine.decoder.forward(entry.batch, engine.runner.kv)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.decoder.forward(entry.batch, engine.kv)
+        engine.decoder.forward(entry.batch, engine.runner.kv)
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():

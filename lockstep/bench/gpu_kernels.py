@@ -161,7 +161,7 @@ def run_matmul(sweep: bool, log, ms: tuple[int, ...] = MS,
             ours_rows = set()
             for m in ms:
                 x, t_cublas = xs[:m], cublas_ms[m]
-                table_cfg = mm.pick_config(m, n)
+                table_cfg = mm.pick_config(m, n, k)
                 cands = [table_cfg]
                 if sweep:
                     bucket = next(v for b, v in SWEEP_MM.items() if m <= b)

@@ -22,6 +22,11 @@ All graphs share one memory pool; they never run concurrently.
     q_start, kv_len [B], cu_q = 0..B     (one query per sequence)
     cu_kv [B+1]                          start of each sequence's slots (padding: row 0's)
     slot_table [B*C]                     the step's concatenated slot tables, then unused
+    logit_rows [B]                       0..B-1 (the graph computes every row's logits)
+
+The int64 inputs are views of one device buffer and the int32 inputs of another, each filled
+from a pinned host copy by ONE asynchronous transfer per step (a step's inputs used to take
+nine small pageable copies, each a host round trip).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ DEFAULT_CONTEXT_BUCKETS = (2048, 8192, 32768, 131072)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch  # static inputs
+    batch: ForwardBatch  # static inputs: views of `inputs`
+    inputs: _StaticInputs
     logits: torch.Tensor  # static output [B, vocab]
 
 
@@ -113,14 +119,18 @@ class DecodeGraphRunner:
             entry = self._capture(batch, bb, cb)
             self._graphs[(bb, cb)] = entry
         else:
-            _fill(entry.batch, batch)
+            entry.inputs.fill(batch)
             entry.graph.replay()
-        rows = batch.logit_rows.to(self.device, non_blocking=True)
-        return entry.logits.index_select(0, rows)
+        rows = batch.logit_rows
+        n = rows.shape[0]
+        if torch.equal(rows, torch.arange(n, dtype=rows.dtype)):  # every decode step
+            return entry.logits.index_select(0, entry.batch.logit_rows[:n])
+        return entry.logits.index_select(0, rows.to(self.device, non_blocking=True))
 
     def _capture(self, batch: ForwardBatch, bb: int, cb: int) -> _Graph:
-        static = _static_batch(bb, cb, self.device)
-        _fill(static, batch)
+        inputs = _StaticInputs(bb, cb, self.device)
+        static = inputs.batch
+        inputs.fill(batch)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -132,44 +142,64 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.decoder.forward(static, self.kv)
         graph.replay()
-        return _Graph(graph, static, logits)
+        return _Graph(graph, static, inputs, logits)
 
 
-def _static_batch(bb: int, cb: int, device: torch.device) -> ForwardBatch:
-    i32, i64 = torch.int32, torch.int64
-    meta = AttentionMeta(
-        cu_q=torch.arange(bb + 1, dtype=i32, device=device),
-        q_start=torch.zeros(bb, dtype=i32, device=device),
-        kv_len=torch.ones(bb, dtype=i32, device=device),
-        cu_kv=torch.zeros(bb + 1, dtype=i32, device=device),
-        slot_table=torch.zeros(bb * cb, dtype=i32, device=device),
-        max_q=1,
-        max_kv=cb,
-    )
-    return ForwardBatch(
-        token_ids=torch.zeros(bb, dtype=i64, device=device),
-        positions=torch.zeros(bb, dtype=i64, device=device),
-        out_slots=torch.zeros(bb, dtype=i64, device=device),
-        meta=meta,
-        logit_rows=torch.arange(bb, dtype=i64, device=device),
-    )
+class _StaticInputs:
+    """A bucket's static inputs as views of two device buffers (int64 and int32), and the
+    pinned host buffers they are filled from. Layout (B = bucket, C = context bucket):
+    int64 [token_ids B | positions B | out_slots B | logit_rows = 0..B-1], int32 [q_start B |
+    kv_len B | cu_kv B+1 | cu_q B+1 | slot_table B*C]."""
 
+    def __init__(self, bb: int, cb: int, device: torch.device) -> None:
+        self.bb = bb
+        i32, i64 = torch.int32, torch.int64
+        self.host64 = torch.zeros(4 * bb, dtype=i64, pin_memory=True)
+        self.host32 = torch.zeros(4 * bb + 2 + bb * cb, dtype=i32, pin_memory=True)
+        self.host64[3 * bb :] = torch.arange(bb, dtype=i64)  # logit_rows, constant
+        self.host32[3 * bb + 1 : 4 * bb + 2] = torch.arange(bb + 1, dtype=i32)  # cu_q, constant
+        self.dev64 = self.host64.to(device)
+        self.dev32 = self.host32.to(device)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        d64, d32 = self.dev64, self.dev32
+        meta = AttentionMeta(
+            cu_q=d32[3 * bb + 1 : 4 * bb + 2],
+            q_start=d32[0:bb],
+            kv_len=d32[bb : 2 * bb],
+            cu_kv=d32[2 * bb : 3 * bb + 1],
+            slot_table=d32[4 * bb + 2 :],
+            max_q=1,
+            max_kv=cb,
+        )
+        self.batch = ForwardBatch(
+            token_ids=d64[0:bb],
+            positions=d64[bb : 2 * bb],
+            out_slots=d64[2 * bb : 3 * bb],
+            meta=meta,
+            logit_rows=d64[3 * bb : 4 * bb],
+        )
 
-def _pad(src: torch.Tensor, n: int) -> torch.Tensor:
-    """src [b] -> [n]: padding rows repeat row 0."""
-    extra = n - src.shape[0]
-    return src if extra == 0 else torch.cat([src, src[:1].expand(extra)])
-
-
-def _fill(static: ForwardBatch, batch: ForwardBatch) -> None:
-    bb = static.num_tokens
-    meta, smeta = batch.meta, static.meta
-    static.token_ids.copy_(_pad(batch.token_ids, bb), non_blocking=True)
-    static.positions.copy_(_pad(batch.positions, bb), non_blocking=True)
-    static.out_slots.copy_(_pad(batch.out_slots, bb), non_blocking=True)
-    smeta.q_start.copy_(_pad(meta.q_start, bb), non_blocking=True)
-    smeta.kv_len.copy_(_pad(meta.kv_len, bb), non_blocking=True)
-    # Padding sequences start at row 0's slots; the last entry (total) is never a start.
-    smeta.cu_kv.copy_(torch.cat([_pad(meta.cu_kv[:-1], bb), meta.cu_kv[-1:]]), non_blocking=True)
-    total = meta.slot_table.shape[0]
-    smeta.slot_table[:total].copy_(meta.slot_table, non_blocking=True)
+    def fill(self, batch: ForwardBatch) -> None:
+        """Stage `batch` (CPU tensors, b <= B sequences of one query each) and copy it in."""
+        bb, meta = self.bb, batch.meta
+        b = meta.num_seqs
+        # The previous step's transfer must have read the pinned buffers before they change.
+        self._copied.synchronize()
+        h64, h32 = self.host64, self.host32
+        for i, src in enumerate((batch.token_ids, batch.positions, batch.out_slots)):
+            h64[i * bb : i * bb + b] = src
+            h64[i * bb + b : (i + 1) * bb] = src[0]  # padding rows repeat row 0
+        for i, src in enumerate((meta.q_start, meta.kv_len)):
+            h32[i * bb : i * bb + b] = src
+            h32[i * bb + b : (i + 1) * bb] = src[0]
+        # cu_kv: padding sequences start at row 0's slots; the last entry (total) is never a
+        # start.
+        h32[2 * bb : 2 * bb + b] = meta.cu_kv[:b]
+        h32[2 * bb + b : 3 * bb] = meta.cu_kv[0]
+        h32[3 * bb] = meta.cu_kv[b]
+        total = meta.slot_table.shape[0]
+        h32[4 * bb + 2 : 4 * bb + 2 + total] = meta.slot_table
+        self.dev64[: 3 * bb].copy_(self.host64[: 3 * bb], non_blocking=True)
+        self.dev32[: 4 * bb + 2 + total].copy_(self.host32[: 4 * bb + 2 + total], non_blocking=True)
+        self._copied.record()

@@ -27,7 +27,7 @@ from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.model_runner import ModelRunner
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request
-from lockstep.engine.sampler import RowSampling, choose_tokens, top_logprobs
+from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
@@ -213,7 +213,6 @@ class Engine:
     ) -> list[StepOutput]:
         """Choose the next token of every sampling row at once (one host sync for the step),
         then update each request and build its output."""
-        rows = torch.tensor([row for _, row in sampling], dtype=torch.int64, device=logits.device)
         choices = [
             RowSampling(
                 temperature=r.params.temperature, top_k=r.params.top_k, top_p=r.params.top_p,
@@ -221,9 +220,17 @@ class Engine:
             )
             for r, _ in sampling
         ]  # fmt: skip
-        tokens = choose_tokens(logits.index_select(0, rows), choices)
-        token_index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
-        chosen_lps = logprobs.index_select(0, rows).gather(1, token_index[:, None])[:, 0].tolist()
+        row_ids = [row for _, row in sampling]
+        if row_ids == list(range(logits.shape[0])):  # decode steps: every row samples
+            picked, picked_lps = logits, logprobs
+        else:
+            rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
+            picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
+        token_index = choose_token_tensor(picked, choices)
+        chosen = picked_lps.gather(1, token_index[:, None])[:, 0]
+        # One transfer for tokens and their logprobs (float64 holds both exactly).
+        tokens_f, chosen_lps = torch.stack((token_index.double(), chosen.double())).tolist()
+        tokens = [int(t) for t in tokens_f]
         outputs = []
         for (request, row), token, lp in zip(sampling, tokens, chosen_lps, strict=True):
             top = top_logprobs(logprobs[row], request.params.logprobs or 0)

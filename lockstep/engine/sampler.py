@@ -107,10 +107,16 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
-    """Pick one token per row of raw float32 logits [R, V]. Greedy rows take the argmax (ties:
-    lowest id); sampled rows take the argmax of tempered scores plus counter-based Gumbel noise
-    over the tokens their filters keep. Work is batched across rows, but every operation is
-    elementwise or a per-row reduction, so a row's token never depends on the other rows."""
+    """`choose_token_tensor` as a list (one host sync)."""
+    return choose_token_tensor(logits, rows).tolist()
+
+
+def choose_token_tensor(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Pick one token per row of raw float32 logits [R, V], as an int64 tensor on the logits'
+    device (no host sync). Greedy rows take the argmax (ties: lowest id); sampled rows take the
+    argmax of tempered scores plus counter-based Gumbel noise over the tokens their filters
+    keep. Work is batched across rows, but every operation is elementwise or a per-row
+    reduction, so a row's token never depends on the other rows."""
     # torch.argmax returns the first maximal index: ties go to the lowest token id.
     tokens = torch.argmax(logits, dim=1)
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0.0]
@@ -126,7 +132,7 @@ def choose_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
         noisy = scores + gumbel_noise(seeds, positions, scores.shape[1])
         noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
         tokens[index] = torch.argmax(noisy, dim=1)
-    return tokens.tolist()
+    return tokens
 
 
 def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:

@@ -20,7 +20,6 @@ from typing import Protocol
 import torch
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.gguf_loader import load_gguf
 from lockstep.models.hf_loader import load_hf_folder
 from lockstep.models.presets import PRESETS, load_preset
 from lockstep.models.spec import ModelSpec, expected_weight_names
@@ -116,6 +115,10 @@ def resolve_model(model: str | None, random_seed: int = 0) -> LoadedModel:
         if path.is_dir():
             spec, tokenizer, weights = load_hf_folder(path)
         elif path.is_file() and _is_gguf(path):
+            # Imported here: the gguf package is needed for GGUF files only, so the engine
+            # (random presets, HF folders) imports where it is missing (the GPU image).
+            from lockstep.models.gguf_loader import load_gguf
+
             spec, tokenizer, weights = load_gguf(path)
         else:
             what = "is not a .gguf file" if path.is_file() else "does not exist"

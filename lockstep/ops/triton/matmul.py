@@ -2,8 +2,8 @@
 
 The numerics (what every output element computes, for every M):
 
-    K is cut into `split_count(N, K)` splits at fixed points (multiples of SPLIT_ALIGN), a
-    function of the weight's shape only. Within a split, a `tl.dot` loop over K in ascending
+    K is cut into `split_count(K)` splits at fixed points (multiples of SPLIT_ALIGN), a
+    function of the weight's K only. Within a split, a `tl.dot` loop over K in ascending
     blocks accumulates from zero; the split sums are then folded in ascending order starting
     from zero: y = ((0 + p0) + p1) + ... (+ bias), rounded once to the output dtype.
 
@@ -48,32 +48,42 @@ _INF = 1 << 62
 # and no K block straddles two splits.
 SPLIT_ALIGN = 256
 
-# (largest K, splits): THE NUMERICS of every matmul, keyed by the weight's K (N is not needed).
-# Changing a row here changes the bits of every model. Chosen on an H200 (Triton 3.6) from
-# lockstep/bench/gpu_kernels.py --sweep: enough K-parallelism that small-M matmuls stream the
-# weight from every SM, few enough splits that large M loses nothing (docs/gpu.md).
+# (largest K, splits): THE NUMERICS of every matmul, keyed by the weight's K (never by M).
+# Changing a row here changes the bits of every model. Measured on an H200 (Triton 3.6, clean
+# L2, CUDA-graph replays; docs/gpu.md, bench/results/gpu_matmul_splits_h200.json): at K 4096
+# two splits gained nothing at small M and cost 7-14% at M >= 2048 (the split loop pipelines
+# worse); at K 12288 (Qwen3-8B down) two splits were faster at M 128 (34 vs 40 us), 2048 and
+# 8192 (299 vs 310 us, 1235 vs 1310 us) and equal elsewhere.
 SPLIT_TABLE: tuple[tuple[int, int], ...] = (
-    (1024, 1),
+    (8192, 1),
     (_INF, 2),
 )
 
-# (largest M, largest N, config): the first row that fits is used. Chosen on an H200 (Triton
-# 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep (docs/gpu.md,
-# bench/results/). Small M is bandwidth-bound: narrow N tiles and split programs give enough
-# CTAs to stream the weight from every SM. Large M: a persistent TMA kernel (one program per SM).
-TILE_TABLE: tuple[tuple[int, int, MatmulConfig], ...] = (
-    (16, 4096, MatmulConfig(16, 32, 256, 4, 5, tma=True, split_programs=True)),
-    (16, _INF, MatmulConfig(16, 64, 256, 4, 4, tma=True, split_programs=True)),
-    (32, 4096, MatmulConfig(32, 32, 256, 4, 5, tma=True, split_programs=True)),
-    (32, 32768, MatmulConfig(32, 32, 256, 4, 4, split_programs=True)),
-    (32, _INF, MatmulConfig(32, 64, 128, 4, 5)),
-    (128, 4096, MatmulConfig(64, 64, 256, 4, 3, tma=True, split_programs=True)),
-    (128, 8192, MatmulConfig(128, 64, 128, 4, 3, tma=True, split_programs=True)),
-    (128, _INF, MatmulConfig(128, 64, 64, 4, 4, tma=True)),
-    (512, 8192, MatmulConfig(128, 128, 64, 8, 4, tma=True, split_programs=True)),
-    (512, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
-    (2048, 8192, MatmulConfig(128, 128, 64, 8, 5, tma=True)),
-    (_INF, _INF, MatmulConfig(128, 128, 64, 8, 4, tma=True, persistent=True)),
+# (largest M, largest N, largest K, config): the first row that fits is used. Chosen on an H200
+# (Triton 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep with a clean L2
+# (docs/gpu.md, bench/results/). Small M is bandwidth-bound: narrow N tiles for enough CTAs.
+# Mid M: 64-row tiles; at K > 8192 one program per split. Large M: 128x128 tiles, persistent
+# for wide N; at K > 8192 (two splits) 128x256 tiles did best.
+_C = MatmulConfig
+TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
+    (16, 4096, 8192, _C(16, 32, 256, 4, 5, tma=True)),
+    (16, 8192, 8192, _C(16, 64, 256, 4, 4, tma=True)),
+    (16, _INF, 8192, _C(16, 128, 128, 4, 4, tma=True)),
+    (16, _INF, _INF, _C(16, 64, 256, 4, 4, tma=True, split_programs=True)),
+    (32, 4096, 8192, _C(32, 32, 256, 4, 5, tma=True)),
+    (32, 8192, 8192, _C(32, 64, 256, 4, 4, tma=True)),
+    (32, 32768, 8192, _C(32, 32, 256, 4, 4)),
+    (32, _INF, 8192, _C(32, 64, 128, 4, 5, tma=True)),
+    (32, _INF, _INF, _C(32, 64, 128, 4, 5, tma=True, split_programs=True)),
+    (128, 4096, 8192, _C(64, 64, 256, 4, 3, tma=True)),
+    (128, 32768, 8192, _C(64, 128, 128, 4, 4, tma=True)),
+    (128, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True)),
+    (128, _INF, _INF, _C(64, 128, 128, 4, 4, tma=True, split_programs=True)),
+    (512, 8192, _INF, _C(128, 128, 64, 8, 4, tma=True)),
+    (512, _INF, _INF, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
+    (2048, 8192, 8192, _C(128, 128, 64, 8, 5, tma=True)),
+    (_INF, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
+    (_INF, _INF, _INF, _C(128, 256, 64, 8, 3, tma=True)),
 )
 
 
@@ -81,9 +91,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pick_config(m: int, n: int) -> MatmulConfig:
-    for max_m, max_n, cfg in TILE_TABLE:
-        if m <= max_m and n <= max_n:
+def pick_config(m: int, n: int, k: int) -> MatmulConfig:
+    for max_m, max_n, max_k, cfg in TILE_TABLE:
+        if m <= max_m and n <= max_n and k <= max_k:
             return cfg
     raise AssertionError("TILE_TABLE must end with an unbounded bucket")
 
@@ -299,7 +309,7 @@ def matmul(
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or pick_config(m, n)
+    cfg = config or pick_config(m, n, k)
     if SPLIT_ALIGN % cfg.bk:
         raise ValueError(f"BK {cfg.bk} must divide SPLIT_ALIGN {SPLIT_ALIGN}")
     split_len = split_length(k, splits or split_count(k))
