@@ -48,6 +48,50 @@ def step_weight_bytes(engine: Engine) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def time_phases(engine: Engine, vocab: int, prompt_len: int, params: SamplingParams) -> dict:
+    """Median microseconds per decode step of each phase of Engine.step, with a device sync
+    after every phase so that each is charged its own time (steps run slower this way)."""
+    import functools
+
+    spent: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            spent.setdefault(name, []).append(1e6 * (time.perf_counter() - t0))
+            return out
+
+        return wrapper
+
+    sched, runner = engine.scheduler, engine.runner
+    saved = (sched.schedule, runner.build, runner.graphs.run, engine.ops.log_softmax,
+             engine._sample)  # fmt: skip
+    sched.schedule = timed("schedule", sched.schedule)
+    runner.build = timed("build", runner.build)
+    runner.graphs.run = timed("graph fill+replay", runner.graphs.run)
+    engine.ops.log_softmax = timed("log_softmax", engine.ops.log_softmax)
+    engine._sample = timed("sample+advance", engine._sample)
+    engine.add_request("t", [(3 * i + 2) % vocab for i in range(prompt_len)], params)
+    engine.step()
+    engine.step()
+    steps = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        steps.append(1e6 * (time.perf_counter() - t0))
+    (sched.schedule, runner.build, runner.graphs.run, engine.ops.log_softmax,
+     engine._sample) = saved  # fmt: skip
+    out = {k: statistics.median(v[2:]) for k, v in spent.items()}
+    out["whole step"] = statistics.median(steps)
+    out["rest"] = out["whole step"] - sum(v for k, v in out.items() if k != "whole step")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="random:qwen3-8b")
@@ -72,6 +116,9 @@ def main() -> None:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     walls = walls[2:]  # the first decode steps capture the graph
+    phases = time_phases(engine, vocab, args.prompt_len, params)
+    print("engine step phases (each synchronized; us per step): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))  # fmt: skip
     if args.host_profile:  # where the host's time goes in the engine's steps
         import cProfile
         import pstats

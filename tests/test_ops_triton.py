@@ -249,6 +249,51 @@ def test_silu_mul_rope_write_kv(ops: GpuDeterministicOps) -> None:
     assert kc[1].abs().sum() == 0 and kc[-1].abs().sum() == 0
 
 
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_attention_input_fused_matches_composed_and_is_per_token(
+    ops: GpuDeterministicOps, with_norm: bool
+) -> None:
+    """The fused kernel (norm, rope, cache writes) against the composition of the separate
+    kernels; each token's outputs equal those of the token computed alone; padding rows
+    (slot -1) write nothing."""
+    from lockstep.ops.base import ComposedAttentionInput, HeadLayout
+
+    class Composed(ComposedAttentionInput, GpuDeterministicOps):
+        pass
+
+    hq, hkv, d, t = (8, 2, HD, 7) if GPU else (4, 2, HD, 7)
+    heads = HeadLayout(hq, hkv, d)
+    qkv = randn(t, (hq + 2 * hkv) * d, seed=30)
+    qn = randn(d, seed=31) if with_norm else None
+    kn = randn(d, seed=32) if with_norm else None
+    ang = torch.arange(64, dtype=torch.float64)[:, None] * (
+        1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    )[None, :]
+    cos, sin = ang.cos().float().to(DEV), ang.sin().float().to(DEV)
+    pos = torch.tensor([5, 0, 63, 7, 7, 1, 40], dtype=torch.int64, device=DEV)
+    slots = torch.tensor([3, 11, 0, 7, -1, 2, 9], dtype=torch.int64, device=DEV)
+
+    def run(impl, rows):
+        kc = torch.zeros(12, hkv, d, dtype=DTYPE, device=DEV)
+        vc = torch.zeros_like(kc)
+        q = impl.attention_input(qkv[rows], heads, qn, kn, 1e-6, pos[rows], cos, sin, kc, vc,
+                                 slots[rows])  # fmt: skip
+        return q, kc, vc
+
+    q, kc, vc = run(ops, slice(None))
+    q_ref, kc_ref, vc_ref = run(Composed(ATTN_CFG), slice(None))
+    assert rel_err(q, q_ref.double()) < TOL
+    assert rel_err(kc, kc_ref.double()) < TOL
+    assert torch.equal(vc, vc_ref)
+    assert kc[[1, 4, 5, 6, 8, 10]].abs().sum() == 0  # untouched: slot -1 wrote nothing
+    for i in range(t):
+        qi, kci, vci = run(ops, slice(i, i + 1))
+        assert torch.equal(qi, q[i : i + 1])
+        if slots[i] >= 0:
+            assert torch.equal(kci[slots[i]], kc[slots[i]])
+            assert torch.equal(vci[slots[i]], vc[slots[i]])
+
+
 def test_log_softmax(ops: GpuDeterministicOps) -> None:
     v = 151936 if GPU else 5000  # crosses the fixed block several times
     logits = randn(6, v, seed=17, scale=4.0)

@@ -26,7 +26,7 @@ import torch
 from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.errors import ModelLoadError
 from lockstep.models.spec import ModelSpec, expected_weight_names
-from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
+from lockstep.ops.base import AttentionMeta, HeadLayout, Ops, build_attention_meta
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
@@ -103,6 +103,7 @@ class Decoder:
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.heads = HeadLayout(spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
     @classmethod
     def load(
@@ -182,19 +183,11 @@ class Decoder:
             else:
                 x, residual = ops.add_rms_norm(h, residual, w.input_norm, spec.rms_norm_eps)
             qkv = ops.linear(x, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=1)
-            q = q.reshape(t, spec.num_heads, spec.head_dim)
-            k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
-            v = v.reshape(t, spec.num_kv_heads, spec.head_dim)
-            if w.q_norm is not None and w.k_norm is not None:
-                q = ops.rms_norm(q.reshape(-1, spec.head_dim), w.q_norm, spec.rms_norm_eps)
-                k = ops.rms_norm(k.reshape(-1, spec.head_dim), w.k_norm, spec.rms_norm_eps)
-                q = q.reshape(t, spec.num_heads, spec.head_dim)
-                k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
-            q = ops.rope(q, batch.positions, self.rope_cos, self.rope_sin)
-            k = ops.rope(k, batch.positions, self.rope_cos, self.rope_sin)
             k_cache, v_cache = kv.k_cache(i), kv.v_cache(i)
-            ops.write_kv(k_cache, v_cache, k, v, batch.out_slots)
+            q = ops.attention_input(
+                qkv, self.heads, w.q_norm, w.k_norm, spec.rms_norm_eps, batch.positions,
+                self.rope_cos, self.rope_sin, k_cache, v_cache, batch.out_slots,
+            )  # fmt: skip
             o = ops.attention(q, k_cache, v_cache, batch.meta, self.scale)
             h = ops.linear(o.reshape(t, spec.q_size), w.o)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)

@@ -92,6 +92,23 @@ def build_attention_meta(
     )
 
 
+@dataclass(frozen=True)
+class HeadLayout:
+    """Head counts of the fused q | k | v projection rows."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 class Ops(Protocol):
     """One backend of the numeric layer. Activations are float32 on the CPU backends and the
     model dtype (bfloat16 or float32) on the GPU; accumulation is always float32."""
@@ -141,6 +158,25 @@ class Ops(Protocol):
         """Copy k, v [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T] (exact copy)."""
         ...
 
+    def attention_input(
+        self,
+        qkv: torch.Tensor,
+        heads: HeadLayout,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """From the fused projection rows qkv [T, (Hq + 2 Hkv) D] (q | k | v): per-head RMSNorm
+        of q and k where the model has one (Qwen3), RoPE at `positions`, k and v written to
+        the caches at `slots`; returns q [T, Hq, D]. Every value is computed per token."""
+        ...
+
     def attention(
         self,
         q: torch.Tensor,
@@ -174,3 +210,35 @@ class IndexCopyKVWrite:
         index = slots.to(torch.int64)
         k_cache.index_copy_(0, index, k.to(k_cache.dtype))
         v_cache.index_copy_(0, index, v.to(v_cache.dtype))
+
+
+class ComposedAttentionInput:
+    """`Ops.attention_input` composed from the backend's own rms_norm, rope and write_kv (the
+    GPU deterministic backend fuses it into one kernel instead)."""
+
+    def attention_input(
+        self,
+        qkv: torch.Tensor,
+        heads: HeadLayout,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        t, d = qkv.shape[0], heads.head_dim
+        q, k, v = qkv.split([heads.q_size, heads.kv_size, heads.kv_size], dim=1)
+        q = q.reshape(t, heads.num_heads, d)
+        k = k.reshape(t, heads.num_kv_heads, d)
+        v = v.reshape(t, heads.num_kv_heads, d)
+        if q_norm is not None and k_norm is not None:
+            q = self.rms_norm(q.reshape(-1, d), q_norm, eps).reshape(t, heads.num_heads, d)
+            k = self.rms_norm(k.reshape(-1, d), k_norm, eps).reshape(t, heads.num_kv_heads, d)
+        q = self.rope(q, positions, cos, sin)
+        k = self.rope(k, positions, cos, sin)
+        self.write_kv(k_cache, v_cache, k, v, slots)
+        return q

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
 from lockstep.ops.cpu_build import load_extension
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
@@ -26,7 +26,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-class CpuDeterministicOps(IndexCopyKVWrite):
+class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     """`Ops` backed by `csrc/lockstep_cpu.cpp`.
 
     `simd` picks the kernel path ("auto", "avx512", "avx2", "scalar"); all give the same bits,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, HeadLayout
 
 try:
     from lockstep.ops.triton import activation, kv_write, log_softmax, matmul, norm, rope
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+    from lockstep.ops.triton.attention_input import attention_input as _attention_input
 
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # triton missing: report when the backend is asked for
@@ -70,6 +71,24 @@ class GpuDeterministicOps:
         slots: torch.Tensor,
     ) -> None:
         kv_write.write_kv(k_cache, v_cache, k, v, slots)
+
+    def attention_input(
+        self,
+        qkv: torch.Tensor,
+        heads: HeadLayout,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        return _attention_input(
+            qkv, heads, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slots
+        )
 
     def attention(
         self,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
 
 f64 = torch.float64
 
 
-class ReferenceOps(IndexCopyKVWrite):
+class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
     """`Ops` in float64 torch, written for clarity rather than speed."""
 
     name = "reference"

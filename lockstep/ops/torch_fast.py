@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import IndexCopyKVWrite
+from lockstep.ops.base import ComposedAttentionInput, IndexCopyKVWrite
 
 
-class TorchRowOps(IndexCopyKVWrite):
+class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

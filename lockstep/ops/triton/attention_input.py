@@ -1,0 +1,107 @@
+"""Attention input in one kernel: from the fused q | k | v projection rows, per-head RMSNorm of
+q and k (Qwen3), RoPE, q to its own tensor, k and v into the paged caches.
+
+One program per (token, head), so every value depends on its own token's row only. The steps
+are those of the separate kernels (norm.py, rope.py, kv_write.py), with the normed head
+rounded to the activation dtype before RoPE as there; the per-head sum of squares is reduced
+here as two half-head sums (fixed by head_dim alone). Replacing five launches per layer with
+one matters for small decode steps (docs/gpu.md, batch-1 decode profile).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops.base import HeadLayout
+
+
+@triton.jit
+def _attention_input_kernel(
+    qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, q_norm, k_norm,
+    sqkv, sqt, sqh, skc, skh, svc, svh, sc, eps, HQ, HKV,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads 0..HQ-1, then k heads, then v heads
+    dd = tl.arange(0, HALF)
+    src = qkv + t * sqkv + head * (2 * HALF)
+    x1 = tl.load(src + dd)
+    x2 = tl.load(src + HALF + dd)
+    slot = tl.load(slots + t).to(tl.int64)
+    # A negative slot marks a padding row (as in write_kv): nothing is written to the caches.
+    writes = (dd * 0 + slot) >= 0  # broadcast: the interpreter wants a tensor mask
+    if head >= HQ + HKV:  # v: an exact copy
+        dst = v_cache + slot * svc + (head - HQ - HKV) * svh
+        tl.store(dst + dd, x1, mask=writes)
+        tl.store(dst + HALF + dd, x2, mask=writes)
+    else:
+        y1 = x1.to(tl.float32)
+        y2 = x2.to(tl.float32)
+        if HAS_NORM:
+            is_q = (dd * 0 + head) < HQ
+            w1 = tl.where(is_q, tl.load(q_norm + dd), tl.load(k_norm + dd)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(q_norm + HALF + dd), tl.load(k_norm + HALF + dd))
+            w2 = w2.to(tl.float32)
+            var = (tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)) / (2 * HALF)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            y1 = (y1 * rstd * w1).to(x1.dtype).to(tl.float32)
+            y2 = (y2 * rstd * w2).to(x1.dtype).to(tl.float32)
+        pos = tl.load(positions + t).to(tl.int64)
+        c = tl.load(cos + pos * sc + dd)
+        s = tl.load(sin + pos * sc + dd)
+        o1 = (y1 * c - y2 * s).to(x1.dtype)
+        o2 = (y2 * c + y1 * s).to(x1.dtype)
+        if head < HQ:
+            dst = q_out + t * sqt + head * sqh
+            tl.store(dst + dd, o1)
+            tl.store(dst + HALF + dd, o2)
+        else:
+            dst = k_cache + slot * skc + (head - HQ) * skh
+            tl.store(dst + dd, o1, mask=writes)
+            tl.store(dst + HALF + dd, o2, mask=writes)
+
+
+def attention_input(
+    qkv: torch.Tensor,
+    heads: HeadLayout,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """See `lockstep.ops.base.Ops.attention_input`."""
+    hq, hkv, d = heads.num_heads, heads.num_kv_heads, heads.head_dim
+    t = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d or qkv.stride(1) != 1:
+        raise ValueError(f"attention_input wants qkv [T, {(hq + 2 * hkv) * d}] with rows "
+                         f"contiguous; got {tuple(qkv.shape)}")  # fmt: skip
+    half = d // 2
+    if d % 2 or half & (half - 1):
+        raise ValueError(f"head_dim={d} must be twice a power of two")
+    if k_cache.shape[1:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not hold [S, {hkv}, {d}]")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or k_cache.dtype != qkv.dtype:
+        raise ValueError("caches must be contiguous per head and share qkv's dtype")
+    if cos.dtype != torch.float32 or cos.shape != sin.shape or cos.shape[1] != half:
+        raise ValueError(f"rope tables {tuple(cos.shape)} must be float32 [P, {half}]")
+    if positions.shape != (t,) or slots.shape != (t,):
+        raise ValueError(f"positions {tuple(positions.shape)} / slots {tuple(slots.shape)} "
+                         f"!= ({t},)")  # fmt: skip
+    has_norm = q_norm is not None and k_norm is not None
+    q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _attention_input_kernel[(t, hq + 2 * hkv)](
+            qkv, q, k_cache, v_cache, positions, slots, cos, sin,
+            q_norm if has_norm else qkv, k_norm if has_norm else qkv,
+            qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), cos.stride(0), float(eps), hq, hkv,
+            HALF=half, HAS_NORM=has_norm, num_warps=1,
+        )  # fmt: skip
+    return q
