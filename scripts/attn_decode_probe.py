@@ -1,6 +1,6 @@
-"""Probe why small decode attention (batch 1) runs far above its floor: time the split path's
-two kernels for several split sizes and stage counts (timing only: the split size is part of
-the numerics, so only the production value is a valid configuration).
+"""Probe why small decode attention (batch 1) runs far above its floor: time the split path
+(production config, a few stage counts) over contexts of 1 to 64 key blocks; the slope is the
+cost of one key block walked by one program.
 
     python scripts/attn_decode_probe.py
 """
@@ -19,22 +19,25 @@ from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
 
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kc = torch.randn(70000, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kc = torch.randn(32 * 32768 + 64, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn_like(kc)
-    for ctx in (64, 512, 1024, 4096, 32768):
-        for batch in (1, 8):
+    configs = {
+        "r16w1": DEFAULT_CONFIG,
+        "r64w4": replace(DEFAULT_CONFIG, rows_split=64, num_warps_split=4),
+        "r64w4s4": replace(DEFAULT_CONFIG, rows_split=64, num_warps_split=4, num_stages_split=4),
+        "r128w8": replace(DEFAULT_CONFIG, rows_split=128, num_warps_split=8),
+    }
+    for batch in (1, 8, 32):
+        for ctx in (64, 512, 1024, 4096, 32768):
             slots = paged_slots([ctx] * batch, seed=ctx)
             meta = build_attention_meta([1] * batch, [ctx - 1] * batch, slots).to("cuda")
             q = torch.randn(batch, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
-            line = f"ctx {ctx:6d} B {batch:2d}:"
-            for split in (64, 128, 512):
-                for stages in (2, 3):
-                    cfg = replace(DEFAULT_CONFIG, split=split, num_stages_split=stages)
-
-                    fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, "split")
-                    line += f"  s{split}/st{stages} {graph_ms(fn) * 1e3:6.1f}"
+            line = f"B {batch:2d} ctx {ctx:6d}:"
+            for name, cfg in configs.items():
+                fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, "split")
+                line += f"  {name} {graph_ms(fn) * 1e3:7.1f}"
             print(line, flush=True)
-    # An empty-ish kernel's cost in a graph, for scale: one tiny copy.
+    # An almost empty kernel's cost in a graph, for scale: one tiny copy.
     a = torch.zeros(16, device="cuda")
     b = torch.zeros(16, device="cuda")
     print(

@@ -162,6 +162,24 @@ def main() -> None:
     for total, n, name in table[:20]:
         print(f"{name:60s} {n:6d} {total:10.1f} {total / n:9.2f}")
     kernel_ms = sum(t for t, _, _ in table) / 1e3
+    # The step's work after the forward: log-softmax of the sampled row and the sampler.
+    from lockstep.engine.sampler import RowSampling, choose_token_tensor
+
+    row = torch.randn(1, vocab, device="cuda") * 4
+    greedy = [RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0)]
+    post = {}
+    for name, fn in (("log_softmax", lambda: engine.ops.log_softmax(row)),
+                     ("argmax", lambda: choose_token_tensor(row, greedy))):  # fmt: skip
+        with profile(activities=[ProfilerActivity.CUDA]) as prof_post:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        post[name] = (
+            sum(ev.device_time_total for ev in prof_post.events() if ev.device_type.name == "CUDA")
+            / 10
+        )
+    print("after the forward, GPU us per step: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in post.items()))  # fmt: skip
     doc = {
         "command": "python scripts/profile_decode.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
@@ -175,6 +193,7 @@ def main() -> None:
         "engine_ms_per_token": 1e3 * statistics.median(walls),
         "graph_replay_ms": statistics.median(replays),
         "eager_kernel_sum_ms": kernel_ms,
+        "post_forward_gpu_us": post,
         "kernels": [{"name": k, "calls": n, "total_us": t} for t, n, k in table],
     }  # fmt: skip
     print(f"floor {floor_ms:.3f} ms ({param_bytes / 1e9:.2f} GB at {bw:.2f} TB/s); engine "

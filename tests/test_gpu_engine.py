@@ -8,8 +8,11 @@ break batch invariance on the same harness.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,6 +86,43 @@ def test_generation_logprobs_equal_scoring(engine) -> None:
     scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
     for out, score in zip(outs, scores, strict=True):
         assert score.logprobs[len(out.prompt_token_ids) :] == out.logprobs
+
+
+_RESTART_SCRIPT = """
+import json, random, sys, torch
+sys.path.insert(0, sys.argv[1])
+from invariance_harness import reference
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+e = Engine(EngineConfig(model=sys.argv[2], device="cuda", dtype="bfloat16", kv_tokens=4096,
+                        max_model_len=4096, cuda_graphs=False))
+rng = random.Random(11)
+tokens = [rng.randrange(e.decoder.spec.vocab_size) for _ in range(600)]
+print(json.dumps(reference(e, tokens).logits[::37, :4096].contiguous().view(torch.int32).flatten().tolist()))
+"""
+
+
+def test_restart_in_a_second_process(engine) -> None:
+    """A fresh process (new engine, new random-weight draw, Triton kernels loaded anew) gives
+    the same logits bits as this one, over a 600-token prompt."""
+    here = os.path.dirname(__file__)
+    model = engine.config.model
+    out = subprocess.run(
+        [sys.executable, "-c", _RESTART_SCRIPT, here, model],
+        capture_output=True, text=True, check=True, timeout=900,
+    )  # fmt: skip
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    rng = random.Random(11)
+    tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(600)]
+    ours = (
+        reference(engine, tokens)
+        .logits[::37, :4096]
+        .contiguous()
+        .view(torch.int32)
+        .flatten()
+        .tolist()
+    )
+    assert ours == theirs
 
 
 def test_negative_control_fast_mode_breaks_batch_invariance() -> None:

@@ -266,9 +266,10 @@ def test_attention_input_fused_matches_composed_and_is_per_token(
     qkv = randn(t, (hq + 2 * hkv) * d, seed=30)
     qn = randn(d, seed=31) if with_norm else None
     kn = randn(d, seed=32) if with_norm else None
-    ang = torch.arange(64, dtype=torch.float64)[:, None] * (
-        1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    )[None, :]
+    ang = (
+        torch.arange(64, dtype=torch.float64)[:, None]
+        * (1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)))[None, :]
+    )
     cos, sin = ang.cos().float().to(DEV), ang.sin().float().to(DEV)
     pos = torch.tensor([5, 0, 63, 7, 7, 1, 40], dtype=torch.int64, device=DEV)
     slots = torch.tensor([3, 11, 0, 7, -1, 2, 9], dtype=torch.int64, device=DEV)
@@ -302,6 +303,13 @@ def test_log_softmax(ops: GpuDeterministicOps) -> None:
     ref = torch.log_softmax(logits.double(), dim=-1)
     assert float((out.double() - ref).abs().max()) < 1e-4
     assert torch.equal(ops.log_softmax(logits[2:3]), out[2:3])
+    assert torch.equal(ops.log_softmax(logits.flip(0))[3:4], out[2:3])
+    # Negative control: another reduction order (other chunk sizes, torch's own kernel)
+    # changes some bits, so the equalities above can fail.
+    from lockstep.ops.triton.log_softmax import log_softmax as raw
+
+    others = [raw(logits, chunk=c) for c in (256, 1024)] + [torch.log_softmax(logits, -1)]
+    assert any(not torch.equal(o, out) for o in others)
 
 
 # ------------------------------------------------------------------------------- attention

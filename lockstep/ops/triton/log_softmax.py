@@ -1,7 +1,12 @@
-"""Row-wise log-softmax in float32: one row per program, fixed block, fixed order.
+"""Row-wise log-softmax in float32, in two wide passes whose order depends only on V.
 
-Pass 1 keeps per-lane running (max, sum) over the row's blocks in ascending order and reduces
-the lanes at the end; pass 2 writes x - logsumexp. The order depends only on the row length."""
+A row is cut into chunks of CHUNK logits at fixed offsets. Pass 1 (one program per row x
+chunk) reduces its chunk to (max, sum of exp(x - max)). Pass 2 (the same grid) folds the row's
+chunk partials into logsumexp with one fixed-shape reduction, every program of the row the
+same way, and writes its chunk's x - logsumexp. Nothing depends on the number of rows or a
+row's index. Two wide passes replaced one program per row walking the whole row (V = 151,936:
+~110 us for one row, latency-bound, in every decode step; docs/gpu_notes.md).
+"""
 
 from __future__ import annotations
 
@@ -9,37 +14,53 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+CHUNK = 4096
 
 
 @triton.jit
-def _log_softmax_kernel(x, y, V, sx, sy, BLOCK: tl.constexpr):
+def _chunk_partials(x, part_m, part_s, V, sx, C, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        v = tl.load(x + row * sx + start + offs, mask=start + offs < V, other=float("-inf"))
-        v = v.to(tl.float32)
-        m_new = tl.maximum(m, v)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_use) + tl.exp(v - m_use)
-        m = m_new
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(x + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(v, 0)
+    s = tl.sum(tl.exp(v - m), 0)
+    tl.store(part_m + row * C + chunk, m)
+    tl.store(part_s + row * C + chunk, s)
+
+
+@triton.jit
+def _chunk_output(x, y, part_m, part_s, V, sx, sy, C, CHUNK: tl.constexpr,
+                  C_POW2: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cs = tl.arange(0, C_POW2)
+    m = tl.load(part_m + row * C + cs, mask=cs < C, other=float("-inf"))
+    s = tl.load(part_s + row * C + cs, mask=cs < C, other=0.0)
     m_row = tl.max(m, 0)
     lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
-    for start in range(0, V, BLOCK):
-        mask = start + offs < V
-        v = tl.load(x + row * sx + start + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y + row * sy + start + offs, v - lse, mask=mask)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < V
+    v = tl.load(x + row * sx + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * sy + offs, v - lse, mask=mask)
 
 
-def log_softmax(logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """logits [R, V] -> float32 log-probabilities [R, V]."""
+def log_softmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """logits [R, V] -> float32 log-probabilities [R, V]. `chunk` is part of the numerics
+    (tests only)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"log_softmax wants [R, V] rows contiguous; got {tuple(logits.shape)}")
-    y = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    if logits.shape[0]:
-        _log_softmax_kernel[(logits.shape[0],)](
-            logits, y, logits.shape[1], logits.stride(0), y.stride(0), BLOCK=block, num_warps=8
+    r, v = logits.shape
+    y = torch.empty((r, v), dtype=torch.float32, device=logits.device)
+    if r and v:
+        c = triton.cdiv(v, chunk)
+        part_m = torch.empty((r, c), dtype=torch.float32, device=logits.device)
+        part_s = torch.empty_like(part_m)
+        _chunk_partials[(r, c)](
+            logits, part_m, part_s, v, logits.stride(0), c, CHUNK=chunk, num_warps=8
         )
+        _chunk_output[(r, c)](
+            logits, y, part_m, part_s, v, logits.stride(0), y.stride(0), c, CHUNK=chunk,
+            C_POW2=max(16, triton.next_power_of_2(c)), num_warps=8,
+        )  # fmt: skip
     return y
