@@ -48,7 +48,9 @@ def step_weight_bytes(engine: Engine) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def time_phases(engine: Engine, vocab: int, prompt_len: int, params: SamplingParams) -> dict:
+def time_phases(
+    engine: Engine, vocab: int, prompt_len: int, params: SamplingParams, batch: int = 1
+) -> dict:
     """Median microseconds per decode step of each phase of Engine.step, with a device sync
     after every phase so that each is charged its own time (steps run slower this way)."""
     import functools
@@ -75,9 +77,10 @@ def time_phases(engine: Engine, vocab: int, prompt_len: int, params: SamplingPar
     runner.graphs.run = timed("graph fill+replay", runner.graphs.run)
     engine.ops.log_softmax = timed("log_softmax", engine.ops.log_softmax)
     engine._sample = timed("sample+advance", engine._sample)
-    engine.add_request("t", [(3 * i + 2) % vocab for i in range(prompt_len)], params)
-    engine.step()
-    engine.step()
+    for r in range(batch):
+        engine.add_request(f"t{r}", [(3 * i + 2 + r) % vocab for i in range(prompt_len)], params)
+    for _ in range(4):
+        engine.step()
     steps = []
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -98,16 +101,20 @@ def main() -> None:
     ap.add_argument("--mode", default="deterministic")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine's steps")
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
                                  dtype="bfloat16", kv_tokens=8192, max_model_len=4096,
-                                 max_running=1, cuda_graphs=True))  # fmt: skip
+                                 max_running=args.batch, cuda_graphs=True))  # fmt: skip
     vocab = engine.decoder.spec.vocab_size
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
-    engine.add_request("p", [(7 * i + 3) % vocab for i in range(args.prompt_len)], params)
-    engine.step()  # prefill (+ first token)
+    for r in range(args.batch):
+        prompt = [(7 * i + 3 + 11 * r) % vocab for i in range(args.prompt_len)]
+        engine.add_request(f"p{r}", prompt, params)
+    while engine.runner.graphs.num_graphs == 0:  # prefill (+ first tokens)
+        engine.step()
     torch.cuda.synchronize()
     walls = []
     while engine.has_unfinished():
@@ -116,7 +123,7 @@ def main() -> None:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     walls = walls[2:]  # the first decode steps capture the graph
-    phases = time_phases(engine, vocab, args.prompt_len, params)
+    phases = time_phases(engine, vocab, args.prompt_len, params, args.batch)
     print("engine step phases (each synchronized; us per step): "
           + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))  # fmt: skip
     if args.host_profile:  # where the host's time goes in the engine's steps
@@ -133,7 +140,7 @@ def main() -> None:
         prof_host.disable()
         pstats.Stats(prof_host).sort_stats("tottime").print_stats(25)
     graphs = engine.runner.graphs
-    (entry,) = [g for (bb, _), g in graphs._graphs.items() if bb == 1]
+    entry = max(graphs._graphs.items(), key=lambda kv: kv[0][0])[1]  # the full batch's
     replays = []
     for _ in range(30):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
