@@ -256,13 +256,12 @@ def test_attention_input_fused_matches_composed_and_is_per_token(
     """The fused kernel (norm, rope, cache writes) against the composition of the separate
     kernels; each token's outputs equal those of the token computed alone; padding rows
     (slot -1) write nothing."""
-    from lockstep.ops.base import ComposedAttentionInput, HeadLayout
+    from lockstep.ops.base import ComposedAttentionInput
 
     class Composed(ComposedAttentionInput, GpuDeterministicOps):
         pass
 
     hq, hkv, d, t = (8, 2, HD, 7) if GPU else (4, 2, HD, 7)
-    heads = HeadLayout(hq, hkv, d)
     qkv = randn(t, (hq + 2 * hkv) * d, seed=30)
     qn = randn(d, seed=31) if with_norm else None
     kn = randn(d, seed=32) if with_norm else None
@@ -277,7 +276,7 @@ def test_attention_input_fused_matches_composed_and_is_per_token(
     def run(impl, rows):
         kc = torch.zeros(12, hkv, d, dtype=DTYPE, device=DEV)
         vc = torch.zeros_like(kc)
-        q = impl.attention_input(qkv[rows], heads, qn, kn, 1e-6, pos[rows], cos, sin, kc, vc,
+        q = impl.attention_input(qkv[rows], hq, qn, kn, 1e-6, pos[rows], cos, sin, kc, vc,
                                  slots[rows])  # fmt: skip
         return q, kc, vc
 

@@ -7,7 +7,18 @@ from collections import Counter
 
 import torch
 
-from lockstep.engine.sampler import RowSampling, _exp, _log, _uniform, choose_tokens, top_logprobs
+from lockstep.engine.sampler import (
+    RowSampling,
+    _exp,
+    _log,
+    _uniform,
+    choose_token_tensor,
+    top_logprobs,
+)
+
+
+def choose_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
+    return choose_token_tensor(logits, rows).tolist()
 
 
 def _row(**kw) -> RowSampling:

@@ -106,11 +106,6 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...
     )
 
 
-def choose_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
-    """`choose_token_tensor` as a list (one host sync)."""
-    return choose_token_tensor(logits, rows).tolist()
-
-
 def choose_token_tensor(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Pick one token per row of raw float32 logits [R, V], as an int64 tensor on the logits'
     device (no host sync). Greedy rows take the argmax (ties: lowest id); sampled rows take the

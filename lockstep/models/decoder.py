@@ -26,7 +26,7 @@ import torch
 from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.errors import ModelLoadError
 from lockstep.models.spec import ModelSpec, expected_weight_names
-from lockstep.ops.base import AttentionMeta, HeadLayout, Ops, build_attention_meta
+from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
@@ -103,7 +103,6 @@ class Decoder:
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
-        self.heads = HeadLayout(spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
     @classmethod
     def load(
@@ -185,7 +184,7 @@ class Decoder:
             qkv = ops.linear(x, w.qkv, w.qkv_bias)
             k_cache, v_cache = kv.k_cache(i), kv.v_cache(i)
             q = ops.attention_input(
-                qkv, self.heads, w.q_norm, w.k_norm, spec.rms_norm_eps, batch.positions,
+                qkv, spec.num_heads, w.q_norm, w.k_norm, spec.rms_norm_eps, batch.positions,
                 self.rope_cos, self.rope_sin, k_cache, v_cache, batch.out_slots,
             )  # fmt: skip
             o = ops.attention(q, k_cache, v_cache, batch.meta, self.scale)

@@ -92,23 +92,6 @@ def build_attention_meta(
     )
 
 
-@dataclass(frozen=True)
-class HeadLayout:
-    """Head counts of the fused q | k | v projection rows."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
 class Ops(Protocol):
     """One backend of the numeric layer. Activations are float32 on the CPU backends and the
     model dtype (bfloat16 or float32) on the GPU; accumulation is always float32."""
@@ -161,7 +144,7 @@ class Ops(Protocol):
     def attention_input(
         self,
         qkv: torch.Tensor,
-        heads: HeadLayout,
+        num_heads: int,
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
@@ -172,9 +155,10 @@ class Ops(Protocol):
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        """From the fused projection rows qkv [T, (Hq + 2 Hkv) D] (q | k | v): per-head RMSNorm
-        of q and k where the model has one (Qwen3), RoPE at `positions`, k and v written to
-        the caches at `slots`; returns q [T, Hq, D]. Every value is computed per token."""
+        """From the fused projection rows qkv [T, (Hq + 2 Hkv) D] (q | k | v; Hq = num_heads,
+        Hkv and D those of the caches [S, Hkv, D]): per-head RMSNorm of q and k where the model
+        has one (Qwen3), RoPE at `positions`, k and v written to the caches at `slots`;
+        returns q [T, Hq, D]. Every value is computed per token."""
         ...
 
     def attention(
@@ -219,7 +203,7 @@ class ComposedAttentionInput:
     def attention_input(
         self,
         qkv: torch.Tensor,
-        heads: HeadLayout,
+        num_heads: int,
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
@@ -230,14 +214,14 @@ class ComposedAttentionInput:
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        t, d = qkv.shape[0], heads.head_dim
-        q, k, v = qkv.split([heads.q_size, heads.kv_size, heads.kv_size], dim=1)
-        q = q.reshape(t, heads.num_heads, d)
-        k = k.reshape(t, heads.num_kv_heads, d)
-        v = v.reshape(t, heads.num_kv_heads, d)
+        t, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
+        q, k, v = qkv.split([num_heads * d, hkv * d, hkv * d], dim=1)
+        q = q.reshape(t, num_heads, d)
+        k = k.reshape(t, hkv, d)
+        v = v.reshape(t, hkv, d)
         if q_norm is not None and k_norm is not None:
-            q = self.rms_norm(q.reshape(-1, d), q_norm, eps).reshape(t, heads.num_heads, d)
-            k = self.rms_norm(k.reshape(-1, d), k_norm, eps).reshape(t, heads.num_kv_heads, d)
+            q = self.rms_norm(q.reshape(-1, d), q_norm, eps).reshape(t, num_heads, d)
+            k = self.rms_norm(k.reshape(-1, d), k_norm, eps).reshape(t, hkv, d)
         q = self.rope(q, positions, cos, sin)
         k = self.rope(k, positions, cos, sin)
         self.write_kv(k_cache, v_cache, k, v, slots)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta, HeadLayout
+from lockstep.ops.base import AttentionMeta
 
 try:
     from lockstep.ops.triton import activation, kv_write, log_softmax, matmul, norm, rope
@@ -75,7 +75,7 @@ class GpuDeterministicOps:
     def attention_input(
         self,
         qkv: torch.Tensor,
-        heads: HeadLayout,
+        num_heads: int,
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
@@ -87,7 +87,7 @@ class GpuDeterministicOps:
         slots: torch.Tensor,
     ) -> torch.Tensor:
         return _attention_input(
-            qkv, heads, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slots
+            qkv, num_heads, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slots
         )
 
     def attention(

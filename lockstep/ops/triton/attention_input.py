@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.base import HeadLayout
-
 
 @triton.jit
 def _attention_input_kernel(
@@ -65,7 +63,7 @@ def _attention_input_kernel(
 
 def attention_input(
     qkv: torch.Tensor,
-    heads: HeadLayout,
+    num_heads: int,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
@@ -77,16 +75,17 @@ def attention_input(
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """See `lockstep.ops.base.Ops.attention_input`."""
-    hq, hkv, d = heads.num_heads, heads.num_kv_heads, heads.head_dim
-    t = qkv.shape[0]
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be [S, Hkv, D]"
+        )
+    t, hq, (hkv, d) = qkv.shape[0], num_heads, k_cache.shape[1:]
     if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d or qkv.stride(1) != 1:
         raise ValueError(f"attention_input wants qkv [T, {(hq + 2 * hkv) * d}] with rows "
                          f"contiguous; got {tuple(qkv.shape)}")  # fmt: skip
     half = d // 2
     if d % 2 or half & (half - 1):
         raise ValueError(f"head_dim={d} must be twice a power of two")
-    if k_cache.shape[1:] != (hkv, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {tuple(k_cache.shape)} do not hold [S, {hkv}, {d}]")
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or k_cache.dtype != qkv.dtype:
         raise ValueError("caches must be contiguous per head and share qkv's dtype")
     if cos.dtype != torch.float32 or cos.shape != sin.shape or cos.shape[1] != half:

@@ -265,7 +265,8 @@ def _matmul_persistent_kernel(
 _NUM_SMS: dict[int, int] = {}
 # Arrival counters of the split-programs path, one per output tile, all zero between calls
 # (each tile's last program re-arms its own). One buffer per device, never reallocated, so
-# that CUDA graphs captured against it stay valid.
+# that CUDA graphs captured against it stay valid. Shared by every call on the device: two
+# split-program matmuls must not run concurrently on two streams (the engine uses one).
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 MAX_SPLIT_TILES = 1 << 16
 
