@@ -638,3 +638,27 @@ def test_hf_named_chat_templates(tmp_path):
     ]
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
     assert resolve_model(str(folder)).tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def test_engine_runs_without_the_gguf_package():
+    """The GPU image has no gguf: the engine (random presets, HF folders) must import and run
+    without it, and only a GGUF file asks for it. A fresh process with gguf made unimportable."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['gguf'] = None\n"
+        "from lockstep.config import EngineConfig\n"
+        "from lockstep.engine.engine import Engine\n"
+        "from lockstep.engine.sampling_params import SamplingParams\n"
+        "e = Engine(EngineConfig(model='random:tiny', kv_tokens=256))\n"
+        "e.add_request('r', [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))\n"
+        "while e.has_unfinished(): e.step()\n"
+        "import lockstep.models.gguf_loader\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    # Lines 1-7 (the engine, a generation) ran; line 8, importing the GGUF loader, is the first
+    # to need gguf, and it fails: so gguf really was missing (the control).
+    assert out.returncode != 0, "gguf was importable after all: the test proves nothing"
+    assert 'File "<string>", line 8' in out.stderr, out.stderr
+    assert "gguf" in out.stderr.splitlines()[-1]
