@@ -98,7 +98,12 @@ e = Engine(EngineConfig(model=sys.argv[2], device="cuda", dtype="bfloat16", kv_t
                         max_model_len=4096, cuda_graphs=False))
 rng = random.Random(11)
 tokens = [rng.randrange(e.decoder.spec.vocab_size) for _ in range(600)]
-print(json.dumps(reference(e, tokens).logits[::37, :4096].contiguous().view(torch.int32).flatten().tolist()))
+def bits(tokens):
+    logits = reference(e, tokens).logits[::37, :4096].contiguous()
+    return logits.view(torch.int32).flatten().tolist()
+print(json.dumps(bits(tokens)))
+tokens[0] = (tokens[0] + 1) % e.decoder.spec.vocab_size  # the control: another first token
+print(json.dumps(bits(tokens)))
 """
 
 
@@ -111,18 +116,13 @@ def test_restart_in_a_second_process(engine) -> None:
         [sys.executable, "-c", _RESTART_SCRIPT, here, model],
         capture_output=True, text=True, check=True, timeout=900,
     )  # fmt: skip
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    theirs, perturbed = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     rng = random.Random(11)
     tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(600)]
-    ours = (
-        reference(engine, tokens)
-        .logits[::37, :4096]
-        .contiguous()
-        .view(torch.int32)
-        .flatten()
-        .tolist()
-    )
+    logits = reference(engine, tokens).logits[::37, :4096].contiguous()
+    ours = logits.view(torch.int32).flatten().tolist()
     assert ours == theirs
+    assert ours != perturbed, "the comparison did not see a changed input: it is blind"
 
 
 def test_negative_control_fast_mode_breaks_batch_invariance() -> None:

@@ -147,8 +147,9 @@ from lockstep.engine.engine import Engine
 e = Engine(EngineConfig(model="random:tiny", device="cpu", dtype="float32", kv_tokens=512))
 rng = random.Random(5)
 tokens = [rng.randrange(e.decoder.spec.vocab_size) for _ in range(64)]
-ref = reference(e, tokens)
-print(json.dumps(ref.logits.view(torch.int32).flatten().tolist()[:4096]))
+print(json.dumps(reference(e, tokens).logits.view(torch.int32).flatten().tolist()[:4096]))
+tokens[0] = (tokens[0] + 1) % e.decoder.spec.vocab_size  # the control: another first token
+print(json.dumps(reference(e, tokens).logits.view(torch.int32).flatten().tolist()[:4096]))
 """
 
 
@@ -159,11 +160,12 @@ def test_restart_in_a_second_process(tiny: Engine) -> None:
         [sys.executable, "-c", _RESTART_SCRIPT, here],
         capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    theirs, perturbed = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     rng = random.Random(5)
     tokens = [rng.randrange(tiny.decoder.spec.vocab_size) for _ in range(64)]
     ours = reference(tiny, tokens).logits.view(torch.int32).flatten().tolist()[:4096]
     assert ours == theirs
+    assert ours != perturbed, "the comparison did not see a changed input: it is blind"
 
 
 def test_negative_control_fast_mode_breaks_batch_invariance() -> None:

@@ -24,9 +24,9 @@ All graphs share one memory pool; they never run concurrently.
     slot_table [B*C]                     the step's concatenated slot tables, then unused
     logit_rows [B]                       0..B-1 (the graph computes every row's logits)
 
-The int64 inputs are views of one device buffer and the int32 inputs of another, each filled
-from a pinned host copy by ONE asynchronous transfer per step (a step's inputs used to take
-nine small pageable copies, each a host round trip).
+The int64 inputs are views of one device buffer and the int32 inputs of another, filled from
+one pinned staging area shared by all buckets by asynchronous transfers (three per step; a
+step's inputs used to take nine small pageable copies, each a host round trip).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class DecodeGraphRunner:
         )
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._staging = _Staging(self.device)
 
     @property
     def max_batch(self) -> int:
@@ -119,7 +120,7 @@ class DecodeGraphRunner:
             entry = self._capture(batch, bb, cb)
             self._graphs[(bb, cb)] = entry
         else:
-            entry.inputs.fill(batch)
+            entry.inputs.fill(batch, self._staging)
             entry.graph.replay()
         rows = batch.logit_rows
         n = rows.shape[0]
@@ -130,7 +131,7 @@ class DecodeGraphRunner:
     def _capture(self, batch: ForwardBatch, bb: int, cb: int) -> _Graph:
         inputs = _StaticInputs(bb, cb, self.device)
         static = inputs.batch
-        inputs.fill(batch)
+        inputs.fill(batch, self._staging)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -145,23 +146,47 @@ class DecodeGraphRunner:
         return _Graph(graph, static, inputs, logits)
 
 
+class _Staging:
+    """Pinned host buffers every bucket stages its inputs in (one pair for the runner, grown
+    to the largest bucket: buckets never run concurrently), and the event that says the last
+    transfer out of them is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"  # (CPU only in unit tests of the layout)
+        self.host64 = torch.empty(0, dtype=torch.int64)
+        self.host32 = torch.empty(0, dtype=torch.int32)
+        self._copied: torch.cuda.Event | None = None
+
+    def buffers(self, n64: int, n32: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host buffers of at least n64 / n32 elements, safe to overwrite."""
+        if self._copied is not None:  # the previous step's transfer must have read them
+            self._copied.synchronize()
+        if self.host64.numel() < n64:
+            self.host64 = torch.empty(n64, dtype=torch.int64, pin_memory=self._cuda)
+        if self.host32.numel() < n32:
+            self.host32 = torch.empty(n32, dtype=torch.int32, pin_memory=self._cuda)
+        return self.host64, self.host32
+
+    def copied(self) -> None:
+        """Mark the transfers just enqueued on the current stream."""
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
 class _StaticInputs:
-    """A bucket's static inputs as views of two device buffers (int64 and int32), and the
-    pinned host buffers they are filled from. Layout (B = bucket, C = context bucket):
-    int64 [token_ids B | positions B | out_slots B | logit_rows = 0..B-1], int32 [q_start B |
-    kv_len B | cu_kv B+1 | cu_q B+1 | slot_table B*C]."""
+    """A bucket's static inputs as views of two device buffers (int64 and int32). Layout
+    (B = bucket, C = context bucket): int64 [token_ids B | positions B | out_slots B |
+    logit_rows = 0..B-1], int32 [q_start B | kv_len B | cu_kv B+1 | cu_q B+1 | slot_table B*C].
+    The constant parts (logit_rows, cu_q) are written once; `fill` transfers the rest."""
 
     def __init__(self, bb: int, cb: int, device: torch.device) -> None:
         self.bb = bb
         i32, i64 = torch.int32, torch.int64
-        self.host64 = torch.zeros(4 * bb, dtype=i64, pin_memory=True)
-        self.host32 = torch.zeros(4 * bb + 2 + bb * cb, dtype=i32, pin_memory=True)
-        self.host64[3 * bb :] = torch.arange(bb, dtype=i64)  # logit_rows, constant
-        self.host32[3 * bb + 1 : 4 * bb + 2] = torch.arange(bb + 1, dtype=i32)  # cu_q, constant
-        self.dev64 = self.host64.to(device)
-        self.dev32 = self.host32.to(device)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self.dev64 = torch.zeros(4 * bb, dtype=i64, device=device)
+        self.dev32 = torch.zeros(4 * bb + 2 + bb * cb, dtype=i32, device=device)
+        self.dev64[3 * bb :] = torch.arange(bb, dtype=i64, device=device)  # logit_rows
+        self.dev32[3 * bb + 1 : 4 * bb + 2] = torch.arange(bb + 1, dtype=i32, device=device)
         d64, d32 = self.dev64, self.dev32
         meta = AttentionMeta(
             cu_q=d32[3 * bb + 1 : 4 * bb + 2],
@@ -180,13 +205,14 @@ class _StaticInputs:
             logit_rows=d64[3 * bb : 4 * bb],
         )
 
-    def fill(self, batch: ForwardBatch) -> None:
-        """Stage `batch` (CPU tensors, b <= B sequences of one query each) and copy it in."""
+    def fill(self, batch: ForwardBatch, staging: _Staging) -> None:
+        """Stage `batch` (CPU tensors, b <= B sequences of one query each) and copy it in:
+        one asynchronous transfer per buffer."""
         bb, meta = self.bb, batch.meta
         b = meta.num_seqs
-        # The previous step's transfer must have read the pinned buffers before they change.
-        self._copied.synchronize()
-        h64, h32 = self.host64, self.host32
+        total = meta.slot_table.shape[0]
+        n32 = 3 * bb + 1 + total  # q_start, kv_len, cu_kv, then the slot table
+        h64, h32 = staging.buffers(3 * bb, n32)
         for i, src in enumerate((batch.token_ids, batch.positions, batch.out_slots)):
             h64[i * bb : i * bb + b] = src
             h64[i * bb + b : (i + 1) * bb] = src[0]  # padding rows repeat row 0
@@ -198,8 +224,9 @@ class _StaticInputs:
         h32[2 * bb : 2 * bb + b] = meta.cu_kv[:b]
         h32[2 * bb + b : 3 * bb] = meta.cu_kv[0]
         h32[3 * bb] = meta.cu_kv[b]
-        total = meta.slot_table.shape[0]
-        h32[4 * bb + 2 : 4 * bb + 2 + total] = meta.slot_table
-        self.dev64[: 3 * bb].copy_(self.host64[: 3 * bb], non_blocking=True)
-        self.dev32[: 4 * bb + 2 + total].copy_(self.host32[: 4 * bb + 2 + total], non_blocking=True)
-        self._copied.record()
+        h32[3 * bb + 1 : n32] = meta.slot_table
+        self.dev64[: 3 * bb].copy_(h64[: 3 * bb], non_blocking=True)
+        self.dev32[: 3 * bb + 1].copy_(h32[: 3 * bb + 1], non_blocking=True)
+        slot_start = 4 * bb + 2  # past the constant cu_q
+        self.dev32[slot_start : slot_start + total].copy_(h32[3 * bb + 1 : n32], non_blocking=True)
+        staging.copied()

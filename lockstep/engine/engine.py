@@ -211,8 +211,9 @@ class Engine:
     def _sample(
         self, sampling: list[tuple[Request, int]], logits: torch.Tensor, logprobs: torch.Tensor
     ) -> list[StepOutput]:
-        """Choose the next token of every sampling row at once (one host sync for the step),
-        then update each request and build its output."""
+        """Choose the next token of every sampling row at once, bring tokens and logprobs back
+        in one transfer (greedy decode steps: the step's only host sync), then update each
+        request and build its output."""
         choices = [
             RowSampling(
                 temperature=r.params.temperature, top_k=r.params.top_k, top_p=r.params.top_p,

@@ -108,7 +108,9 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...
 
 def choose_token_tensor(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Pick one token per row of raw float32 logits [R, V], as an int64 tensor on the logits'
-    device (no host sync). Greedy rows take the argmax (ties: lowest id); sampled rows take the
+    device. Greedy rows need no host round trip; sampled rows copy their parameters (seeds,
+    positions, temperatures) from the host, and top-p filtering reads a cutoff back. Greedy
+    rows take the argmax (ties: lowest id); sampled rows take the
     argmax of tempered scores plus counter-based Gumbel noise over the tokens their filters
     keep. Work is batched across rows, but every operation is elementwise or a per-row
     reduction, so a row's token never depends on the other rows."""

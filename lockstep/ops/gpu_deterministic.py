@@ -38,7 +38,9 @@ class GpuDeterministicOps:
         self.attention_config = attention_config or DEFAULT_CONFIG
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        # [N, K] with K contiguous is the layout both matmul kernels read.
+        # [N, K] with K contiguous is the layout the matmul kernels read. The split-K arrival
+        # counters of the weight's device are allocated now, outside any CUDA-graph capture.
+        matmul.reserve_counters(weight.device)
         return weight.contiguous()
 
     def linear(

@@ -86,10 +86,24 @@ def attention_input(
     half = d // 2
     if d % 2 or half & (half - 1):
         raise ValueError(f"head_dim={d} must be twice a power of two")
-    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or k_cache.dtype != qkv.dtype:
-        raise ValueError("caches must be contiguous per head and share qkv's dtype")
-    if cos.dtype != torch.float32 or cos.shape != sin.shape or cos.shape[1] != half:
-        raise ValueError(f"rope tables {tuple(cos.shape)} must be float32 [P, {half}]")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("caches must be contiguous along head_dim")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"caches {k_cache.dtype}/{v_cache.dtype} must share qkv's {qkv.dtype}")
+    if (
+        cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or cos.shape != sin.shape
+        or cos.dim() != 2
+        or cos.shape[1] != half
+        or cos.stride() != sin.stride()
+        or cos.stride(1) != 1
+    ):
+        raise ValueError(f"rope tables {tuple(cos.shape)}/{tuple(sin.shape)} must be float32 "
+                         f"[P, {half}], alike and contiguous per row")  # fmt: skip
+    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if norm is not None and norm.shape != (d,):
+            raise ValueError(f"{name} {tuple(norm.shape)} != ({d},)")
     if positions.shape != (t,) or slots.shape != (t,):
         raise ValueError(f"positions {tuple(positions.shape)} / slots {tuple(slots.shape)} "
                          f"!= ({t},)")  # fmt: skip

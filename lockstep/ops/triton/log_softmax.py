@@ -24,7 +24,9 @@ def _chunk_partials(x, part_m, part_s, V, sx, C, CHUNK: tl.constexpr):
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(x + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     m = tl.max(v, 0)
-    s = tl.sum(tl.exp(v - m), 0)
+    # A chunk of only -inf (masked logits) has m = -inf: exp(v - 0) keeps its sum 0, not NaN.
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(v - m_use), 0)
     tl.store(part_m + row * C + chunk, m)
     tl.store(part_s + row * C + chunk, s)
 

@@ -278,9 +278,17 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def reserve_counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, allocated (zeroed) on first use. Call it outside any
+    CUDA-graph capture before the first split-programs matmul (GpuDeterministicOps does, when
+    it prepares weights): inside a capture the zero fill would only be recorded."""
     key = (device.type, device.index)
     if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "matmul arrival counters first needed inside a CUDA-graph capture: call "
+                "lockstep.ops.triton.matmul.reserve_counters(device) before capturing"
+            )
         _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return _COUNTERS[key]
 
@@ -307,13 +315,17 @@ def matmul(
         raise ValueError(f"bias shape {tuple(bias.shape)} != ({w.shape[0]},)")
     m, k = x.shape
     n = w.shape[0]
+    if k == 0:
+        raise ValueError("matmul over an empty K axis")
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
     cfg = config or pick_config(m, n, k)
     if SPLIT_ALIGN % cfg.bk:
         raise ValueError(f"BK {cfg.bk} must divide SPLIT_ALIGN {SPLIT_ALIGN}")
-    split_len = split_length(k, splits or split_count(k))
+    if cfg.warp_specialize and not cfg.persistent:
+        raise ValueError("warp_specialize is implemented for the persistent kernel only")
+    split_len = split_length(k, split_count(k) if splits is None else splits)
     num_splits = triton.cdiv(k, split_len)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     has_bias = bias is not None
@@ -339,7 +351,7 @@ def matmul(
     split_programs = cfg.split_programs and num_splits > 1 and tiles <= MAX_SPLIT_TILES
     if split_programs:
         ws = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        counters = reserve_counters(x.device)
     else:
         ws = counters = y  # unused
     _matmul_kernel[(tiles * (num_splits if split_programs else 1),)](
