@@ -133,8 +133,12 @@ class Scheduler:
         requests other than `keep` that are not part of this step's plan yet."""
         if self.pool.num_free < n:
             self.radix.evict(n - self.pool.num_free)
+        if self.pool.num_free >= n or not may_preempt:
+            return self.pool.num_free >= n
+        # Only when preempting: a set of the plan so far (building it for every request made
+        # each step quadratic in the batch).
         planned_ids = {id(c.request) for c in planned}
-        while self.pool.num_free < n and may_preempt:
+        while self.pool.num_free < n:
             victims = [r for r in self.running if r is not keep and id(r) not in planned_ids]
             if not victims:
                 return False
