@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from lockstep.engine.outputs import TokenLogprob
@@ -26,12 +27,12 @@ from lockstep.engine.sampling_params import SamplingParams
 
 class SlotTable:
     """A request's KV slots by position: a list (what the radix cache and the pool take) and
-    an int32 tensor mirror grown in place (what attention metadata takes), so a decode step
+    an int32 array mirror grown in place (what attention metadata takes), so a decode step
     costs O(new slots) on the host instead of O(context)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self._mirror = torch.empty(0, dtype=torch.int32)
+        self._mirror = np.empty(0, dtype=np.int32)
         self._synced = 0  # mirror[:_synced] equals ids[:_synced]
 
     def __len__(self) -> int:
@@ -45,7 +46,7 @@ class SlotTable:
         self.ids[: len(slots)] = slots
         k = min(len(slots), self._synced)
         if k:
-            self._mirror[:k] = torch.tensor(slots[:k], dtype=torch.int32)
+            self._mirror[:k] = slots[:k]
 
     def clear(self) -> None:
         self.ids = []
@@ -54,15 +55,13 @@ class SlotTable:
     def tensor(self, n: int) -> torch.Tensor:
         """ids[:n] as an int32 tensor (a view of the mirror: read it before the next change)."""
         if self._synced < n:
-            if self._mirror.numel() < n:
-                grown = torch.empty(max(n, 2 * self._mirror.numel(), 64), dtype=torch.int32)
+            if self._mirror.size < n:
+                grown = np.empty(max(n, 2 * self._mirror.size, 64), dtype=np.int32)
                 grown[: self._synced] = self._mirror[: self._synced]
                 self._mirror = grown
-            self._mirror[self._synced : n] = torch.tensor(
-                self.ids[self._synced : n], dtype=torch.int32
-            )
+            self._mirror[self._synced : n] = self.ids[self._synced : n]
             self._synced = n
-        return self._mirror[:n]
+        return torch.from_numpy(self._mirror[:n])
 
 
 class Status(enum.Enum):
