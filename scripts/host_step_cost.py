@@ -22,12 +22,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--prompt-len", type=int, default=128)
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model="random:tiny", kv_tokens=131072, max_running=args.batch))
+    engine = Engine(EngineConfig(model="random:tiny", kv_tokens=args.batch * (args.prompt_len + 400),
+                                 max_running=args.batch, max_model_len=args.prompt_len + 4000))  # fmt: skip
     params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     for r in range(args.batch):
-        engine.add_request(f"r{r}", [(i + r) % 500 for i in range(128)], params)
-    for _ in range(3):  # prefill
+        engine.add_request(f"r{r}", [(i + r) % 500 for i in range(args.prompt_len)], params)
+    while any(not r.output_ids for r in engine.requests.values()):  # prefill
         engine.step()
     cached: dict[int, torch.Tensor] = {}
 
@@ -46,7 +48,7 @@ def main() -> None:
         engine.step()
         times.append(time.perf_counter() - t0)
     median = statistics.median(times) * 1e6
-    print(f"batch {args.batch}: host work {median:.1f} us per step, "
+    print(f"batch {args.batch}, prompt {args.prompt_len}: host work {median:.1f} us per step, "
           f"{median / args.batch:.1f} us per request")  # fmt: skip
 
 
