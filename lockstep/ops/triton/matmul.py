@@ -7,7 +7,7 @@ The numerics (what every output element computes, for every M):
     blocks accumulates from zero; the split sums are then folded in ascending order starting
     from zero: y = ((0 + p0) + p1) + ... (+ bias), rounded once to the output dtype.
 
-How the work is laid out is a speed choice picked per M bucket from `TILE_TABLE` (never
+How the work is laid out is a speed choice picked per (M, N, K) bucket from `TILE_TABLE` (never
 autotuned at run time) and never changes a bit: the tile shape (BM, BN, BK, the MMA flavour:
 mma.sync at BM 16/32, wgmma at BM >= 64; on an H200 with Triton 3.6 none of these changed a
 row's bits, which tests/test_ops_triton.py re-checks), and where the splits run: all in one
