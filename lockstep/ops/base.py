@@ -24,7 +24,7 @@ consecutive absolute positions):
                  key j lives in cache slot  slot_table[cu_kv[b] + j]
 
     query row at position p sees keys 0..p (causal), including its own key, which the
-    decoder writes to the cache (write_kv) before calling attention.
+    decoder writes to the cache (attention_input) before calling attention.
 """
 
 from __future__ import annotations
@@ -123,24 +123,6 @@ class Ops(Protocol):
         """gate_up [M, 2I] (gate first) -> silu(gate) * up, [M, I]."""
         ...
 
-    def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """Neox-style rotary embedding (rotate_half). x [T, H, D]; cos/sin tables
-        [max_position, D/2] float32, indexed by absolute position; returns x's dtype."""
-        ...
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        """Copy k, v [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T] (exact copy)."""
-        ...
-
     def attention_input(
         self,
         qkv: torch.Tensor,
@@ -180,8 +162,8 @@ class Ops(Protocol):
 
 
 class IndexCopyKVWrite:
-    """`Ops.write_kv` as an exact torch copy (index_copy_), for the backends that need no
-    kernel of their own for it."""
+    """`write_kv` (for `ComposedAttentionInput`) as an exact torch copy (index_copy_): k, v
+    [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T]."""
 
     def write_kv(
         self,
@@ -197,8 +179,12 @@ class IndexCopyKVWrite:
 
 
 class ComposedAttentionInput:
-    """`Ops.attention_input` composed from the backend's own rms_norm, rope and write_kv (the
-    GPU deterministic backend fuses it into one kernel instead)."""
+    """`Ops.attention_input` composed from the backend's own `rms_norm` and two more ops it
+    must have: `rope(x [T, H, D], positions [T], cos, sin)`, neox-style rotary embedding
+    (rotate_half) from float32 tables [max_position, D/2] indexed by absolute position, in x's
+    dtype; and `write_kv(k_cache, v_cache, k, v, slots)`, an exact copy of k, v [T, Hkv, D]
+    into the caches [S, Hkv, D] at rows `slots` [T]. (The GPU deterministic backend fuses all
+    of it into one kernel and has neither.)"""
 
     def attention_input(
         self,

@@ -14,7 +14,7 @@ import torch
 from lockstep.ops.base import AttentionMeta
 
 try:
-    from lockstep.ops.triton import activation, kv_write, log_softmax, matmul, norm, rope
+    from lockstep.ops.triton import activation, log_softmax, matmul, norm
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
 
@@ -59,21 +59,6 @@ class GpuDeterministicOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_mul(gate_up)
 
-    def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        return rope.rope(x, positions, cos, sin)
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        kv_write.write_kv(k_cache, v_cache, k, v, slots)
-
     def attention_input(
         self,
         qkv: torch.Tensor,
@@ -88,6 +73,7 @@ class GpuDeterministicOps:
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
+        """One fused kernel: q/k head norms, RoPE and the K/V cache writes."""
         return _attention_input(
             qkv, num_heads, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slots
         )

@@ -2,10 +2,11 @@
 q and k (Qwen3), RoPE, q to its own tensor, k and v into the paged caches.
 
 One program per (token, head), so every value depends on its own token's row only. The steps
-are those of the separate kernels (norm.py, rope.py, kv_write.py), with the normed head
-rounded to the activation dtype before RoPE as there; the per-head sum of squares is reduced
-here as two half-head sums (fixed by head_dim alone). Replacing five launches per layer with
-one matters for small decode steps (docs/gpu.md, batch-1 decode profile).
+are those of the composed path (`lockstep.ops.base.ComposedAttentionInput`): head RMSNorm,
+rounded to the activation dtype, then RoPE `x1*c - x2*s`, `x2*c + x1*s` from float32 tables,
+then exact copies into the caches; the per-head sum of squares is reduced as two half-head
+sums (fixed by head_dim alone). It replaced five launches per layer (two head norms, two
+RoPEs, one cache write), which mattered for small decode steps (docs/gpu.md).
 """
 
 from __future__ import annotations
