@@ -18,22 +18,10 @@ import time
 
 import torch
 
+from lockstep.bench.gpu_kernels import copy_bandwidth
 from lockstep.config import EngineConfig
 from lockstep.engine.engine import Engine
 from lockstep.engine.sampling_params import SamplingParams
-
-
-def copy_tb_s() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (time.perf_counter() - t0) / 1e12
 
 
 def step_weight_bytes(engine: Engine) -> int:
@@ -150,15 +138,15 @@ def main() -> None:
         torch.cuda.synchronize()
         replays.append(s.elapsed_time(e))
     param_bytes = step_weight_bytes(engine)
-    bw = copy_tb_s()
+    bw = copy_bandwidth()
     floor_ms = param_bytes / (bw * 1e12) * 1e3
     # One eager forward of the same static batch, profiled per kernel.
     from torch.profiler import ProfilerActivity, profile
 
-    engine.decoder.forward(entry.batch, engine.runner.kv)
+    engine.decoder.forward(entry.inputs.batch, engine.runner.kv)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.decoder.forward(entry.batch, engine.runner.kv)
+        engine.decoder.forward(entry.inputs.batch, engine.runner.kv)
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():

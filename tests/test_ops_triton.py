@@ -185,7 +185,7 @@ def test_matmul_split_k_rows_identical_for_every_m_and_layout(splits: int) -> No
         for m in SPLIT_MS:
             got = mm.matmul(x[:m], w, bias, config=cfg, out_dtype=torch.float32, splits=splits)
             assert torch.equal(got, full[:m]), (cfg, m)
-        # A CUDA-graph-style second call finds the arrival counters re-armed.
+        # A second call finds the arrival counters re-armed (graph replays rely on it too).
         again = mm.matmul(x[:7], w, bias, config=cfg, out_dtype=torch.float32, splits=splits)
         assert torch.equal(again, full[:7]), cfg
 

@@ -47,8 +47,7 @@ DEFAULT_CONTEXT_BUCKETS = (2048, 8192, 32768, 131072)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch  # static inputs: views of `inputs`
-    inputs: _StaticInputs
+    inputs: _StaticInputs  # the static inputs (`inputs.batch`)
     logits: torch.Tensor  # static output [B, vocab]
 
 
@@ -125,7 +124,7 @@ class DecodeGraphRunner:
         rows = batch.logit_rows
         n = rows.shape[0]
         if torch.equal(rows, torch.arange(n, dtype=rows.dtype)):  # every decode step
-            return entry.logits.index_select(0, entry.batch.logit_rows[:n])
+            return entry.logits.index_select(0, entry.inputs.batch.logit_rows[:n])
         return entry.logits.index_select(0, rows.to(self.device, non_blocking=True))
 
     def _capture(self, batch: ForwardBatch, bb: int, cb: int) -> _Graph:
@@ -143,7 +142,7 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.decoder.forward(static, self.kv)
         graph.replay()
-        return _Graph(graph, static, inputs, logits)
+        return _Graph(graph, inputs, logits)
 
 
 class _Staging:
@@ -155,11 +154,12 @@ class _Staging:
         self._cuda = device.type == "cuda"  # (CPU only in unit tests of the layout)
         self.host64 = torch.empty(0, dtype=torch.int64)
         self.host32 = torch.empty(0, dtype=torch.int32)
-        self._copied: torch.cuda.Event | None = None
+        self._copied = torch.cuda.Event() if self._cuda else None
+        self._pending = False  # a transfer out of the buffers may still be running
 
     def buffers(self, n64: int, n32: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host buffers of at least n64 / n32 elements, safe to overwrite."""
-        if self._copied is not None:  # the previous step's transfer must have read them
+        if self._pending:  # the previous step's transfer must have read them
             self._copied.synchronize()
         if self.host64.numel() < n64:
             self.host64 = torch.empty(n64, dtype=torch.int64, pin_memory=self._cuda)
@@ -169,9 +169,9 @@ class _Staging:
 
     def copied(self) -> None:
         """Mark the transfers just enqueued on the current stream."""
-        if self._cuda:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
+            self._pending = True
 
 
 class _StaticInputs:
