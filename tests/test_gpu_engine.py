@@ -138,15 +138,20 @@ def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
     assert failures > 0
 
 
-def test_cuda_graph_decode_equals_eager() -> None:
+def test_cuda_graph_decode_equals_eager(monkeypatch) -> None:
     """Whole generations through the engine, decode steps replayed from CUDA graphs (batch
-    padding included) versus eager: the same tokens and logprobs, bit for bit."""
+    padding included) with programmatic dependent launch versus eager without it: the same
+    tokens and logprobs, bit for bit."""
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
     from lockstep.engine.sampling_params import SamplingParams
+    from lockstep.ops.triton import launch
 
     results = []
-    for graphs in (True, False):
+    for graphs, pdl in ((True, "1"), (False, "0")):
+        monkeypatch.setenv("LOCKSTEP_PDL", pdl)
+        launch._ENABLED.clear()
+        assert launch.pdl_enabled(torch.device("cuda")) == (pdl == "1")
         engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda",
                                      dtype="bfloat16", kv_tokens=16384, max_model_len=4096,
                                      max_running=16, cuda_graphs=graphs))  # fmt: skip
@@ -167,4 +172,5 @@ def test_cuda_graph_decode_equals_eager() -> None:
             assert engine.runner.graphs.num_graphs > 0
         del engine
         torch.cuda.empty_cache()
+    launch._ENABLED.clear()
     assert results[0] == results[1]

@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 
 @triton.jit
-def _silu_mul_kernel(gu, y, inter, sg, sy, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu, y, inter, sg, sy, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -28,6 +31,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if m:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(m, triton.cdiv(inter, block))](
-            gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block, num_warps=4
+            gate_up,
+            y,
+            inter,
+            gate_up.stride(0),
+            y.stride(0),
+            BLOCK=block,
+            num_warps=4,
+            **pdl_launch(gate_up.device),
         )
     return y

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops.base import AttentionMeta
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -207,10 +208,12 @@ def _attn_fwd(
     SPLIT: tl.constexpr,
     D: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
     in-kernel. Split path (WRITE_PARTIALS=1): one program per (tile, seq*kv head, split of this
     wave), partials to the workspace for `_attn_merge`."""
+    wait_for_inputs(PDL)
     n_tiles = tl.num_programs(0)
     # Longest tiles (latest positions) first: better balance for causal prefill.
     tile = n_tiles - 1 - tl.program_id(0)
@@ -275,9 +278,11 @@ def _attn_merge(
     D: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Fold this wave's split partials, ascending, into each row's running state; the last
     wave writes the output. Same tiles as `_attn_fwd`, so the same partials exist."""
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
@@ -329,8 +334,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError("attention wants the head_dim axis contiguous")
 
 
-def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool) -> dict:
-    opts = {"num_warps": num_warps, "num_stages": num_stages}
+def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device)}
     if os.environ.get("TRITON_INTERPRET") != "1":
         opts["enable_fp_fusion"] = fp_fusion
     return opts
@@ -365,6 +370,7 @@ def paged_attention(
     rows = config.rows if path == "prefill" else config.rows_split
     n_tiles = triton.cdiv(meta.max_q * g, rows)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
+    fusion = config.fp_fusion
     strides = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
@@ -373,7 +379,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, **_launch_opts(config.num_warps, config.num_stages, config.fp_fusion),
+            WRITE_PARTIALS=0, **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq
@@ -391,16 +397,18 @@ def paged_attention(
         st_l = torch.empty((r,), dtype=f32, device=q.device)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
+    split_opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion, q.device)
+    merge_opts = _launch_opts(4, 1, fusion, q.device)
     for i in range(n_waves):
         base = i * wave
         _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, **_launch_opts(config.num_warps_split, config.num_stages_split, config.fp_fusion),
+            WRITE_PARTIALS=1, **split_opts,
         )  # fmt: skip
         _attn_merge[(n_tiles, b * hkv)](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
             out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=rows, SPLIT=config.split, D=d,
-            FIRST=i == 0, LAST=i == n_waves - 1, **_launch_opts(4, 1, config.fp_fusion),
+            FIRST=i == 0, LAST=i == n_waves - 1, **merge_opts,
         )  # fmt: skip
     return out

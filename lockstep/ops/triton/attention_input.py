@@ -15,13 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 
 @triton.jit
 def _attention_input_kernel(
     qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, q_norm, k_norm,
     sqkv, sqt, sqh, skc, skh, svc, svh, sc, eps, HQ, HKV,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads 0..HQ-1, then k heads, then v heads
     dd = tl.arange(0, HALF)
@@ -116,6 +119,6 @@ def attention_input(
             q_norm if has_norm else qkv, k_norm if has_norm else qkv,
             qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), cos.stride(0), float(eps), hq, hkv,
-            HALF=half, HAS_NORM=has_norm, num_warps=1,
+            HALF=half, HAS_NORM=has_norm, num_warps=1, **pdl_launch(qkv.device),
         )  # fmt: skip
     return q

@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 CHUNK = 4096
 
 
 @triton.jit
-def _chunk_partials(x, part_m, part_s, V, sx, C, CHUNK: tl.constexpr):
+def _chunk_partials(x, part_m, part_s, V, sx, C, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -33,7 +36,8 @@ def _chunk_partials(x, part_m, part_s, V, sx, C, CHUNK: tl.constexpr):
 
 @triton.jit
 def _chunk_output(x, y, part_m, part_s, V, sx, sy, C, CHUNK: tl.constexpr,
-                  C_POW2: tl.constexpr):  # fmt: skip
+                  C_POW2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cs = tl.arange(0, C_POW2)
@@ -59,10 +63,18 @@ def log_softmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
         part_m = torch.empty((r, c), dtype=torch.float32, device=logits.device)
         part_s = torch.empty_like(part_m)
         _chunk_partials[(r, c)](
-            logits, part_m, part_s, v, logits.stride(0), c, CHUNK=chunk, num_warps=8
+            logits,
+            part_m,
+            part_s,
+            v,
+            logits.stride(0),
+            c,
+            CHUNK=chunk,
+            num_warps=8,
+            **pdl_launch(logits.device),
         )
         _chunk_output[(r, c)](
             logits, y, part_m, part_s, v, logits.stride(0), y.stride(0), c, CHUNK=chunk,
-            C_POW2=max(16, triton.next_power_of_2(c)), num_warps=8,
+            C_POW2=max(16, triton.next_power_of_2(c)), num_warps=8, **pdl_launch(logits.device),
         )  # fmt: skip
     return y

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 
 @dataclass(frozen=True)
 class MatmulConfig:
@@ -207,8 +209,9 @@ def _matmul_kernel(
     x, w, bias, y, ws, counters, M, N, K, SPLIT_LEN, NUM_SPLITS, sxm, swn, sym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     if SPLIT_PROGRAMS:
         tile = pid // NUM_SPLITS
@@ -233,11 +236,12 @@ def _matmul_kernel(
 def _matmul_persistent_kernel(
     x_desc, w_desc, y_desc, bias, M, N, K, SPLIT_LEN, NUM_SPLITS, NUM_SMS,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p computes tiles p, p + NUM_SMS, ...; one flattened loop walks (tile, split)
     units, a tile's splits consecutively, folding each split sum into the tile's total in the
     same order as `_matmul_kernel`, so the bits are the same."""
+    wait_for_inputs(PDL)
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     my_tiles = tl.cdiv(num_tiles - tl.program_id(0), NUM_SMS)
     total = tl.zeros([BM, BN], tl.float32)
@@ -330,7 +334,7 @@ def matmul(
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     has_bias = bias is not None
     b = bias if has_bias else y
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(x.device)}
     tma = cfg.tma and not _interpreting() and x.dtype != torch.float32
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -7,12 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
     x, res, w, y, res_out, H, sx, sr, sy, so, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -49,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
             x, x, weight, y, y, x.shape[1], x.stride(0), 0, y.stride(0), 0, float(eps),
-            HAS_RES=False, BLOCK=block, num_warps=_warps(block),
+            HAS_RES=False, BLOCK=block, num_warps=_warps(block), **pdl_launch(x.device),
         )  # fmt: skip
     return y
 
@@ -69,6 +72,6 @@ def add_rms_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, y, res_out, x.shape[1], x.stride(0), residual.stride(0),
             y.stride(0), res_out.stride(0), float(eps), HAS_RES=True, BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=_warps(block), **pdl_launch(x.device),
         )  # fmt: skip
     return y, res_out

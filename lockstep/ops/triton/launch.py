@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL): let a kernel's launch and prologue overlap the tail of
+the kernel before it, which a batch-1 decode step (~360 short kernels) pays on every kernel.
+
+With PDL (Hopper and later), a kernel launched with `launch_pdl=True` may start as soon as
+every program of the kernel before it has signalled `griddepcontrol.launch_dependents`, instead
+of when that kernel has finished. Correctness then rests on one rule, kept by construction:
+every kernel launched this way calls `wait_for_inputs(PDL)` as its FIRST statement, which
+executes `griddepcontrol.wait` (block until the previous grid has completed and its memory is
+visible) and only then lets the next kernel launch. Nothing is read or written before the
+wait, so no read-after-write or write-after-read hazard can cross a kernel boundary; and since
+each kernel signals only after its own wait, the chain stays ordered transitively. Kernels of
+other libraries (torch) never signal early, so a PDL kernel after one of them simply waits for
+it to finish, as without PDL.
+
+PDL changes when a kernel starts, never what it computes: the bits are the same with it on or
+off (tests/test_gpu_engine.py compares), and `LOCKSTEP_PDL=0` switches it off (benchmarks).
+The Triton interpreter and GPUs before Hopper run without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_ENABLED: dict[int, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on this device are launched with PDL (cached per device)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _ENABLED:
+        major, _ = torch.cuda.get_device_capability(idx)
+        _ENABLED[idx] = major >= 9 and os.environ.get("LOCKSTEP_PDL", "1") != "0"
+    return _ENABLED[idx]
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Keyword arguments every kernel launch of this package passes: the kernel's `PDL`
+    constexpr and, when on, Triton's `launch_pdl` option. The two always agree, so a kernel
+    never starts early without the wait at its top."""
+    if pdl_enabled(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """First statement of every kernel: wait for the previous kernel (its writes visible),
+    then allow the next one to launch. A no-op when PDL is off."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
