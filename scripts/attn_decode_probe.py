@@ -1,12 +1,17 @@
 """Probe why small decode attention (batch 1) runs far above its floor: time the split path
-(production config, a few stage counts) over contexts of 1 to 64 key blocks; the slope is the
-cost of one key block walked by one program.
+(production config and variants) over contexts of 1 to 512 key blocks; the slope is the cost of
+one key block walked by one program.
 
-    python scripts/attn_decode_probe.py
+    python scripts/attn_decode_probe.py [--variants s5=num_stages_split:5 ...] [--batches 1,8]
+
+A variant is NAME=field:value[,field:value] over AttentionConfig's fields; the production
+config is always timed first. Variants that change block_n or split change the bits (timing
+only).
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from functools import partial
 
@@ -17,18 +22,27 @@ from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, _, fields = text.partition("=")
+    return name, {k: int(v) for k, v in (f.split(":") for f in fields.split(","))}
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", nargs="*", default=[])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="64,512,1024,4096,32768")
+    args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(32 * 32768 + 64, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn_like(kc)
-    configs = {
-        "r16w1": DEFAULT_CONFIG,
-        "r64w4": replace(DEFAULT_CONFIG, rows_split=64, num_warps_split=4),
-        "r64w4s4": replace(DEFAULT_CONFIG, rows_split=64, num_warps_split=4, num_stages_split=4),
-        "r128w8": replace(DEFAULT_CONFIG, rows_split=128, num_warps_split=8),
-    }
-    for batch in (1, 8, 32):
-        for ctx in (64, 512, 1024, 4096, 32768):
+    configs = {"prod": DEFAULT_CONFIG}
+    for text in args.variants:
+        name, fields = parse_variant(text)
+        configs[name] = replace(DEFAULT_CONFIG, **fields)
+    print("configs:", {k: v for k, v in configs.items()}, flush=True)
+    for batch in map(int, args.batches.split(",")):
+        for ctx in map(int, args.contexts.split(",")):
             slots = paged_slots([ctx] * batch, seed=ctx)
             meta = build_attention_meta([1] * batch, [ctx - 1] * batch, slots).to("cuda")
             q = torch.randn(batch, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)

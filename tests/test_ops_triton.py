@@ -484,6 +484,30 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
     assert torch.equal(pool.run(SEQ - 5, 5, cfg=tiny, path="split"), full[SEQ - 5 :])
 
 
+def test_attention_many_splits_merge_in_order(pool: Pool) -> None:
+    """Splits of one key block: more partials per row than the merge keeps in flight (4), so
+    the merge's load pipeline wraps; the split path still equals the prefill path's in-kernel
+    merge (this config's own bits)."""
+    many = AttentionConfig(**{**ATTN_CFG.__dict__, "split": ATTN_CFG.block_n})
+    rows = pool.run(0, SEQ, cfg=many, path="prefill")
+    for n in (1, 3):
+        assert torch.equal(pool.run(SEQ - n, n, cfg=many, path="split"), rows[SEQ - n :]), n
+    assert not torch.equal(rows, pool.run(0, SEQ, path="prefill")), "split size not visible"
+
+
+def test_attention_64_bit_gather_offsets_give_the_same_bits(
+    pool: Pool, full: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caches of 2**31+ elements gather with 64-bit offsets (a flag the wrapper sets from the
+    cache's span; forced here, a cache that large does not fit a test): same bits, both paths."""
+    from lockstep.ops.triton import attention
+
+    assert not attention.needs_wide_offsets(pool.k)
+    monkeypatch.setattr(attention, "needs_wide_offsets", lambda cache: True)
+    for path in ("prefill", "split"):
+        assert torch.equal(pool.run(SEQ - 3, 3, path=path), full[SEQ - 3 :]), path
+
+
 def test_attention_negative_control_other_key_block_differs(pool: Pool, full: torch.Tensor) -> None:
     other = pool.run(0, SEQ, cfg=OTHER_BLOCK_CFG, path="prefill")
     assert rel_err(other, pool.reference()) < TOL

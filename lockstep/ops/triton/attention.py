@@ -120,21 +120,29 @@ def _tile_rows(cu_q, q_start, b, tile, G: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _block_update(
-    m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, j0, hi,
-    qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
-    row sees entirely, where the causal and bounds masks are all-true: same bits, less work."""
+    row sees entirely, where the causal and bounds masks are all-true: same bits, less work.
+    The K and V caches share one layout, so one gather offset per element serves both (a
+    decode program is one warp, and 64-bit offsets were ~40% of its instructions); they are
+    32-bit unless the cache holds 2**31 elements or more (WIDE)."""
     offs_d = tl.arange(0, D)
     offs_j = j0 + tl.arange(0, BLOCK_N)
     if MASKED:
         jmask = offs_j < hi
-        slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0).to(tl.int64)
-        k = tl.load(k_cache + slots[:, None] * skc + kvh * skh + offs_d[None, :],
-                    mask=jmask[:, None], other=0.0)  # fmt: skip
+        slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0)
+        if WIDE:
+            slots = slots.to(tl.int64)
+        kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
+        k = tl.load(k_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
-        slots = tl.load(slots_ptr + offs_j).to(tl.int64)
-        k = tl.load(k_cache + slots[:, None] * skc + kvh * skh + offs_d[None, :])
+        slots = tl.load(slots_ptr + offs_j)
+        if WIDE:
+            slots = slots.to(tl.int64)
+        kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
+        k = tl.load(k_cache + kv_offs)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
@@ -144,18 +152,17 @@ def _block_update(
     p = tl.exp2(s * qk_scale - m_use[:, None])
     lsum = lsum * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(v_cache + slots[:, None] * svc + kvh * svh + offs_d[None, :],
-                    mask=jmask[:, None], other=0.0)  # fmt: skip
+        v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
-        v = tl.load(v_cache + slots[:, None] * svc + kvh * svh + offs_d[None, :])
+        v = tl.load(v_cache + kv_offs)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, lsum, acc
 
 
 @triton.jit
 def _split_partial(
-    q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, pos_lo, lo, hi, qk_scale,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
     visited in ascending order; those wholly at or before pos_lo (the tile's first position)
@@ -166,13 +173,13 @@ def _split_partial(
     mid = lo + tl.maximum(tl.minimum(pos_lo + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
     for j0 in range(lo, mid, BLOCK_N):
         m, lsum, acc = _block_update(
-            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, j0, hi,
-            qk_scale, False, BLOCK_N, D,
+            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
+            False, BLOCK_N, D, WIDE,
         )  # fmt: skip
     for j0 in range(mid, hi, BLOCK_N):
         m, lsum, acc = _block_update(
-            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, j0, hi,
-            qk_scale, True, BLOCK_N, D,
+            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
+            True, BLOCK_N, D, WIDE,
         )  # fmt: skip
     return m, lsum, acc
 
@@ -196,8 +203,6 @@ def _attn_fwd(
     sqh,
     skc,
     skh,
-    svc,
-    svh,
     sot,
     soh,
     qk_scale,
@@ -208,6 +213,7 @@ def _attn_fwd(
     SPLIT: tl.constexpr,
     D: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
+    WIDE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
@@ -230,8 +236,8 @@ def _attn_fwd(
         split = wave_base + tl.program_id(2)
         lo = split * SPLIT
         m, lsum, acc = _split_partial(
-            qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, pos_lo, lo,
-            tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D,
+            qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
+            tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
         smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
@@ -244,8 +250,8 @@ def _attn_fwd(
         acc_s = tl.zeros([ROWS, D], tl.float32)
         for lo in range(0, hi, SPLIT):
             m, lsum, acc = _split_partial(
-                qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, svc, svh, pos, pos_lo, lo,
-                tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D,
+                qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
+                tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
         o = finalize_rows(l_s, acc_s)
@@ -253,6 +259,19 @@ def _attn_fwd(
         tl.store(
             out + orow[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=valid[:, None]
         )
+
+
+@triton.jit
+def _load_partial(ws_m, ws_l, ws_acc, w, n, R, row, valid, D: tl.constexpr):
+    """Split partial w of these rows from the workspace; rows past the n partials read as
+    the identity (never folded: the caller folds exactly n)."""
+    wrow = w * R + row
+    ok = valid & (row * 0 + w < n)  # broadcast: the interpreter wants a bool tensor
+    m = tl.load(ws_m + wrow, mask=ok, other=float("-inf"))
+    lsum = tl.load(ws_l + wrow, mask=ok, other=0.0)
+    offs_d = tl.arange(0, D)
+    acc = tl.load(ws_acc + wrow[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    return m, lsum, acc
 
 
 @triton.jit
@@ -299,12 +318,19 @@ def _attn_merge(
         l_s = tl.load(st_l + row, mask=valid, other=0.0)
         acc_s = tl.load(st_acc + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     n_here = tl.minimum(wave, tl.cdiv(hi, SPLIT) - wave_base)
+    # The fold is sequential but its loads are not: partial w + 4 is loaded while partial w
+    # is folded (four in flight; Triton does not pipeline a loop without a dot). Only loads
+    # move: the folds are the same operations in the same order.
+    m0, l0, a0 = _load_partial(ws_m, ws_l, ws_acc, 0, n_here, R, row, valid, D)
+    m1, l1, a1 = _load_partial(ws_m, ws_l, ws_acc, 1, n_here, R, row, valid, D)
+    m2, l2, a2 = _load_partial(ws_m, ws_l, ws_acc, 2, n_here, R, row, valid, D)
+    m3, l3, a3 = _load_partial(ws_m, ws_l, ws_acc, 3, n_here, R, row, valid, D)
     for w in range(0, n_here):
-        wrow = w * R + row
-        m = tl.load(ws_m + wrow, mask=valid, other=float("-inf"))
-        lsum = tl.load(ws_l + wrow, mask=valid, other=0.0)
-        acc = tl.load(ws_acc + wrow[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-        m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
+        m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m0, l0, a0)
+        m0, l0, a0 = m1, l1, a1
+        m1, l1, a1 = m2, l2, a2
+        m2, l2, a2 = m3, l3, a3
+        m3, l3, a3 = _load_partial(ws_m, ws_l, ws_acc, w + 4, n_here, R, row, valid, D)
     if LAST:
         o = finalize_rows(l_s, acc_s)
         orow = tok.to(tl.int64) * sot + head.to(tl.int64) * soh
@@ -330,8 +356,17 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[1]}")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+    if q.stride(2) != 1 or k_cache.stride(2) != 1:
         raise ValueError("attention wants the head_dim axis contiguous")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"the K and V caches must share one layout (one gather offset serves "
+                         f"both); strides {k_cache.stride()} vs {v_cache.stride()}")  # fmt: skip
+
+
+def needs_wide_offsets(cache: torch.Tensor) -> bool:
+    """Whether gather offsets into this cache overflow 32 bits (its element span, strides
+    included, reaches 2**31): then the kernels compute them in 64 bits. Same bits either way."""
+    return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride(), strict=True)) >= 2**31
 
 
 def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
@@ -370,16 +405,17 @@ def paged_attention(
     rows = config.rows if path == "prefill" else config.rows_split
     n_tiles = triton.cdiv(meta.max_q * g, rows)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
+    wide = needs_wide_offsets(k_cache)
     fusion = config.fp_fusion
     strides = (
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0),
+        out.stride(1),
     )  # fmt: skip
     if path == "prefill":
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            WRITE_PARTIALS=0, WIDE=wide, **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq
@@ -404,7 +440,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, **split_opts,
+            WRITE_PARTIALS=1, WIDE=wide, **split_opts,
         )  # fmt: skip
         _attn_merge[(n_tiles, b * hkv)](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
