@@ -28,6 +28,8 @@ _HELP = {
     "num_threads": "CPU threads (default: torch's)",
     "random_seed": "seed of random-weight presets",
     "debug_checks": "check KV cache integrity after every step",
+    "overlap_decode": "launch the next decode step before this one's tokens reach the host "
+    "(same outputs; hides host work on a GPU)",
 }
 _CHOICES = {"mode": MODES, "device": DEVICES, "dtype": DTYPES}
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}

@@ -36,6 +36,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads; None: torch's default
     random_seed: int = 0  # weights of random-weight presets
     debug_checks: bool = False  # check cache integrity after every step
+    # Launch the next pure-decode step before the current one's tokens reach the host (see
+    # Engine.step); same outputs, the host's per-step work overlaps the GPU.
+    overlap_decode: bool = False
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)

@@ -92,10 +92,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine's steps")
+    ap.add_argument("--overlap-decode", action="store_true",
+                    help="launch each decode step before the previous one's tokens are read")  # fmt: skip
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
                                  dtype="bfloat16", kv_tokens=8192, max_model_len=4096,
-                                 max_running=args.batch, cuda_graphs=True))  # fmt: skip
+                                 max_running=args.batch, cuda_graphs=True,
+                                 overlap_decode=args.overlap_decode))  # fmt: skip
     vocab = engine.decoder.spec.vocab_size
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     for r in range(args.batch):

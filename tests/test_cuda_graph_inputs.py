@@ -64,3 +64,24 @@ def test_staging_is_shared_and_grows_to_the_largest_bucket() -> None:
     # The small bucket's device inputs are its own: the large fill did not touch them.
     assert small.batch.meta.slot_table[:5].tolist() == [0, 1, 2, 3, 4]
     assert small.batch.token_ids.tolist() == [3]
+
+
+def test_pending_tokens_are_patched_from_the_device_padding_included() -> None:
+    """Overlapped decode: rows whose token is still pending are built with a placeholder and
+    copied from the previous step's token tensor; padding rows repeat row 0, so when row 0's
+    token is pending theirs is patched too (else they would write another token's K/V into
+    row 0's slot)."""
+    cpu = torch.device("cpu")
+    staging = _Staging(cpu)
+    inputs = _StaticInputs(4, 16, cpu)
+    tables = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
+    previous = torch.tensor([70, 71, 72], dtype=torch.int64)  # last step's chosen tokens
+    # Row 0 takes previous[2], row 2 previous[0]; row 1's token is known (12).
+    inputs.fill(_decode_batch([0, 12, 0], [2, 1, 3], tables), staging, ([(0, 2), (2, 0)], previous))
+    assert inputs.batch.token_ids.tolist() == [72, 12, 70, 72]
+    # Control: without the patch the placeholders stay (the test sees the patch).
+    inputs.fill(_decode_batch([0, 12, 0], [2, 1, 3], tables), staging)
+    assert inputs.batch.token_ids.tolist() == [0, 12, 0, 0]
+    # Only row 1 pending: padding keeps row 0's known token.
+    inputs.fill(_decode_batch([5, 0, 6], [2, 1, 3], tables), staging, ([(1, 1)], previous))
+    assert inputs.batch.token_ids.tolist() == [5, 71, 6, 5]

@@ -174,3 +174,27 @@ def test_cuda_graph_decode_equals_eager(monkeypatch) -> None:
         torch.cuda.empty_cache()
     launch._ENABLED.clear()
     assert results[0] == results[1]
+
+
+def test_overlapped_decode_with_graphs_gives_the_plain_outputs() -> None:
+    """`overlap_decode` with CUDA graphs (pending tokens patched into the graph's static
+    inputs from the device, padding rows included) against the plain loop: the workload of
+    tests/test_overlap_decode.py (arrivals, aborts, stops, sampling, logprobs)."""
+    from test_overlap_decode import _drive, _workload, assert_same_outputs
+
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+
+    runs = []
+    for overlap in (False, True):
+        engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda",
+                                     dtype="bfloat16", kv_tokens=16384, max_model_len=4096,
+                                     max_running=8, cuda_graphs=True, overlap_decode=overlap,
+                                     debug_checks=True))  # fmt: skip
+        work = _workload(5, engine.decoder.spec.vocab_size)
+        runs.append((_drive(engine, work), engine.steps_launched_ahead, engine.runner.graphs))
+        del engine
+        torch.cuda.empty_cache()
+    (want, ahead_plain, _), (got, ahead, graphs) = runs
+    assert_same_outputs(got, want, work)
+    assert ahead > 0 and ahead_plain == 0 and graphs.num_graphs > 0

@@ -104,7 +104,12 @@ class DecodeGraphRunner:
             and meta.max_kv <= self.max_context
         )
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(
+        self, batch: ForwardBatch, patch: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Replay the bucket's graph on `batch` (CPU tensors). `patch` = ([(row, index)],
+        tokens): rows whose token is still on the device, copied from tokens[index] after the
+        staged inputs land (padding rows copy row 0's, patched too), without a host wait."""
         if not self.can_run(batch):
             raise ValueError(
                 f"not a graph-sized decode step: {batch.meta.num_seqs} sequences (max "
@@ -116,10 +121,10 @@ class DecodeGraphRunner:
         cb = self.context_buckets[bisect.bisect_left(self.context_buckets, meta.max_kv)]
         entry = self._graphs.get((bb, cb))
         if entry is None:
-            entry = self._capture(batch, bb, cb)
+            entry = self._capture(batch, bb, cb, patch)
             self._graphs[(bb, cb)] = entry
         else:
-            entry.inputs.fill(batch, self._staging)
+            entry.inputs.fill(batch, self._staging, patch)
             entry.graph.replay()
         rows = batch.logit_rows
         n = rows.shape[0]
@@ -127,10 +132,16 @@ class DecodeGraphRunner:
             return entry.logits.index_select(0, entry.inputs.batch.logit_rows[:n])
         return entry.logits.index_select(0, rows.to(self.device, non_blocking=True))
 
-    def _capture(self, batch: ForwardBatch, bb: int, cb: int) -> _Graph:
+    def _capture(
+        self,
+        batch: ForwardBatch,
+        bb: int,
+        cb: int,
+        patch: tuple[list[tuple[int, int]], torch.Tensor] | None,
+    ) -> _Graph:
         inputs = _StaticInputs(bb, cb, self.device)
         static = inputs.batch
-        inputs.fill(batch, self._staging)
+        inputs.fill(batch, self._staging, patch)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -177,15 +188,18 @@ class _Staging:
 class _StaticInputs:
     """A bucket's static inputs as views of two device buffers (int64 and int32). Layout
     (B = bucket, C = context bucket): int64 [token_ids B | positions B | out_slots B |
-    logit_rows = 0..B-1], int32 [q_start B | kv_len B | cu_kv B+1 | cu_q B+1 | slot_table B*C].
-    The constant parts (logit_rows, cu_q) are written once; `fill` transfers the rest."""
+    logit_rows = 0..B-1 | patch rows B | patch indices B], int32 [q_start B | kv_len B |
+    cu_kv B+1 | cu_q B+1 | slot_table B*C]. The constant parts (logit_rows, cu_q) are written
+    once; `fill` transfers the rest."""
 
     def __init__(self, bb: int, cb: int, device: torch.device) -> None:
         self.bb = bb
         i32, i64 = torch.int32, torch.int64
-        self.dev64 = torch.zeros(4 * bb, dtype=i64, device=device)
+        # The patch rows/indices are not graph inputs: they say where a step's pending tokens
+        # (overlapped decode) are copied from, before the replay.
+        self.dev64 = torch.zeros(6 * bb, dtype=i64, device=device)
         self.dev32 = torch.zeros(4 * bb + 2 + bb * cb, dtype=i32, device=device)
-        self.dev64[3 * bb :] = torch.arange(bb, dtype=i64, device=device)  # logit_rows
+        self.dev64[3 * bb : 4 * bb] = torch.arange(bb, dtype=i64, device=device)  # logit_rows
         self.dev32[3 * bb + 1 : 4 * bb + 2] = torch.arange(bb + 1, dtype=i32, device=device)
         d64, d32 = self.dev64, self.dev32
         meta = AttentionMeta(
@@ -205,14 +219,20 @@ class _StaticInputs:
             logit_rows=d64[3 * bb : 4 * bb],
         )
 
-    def fill(self, batch: ForwardBatch, staging: _Staging) -> None:
+    def fill(
+        self,
+        batch: ForwardBatch,
+        staging: _Staging,
+        patch: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
+    ) -> None:
         """Stage `batch` (CPU tensors, b <= B sequences of one query each) and copy it in:
-        one asynchronous transfer per buffer."""
+        one asynchronous transfer per buffer; then copy pending tokens (`patch`) from the
+        device, padding rows included when row 0's token is pending."""
         bb, meta = self.bb, batch.meta
         b = meta.num_seqs
         total = meta.slot_table.shape[0]
         n32 = 3 * bb + 1 + total  # q_start, kv_len, cu_kv, then the slot table
-        h64, h32 = staging.buffers(3 * bb, n32)
+        h64, h32 = staging.buffers(5 * bb, n32)
         for i, src in enumerate((batch.token_ids, batch.positions, batch.out_slots)):
             h64[i * bb : i * bb + b] = src
             h64[i * bb + b : (i + 1) * bb] = src[0]  # padding rows repeat row 0
@@ -225,8 +245,29 @@ class _StaticInputs:
         h32[2 * bb + b : 3 * bb] = meta.cu_kv[0]
         h32[3 * bb] = meta.cu_kv[b]
         h32[3 * bb + 1 : n32] = meta.slot_table
+        n_patch = 0
+        if patch is not None:
+            pairs, _ = patch
+            pairs = list(pairs)
+            row0 = next((i for r, i in pairs if r == 0), None)
+            if row0 is not None:  # padding rows repeat row 0: its token is theirs too
+                pairs += [(r, row0) for r in range(b, bb)]
+            n_patch = len(pairs)
+            h64[3 * bb : 3 * bb + n_patch] = torch.tensor([r for r, _ in pairs])
+            h64[4 * bb : 4 * bb + n_patch] = torch.tensor([i for _, i in pairs])
         self.dev64[: 3 * bb].copy_(h64[: 3 * bb], non_blocking=True)
+        if n_patch:
+            self.dev64[4 * bb : 4 * bb + n_patch].copy_(h64[3 * bb : 3 * bb + n_patch],
+                                                         non_blocking=True)  # fmt: skip
+            self.dev64[5 * bb : 5 * bb + n_patch].copy_(h64[4 * bb : 4 * bb + n_patch],
+                                                         non_blocking=True)  # fmt: skip
         self.dev32[: 3 * bb + 1].copy_(h32[: 3 * bb + 1], non_blocking=True)
         slot_start = 4 * bb + 2  # past the constant cu_q
         self.dev32[slot_start : slot_start + total].copy_(h32[3 * bb + 1 : n32], non_blocking=True)
         staging.copied()
+        if n_patch:
+            assert patch is not None
+            tokens = patch[1]
+            rows = self.dev64[4 * bb : 4 * bb + n_patch]
+            index = self.dev64[5 * bb : 5 * bb + n_patch]
+            self.batch.token_ids.index_copy_(0, rows, tokens.index_select(0, index))

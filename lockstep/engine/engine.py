@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,12 +25,12 @@ from lockstep.cache.kv_pool import KVPool
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
 from lockstep.engine.cuda_graphs import DecodeGraphRunner
-from lockstep.engine.model_runner import ModelRunner
+from lockstep.engine.model_runner import ChunkLogits, ModelRunner, TokenSource
 from lockstep.engine.outputs import StepOutput, TokenLogprob
-from lockstep.engine.request import Request
+from lockstep.engine.request import Request, Status
 from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.scheduler import ScheduledChunk, Scheduler
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder
@@ -41,6 +42,24 @@ logger = logging.getLogger(__name__)
 # Without an explicit kv_tokens the CPU pool is capped: a CPU serves few long sequences, and a
 # pool sized from RAM alone would zero gigabytes at start-up for nothing.
 CPU_DEFAULT_KV_TOKEN_CAP = 65536
+
+
+@dataclass
+class _Launched:
+    """A step enqueued on the device whose results the host has not read yet."""
+
+    layout: list[ChunkLogits]
+    prefill_done_before: list[bool]  # per layout part: prompt fully computed before the step
+    logits: torch.Tensor
+    logprobs: torch.Tensor
+    sampling: list[tuple[Request, int]]  # requests that choose a token, and their logits row
+    tokens: torch.Tensor | None = None  # chosen tokens (device), one per sampling entry
+    tokens_and_logprobs: torch.Tensor | None = None  # [2, n] float64: what the host reads
+
+
+def _live(request: Request) -> bool:
+    """Still running: not stopped, aborted or preempted since a step was launched for it."""
+    return request.status is Status.RUNNING
 
 
 class Engine:
@@ -84,6 +103,8 @@ class Engine:
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
         self.requests: dict[str, Request] = {}
+        self._inflight: _Launched | None = None  # a step launched ahead (overlap_decode)
+        self.steps_launched_ahead = 0
         self._arrival = itertools.count()
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
@@ -149,38 +170,146 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
+        self._drop_dead_inflight()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[StepOutput]:
+        """Run one scheduled forward step and return its outputs.
+
+        With `overlap_decode`, when the next step is sure to be a pure decode of the same
+        requests (nothing waiting, every running request sampled this step, none certain to
+        stop on max_tokens, free slots for all), it is scheduled and launched BEFORE this
+        step's tokens are brought to the host: its pending rows take their tokens from this
+        step's token tensor on the device. The host then handles this step's outputs while the
+        device computes the next. Outputs are the same: each request computes the same
+        positions from the same tokens, and a request that stops here computed one position
+        more, which its release discards (or caches: the KV of a real token)."""
+        launched = self._inflight or self._launch_scheduled()
+        self._inflight = None
+        if launched is None:
+            return []
+        if self.config.overlap_decode and self._can_launch_ahead(launched):
+            self._inflight = self._launch(self.scheduler.schedule(), self._token_source(launched))
+            self.steps_launched_ahead += 1
+        outputs = self._complete(launched)
+        self._drop_dead_inflight()
+        if self.config.debug_checks:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _drop_dead_inflight(self) -> None:
+        """Forget a step launched ahead once every request in it stopped or was aborted
+        (its device work completes unread; their slots were already released)."""
+        if self._inflight is not None and not any(_live(r) for r, _ in self._inflight.sampling):
+            self._inflight = None
+
+    def _launch_scheduled(self) -> _Launched | None:
         plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting")
-            return []
-        logits, layout = self.runner.run(plan)
+            return None
+        return self._launch(plan, None)
+
+    def _launch(self, plan: list[ScheduledChunk], source: TokenSource | None) -> _Launched:
+        """Enqueue the forward, log-softmax and token choice of `plan` on the device; no host
+        wait (except where a sampling filter reads a value back). Each sampling request gets
+        a pending token."""
+        logits, layout = self.runner.run(plan, source)
         logprobs = self.ops.log_softmax(logits)
+        prefill_done_before: list[bool] = []
         sampling: list[tuple[Request, int]] = []
         for part in layout:
             request = part.chunk.request
-            prompt_done_before = request.num_computed >= len(request.prompt_ids)
+            prefill_done_before.append(request.num_computed >= len(request.prompt_ids))
             request.num_computed = part.chunk.end
-            if part.prompt_positions:
-                self._record_prompt_logprobs(request, part.prompt_positions, part.prompt_rows,
-                                             logprobs)  # fmt: skip
-            if not prompt_done_before and request.num_computed >= len(request.prompt_ids):
-                self._on_prefill_done(request)
             if part.sample_row is not None:
                 sampling.append((request, part.sample_row))
-        outputs = self._sample(sampling, logits, logprobs) if sampling else []
+        launched = _Launched(layout, prefill_done_before, logits, logprobs, sampling)
+        if sampling:
+            choices = [
+                RowSampling(
+                    temperature=r.params.temperature, top_k=r.params.top_k,
+                    top_p=r.params.top_p, min_p=r.params.min_p, seed=r.seed,
+                    position=r.num_tokens,
+                )
+                for r, _ in sampling
+            ]  # fmt: skip
+            row_ids = [row for _, row in sampling]
+            if row_ids == list(range(logits.shape[0])):  # decode steps: every row samples
+                picked, picked_lps = logits, logprobs
+            else:
+                rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
+                picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
+            launched.tokens = choose_token_tensor(picked, choices)
+            chosen = picked_lps.gather(1, launched.tokens[:, None])[:, 0]
+            # One transfer for tokens and their logprobs (float64 holds both exactly).
+            launched.tokens_and_logprobs = torch.stack((launched.tokens.double(), chosen.double()))
+            for request, _ in sampling:
+                request.pending += 1
+        return launched
+
+    def _can_launch_ahead(self, launched: _Launched) -> bool:
+        """Whether the next schedule is certain to be one new token for exactly the running
+        requests, all of which sampled in `launched` (no admission, eviction or preemption)."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        if scheduler.waiting or not running or len(running) > self.config.max_batch_tokens:
+            return False
+        if launched.tokens is None or scheduler.pool.num_free < len(running):
+            return False
+        sampled = {id(r) for r, _ in launched.sampling}
+        return all(
+            id(r) in sampled
+            and r.pending == 1
+            and r.num_computed == r.num_tokens - 1
+            and len(r.output_ids) + 1 < r.params.max_tokens
+            for r in running
+        )
+
+    @staticmethod
+    def _token_source(launched: _Launched) -> TokenSource:
+        assert launched.tokens is not None
+        return TokenSource(
+            launched.tokens, {id(r): i for i, (r, _) in enumerate(launched.sampling)}
+        )
+
+    def _complete(self, launched: _Launched) -> list[StepOutput]:
+        """Bring a launched step's tokens to the host (the step's one host sync on greedy
+        decode) and apply them: prompt logprobs, appended tokens, finish conditions, text.
+        Requests that stopped or were aborted while it ran are skipped."""
+        for part in launched.layout:
+            if part.prompt_positions and _live(part.chunk.request):
+                self._record_prompt_logprobs(part.chunk.request, part.prompt_positions,
+                                             part.prompt_rows, launched.logprobs)  # fmt: skip
+        outputs: list[StepOutput] = []
+        if launched.sampling:
+            assert launched.tokens_and_logprobs is not None
+            tokens_f, chosen_lps = launched.tokens_and_logprobs.tolist()
+            for (request, row), token, lp in zip(launched.sampling, tokens_f, chosen_lps,
+                                                 strict=True):  # fmt: skip
+                request.pending -= 1
+                if not _live(request):
+                    continue
+                top = top_logprobs(launched.logprobs[row], request.params.logprobs or 0)
+                outputs.append(self._advance(request, TokenLogprob(int(token), lp, top)))
+        # After the tokens are appended: with a step launched ahead, num_computed already
+        # covers the position of the token just appended, and caching reads all_ids.
+        for part, done_before in zip(launched.layout, launched.prefill_done_before, strict=True):
+            request = part.chunk.request
+            if (
+                _live(request)
+                and not done_before
+                and request.num_computed >= len(request.prompt_ids)
+            ):
+                self._on_prefill_done(request)
         for out in outputs:
             if out.finished:
                 request = self.requests.pop(out.request_id)
                 self.scheduler.finish(request)
-        if self.config.debug_checks:
-            self.scheduler.check_integrity()
         return outputs
 
     def _on_prefill_done(self, request: Request) -> None:
@@ -207,36 +336,6 @@ class Engine:
         for i, (token, value) in enumerate(zip(token_ids, values, strict=True)):
             request.prompt_logprobs.append(TokenLogprob(token, value, top_logprobs(chunk[i], k)))
         request.prompt_logprobs_next = positions[-1] + 2
-
-    def _sample(
-        self, sampling: list[tuple[Request, int]], logits: torch.Tensor, logprobs: torch.Tensor
-    ) -> list[StepOutput]:
-        """Choose the next token of every sampling row at once, bring tokens and logprobs back
-        in one transfer (greedy decode steps: the step's only host sync), then update each
-        request and build its output."""
-        choices = [
-            RowSampling(
-                temperature=r.params.temperature, top_k=r.params.top_k, top_p=r.params.top_p,
-                min_p=r.params.min_p, seed=r.seed, position=r.num_tokens,
-            )
-            for r, _ in sampling
-        ]  # fmt: skip
-        row_ids = [row for _, row in sampling]
-        if row_ids == list(range(logits.shape[0])):  # decode steps: every row samples
-            picked, picked_lps = logits, logprobs
-        else:
-            rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
-            picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
-        token_index = choose_token_tensor(picked, choices)
-        chosen = picked_lps.gather(1, token_index[:, None])[:, 0]
-        # One transfer for tokens and their logprobs (float64 holds both exactly).
-        tokens_f, chosen_lps = torch.stack((token_index.double(), chosen.double())).tolist()
-        tokens = [int(t) for t in tokens_f]
-        outputs = []
-        for (request, row), token, lp in zip(sampling, tokens, chosen_lps, strict=True):
-            top = top_logprobs(logprobs[row], request.params.logprobs or 0)
-            outputs.append(self._advance(request, TokenLogprob(token, lp, top)))
-        return outputs
 
     def _advance(self, request: Request, chosen: TokenLogprob) -> StepOutput:
         """Append the chosen token to the request: logprobs, finish conditions, text."""

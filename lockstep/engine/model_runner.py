@@ -4,6 +4,10 @@ For each scheduled chunk the runner lays out rows (tokens, absolute positions, o
 the chunk's slot table for attention, and which rows need logits:
   * the last row, when the chunk reaches the end of the request's tokens (it samples);
   * rows whose logits give a still-owed prompt logprob (position p predicts prompt[p+1]).
+
+A row whose token is still pending (chosen on the device by the step before, not yet on the
+host: overlapped decode) is built with a placeholder and patched on the device from that
+step's token tensor before the forward runs (`TokenSource`), so building never waits for it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.engine.scheduler import ScheduledChunk
 from lockstep.models.decoder import Decoder, KVStorage
 from lockstep.ops.base import build_attention_meta
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """Where pending tokens come from: the launched step's chosen tokens (device, int64) and
+    each pending request's index into them (keyed by id(request))."""
+
+    tokens: torch.Tensor
+    index: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,13 @@ class ModelRunner:
         self.graphs = graphs
         self.device = decoder.device
 
-    def build(self, plan: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ChunkLogits]]:
+    def build(
+        self, plan: list[ScheduledChunk], source: TokenSource | None = None
+    ) -> tuple[ForwardBatch, list[ChunkLogits], list[tuple[int, int]]]:
+        """The step's batch (CPU tensors), its logits layout, and (row, index into
+        source.tokens) for every row whose token is pending."""
         tokens: list[int] = []
+        patches: list[tuple[int, int]] = []
         positions: list[int] = []
         out_slots: list[int] = []
         logit_rows: list[int] = []
@@ -51,7 +69,13 @@ class ModelRunner:
         for chunk in plan:
             req, start, end = chunk.request, chunk.start, chunk.end
             row0 = len(tokens)
-            tokens.extend(req.token_slice(start, end))
+            known = min(end, req.num_tokens - req.pending)
+            tokens.extend(req.token_slice(start, known))
+            for p in range(known, end):  # pending: a placeholder, patched on the device
+                if source is None or id(req) not in source.index:
+                    raise RuntimeError(f"{req.request_id}: position {p} is pending, no source")
+                patches.append((row0 + p - start, source.index[id(req)]))
+                tokens.append(0)
             positions.extend(range(start, end))
             out_slots.extend(req.slots.ids[start:end])
             q_counts.append(end - start)
@@ -80,15 +104,27 @@ class ModelRunner:
             meta=build_attention_meta(q_counts, q_starts, tables),
             logit_rows=torch.tensor(logit_rows, dtype=i64),
         )
-        return batch, layout
+        return batch, layout, patches
 
-    def run(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ChunkLogits]]:
-        """Run one forward step; returns float32 logits [R, vocab] (on the model's device)
-        and which rows belong to which chunk."""
-        batch, layout = self.build(plan)
+    def run(
+        self, plan: list[ScheduledChunk], source: TokenSource | None = None
+    ) -> tuple[torch.Tensor, list[ChunkLogits]]:
+        """Launch one forward step; returns float32 logits [R, vocab] (on the model's device)
+        and which rows belong to which chunk. Never waits for the device unless a CPU tensor
+        must be read (the eager CUDA path's patch indices)."""
+        batch, layout, patches = self.build(plan, source)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch), layout
+            patch = (patches, source.tokens) if patches and source is not None else None
+            return self.graphs.run(batch, patch), layout
         if self.device.type != "cpu":
             batch = batch.to(self.device)
+        if patches and source is not None:
+            rows, index = zip(*patches, strict=True)
+            dev = batch.token_ids.device
+            batch.token_ids.index_copy_(
+                0,
+                torch.tensor(rows, dtype=torch.int64, device=dev),
+                source.tokens.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
+            )
         logits = self.decoder.forward(batch, self.kv)
         return logits, layout

@@ -7,9 +7,12 @@ Token layout of a request (P prompt tokens, G generated so far):
     prefix    : slots[:prefix_len] belong to the radix cache (locked via `prefix_node`);
                 slots[prefix_len:num_computed] are the request's own (counted as "in use").
 
-A step computes positions num_computed .. end-1. When end == len(all_ids), the logits of the
-last row choose the next token. After a preemption the request recomputes its KV from the
-cache/prompt; position invariance makes the recomputed bits identical, so nothing is re-sampled.
+A step computes positions num_computed .. end-1. When end == num_tokens, the logits of the
+last row choose the next token. With overlapped decode (Engine.step) a token may be `pending`:
+chosen on the device by a launched step, not yet appended to output_ids; it counts in
+num_tokens (its position exists and the next step may compute it) but not in all_ids. After
+a preemption the request recomputes its KV from the cache/prompt; position invariance makes
+the recomputed bits identical, so nothing is re-sampled.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class Request:
     prompt_counted: bool = False  # prompt/cached tokens added to the engine's totals
     text_output: Any = None  # TextOutput: detokenization and stop strings
     prompt_logprobs_sent: bool = False
+    pending: int = 0  # tokens chosen by a launched step, not yet appended (0 or 1)
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,7 +109,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def num_owned_slots(self) -> int:
