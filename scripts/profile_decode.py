@@ -59,12 +59,12 @@ def time_phases(
 
     sched, runner = engine.scheduler, engine.runner
     saved = (sched.schedule, runner.build, runner.graphs.run, engine.ops.log_softmax,
-             engine._sample)  # fmt: skip
+             engine._complete)  # fmt: skip
     sched.schedule = timed("schedule", sched.schedule)
     runner.build = timed("build", runner.build)
     runner.graphs.run = timed("graph fill+replay", runner.graphs.run)
     engine.ops.log_softmax = timed("log_softmax", engine.ops.log_softmax)
-    engine._sample = timed("sample+advance", engine._sample)
+    engine._complete = timed("read tokens+advance", engine._complete)
     for r in range(batch):
         engine.add_request(f"t{r}", [(3 * i + 2 + r) % vocab for i in range(prompt_len)], params)
     for _ in range(4):
@@ -76,7 +76,7 @@ def time_phases(
         torch.cuda.synchronize()
         steps.append(1e6 * (time.perf_counter() - t0))
     (sched.schedule, runner.build, runner.graphs.run, engine.ops.log_softmax,
-     engine._sample) = saved  # fmt: skip
+     engine._complete) = saved  # fmt: skip
     out = {k: statistics.median(v[2:]) for k, v in spent.items()}
     out["whole step"] = statistics.median(steps)
     out["rest"] = out["whole step"] - sum(v for k, v in out.items() if k != "whole step")
@@ -107,12 +107,14 @@ def main() -> None:
     while engine.runner.graphs.num_graphs == 0:  # prefill (+ first tokens)
         engine.step()
     torch.cuda.synchronize()
-    walls = []
+    # Time between consecutive step returns, no device sync per step: a plain step waits for
+    # its own tokens anyway, and a sync would drain a step launched ahead (--overlap-decode).
+    stamps = [time.perf_counter()]
     while engine.has_unfinished():
-        t0 = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+        stamps.append(time.perf_counter())
+    torch.cuda.synchronize()
+    walls = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     walls = walls[2:]  # the first decode steps capture the graph
     phases = time_phases(engine, vocab, args.prompt_len, params, args.batch)
     print("engine step phases (each synchronized; us per step): "

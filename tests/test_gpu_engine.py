@@ -198,3 +198,37 @@ def test_overlapped_decode_with_graphs_gives_the_plain_outputs() -> None:
     (want, ahead_plain, _), (got, ahead, graphs) = runs
     assert_same_outputs(got, want, work)
     assert ahead > 0 and ahead_plain == 0 and graphs.num_graphs > 0
+
+
+def test_a_step_launched_ahead_never_waits_for_the_device() -> None:
+    """Overlapped decode only helps if launching step N+1 and reading step N's tokens never
+    synchronize with the device (a pageable copy, `.item()` or `.tolist()` of a CUDA tensor
+    would wait for N+1 too). Steady-state greedy steps run under torch's sync debug mode set
+    to raise; reading the tokens waits on their own CUDA event, which it allows."""
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+    from lockstep.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
+                                 kv_tokens=16384, max_model_len=4096, max_running=4,
+                                 cuda_graphs=True, overlap_decode=True))  # fmt: skip
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40,
+                           temperature=0.0 if i else 0.8, seed=i, ignore_eos=True))  # fmt: skip
+    while engine.steps_launched_ahead < 4:  # prefill, graph capture, steady state
+        engine.step()
+    before = engine.steps_launched_ahead
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.steps_launched_ahead == before + 6
+    # Control: the mode does catch a synchronizing read.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.ones(1, device="cuda").item()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -54,7 +54,11 @@ class _Launched:
     logprobs: torch.Tensor
     sampling: list[tuple[Request, int]]  # requests that choose a token, and their logits row
     tokens: torch.Tensor | None = None  # chosen tokens (device), one per sampling entry
-    tokens_and_logprobs: torch.Tensor | None = None  # [2, n] float64: what the host reads
+    # [2, n] float64 tokens and their logprobs, on the host once `ready` (a CUDA event)
+    # has passed: copied asynchronously at launch, so that reading them never waits for a
+    # step launched after this one.
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 def _live(request: Request) -> bool:
@@ -247,19 +251,32 @@ class Engine:
             launched.tokens = choose_token_tensor(picked, choices)
             chosen = picked_lps.gather(1, launched.tokens[:, None])[:, 0]
             # One transfer for tokens and their logprobs (float64 holds both exactly).
-            launched.tokens_and_logprobs = torch.stack((launched.tokens.double(), chosen.double()))
+            both = torch.stack((launched.tokens.double(), chosen.double()))
+            if both.device.type == "cuda":
+                launched.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+                launched.host_tokens.copy_(both, non_blocking=True)
+                launched.ready = torch.cuda.Event()
+                launched.ready.record()
+            else:
+                launched.host_tokens = both
             for request, _ in sampling:
                 request.pending += 1
         return launched
 
     def _can_launch_ahead(self, launched: _Launched) -> bool:
         """Whether the next schedule is certain to be one new token for exactly the running
-        requests, all of which sampled in `launched` (no admission, eviction or preemption)."""
+        requests, all of which sampled in `launched` (no admission, eviction or preemption),
+        and completing `launched` needs no read from the device beyond its tokens (prompt or
+        top logprobs would wait for the step launched ahead as well)."""
         scheduler = self.scheduler
         running = scheduler.running
-        if scheduler.waiting or not running or len(running) > self.config.max_batch_tokens:
+        if not running or len(running) > self.config.max_batch_tokens:
             return False
+        if scheduler.waiting and len(running) < self.config.max_running:
+            return False  # the next schedule would admit
         if launched.tokens is None or scheduler.pool.num_free < len(running):
+            return False
+        if any(part.prompt_positions for part in launched.layout):
             return False
         sampled = {id(r) for r, _ in launched.sampling}
         return all(
@@ -267,6 +284,7 @@ class Engine:
             and r.pending == 1
             and r.num_computed == r.num_tokens - 1
             and len(r.output_ids) + 1 < r.params.max_tokens
+            and not r.params.logprobs
             for r in running
         )
 
@@ -287,8 +305,10 @@ class Engine:
                                              part.prompt_rows, launched.logprobs)  # fmt: skip
         outputs: list[StepOutput] = []
         if launched.sampling:
-            assert launched.tokens_and_logprobs is not None
-            tokens_f, chosen_lps = launched.tokens_and_logprobs.tolist()
+            assert launched.host_tokens is not None
+            if launched.ready is not None:
+                launched.ready.synchronize()  # this step's copy only, not later steps
+            tokens_f, chosen_lps = launched.host_tokens.tolist()
             for (request, row), token, lp in zip(launched.sampling, tokens_f, chosen_lps,
                                                  strict=True):  # fmt: skip
                 request.pending -= 1

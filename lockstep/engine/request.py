@@ -94,7 +94,9 @@ class Request:
     prompt_counted: bool = False  # prompt/cached tokens added to the engine's totals
     text_output: Any = None  # TextOutput: detokenization and stop strings
     prompt_logprobs_sent: bool = False
-    pending: int = 0  # tokens chosen by a launched step, not yet appended (0 or 1)
+    # Tokens chosen by launched steps, not yet appended: 0 or 1, and 2 between launching a
+    # step ahead and completing the step before it.
+    pending: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -108,8 +108,8 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...
 
 def choose_token_tensor(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Pick one token per row of raw float32 logits [R, V], as an int64 tensor on the logits'
-    device. Greedy rows need no host round trip; sampled rows copy their parameters (seeds,
-    positions, temperatures) from the host, and top-p filtering reads a cutoff back. Greedy
+    device, without waiting for the device: sampled rows' parameters (seeds, positions,
+    temperatures) go over by asynchronous copies and filters stay on the device. Greedy
     rows take the argmax (ties: lowest id); sampled rows take the
     argmax of tempered scores plus counter-based Gumbel noise over the tokens their filters
     keep. Work is batched across rows, but every operation is elementwise or a per-row
@@ -119,17 +119,27 @@ def choose_token_tensor(logits: torch.Tensor, rows: list[RowSampling]) -> torch.
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0.0]
     if sampled:
         device = logits.device
-        index = torch.tensor(sampled, dtype=torch.int64, device=device)
+        index = _to_device(sampled, torch.int64, device)
         chosen = [rows[i] for i in sampled]
-        temps = torch.tensor([r.temperature for r in chosen], dtype=torch.float64, device=device)
+        temps = _to_device([r.temperature for r in chosen], torch.float64, device)
         scores = logits.index_select(0, index).to(torch.float64) / temps[:, None]
         keep = _filter_mask(scores, chosen)
-        seeds = torch.tensor([r.seed for r in chosen], dtype=torch.int64, device=device)
-        positions = torch.tensor([r.position for r in chosen], dtype=torch.int64, device=device)
+        seeds = _to_device([r.seed for r in chosen], torch.int64, device)
+        positions = _to_device([r.position for r in chosen], torch.int64, device)
         noisy = scores + gumbel_noise(seeds, positions, scores.shape[1])
         noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
         tokens[index] = torch.argmax(noisy, dim=1)
     return tokens
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: through pinned memory
+    and an asynchronous copy on CUDA (a pageable copy would wait for every kernel already
+    queued, e.g. a decode step launched ahead)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
@@ -151,8 +161,11 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
             order = torch.sort(masked, descending=True, stable=True).indices
             probs = _exp(masked[order] - best[i])
             cumulative = torch.cumsum(probs, dim=0)
-            # The smallest prefix whose mass reaches top_p of the kept mass; at least one.
-            cutoff = int(torch.searchsorted(cumulative, cumulative[-1:] * r.top_p).item()) + 1
-            keep[i] = False
-            keep[i, order[: max(1, cutoff)]] = True
+            # The smallest prefix whose mass reaches top_p of the kept mass; at least one. The
+            # cutoff stays on the device (reading it back would wait for queued kernels).
+            cutoff = torch.searchsorted(cumulative, cumulative[-1:] * r.top_p) + 1
+            ranks = torch.arange(row.numel(), device=row.device)
+            kept = torch.empty_like(keep[i])
+            kept[order] = ranks < cutoff.clamp(min=1)
+            keep[i] = kept
     return keep

@@ -186,6 +186,9 @@ class Scheduler:
         request.num_computed = 0
 
     def _preempt(self, request: Request) -> None:
+        # Overlapped decode never schedules ahead where preemption could happen: a pending
+        # token would be dropped.
+        assert request.pending == 0, f"{request.request_id}: preempted with a pending token"
         self._release(request, keep_in_cache=True)
         self.running.remove(request)
         request.status = Status.WAITING
