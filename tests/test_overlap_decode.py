@@ -143,3 +143,27 @@ def test_negative_control_wrong_pending_tokens_change_outputs(monkeypatch) -> No
     got = _drive(_engine(True), work)
     assert got != want
     assert vocab > 3
+
+
+def test_no_step_is_launched_past_max_tokens() -> None:
+    """A request of max_tokens k needs k - 1 decode steps after its prefill; all of them are
+    launched ahead and none more (a step past its last token would be computed for nothing)."""
+    engine = _engine(True)
+    engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert len(tokens) == 9 and engine.steps_launched_ahead == 8
+
+
+def test_no_step_is_launched_ahead_when_the_pool_would_preempt() -> None:
+    """Two requests in a pool too small for both to finish: a schedule must preempt one, and a
+    step launched ahead must never be that schedule (its pending token would be lost; the
+    scheduler asserts). Outputs equal the plain loop's."""
+    work = [(0, f"r{i}", [7 + i] * 10, SamplingParams(max_tokens=30, temperature=0,
+             ignore_eos=True), -1) for i in range(2)]  # fmt: skip
+    plain = _engine(False, kv_tokens=60, enable_prefix_cache=False)
+    want = _drive(plain, work)
+    overlapped = _engine(True, kv_tokens=60, enable_prefix_cache=False)
+    assert _drive(overlapped, work) == want
+    assert overlapped.scheduler.num_preemptions > 0 and overlapped.steps_launched_ahead > 0
