@@ -503,9 +503,14 @@ def test_attention_64_bit_gather_offsets_give_the_same_bits(
     from lockstep.ops.triton import attention
 
     assert not attention.needs_wide_offsets(pool.k)
-    monkeypatch.setattr(attention, "needs_wide_offsets", lambda cache: True)
+    # The boundary, on shapes alone (meta tensors hold no memory): span 2**31 - 1 vs 2**31.
+    assert not attention.needs_wide_offsets(torch.empty(2**21, 8, 128, device="meta"))
+    assert attention.needs_wide_offsets(torch.empty(2**21 + 1, 8, 128, device="meta"))
+    asked = []
+    monkeypatch.setattr(attention, "needs_wide_offsets", lambda cache: asked.append(1) or True)
     for path in ("prefill", "split"):
         assert torch.equal(pool.run(SEQ - 3, 3, path=path), full[SEQ - 3 :]), path
+    assert len(asked) == 2  # both launches took the forced 64-bit flag: the test is not blind
 
 
 def test_attention_negative_control_other_key_block_differs(pool: Pool, full: torch.Tensor) -> None:
