@@ -29,7 +29,7 @@ _HELP = {
     "random_seed": "seed of random-weight presets",
     "debug_checks": "check KV cache integrity after every step",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
-    "(same outputs; hides host work on a GPU)",
+    "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
 _CHOICES = {"mode": MODES, "device": DEVICES, "dtype": DTYPES}
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
@@ -46,6 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = 
                 _NEGATED[f.name], dest=f.name, action="store_false", default=f.default,
                 help=_HELP[f.name],
             )  # fmt: skip
+        elif f.type == "bool | None":  # --flag / --no-flag, absent: None (auto)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=_HELP[f.name])  # fmt: skip
         elif f.type in ("bool",) or isinstance(f.default, bool):
             group.add_argument(flag, dest=f.name, action="store_true", default=f.default,
                                help=_HELP[f.name])  # fmt: skip

@@ -37,8 +37,10 @@ class EngineConfig:
     random_seed: int = 0  # weights of random-weight presets
     debug_checks: bool = False  # check cache integrity after every step
     # Launch the next pure-decode step before the current one's tokens reach the host (see
-    # Engine.step); same outputs, the host's per-step work overlaps the GPU.
-    overlap_decode: bool = False
+    # Engine.step); same outputs, the host's per-step work overlaps the GPU. None: on for CUDA
+    # (measured: 5.70 -> 4.95 ms/token at batch 1 on an H200), off on the CPU, where launching
+    # is computing and there is nothing to overlap.
+    overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -60,6 +62,11 @@ class EngineConfig:
         _positive_int("max_running", self.max_running)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if self.overlap_decode not in (None, True, False):
+            raise ConfigError(
+                f"overlap_decode={self.overlap_decode!r} is invalid: expected true, false or"
+                " null (on for CUDA)"
+            )
         if not isinstance(self.random_seed, int) or self.random_seed < 0:
             raise ConfigError(
                 f"random_seed={self.random_seed!r} is invalid: expected an integer >= 0"
@@ -104,6 +111,12 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.cuda_graphs and self.resolved_device == "cuda"
+
+    @property
+    def use_overlap_decode(self) -> bool:
+        if self.overlap_decode is not None:
+            return self.overlap_decode
+        return self.resolved_device == "cuda"
 
 
 def _choice(name: str, value: object, accepted: tuple[str, ...]) -> None:

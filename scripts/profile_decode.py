@@ -92,8 +92,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine's steps")
-    ap.add_argument("--overlap-decode", action="store_true",
-                    help="launch each decode step before the previous one's tokens are read")  # fmt: skip
+    ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="launch each decode step before the previous one's tokens are read"
+                    " (default: the engine's, on for CUDA)")  # fmt: skip
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
                                  dtype="bfloat16", kv_tokens=8192, max_model_len=4096,

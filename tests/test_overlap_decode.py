@@ -167,3 +167,24 @@ def test_no_step_is_launched_ahead_when_the_pool_would_preempt() -> None:
     overlapped = _engine(True, kv_tokens=60, enable_prefix_cache=False)
     assert _drive(overlapped, work) == want
     assert overlapped.scheduler.num_preemptions > 0 and overlapped.steps_launched_ahead > 0
+
+
+def test_default_is_on_for_cuda_and_off_on_the_cpu() -> None:
+    """`overlap_decode=None` (the default) resolves by device; an explicit value wins; the CLI
+    gives --overlap-decode / --no-overlap-decode and leaves the default when neither is given."""
+    import argparse
+
+    from lockstep.cli_options import add_engine_arguments, engine_options_from_args
+    from lockstep.errors import ConfigError
+
+    assert EngineConfig().overlap_decode is None
+    assert EngineConfig(device="cuda").use_overlap_decode
+    assert not EngineConfig(device="cpu").use_overlap_decode
+    assert not EngineConfig(device="cuda", overlap_decode=False).use_overlap_decode
+    assert EngineConfig(device="cpu", overlap_decode=True).use_overlap_decode
+    with pytest.raises(ConfigError, match="overlap_decode='yes'"):
+        EngineConfig(overlap_decode="yes")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for argv, want in (([], None), (["--overlap-decode"], True), (["--no-overlap-decode"], False)):
+        assert engine_options_from_args(parser.parse_args(argv))["overlap_decode"] is want

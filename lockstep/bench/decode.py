@@ -121,7 +121,8 @@ def bench_modes(
         "processor": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "options": {k: v for k, v in options.items() if v is not None},
+        "options": {k: v for k, v in options.items() if v is not None}
+        | {"overlap_decode": EngineConfig.from_options(**options).use_overlap_decode},
         "results": [asdict(r) for r in results],
         "det_over_fast_decode": ratios,
     }

@@ -195,7 +195,7 @@ class Engine:
         self._inflight = None
         if launched is None:
             return []
-        if self.config.overlap_decode and self._can_launch_ahead(launched):
+        if self.config.use_overlap_decode and self._can_launch_ahead(launched):
             self._inflight = self._launch(self.scheduler.schedule(), self._token_source(launched))
             self.steps_launched_ahead += 1
         outputs = self._complete(launched)
