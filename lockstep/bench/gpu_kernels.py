@@ -80,13 +80,13 @@ SWEEP_ATTN_PREFILL = {
 }
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
-    "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
-    "r16n64w1s2": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=2),
-    "r16n64w1s5": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=5),
-    "r16n64w1s6": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=6),
+    "r16n64w2s3": AttentionConfig(rows_split=16, num_warps_split=2, num_stages_split=3),
+    "r16n64w4s3": AttentionConfig(rows_split=16, num_warps_split=4, num_stages_split=3),
+    "r16n64w4s4": AttentionConfig(rows_split=16, num_warps_split=4, num_stages_split=4),
+    "r16n64w8s3": AttentionConfig(rows_split=16, num_warps_split=8, num_stages_split=3),
     "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, num_stages_split=3),
-    "r128n64w8s3": AttentionConfig(rows_split=128, num_warps_split=8, num_stages_split=3),
-    "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4),  # negative control
+    # Negative control: the row sum by tl.sum (layout order) differs from the dot's.
+    "r16n64w4sum": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="sum"),
 }
 
 

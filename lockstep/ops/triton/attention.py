@@ -17,11 +17,13 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
     share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
   * Rows of a tile are (query position, q head of one GQA group) pairs; every op on a row is
-    row-local. The row sum of p (tl.sum over a key block) reduces in an order fixed by the
-    MMA layout, so the two paths use tiles whose rows see a key block the same way: prefill
-    128 rows on 8 warps (wgmma), decode 16 rows on one warp (mma.sync). Measured equal on an
-    H200 with Triton 3.6; 16 rows on 4 warps split a block across warps and differ (a
-    negative-control test). Re-measure on any Triton or hardware change.
+    row-local. The two reductions over a key block are tensor-core dots: p @ V and the row
+    sum of p (`row_sum_mma`, p @ ones), each one MMA chain over the keys in k-step order, so
+    the tile's rows and warps and the instruction family (prefill: 128 rows on 8 warps,
+    wgmma; decode: 16 rows on 4 warps, mma.sync) cannot change a row. tl.sum would reduce in
+    an order fixed by the layout: with it, 16 rows on 4 warps differ from the prefill tiles
+    (a negative-control test). Measured equal on an H200 with Triton 3.6; re-measure on any
+    Triton or hardware change.
   * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
     cannot contract the shared formulas differently.
 
@@ -57,12 +59,15 @@ class AttentionConfig:
     block_n: int = 64
     split: int = 512
     rows: int = 128  # query rows (position x head) per tile on the prefill path
-    # Decode tiles: 16 rows on ONE warp (mma.sync). A warp then holds whole key blocks of a
-    # row, and the row sum reduces in the same order as the prefill's wgmma tiles (measured:
-    # all rows equal in float32); 16 rows on 4 warps split the keys across warps and differ.
-    rows_split: int = 16
+    rows_split: int = 16  # decode tiles (mma.sync)
     num_warps: int = 8
-    num_warps_split: int = 1
+    # Decode warps: the row sum of p is a dot (`row_sum_mma`), so warps that split a key block
+    # cannot change its order (GPU test over 1, 2, 4 and 8 warps).
+    num_warps_split: int = 4
+    # "mma": row sums of p by a tensor-core dot, the same bits for every tile shape and warp
+    # count. "sum": tl.sum, whose order follows the layout (the negative control: 16 rows on
+    # 4 warps then differ from the prefill's tiles).
+    row_sum: str = "mma"
     num_stages: int = 3
     num_stages_split: int = 3
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
@@ -72,6 +77,8 @@ class AttentionConfig:
     fp_fusion: bool = False
 
     def __post_init__(self) -> None:
+        if self.row_sum not in ("mma", "sum"):
+            raise ValueError(f"row_sum={self.row_sum!r} must be 'mma' or 'sum'")
         if self.split % self.block_n:
             raise ValueError(f"split={self.split} must be a multiple of block_n={self.block_n}")
         for name in ("block_n", "rows", "rows_split"):
@@ -122,6 +129,7 @@ def _tile_rows(cu_q, q_start, b, tile, G: tl.constexpr, ROWS: tl.constexpr):
 def _block_update(
     m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
+    ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
     """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
     row sees entirely, where the causal and bounds masks are all-true: same bits, less work.
@@ -150,19 +158,35 @@ def _block_update(
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
     p = tl.exp2(s * qk_scale - m_use[:, None])
-    lsum = lsum * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
         v = tl.load(v_cache + kv_offs)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    pv = p.to(v.dtype)
+    if ROW_SUM_MMA:
+        lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
+    else:  # tl.sum's order follows the layout: the negative control only
+        lsum = lsum * alpha + tl.sum(p, 1)
+    acc = tl.dot(pv, v, acc * alpha[:, None])
     return m_new, lsum, acc
+
+
+@triton.jit
+def row_sum_mma(p, BLOCK_N: tl.constexpr):
+    """Row sums of p as a tensor-core dot with ones: each output is one MMA chain over the
+    keys in k-step order, the same whatever the warps, the tile's rows or the instruction
+    family (mma.sync, wgmma), where tl.sum reduces in an order fixed by the layout. Every
+    column holds the same sum, so the max over them is exact. p is the rounded p that the
+    p @ V dot uses, so the normaliser sums the weights the numerator applied."""
+    ones = tl.full([BLOCK_N, 16], 1.0, p.dtype)
+    return tl.max(tl.dot(p, ones), 1)
 
 
 @triton.jit
 def _split_partial(
     q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
+    ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
     visited in ascending order; those wholly at or before pos_lo (the tile's first position)
@@ -174,12 +198,12 @@ def _split_partial(
     for j0 in range(lo, mid, BLOCK_N):
         m, lsum, acc = _block_update(
             m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
-            False, BLOCK_N, D, WIDE,
+            False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
         )  # fmt: skip
     for j0 in range(mid, hi, BLOCK_N):
         m, lsum, acc = _block_update(
             m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
-            True, BLOCK_N, D, WIDE,
+            True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
         )  # fmt: skip
     return m, lsum, acc
 
@@ -214,6 +238,7 @@ def _attn_fwd(
     D: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     WIDE: tl.constexpr,
+    ROW_SUM_MMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
@@ -237,7 +262,7 @@ def _attn_fwd(
         lo = split * SPLIT
         m, lsum, acc = _split_partial(
             qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
-            tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE,
+            tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
         smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
@@ -251,7 +276,7 @@ def _attn_fwd(
         for lo in range(0, hi, SPLIT):
             m, lsum, acc = _split_partial(
                 qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
-                tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE,
+                tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
         o = finalize_rows(l_s, acc_s)
@@ -415,7 +440,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, WIDE=wide, **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma", **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq
@@ -440,7 +465,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, WIDE=wide, **split_opts,
+            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma", **split_opts,
         )  # fmt: skip
         _attn_merge[(n_tiles, b * hkv)](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
