@@ -523,26 +523,26 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
 def test_attention_decode_tiles_on_any_warp_count_match_prefill(
     pool: Pool, full: torch.Tensor
 ) -> None:
-    """The row sum of p is a dot (`row_sum_mma`), so decode tiles whose warps split a key block
-    (mma.sync, 16 rows) give the prefill tiles' bits (wgmma, 128 rows on 8 warps)."""
+    """With `row_sum="mma"` the row sum of p is a dot, so decode tiles whose warps split a key
+    block (mma.sync, 16 rows) give the prefill tiles' bits (wgmma, 128 rows on 8 warps)."""
+    mma = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "mma"})
+    want = pool.run(0, SEQ, cfg=mma, path="prefill")
+    assert rel_err(want, pool.reference()) < TOL
     for warps in (1, 2, 4, 8):
-        cfg = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": warps})
+        cfg = AttentionConfig(**{**mma.__dict__, "num_warps_split": warps})
         for p in (0, 63, 64, 511, 512, 700, SEQ - 1):
-            assert torch.equal(pool.run(p, 1, cfg=cfg, path="split"), full[p : p + 1]), (warps, p)
+            assert torch.equal(pool.run(p, 1, cfg=cfg, path="split"), want[p : p + 1]), (warps, p)
 
 
 def test_attention_negative_control_decode_tile_across_warps_differs(
     pool: Pool, full: torch.Tensor
 ) -> None:
-    """GPU: with the row sum by tl.sum (layout order) instead of the dot, 16-row decode tiles
-    on 4 warps split each key block across warps and reduce in another order than the prefill
-    tiles: some rows differ. This is why the row sum is a dot. Interpreter: a different split
-    size differs."""
+    """GPU: 16-row decode tiles on 4 warps split each key block across warps, so tl.sum
+    reduces the row sum in another order than the prefill tiles: some rows differ. This is
+    why the table's decode tiles run on one warp. Interpreter: a different split size
+    differs."""
     if GPU:
-        bad = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": 4, "row_sum": "sum"})
-        # The prefill must run with tl.sum too: only the decode tile's layout differs then.
-        full = pool.run(0, SEQ, cfg=AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum"}),
-                        path="prefill")  # fmt: skip
+        bad = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": 4})
     else:
         bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
     rows = [pool.run(p, 1, cfg=bad, path="split") for p in range(0, SEQ, 3)]

@@ -52,6 +52,13 @@ SWEEP_MM = {
         C(32, 32, 256, 4, 5, tma=True, split_programs=True),
         C(32, 64, 256, 4, 4, tma=True, split_programs=True),
         C(32, 64, 128, 4, 5, tma=True, split_programs=True),
+        # fourth session, mid-M misses
+        C(32, 64, 128, 4, 6, tma=True),
+        C(32, 128, 128, 4, 4, tma=True),
+        C(32, 128, 64, 4, 6, tma=True),
+        C(64, 64, 128, 4, 4, tma=True),
+        C(64, 128, 64, 4, 5, tma=True),
+        C(32, 32, 128, 2, 8, tma=True),
     ],
     128: [
         C(64, 64, 256, 4, 3, tma=True),
@@ -59,6 +66,14 @@ SWEEP_MM = {
         C(128, 64, 128, 4, 3, tma=True, split_programs=True),
         C(64, 128, 128, 4, 4, tma=True, split_programs=True),
         C(128, 128, 64, 8, 4, tma=True, split_programs=True),
+        C(64, 128, 64, 4, 5, tma=True),
+        C(64, 256, 64, 8, 4, tma=True),
+        C(128, 64, 64, 4, 5, tma=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True),
+        C(128, 128, 128, 8, 3, tma=True),
+        C(64, 128, 128, 4, 4, tma=True),
+        C(128, 256, 64, 8, 3, tma=True),
+        C(64, 64, 128, 4, 4, tma=True),
     ],
     512: [
         C(128, 128, 64, 8, 4, tma=True),
@@ -66,27 +81,41 @@ SWEEP_MM = {
         C(128, 128, 64, 8, 4, tma=True, persistent=True),
         C(128, 64, 64, 4, 4, tma=True, split_programs=True),
         C(128, 256, 64, 8, 3, tma=True),
+        C(128, 256, 64, 8, 4, tma=True, persistent=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
+        C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
+        C(64, 256, 64, 8, 4, tma=True),
+        C(256, 128, 64, 8, 3, tma=True),
+        C(128, 128, 128, 8, 3, tma=True),
+        C(64, 128, 64, 4, 5, tma=True),
     ],
     1 << 62: [
         C(128, 128, 64, 8, 4, tma=True, persistent=True),
         C(128, 128, 64, 8, 5, tma=True),
         C(128, 256, 64, 8, 3, tma=True),
+        C(128, 256, 64, 8, 4, tma=True, persistent=True),
+        C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
+        C(256, 128, 64, 8, 3, tma=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True, group_m=16),
     ],
 }
 SWEEP_ATTN_PREFILL = {
     "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
     "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4),
     "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3),
+    "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
 }
+# Each decode config's bits are compared with the first prefill config of its row_sum.
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
-    "r16n64w2s3": AttentionConfig(rows_split=16, num_warps_split=2, num_stages_split=3),
-    "r16n64w4s3": AttentionConfig(rows_split=16, num_warps_split=4, num_stages_split=3),
-    "r16n64w4s4": AttentionConfig(rows_split=16, num_warps_split=4, num_stages_split=4),
-    "r16n64w8s3": AttentionConfig(rows_split=16, num_warps_split=8, num_stages_split=3),
+    "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
     "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, num_stages_split=3),
-    # Negative control: the row sum by tl.sum (layout order) differs from the dot's.
-    "r16n64w4sum": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="sum"),
+    "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4),  # negative control
+    "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1, row_sum="mma"),
+    "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2, row_sum="mma"),
+    "r16n64w4s3mma": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="mma"),
+    "r16n64w8s3mma": AttentionConfig(rows_split=16, num_warps_split=8, row_sum="mma"),
 }
 
 
@@ -235,10 +264,16 @@ def run_attention_bits(log) -> dict:
     dmeta = build_attention_meta([1] * length, list(range(length)), [slots] * length).to("cuda")
     for name, cfg in SWEEP_ATTN_DECODE.items():
         outs[f"decode:{name}"] = paged_attention(q, k, v, dmeta, HD**-0.5, cfg, "split", f32)
-    names = list(outs)
-    base = names[0]
+    configs = {f"prefill:{n}": c for n, c in SWEEP_ATTN_PREFILL.items()}
+    configs |= {f"decode:{n}": c for n, c in SWEEP_ATTN_DECODE.items()}
+    bases = {}
+    for name, cfg in configs.items():
+        bases.setdefault(cfg.row_sum, name)
     result = {}
-    for other in names[1:]:
+    for other, cfg in configs.items():
+        base = bases[cfg.row_sum]
+        if other == base:
+            continue
         diff = int((outs[base] != outs[other]).any(dim=-1).sum())
         result[f"{base}|{other}"] = {"differing_head_rows": diff, "of": length * HQ}
         log(f"bits {base} vs {other:24s}: {diff} of {length * HQ} head-rows differ (fp32 out)")

@@ -17,13 +17,13 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
     share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
   * Rows of a tile are (query position, q head of one GQA group) pairs; every op on a row is
-    row-local. The two reductions over a key block are tensor-core dots: p @ V and the row
-    sum of p (`row_sum_mma`, p @ ones), each one MMA chain over the keys in k-step order, so
-    the tile's rows and warps and the instruction family (prefill: 128 rows on 8 warps,
-    wgmma; decode: 16 rows on 4 warps, mma.sync) cannot change a row. tl.sum would reduce in
-    an order fixed by the layout: with it, 16 rows on 4 warps differ from the prefill tiles
-    (a negative-control test). Measured equal on an H200 with Triton 3.6; re-measure on any
-    Triton or hardware change.
+    row-local. The row sum of p (tl.sum over a key block) reduces in an order fixed by the
+    MMA layout, so the two paths use tiles whose rows see a key block the same way: prefill
+    128 rows on 8 warps (wgmma), decode 16 rows on one warp (mma.sync). Measured equal on an
+    H200 with Triton 3.6; 16 rows on 4 warps split a block across warps and differ (a
+    negative-control test). Re-measure on any Triton or hardware change. The alternative,
+    `row_sum="mma"` (p @ ones on the tensor cores, layout-free, any warp count), measured
+    slower overall (AttentionConfig).
   * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
     cannot contract the shared formulas differently.
 
@@ -59,15 +59,18 @@ class AttentionConfig:
     block_n: int = 64
     split: int = 512
     rows: int = 128  # query rows (position x head) per tile on the prefill path
-    rows_split: int = 16  # decode tiles (mma.sync)
+    # Decode tiles: 16 rows on ONE warp (mma.sync). A warp then holds whole key blocks of a
+    # row, and tl.sum reduces the row sum in the same order as the prefill's wgmma tiles
+    # (measured: all rows equal in float32); 16 rows on 4 warps split the keys across warps
+    # and differ (the negative control).
+    rows_split: int = 16
     num_warps: int = 8
-    # Decode warps: the row sum of p is a dot (`row_sum_mma`), so warps that split a key block
-    # cannot change its order (GPU test over 1, 2, 4 and 8 warps).
-    num_warps_split: int = 4
-    # "mma": row sums of p by a tensor-core dot, the same bits for every tile shape and warp
-    # count. "sum": tl.sum, whose order follows the layout (the negative control: 16 rows on
-    # 4 warps then differ from the prefill's tiles).
-    row_sum: str = "mma"
+    num_warps_split: int = 1
+    # How the row sum of p over a key block is reduced. "sum": tl.sum, in the order of the
+    # MMA layout (above). "mma": a tensor-core dot with ones (`row_sum_mma`), the same bits
+    # for every tile shape and warp count (GPU test over 1-8 decode warps), but measured on an
+    # H200: prefill 6% slower (16k: 1.109x SDPA), decode at most 15% faster (docs/gpu.md).
+    row_sum: str = "sum"
     num_stages: int = 3
     num_stages_split: int = 3
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
@@ -158,6 +161,8 @@ def _block_update(
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
     p = tl.exp2(s * qk_scale - m_use[:, None])
+    if not ROW_SUM_MMA:  # in the order of the MMA layout (AttentionConfig.row_sum)
+        lsum = lsum * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
@@ -165,8 +170,6 @@ def _block_update(
     pv = p.to(v.dtype)
     if ROW_SUM_MMA:
         lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
-    else:  # tl.sum's order follows the layout: the negative control only
-        lsum = lsum * alpha + tl.sum(p, 1)
     acc = tl.dot(pv, v, acc * alpha[:, None])
     return m_new, lsum, acc
 

@@ -64,8 +64,10 @@ SPLIT_TABLE: tuple[tuple[int, int], ...] = (
 # (largest M, largest N, largest K, config): the first row that fits is used. Chosen on an H200
 # (Triton 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep with a clean L2
 # (docs/gpu.md, bench/results/). Small M is bandwidth-bound: narrow N tiles for enough CTAs.
-# Mid M: 64-row tiles; at K > 8192 one program per split. Large M: 128x128 tiles, persistent
-# for wide N; at K > 8192 (two splits) 128x256 tiles did best.
+# Mid M: 64-row tiles; at K > 8192 one program per split; at M 129-512 256x128 tiles for
+# N > 4096 (fourth session's mid-M sweep, bench/results/gpu_matmul_midm_sweep_h200.json).
+# Large M: 128x128 tiles, persistent for wide N (GROUP_M 16 up to M 2048: lm_head 1.14x ->
+# 1.05x of cuBLAS at M 2048); at K > 8192 (two splits) 128x256 tiles did best.
 _C = MatmulConfig
 TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
     (16, 4096, 8192, _C(16, 32, 256, 4, 5, tma=True)),
@@ -74,16 +76,19 @@ TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
     (16, _INF, _INF, _C(16, 64, 256, 4, 4, tma=True, split_programs=True)),
     (32, 4096, 8192, _C(32, 32, 256, 4, 5, tma=True)),
     (32, 8192, 8192, _C(32, 64, 256, 4, 4, tma=True)),
-    (32, 32768, 8192, _C(32, 32, 256, 4, 4)),
+    (32, 32768, 8192, _C(32, 128, 64, 4, 6, tma=True)),
     (32, _INF, 8192, _C(32, 64, 128, 4, 5, tma=True)),
     (32, _INF, _INF, _C(32, 64, 128, 4, 5, tma=True, split_programs=True)),
-    (128, 4096, 8192, _C(64, 64, 256, 4, 3, tma=True)),
+    (128, 4096, 8192, _C(64, 64, 128, 4, 4, tma=True)),
     (128, 32768, 8192, _C(64, 128, 128, 4, 4, tma=True)),
-    (128, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True)),
+    (128, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
     (128, _INF, _INF, _C(64, 128, 128, 4, 4, tma=True, split_programs=True)),
+    (512, 4096, _INF, _C(128, 128, 64, 8, 4, tma=True)),
+    (512, 8192, 8192, _C(256, 128, 64, 8, 3, tma=True)),
     (512, 8192, _INF, _C(128, 128, 64, 8, 4, tma=True)),
-    (512, _INF, _INF, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
+    (512, _INF, _INF, _C(256, 128, 64, 8, 3, tma=True)),
     (2048, 8192, 8192, _C(128, 128, 64, 8, 5, tma=True)),
+    (2048, _INF, 8192, _C(128, 128, 64, 8, 4, group_m=16, tma=True, persistent=True)),
     (_INF, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
     (_INF, _INF, _INF, _C(128, 256, 64, 8, 3, tma=True)),
 )
