@@ -66,8 +66,9 @@ SPLIT_TABLE: tuple[tuple[int, int], ...] = (
 # (docs/gpu.md, bench/results/). Small M is bandwidth-bound: narrow N tiles for enough CTAs.
 # Mid M: 64-row tiles; at K > 8192 one program per split; at M 129-512 256x128 tiles for
 # N > 4096 (fourth session's mid-M sweep, bench/results/gpu_matmul_midm_sweep_h200.json).
-# Large M: 128x128 tiles, persistent for wide N (GROUP_M 16 up to M 2048: lm_head 1.14x ->
-# 1.05x of cuBLAS at M 2048); at K > 8192 (two splits) 128x256 tiles did best.
+# Large M: persistent 128x128 tiles walked in groups of 16 M-tiles (GROUP_M 16: lm_head
+# 1.14x -> 1.03x of cuBLAS at M 2048, qkv 1.11x -> 1.08x at M 8192; ..._largem_sweep_h200.json),
+# 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits) 128x256 tiles did best.
 _C = MatmulConfig
 TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
     (16, 4096, 8192, _C(16, 32, 256, 4, 5, tma=True)),
@@ -87,9 +88,8 @@ TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
     (512, 8192, 8192, _C(256, 128, 64, 8, 3, tma=True)),
     (512, 8192, _INF, _C(128, 128, 64, 8, 4, tma=True)),
     (512, _INF, _INF, _C(256, 128, 64, 8, 3, tma=True)),
-    (2048, 8192, 8192, _C(128, 128, 64, 8, 5, tma=True)),
-    (2048, _INF, 8192, _C(128, 128, 64, 8, 4, group_m=16, tma=True, persistent=True)),
-    (_INF, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
+    (2048, 8192, 8192, _C(256, 128, 64, 8, 3, tma=True)),
+    (_INF, _INF, 8192, _C(128, 128, 64, 8, 4, group_m=16, tma=True, persistent=True)),
     (_INF, _INF, _INF, _C(128, 256, 64, 8, 3, tma=True)),
 )
 
