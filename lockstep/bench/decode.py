@@ -36,40 +36,56 @@ class DecodeResult:
 def run_decode_bench(
     engine: Engine, batch: int, prompt_len: int, gen_len: int, seed: int = 0
 ) -> DecodeResult:
+    """Prefill `batch` prompts, then time `gen_len` decode steps during which all `batch`
+    requests decode (the steady window). Requests finish their prefills at different steps,
+    so each may generate more than gen_len tokens; none reaches its limit inside the window
+    (no batch shrinking, no new CUDA-graph bucket captured while timing), and all are
+    aborted after it."""
     rng = random.Random(seed)
     vocab = engine.decoder.spec.vocab_size
-    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    # Steps until the last prompt is prefilled, at most: each step's budget, less one token
+    # per decoding request, goes to prompts. A request decodes from its first token on.
+    per_step = max(1, engine.config.max_batch_tokens - batch)
+    prefill_steps = -(-batch * prompt_len // per_step) + 1
+    params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, temperature=0.0,
+                            ignore_eos=True)  # fmt: skip
     # Distinct first tokens so no request hits another's prefix in the cache.
-    for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        engine.add_request(f"bench-{seed}-{i}", prompt, params)
+    ids = [f"bench-{seed}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(vocab) for _ in range(prompt_len)], params)
     t0 = time.perf_counter()
-    first_token_at = None
-    steps_after_first = 0
-    while engine.has_unfinished():
+    window_start = None
+    steps = 0
+    while steps < gen_len:
         outs = engine.step()
-        if first_token_at is None:
+        if window_start is None:
             if _is_cuda(engine):
                 torch.cuda.synchronize()
-            if len(outs) == batch:
-                first_token_at = time.perf_counter()
-        else:
-            # No per-step device sync: with overlapped decode a step launched ahead would be
-            # drained and the host's work could not overlap it (plain steps sync on their own).
-            steps_after_first += 1
+            if len(outs) == batch:  # every request has its first token: decoding from here
+                window_start = time.perf_counter()
+            continue
+        # No per-step device sync: with overlapped decode a step launched ahead would be
+        # drained and the host's work could not overlap it (plain steps sync on their own).
+        if len(outs) != batch or any(o.finished for o in outs):
+            raise AssertionError("a request stopped inside the timed window")
+        steps += 1
+    window_end = time.perf_counter()
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished():
+        engine.step()
     if _is_cuda(engine):
         torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    assert first_token_at is not None
-    decode_s = t1 - first_token_at
+    assert window_start is not None
+    decode_s = window_end - window_start
     return DecodeResult(
         mode=engine.config.mode,
         batch=batch,
         prompt_len=prompt_len,
         gen_len=gen_len,
-        prefill_tok_s=batch * prompt_len / (first_token_at - t0),
-        decode_tok_s=batch * steps_after_first / decode_s if decode_s > 0 else float("nan"),
-        decode_ms_per_step=1000 * decode_s / max(steps_after_first, 1),
+        prefill_tok_s=batch * prompt_len / (window_start - t0),
+        decode_tok_s=batch * steps / decode_s,
+        decode_ms_per_step=1000 * decode_s / steps,
     )
 
 
