@@ -124,8 +124,11 @@ def main() -> None:
         import cProfile
         import pstats
 
-        engine.add_request("h", [(5 * i + 1) % vocab for i in range(args.prompt_len)], params)
-        engine.step()
+        for r in range(args.batch):  # the same batch again, its prefill and graph done first
+            engine.add_request(f"h{r}", [(5 * i + 1 + 13 * r) % vocab
+                                         for i in range(args.prompt_len)], params)  # fmt: skip
+        while any(not q.output_ids for q in engine.requests.values()):
+            engine.step()
         engine.step()
         prof_host = cProfile.Profile()
         prof_host.enable()

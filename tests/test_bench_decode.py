@@ -49,5 +49,14 @@ def test_negative_control_a_shrinking_batch_is_refused(monkeypatch) -> None:
         return outs[:-1] if len(calls) > 8 and len(outs) == 4 else outs
 
     engine.step = dropping_step
-    with pytest.raises(AssertionError, match="inside the timed window"):
+    with pytest.raises(AssertionError, match="shrank inside the timed window"):
+        run_decode_bench(engine, batch=4, prompt_len=40, gen_len=6)
+
+
+def test_a_pool_too_small_for_the_batch_is_a_clear_error() -> None:
+    """Requests that cannot all hold their KV at once would be preempted in turn and never
+    decode together: refused up front instead of looping."""
+    engine = Engine(EngineConfig(model="random:tiny", device="cpu", kv_tokens=200,
+                                 max_batch_tokens=64, chunk_size=64, max_running=4))  # fmt: skip
+    with pytest.raises(ValueError, match="raise --kv-tokens"):
         run_decode_bench(engine, batch=4, prompt_len=40, gen_len=6)

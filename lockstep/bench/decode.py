@@ -49,6 +49,13 @@ def run_decode_bench(
     prefill_steps = -(-batch * prompt_len // per_step) + 1
     params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, temperature=0.0,
                             ignore_eos=True)  # fmt: skip
+    need = batch * (prompt_len + params.max_tokens)
+    if need > engine.pool.num_slots:
+        raise ValueError(
+            f"batch {batch} of {prompt_len}-token prompts decoding {params.max_tokens} tokens "
+            f"needs {need} KV slots to run together; the pool holds {engine.pool.num_slots}: "
+            "raise --kv-tokens"
+        )
     # Distinct first tokens so no request hits another's prefix in the cache.
     ids = [f"bench-{seed}-{i}" for i in range(batch)]
     for rid in ids:
@@ -57,6 +64,8 @@ def run_decode_bench(
     window_start = None
     steps = 0
     while steps < gen_len:
+        if not engine.has_unfinished():
+            raise AssertionError("the requests finished before the timed window ended")
         outs = engine.step()
         if window_start is None:
             if _is_cuda(engine):
@@ -67,7 +76,8 @@ def run_decode_bench(
         # No per-step device sync: with overlapped decode a step launched ahead would be
         # drained and the host's work could not overlap it (plain steps sync on their own).
         if len(outs) != batch or any(o.finished for o in outs):
-            raise AssertionError("a request stopped inside the timed window")
+            raise AssertionError("the batch shrank inside the timed window (a request stopped "
+                                 "or was preempted)")  # fmt: skip
         steps += 1
     window_end = time.perf_counter()
     for rid in ids:
