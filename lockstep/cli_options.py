@@ -1,7 +1,8 @@
 """Command-line flags for engine options, shared by every subcommand that starts an engine.
 
 One flag per `EngineConfig` field, generated from the dataclass so a new option cannot be
-forgotten; booleans that default to True get a `--no-...` flag.
+forgotten; booleans that default to True get a `--no-...` flag, and `bool | None` options
+(None: decided by the device) get both `--flag` and `--no-flag`.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class EngineConfig:
         _positive_int("max_running", self.max_running)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
-        if self.overlap_decode not in (None, True, False):
+        if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(
                 f"overlap_decode={self.overlap_decode!r} is invalid: expected true, false or"
                 " null (on for CUDA)"

@@ -191,6 +191,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "mode": args.mode,
         "model": args.model,
+        "overlap_decode": engine.config.use_overlap_decode,
         "copy_tb_s": bw,
         "param_bytes": param_bytes,
         "floor_ms": floor_ms,

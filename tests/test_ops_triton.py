@@ -519,6 +519,17 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     assert not torch.equal(other, full), "a different key block gave the same bits"
 
 
+def test_attention_row_sum_by_dot_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:
+    """`row_sum="mma"`: accurate, decode (split path) rows equal the prefill's at every
+    position tried, and (control) the option is applied: its bits are not tl.sum's."""
+    mma = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "mma"})
+    want = pool.run(0, SEQ, cfg=mma, path="prefill")
+    assert rel_err(want, pool.reference()) < TOL
+    for p in range(0, SEQ, 1 if not GPU else 11):
+        assert torch.equal(pool.run(p, 1, cfg=mma, path="split"), want[p : p + 1]), p
+    assert not torch.equal(want, full), "row_sum='mma' gave tl.sum's bits: not applied"
+
+
 @pytest.mark.skipif(not GPU, reason="the interpreter has no warps or MMA layouts")
 def test_attention_decode_tiles_on_any_warp_count_match_prefill(
     pool: Pool, full: torch.Tensor

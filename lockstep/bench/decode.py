@@ -20,6 +20,7 @@ import torch
 
 from lockstep.engine.engine import Engine
 from lockstep.engine.sampling_params import SamplingParams
+from lockstep.errors import ConfigError
 
 
 @dataclass
@@ -41,6 +42,9 @@ def run_decode_bench(
     so each may generate more than gen_len tokens; none reaches its limit inside the window
     (no batch shrinking, no new CUDA-graph bucket captured while timing), and all are
     aborted after it."""
+    if gen_len < 1 or prompt_len < 1 or batch < 1:
+        raise ConfigError(f"decode benchmark: batch={batch}, prompt_len={prompt_len} and "
+                          f"gen_len={gen_len} must all be >= 1")  # fmt: skip
     rng = random.Random(seed)
     vocab = engine.decoder.spec.vocab_size
     # Steps until the last prompt is prefilled, at most: each step's budget, less one token
@@ -49,9 +53,9 @@ def run_decode_bench(
     prefill_steps = -(-batch * prompt_len // per_step) + 1
     params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, temperature=0.0,
                             ignore_eos=True)  # fmt: skip
-    need = batch * (prompt_len + params.max_tokens)
+    need = batch * (prompt_len + params.max_tokens - 1)  # the engine's bound per request
     if need > engine.pool.num_slots:
-        raise ValueError(
+        raise ConfigError(
             f"batch {batch} of {prompt_len}-token prompts decoding {params.max_tokens} tokens "
             f"needs {need} KV slots to run together; the pool holds {engine.pool.num_slots}: "
             "raise --kv-tokens"
@@ -68,10 +72,12 @@ def run_decode_bench(
             raise AssertionError("the requests finished before the timed window ended")
         outs = engine.step()
         if window_start is None:
-            if _is_cuda(engine):
-                torch.cuda.synchronize()
             if len(outs) == batch:  # every request has its first token: decoding from here
+                # No sync here: a step launched ahead (overlapped decode) is in flight, and
+                # the window's end is at the same point of the pipeline.
                 window_start = time.perf_counter()
+            elif _is_cuda(engine):  # prefill steps: charge each its own device time
+                torch.cuda.synchronize()
             continue
         # No per-step device sync: with overlapped decode a step launched ahead would be
         # drained and the host's work could not overlap it (plain steps sync on their own).
@@ -112,7 +118,9 @@ def bench_modes(
     for mode in modes:
         opts = dict(options, mode=mode)
         opts["max_running"] = max(max(batches), 1)
-        opts["max_batch_tokens"] = max(opts.get("max_batch_tokens", 1024), prompt_len, max(batches))
+        # Room for the whole batch's decode tokens plus prompt tokens in every step.
+        opts["max_batch_tokens"] = max(opts.get("max_batch_tokens", 1024), prompt_len,
+                                       2 * max(batches))  # fmt: skip
         opts["chunk_size"] = min(opts.get("chunk_size", 512), opts["max_batch_tokens"])
         engine = Engine(EngineConfig.from_options(**opts))
         for b in batches:

@@ -65,7 +65,8 @@ SPLIT_TABLE: tuple[tuple[int, int], ...] = (
 # (Triton 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep with a clean L2
 # (docs/gpu.md, bench/results/). Small M is bandwidth-bound: narrow N tiles for enough CTAs.
 # Mid M: 64-row tiles; at K > 8192 one program per split; at M 129-512 256x128 tiles for
-# N > 4096 (fourth session's mid-M sweep, bench/results/gpu_matmul_midm_sweep_h200.json).
+# N > 4096 at K <= 8192 and for N > 8192 (fourth session's mid-M sweep,
+# bench/results/gpu_matmul_midm_sweep_h200.json).
 # Large M: persistent 128x128 tiles walked in groups of 16 M-tiles (GROUP_M 16: lm_head
 # 1.14x -> 1.03x of cuBLAS at M 2048, qkv 1.11x -> 1.08x at M 8192; ..._largem_sweep_h200.json),
 # 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits) 128x256 tiles did best.
