@@ -115,6 +115,7 @@ def bench_modes(
     from lockstep.config import EngineConfig
 
     results: list[DecodeResult] = []
+    overlap = None
     for mode in modes:
         opts = dict(options, mode=mode)
         opts["max_running"] = max(max(batches), 1)
@@ -123,6 +124,7 @@ def bench_modes(
                                        2 * max(batches))  # fmt: skip
         opts["chunk_size"] = min(opts.get("chunk_size", 512), opts["max_batch_tokens"])
         engine = Engine(EngineConfig.from_options(**opts))
+        overlap = engine.config.use_overlap_decode  # the same for every mode (device only)
         for b in batches:
             # Warm-up at this batch size: kernel compilation and CUDA-graph capture for its
             # bucket happen once per process and are not part of steady-state decode.
@@ -156,7 +158,7 @@ def bench_modes(
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "options": {k: v for k, v in options.items() if v is not None}
-        | {"overlap_decode": EngineConfig.from_options(**options).use_overlap_decode},
+        | {"overlap_decode": overlap},
         "results": [asdict(r) for r in results],
         "det_over_fast_decode": ratios,
     }
