@@ -519,6 +519,20 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     assert not torch.equal(other, full), "a different key block gave the same bits"
 
 
+def test_attention_scores_ahead_gives_the_same_bits(pool: Pool, full: torch.Tensor) -> None:
+    """`scores_ahead` / `scores_ahead_split` only reorder work (the next block's q @ K^T before
+    this block's fold): every row equal, full prefill, chunks from every offset on both
+    paths, one-row decodes (a skipped, repeated or misordered block would change rows)."""
+    ahead = AttentionConfig(**{**ATTN_CFG.__dict__, "scores_ahead": True,
+                               "scores_ahead_split": True})  # fmt: skip
+    assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), full)
+    step = 1 if not GPU else 37
+    for p in range(0, SEQ, step):
+        n = min(SEQ - p, 1 + p % 7)
+        for path in ("prefill", "split"):
+            assert torch.equal(pool.run(p, n, cfg=ahead, path=path), full[p : p + n]), (p, path)
+
+
 def test_attention_row_sum_by_dot_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:
     """`row_sum="mma"`: accurate, decode (split path) rows equal the prefill's at every
     position tried, and (control) the option is applied: its bits are not tl.sum's."""
