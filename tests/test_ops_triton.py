@@ -210,6 +210,44 @@ def test_matmul_split_programs_replay_in_cuda_graphs() -> None:
     assert int(mm.reserve_counters(w.device).count_nonzero()) == 0
 
 
+def test_matmul_l2_prefetch_needs_cuda_and_alignment() -> None:
+    """The prefetch is inline PTX: never under the interpreter or on CPU tensors; on CUDA
+    only for 16-byte aligned rows (a misaligned view of the weight is refused)."""
+    from dataclasses import replace
+
+    cfg = replace(mm.pick_config(1, 64, 64), prefetch_l2=True)
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert not mm._prefetches(cfg, w)
+    assert not mm._prefetches(replace(cfg, prefetch_l2=False), w)
+    if GPU:
+        wc = torch.zeros(64, 72, dtype=torch.bfloat16, device="cuda")
+        assert mm._prefetches(cfg, wc[:, :64])
+        assert not mm._prefetches(cfg, wc[:, 1:65])  # 2-byte offset
+
+
+@pytest.mark.skipif(not GPU, reason="the L2 prefetch is inline PTX (CUDA only)")
+def test_matmul_l2_prefetch_changes_no_bits() -> None:
+    """`prefetch_l2` (weights into L2 before the PDL wait) is a hint: the same rows, for the
+    small-M table configs and one program per split, inside a graph too (PDL is on there)."""
+    from dataclasses import replace
+
+    n, k = SPLIT_SHAPE
+    w = randn(n, k, seed=30, scale=k**-0.5)
+    x = randn(16, k, seed=31)
+    cfgs = [cfg for max_m, _, _, cfg in mm.TILE_TABLE if max_m <= 32]
+    cfgs.append(mm.MatmulConfig(16, 64, 256, 4, 4, tma=True, split_programs=True))
+    for cfg in cfgs:
+        want = mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=3)
+        on = replace(cfg, prefetch_l2=True)
+        assert mm._prefetches(on, w)  # not blind: the prefetching kernel is the one that ran
+        assert torch.equal(mm.matmul(x, w, config=on, out_dtype=torch.float32, splits=3), want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mm.matmul(x, w, config=on, out_dtype=torch.float32, splits=3)
+        graph.replay()
+        assert torch.equal(y, want), cfg
+
+
 def test_matmul_negative_control_split_points_are_visible() -> None:
     """The split tests can fail: another split count changes rows (the fold is not exact)."""
     n, k = SPLIT_SHAPE
