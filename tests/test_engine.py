@@ -220,3 +220,32 @@ def test_slot_table_mirror_tracks_the_list() -> None:
             table.clear()
         n = rng.randint(0, len(table))
         assert table.tensor(n).tolist() == table.ids[:n]
+        assert table.array(n).tolist() == table.ids[:n]
+
+
+def test_attention_meta_from_numpy_tables_equals_the_general_path() -> None:
+    """The engine's numpy slot tables take a joined fast path; it must build the same metadata
+    as lists and tensors, and refuse a short table the same way."""
+    import numpy as np
+    import torch
+
+    from lockstep.ops.base import build_attention_meta
+
+    rng = random.Random(1)
+    for _ in range(50):
+        b = rng.randint(1, 9)
+        counts = [rng.randint(1, 20) for _ in range(b)]
+        starts = [rng.randint(0, 50) for _ in range(b)]
+        lists = [[rng.randrange(10**6) for _ in range(s + n + rng.randint(0, 5))]
+                 for n, s in zip(counts, starts, strict=True)]  # fmt: skip
+        arrays = [np.array(t, dtype=np.int32) for t in lists]
+        fast, general = (
+            build_attention_meta(counts, starts, arrays),
+            build_attention_meta(counts, starts, lists),
+        )
+        for name in ("cu_q", "q_start", "kv_len", "cu_kv", "slot_table"):
+            a, g = getattr(fast, name), getattr(general, name)
+            assert a.dtype == g.dtype and torch.equal(a, g), name
+        assert (fast.max_q, fast.max_kv) == (general.max_q, general.max_kv)
+    with pytest.raises(ValueError, match="slot table of 3 entries for 5 keys"):
+        build_attention_meta([2], [3], [np.arange(3, dtype=np.int32)])

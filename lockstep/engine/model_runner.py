@@ -80,7 +80,7 @@ class ModelRunner:
             out_slots.extend(req.slots.ids[start:end])
             q_counts.append(end - start)
             q_starts.append(start)
-            tables.append(req.slots.tensor(end))
+            tables.append(req.slots.array(end))
             prompt_positions: list[int] = []
             prompt_rows: list[int] = []
             if req.prompt_logprobs is not None:

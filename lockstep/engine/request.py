@@ -57,6 +57,11 @@ class SlotTable:
 
     def tensor(self, n: int) -> torch.Tensor:
         """ids[:n] as an int32 tensor (a view of the mirror: read it before the next change)."""
+        return torch.from_numpy(self.array(n))
+
+    def array(self, n: int) -> np.ndarray:
+        """ids[:n] as an int32 numpy array (a view of the mirror: read it before the next
+        change)."""
         if self._synced < n:
             if self._mirror.size < n:
                 grown = np.empty(max(n, 2 * self._mirror.size, 64), dtype=np.int32)
@@ -64,7 +69,7 @@ class SlotTable:
                 self._mirror = grown
             self._mirror[self._synced : n] = self.ids[self._synced : n]
             self._synced = n
-        return torch.from_numpy(self._mirror[:n])
+        return self._mirror[:n]
 
 
 class Status(enum.Enum):

@@ -76,17 +76,30 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_batch_tokens
         plan: list[ScheduledChunk] = []
+        # The running requests' slots are reserved one by one (preempting where short) and
+        # taken from the pool in one call at the end: the same slots, in the same order, as
+        # one allocation per request, without a pool call per decoding request.
+        owed = 0
         for request in sorted(self.running, key=lambda r: r.arrival):
             if budget == 0:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed, self.chunk_size, budget)
-            if not self._reserve(n, keep=request, planned=plan):
+            if not self._reserve(owed + n, keep=request, planned=plan):
                 self._preempt(request)
                 continue
-            plan.append(self._allocate(request, n))
+            start = request.num_computed
+            plan.append(ScheduledChunk(request, start, start + n))
+            owed += n
             budget -= n
+        if owed:
+            ids = self.pool.alloc(owed).tolist()
+            at = 0
+            for chunk in plan:
+                n = chunk.end - chunk.start
+                chunk.request.slots.extend(ids[at : at + n])
+                at += n
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             chunk = self._admit_one(budget, plan)
             if chunk is None:

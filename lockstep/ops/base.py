@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -64,10 +65,15 @@ class AttentionMeta:
 
 
 def build_attention_meta(
-    q_counts: list[int], q_starts: list[int], slot_tables: list[list[int]] | list[torch.Tensor]
+    q_counts: list[int],
+    q_starts: list[int],
+    slot_tables: list[list[int]] | list[torch.Tensor] | list[np.ndarray],
 ) -> AttentionMeta:
     """Build metadata on the CPU from per-sequence query counts, first positions and slot
-    tables (slot_tables[b] must hold at least q_starts[b] + q_counts[b] entries)."""
+    tables (slot_tables[b] must hold at least q_starts[b] + q_counts[b] entries). Int32 numpy
+    tables (the engine's) are joined by one numpy concatenation, without a tensor each."""
+    if slot_tables and all(isinstance(t, np.ndarray) for t in slot_tables):
+        return _meta_from_arrays(q_counts, q_starts, slot_tables)
     cu_q = [0]
     cu_kv = [0]
     kv_len = []
@@ -87,6 +93,27 @@ def build_attention_meta(
         kv_len=torch.tensor(kv_len, dtype=i32),
         cu_kv=torch.tensor(cu_kv, dtype=i32),
         slot_table=torch.cat(tables) if tables else torch.zeros(0, dtype=i32),
+        max_q=max(q_counts, default=0),
+        max_kv=max(kv_len, default=0),
+    )
+
+
+def _meta_from_arrays(
+    q_counts: list[int], q_starts: list[int], slot_tables: list[np.ndarray]
+) -> AttentionMeta:
+    kv_len = [start + n for n, start in zip(q_counts, q_starts, strict=True)]
+    short = next((i for i, t in enumerate(slot_tables) if len(t) < kv_len[i]), None)
+    if short is not None:
+        raise ValueError(f"slot table of {len(slot_tables[short])} entries for "
+                         f"{kv_len[short]} keys")  # fmt: skip
+    joined = np.concatenate([t[:n] for t, n in zip(slot_tables, kv_len, strict=True)])
+    i32 = torch.int32
+    return AttentionMeta(
+        cu_q=torch.tensor(np.concatenate(([0], np.cumsum(q_counts))), dtype=i32),
+        q_start=torch.tensor(list(q_starts), dtype=i32),
+        kv_len=torch.tensor(kv_len, dtype=i32),
+        cu_kv=torch.tensor(np.concatenate(([0], np.cumsum(kv_len))), dtype=i32),
+        slot_table=torch.from_numpy(joined.astype(np.int32, copy=False)),
         max_q=max(q_counts, default=0),
         max_kv=max(kv_len, default=0),
     )
