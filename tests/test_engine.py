@@ -223,14 +223,18 @@ def test_slot_table_mirror_tracks_the_list() -> None:
         assert table.array(n).tolist() == table.ids[:n]
 
 
-def test_attention_meta_from_numpy_tables_equals_the_general_path() -> None:
+def test_attention_meta_from_numpy_tables_equals_the_general_path(monkeypatch) -> None:
     """The engine's numpy slot tables take a joined fast path; it must build the same metadata
     as lists and tensors, and refuse a short table the same way."""
     import numpy as np
     import torch
 
+    from lockstep.ops import base
     from lockstep.ops.base import build_attention_meta
 
+    fast_calls = []
+    real = base._meta_from_arrays
+    monkeypatch.setattr(base, "_meta_from_arrays", lambda *a: fast_calls.append(1) or real(*a))
     rng = random.Random(1)
     for _ in range(50):
         b = rng.randint(1, 9)
@@ -247,5 +251,8 @@ def test_attention_meta_from_numpy_tables_equals_the_general_path() -> None:
             a, g = getattr(fast, name), getattr(general, name)
             assert a.dtype == g.dtype and torch.equal(a, g), name
         assert (fast.max_q, fast.max_kv) == (general.max_q, general.max_kv)
+    assert len(fast_calls) == 50  # not blind: the numpy path built every `fast`
     with pytest.raises(ValueError, match="slot table of 3 entries for 5 keys"):
         build_attention_meta([2], [3], [np.arange(3, dtype=np.int32)])
+    with pytest.raises(ValueError, match="2 slot tables for 1 sequences"):
+        build_attention_meta([2], [3], [np.arange(5, dtype=np.int32)] * 2)

@@ -39,9 +39,10 @@ def _launches(tree: ast.Module) -> list[tuple[str, ast.Call]]:
     return out
 
 
-# Calls that touch no memory (or only hint L2): allowed before the wait.
-NO_MEMORY_CALLS = {"program_id", "num_programs", "arange", "where", "minimum", "maximum",
-                   "cdiv", "to", "zeros", "full", "l2_prefetch"}  # fmt: skip
+# Calls that touch no memory (or only hint L2), allowed before the wait: these `tl.` functions,
+# the `.to` cast, and `l2_prefetch`. Module helpers are checked through their bodies.
+TL_NO_MEMORY = {"program_id", "num_programs", "arange", "where", "minimum", "maximum", "cdiv",
+                "zeros", "full"}  # fmt: skip
 
 
 def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
@@ -51,29 +52,31 @@ def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
     return body
 
 
-def _called(node: ast.AST) -> list[str]:
-    names = []
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call):
-            f = n.func
-            names.append(f.id if isinstance(f, ast.Name) else getattr(f, "attr", "?"))
-    return names
+def _call_allowed(call: ast.Call, functions: dict, seen: frozenset) -> bool:
+    f = call.func
+    if isinstance(f, ast.Name):
+        if f.id in functions:  # a module helper, even one named like an allowed function
+            return f.id not in seen and _touches_no_memory(
+                _body(functions[f.id]), functions, seen | {f.id}
+            )
+        return f.id == "l2_prefetch"
+    if isinstance(f, ast.Attribute):
+        if isinstance(f.value, ast.Name) and f.value.id == "tl":
+            return f.attr in TL_NO_MEMORY
+        return f.attr == "to"  # a dtype cast of a value
+    return False
 
 
 def _touches_no_memory(
     stmts: list[ast.stmt], functions: dict, seen: frozenset = frozenset()
 ) -> bool:
-    """Every call in these statements is in NO_MEMORY_CALLS or a module function whose own
-    body passes this check (recursively)."""
-    for stmt in stmts:
-        for name in _called(stmt):
-            if name in NO_MEMORY_CALLS:
-                continue
-            if name in functions and name not in seen:
-                if _touches_no_memory(_body(functions[name]), functions, seen | {name}):
-                    continue
-            return False
-    return True
+    """Every call in these statements is allowed (above), directly or through helpers."""
+    return all(
+        _call_allowed(n, functions, seen)
+        for stmt in stmts
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Call)
+    )
 
 
 def _waits_first(kernel: ast.FunctionDef, functions: dict) -> bool:
@@ -138,6 +141,11 @@ def test_the_check_sees_a_kernel_that_skips_the_wait() -> None:
         "def k(x, PDL):\n    if P:\n        h(x)\n    wait_for_inputs(PDL)\n"
     )
     assert not verdict("def k(x, PDL):\n    y = x + 1\n")
+    assert not verdict(
+        "def where(x):\n    return tl.load(x)\n"
+        "def k(x, PDL):\n    where(x)\n    wait_for_inputs(PDL)\n"
+    )
+    assert not verdict("def k(x, PDL):\n    x.load([0])\n    wait_for_inputs(PDL)\n")
     assert verdict(
         "def h(w, i):\n    l2_prefetch(w + tl.arange(0, 4) * i, 16)\n"
         "def k(w, PDL):\n    if P:\n        h(w, tl.program_id(0))\n"

@@ -561,14 +561,41 @@ def test_attention_scores_ahead_gives_the_same_bits(pool: Pool, full: torch.Tens
     """`scores_ahead` / `scores_ahead_split` only reorder work (the next block's q @ K^T before
     this block's fold): every row equal, full prefill, chunks from every offset on both
     paths, one-row decodes (a skipped, repeated or misordered block would change rows)."""
-    ahead = AttentionConfig(**{**ATTN_CFG.__dict__, "scores_ahead": True,
-                               "scores_ahead_split": True})  # fmt: skip
-    assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), full)
-    step = 1 if not GPU else 37
-    for p in range(0, SEQ, step):
-        n = min(SEQ - p, 1 + p % 7)
+    from lockstep.ops.triton import attention
+
+    # The table's split, and one of four key blocks (the interpreter's table split holds two
+    # blocks, so the carried-scores loop would run at most once per split).
+    for split in (ATTN_CFG.split, 4 * ATTN_CFG.block_n):
+        base = AttentionConfig(**{**ATTN_CFG.__dict__, "split": split})
+        want = full if split == ATTN_CFG.split else pool.run(0, SEQ, cfg=base, path="prefill")
+        ahead = AttentionConfig(**{**base.__dict__, "scores_ahead": True,
+                                   "scores_ahead_split": True})  # fmt: skip
+        assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), want)
+        step = 1 if not GPU else 37
+        for p in range(0, SEQ, step):
+            n = min(SEQ - p, 1 + p % 7)
+            for path in ("prefill", "split"):
+                got = pool.run(p, n, cfg=ahead, path=path)
+                assert torch.equal(got, want[p : p + n]), (split, p, path)
+    # Not blind: the flag reaches the kernel on both paths.
+    seen = []
+    kernel = attention._attn_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["SCORES_AHEAD"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    attention._attn_fwd = Spy()
+    try:
         for path in ("prefill", "split"):
-            assert torch.equal(pool.run(p, n, cfg=ahead, path=path), full[p : p + n]), (p, path)
+            pool.run(SEQ - 2, 2, cfg=ahead, path=path)
+    finally:
+        attention._attn_fwd = kernel
+    assert seen == [True, True]
 
 
 def test_attention_row_sum_by_dot_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:

@@ -76,9 +76,11 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_batch_tokens
         plan: list[ScheduledChunk] = []
-        # The running requests' slots are reserved one by one (preempting where short) and
-        # taken from the pool in one call at the end: the same slots, in the same order, as
-        # one allocation per request, without a pool call per decoding request.
+        # The running requests' slots are reserved one by one (evicting or preempting where
+        # short) and taken from the pool in one call at the end, without a pool call per
+        # decoding request. The plan and the preemptions are those of one allocation per
+        # request; the slot ids differ where a reservation freed slots mid-loop (outputs never
+        # depend on slot ids: the contract).
         owed = 0
         for request in sorted(self.running, key=lambda r: r.arrival):
             if budget == 0:

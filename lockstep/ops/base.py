@@ -101,6 +101,8 @@ def build_attention_meta(
 def _meta_from_arrays(
     q_counts: list[int], q_starts: list[int], slot_tables: list[np.ndarray]
 ) -> AttentionMeta:
+    if len(slot_tables) != len(q_counts):
+        raise ValueError(f"{len(slot_tables)} slot tables for {len(q_counts)} sequences")
     kv_len = [start + n for n, start in zip(q_counts, q_starts, strict=True)]
     short = next((i for i, t in enumerate(slot_tables) if len(t) < kv_len[i]), None)
     if short is not None:
