@@ -219,22 +219,20 @@ def test_slot_table_mirror_tracks_the_list() -> None:
         elif op < 0.85:
             table.clear()
         n = rng.randint(0, len(table))
-        assert table.tensor(n).tolist() == table.ids[:n]
         assert table.array(n).tolist() == table.ids[:n]
 
 
-def test_attention_meta_from_numpy_tables_equals_the_general_path(monkeypatch) -> None:
-    """The engine's numpy slot tables take a joined fast path; it must build the same metadata
-    as lists and tensors, and refuse a short table the same way."""
+def test_attention_meta_from_every_table_kind_matches_a_plain_reference() -> None:
+    """build_attention_meta joins the tables with numpy: the engine's int32 arrays, lists and
+    CPU tensors must all give the metadata a plain Python construction gives, and a short
+    table or a wrong table count is refused."""
+    from itertools import accumulate
+
     import numpy as np
     import torch
 
-    from lockstep.ops import base
     from lockstep.ops.base import build_attention_meta
 
-    fast_calls = []
-    real = base._meta_from_arrays
-    monkeypatch.setattr(base, "_meta_from_arrays", lambda *a: fast_calls.append(1) or real(*a))
     rng = random.Random(1)
     for _ in range(50):
         b = rng.randint(1, 9)
@@ -242,16 +240,20 @@ def test_attention_meta_from_numpy_tables_equals_the_general_path(monkeypatch) -
         starts = [rng.randint(0, 50) for _ in range(b)]
         lists = [[rng.randrange(10**6) for _ in range(s + n + rng.randint(0, 5))]
                  for n, s in zip(counts, starts, strict=True)]  # fmt: skip
-        arrays = [np.array(t, dtype=np.int32) for t in lists]
-        fast, general = (
-            build_attention_meta(counts, starts, arrays),
-            build_attention_meta(counts, starts, lists),
-        )
-        for name in ("cu_q", "q_start", "kv_len", "cu_kv", "slot_table"):
-            a, g = getattr(fast, name), getattr(general, name)
-            assert a.dtype == g.dtype and torch.equal(a, g), name
-        assert (fast.max_q, fast.max_kv) == (general.max_q, general.max_kv)
-    assert len(fast_calls) == 50  # not blind: the numpy path built every `fast`
+        kv = [s + n for n, s in zip(counts, starts, strict=True)]
+        want = {
+            "cu_q": [0, *accumulate(counts)], "q_start": starts, "kv_len": kv,
+            "cu_kv": [0, *accumulate(kv)],
+            "slot_table": [x for t, n in zip(lists, kv, strict=True) for x in t[:n]],
+        }  # fmt: skip
+        kinds = (lists, [np.array(t, dtype=np.int32) for t in lists],
+                 [torch.tensor(t, dtype=torch.int64) for t in lists])  # fmt: skip
+        for tables in kinds:
+            meta = build_attention_meta(counts, starts, tables)
+            for name, values in want.items():
+                got = getattr(meta, name)
+                assert got.dtype == torch.int32 and got.tolist() == values, name
+            assert (meta.max_q, meta.max_kv) == (max(counts), max(kv))
     with pytest.raises(ValueError, match="slot table of 3 entries for 5 keys"):
         build_attention_meta([2], [3], [np.arange(3, dtype=np.int32)])
     with pytest.raises(ValueError, match="2 slot tables for 1 sequences"):

@@ -219,9 +219,9 @@ class Engine:
         return self._launch(plan, None)
 
     def _launch(self, plan: list[ScheduledChunk], source: TokenSource | None) -> _Launched:
-        """Enqueue the forward, log-softmax and token choice of `plan` on the device; no host
-        wait (except where a sampling filter reads a value back). Each sampling request gets
-        a pending token."""
+        """Enqueue the forward, log-softmax and token choice of `plan` on the device, with no
+        host wait (the eager CUDA path's patch indices aside: ModelRunner.run). Each sampling
+        request gets a pending token."""
         logits, layout = self.runner.run(plan, source)
         logprobs = self.ops.log_softmax(logits)
         prefill_done_before: list[bool] = []

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
@@ -54,10 +53,6 @@ class SlotTable:
     def clear(self) -> None:
         self.ids = []
         self._synced = 0
-
-    def tensor(self, n: int) -> torch.Tensor:
-        """ids[:n] as an int32 tensor (a view of the mirror: read it before the next change)."""
-        return torch.from_numpy(self.array(n))
 
     def array(self, n: int) -> np.ndarray:
         """ids[:n] as an int32 numpy array (a view of the mirror: read it before the next

@@ -70,37 +70,9 @@ def build_attention_meta(
     slot_tables: list[list[int]] | list[torch.Tensor] | list[np.ndarray],
 ) -> AttentionMeta:
     """Build metadata on the CPU from per-sequence query counts, first positions and slot
-    tables (slot_tables[b] must hold at least q_starts[b] + q_counts[b] entries). Int32 numpy
-    tables (the engine's) are joined by one numpy concatenation, without a tensor each."""
-    if slot_tables and all(isinstance(t, np.ndarray) for t in slot_tables):
-        return _meta_from_arrays(q_counts, q_starts, slot_tables)
-    cu_q = [0]
-    cu_kv = [0]
-    kv_len = []
-    tables = []
-    for n, start, table in zip(q_counts, q_starts, slot_tables, strict=True):
-        length = start + n
-        if len(table) < length:
-            raise ValueError(f"slot table of {len(table)} entries for {length} keys")
-        cu_q.append(cu_q[-1] + n)
-        cu_kv.append(cu_kv[-1] + length)
-        kv_len.append(length)
-        tables.append(torch.as_tensor(table[:length], dtype=torch.int32))
-    i32 = torch.int32
-    return AttentionMeta(
-        cu_q=torch.tensor(cu_q, dtype=i32),
-        q_start=torch.tensor(list(q_starts), dtype=i32),
-        kv_len=torch.tensor(kv_len, dtype=i32),
-        cu_kv=torch.tensor(cu_kv, dtype=i32),
-        slot_table=torch.cat(tables) if tables else torch.zeros(0, dtype=i32),
-        max_q=max(q_counts, default=0),
-        max_kv=max(kv_len, default=0),
-    )
-
-
-def _meta_from_arrays(
-    q_counts: list[int], q_starts: list[int], slot_tables: list[np.ndarray]
-) -> AttentionMeta:
+    tables (slot_tables[b] must hold at least q_starts[b] + q_counts[b] entries). The tables
+    (the engine's are int32 numpy views; lists and CPU tensors are taken too) are joined by
+    one numpy concatenation, without a tensor per sequence."""
     if len(slot_tables) != len(q_counts):
         raise ValueError(f"{len(slot_tables)} slot tables for {len(q_counts)} sequences")
     kv_len = [start + n for n, start in zip(q_counts, q_starts, strict=True)]
@@ -108,14 +80,16 @@ def _meta_from_arrays(
     if short is not None:
         raise ValueError(f"slot table of {len(slot_tables[short])} entries for "
                          f"{kv_len[short]} keys")  # fmt: skip
-    joined = np.concatenate([t[:n] for t, n in zip(slot_tables, kv_len, strict=True)])
+    parts = [t[:n] if isinstance(t, np.ndarray) else np.asarray(t[:n])
+             for t, n in zip(slot_tables, kv_len, strict=True)]  # fmt: skip
+    joined = np.concatenate(parts).astype(np.int32, copy=False) if parts else np.zeros(0, np.int32)
     i32 = torch.int32
     return AttentionMeta(
-        cu_q=torch.tensor(np.concatenate(([0], np.cumsum(q_counts))), dtype=i32),
+        cu_q=torch.tensor([0, *np.cumsum(q_counts, dtype=np.int64).tolist()], dtype=i32),
         q_start=torch.tensor(list(q_starts), dtype=i32),
         kv_len=torch.tensor(kv_len, dtype=i32),
-        cu_kv=torch.tensor(np.concatenate(([0], np.cumsum(kv_len))), dtype=i32),
-        slot_table=torch.from_numpy(joined.astype(np.int32, copy=False)),
+        cu_kv=torch.tensor([0, *np.cumsum(kv_len, dtype=np.int64).tolist()], dtype=i32),
+        slot_table=torch.from_numpy(joined),
         max_q=max(q_counts, default=0),
         max_kv=max(kv_len, default=0),
     )
