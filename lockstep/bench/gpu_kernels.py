@@ -259,15 +259,12 @@ def run_attention_bits(log) -> dict:
     slots = paged_slots([length])[0]
     meta = build_attention_meta([length], [0], [slots]).to("cuda")
     f32 = torch.float32
-    outs = {
-        f"prefill:{name}": paged_attention(q, k, v, meta, HD**-0.5, cfg, "prefill", f32)
-        for name, cfg in SWEEP_ATTN_PREFILL.items()
-    }
     dmeta = build_attention_meta([1] * length, list(range(length)), [slots] * length).to("cuda")
-    for name, cfg in SWEEP_ATTN_DECODE.items():
-        outs[f"decode:{name}"] = paged_attention(q, k, v, dmeta, HD**-0.5, cfg, "split", f32)
-    configs = {f"prefill:{n}": c for n, c in SWEEP_ATTN_PREFILL.items()}
-    configs |= {f"decode:{n}": c for n, c in SWEEP_ATTN_DECODE.items()}
+    runs = {f"prefill:{n}": (c, "prefill", meta) for n, c in SWEEP_ATTN_PREFILL.items()}
+    runs |= {f"decode:{n}": (c, "split", dmeta) for n, c in SWEEP_ATTN_DECODE.items()}
+    outs = {name: paged_attention(q, k, v, m, HD**-0.5, cfg, path, f32)
+            for name, (cfg, path, m) in runs.items()}  # fmt: skip
+    configs = {name: cfg for name, (cfg, _, _) in runs.items()}
     bases = {}
     for name, cfg in configs.items():
         bases.setdefault(cfg.row_sum, name)
