@@ -210,44 +210,6 @@ def test_matmul_split_programs_replay_in_cuda_graphs() -> None:
     assert int(mm.reserve_counters(w.device).count_nonzero()) == 0
 
 
-def test_matmul_l2_prefetch_needs_cuda_and_alignment() -> None:
-    """The prefetch is inline PTX: never under the interpreter or on CPU tensors; on CUDA
-    only for 16-byte aligned rows (a misaligned view of the weight is refused)."""
-    from dataclasses import replace
-
-    cfg = replace(mm.pick_config(1, 64, 64), prefetch_l2=True)
-    w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    assert not mm._prefetches(cfg, w)
-    assert not mm._prefetches(replace(cfg, prefetch_l2=False), w)
-    if GPU:
-        wc = torch.zeros(64, 72, dtype=torch.bfloat16, device="cuda")
-        assert mm._prefetches(cfg, wc[:, :64])
-        assert not mm._prefetches(cfg, wc[:, 1:65])  # 2-byte offset
-
-
-@pytest.mark.skipif(not GPU, reason="the L2 prefetch is inline PTX (CUDA only)")
-def test_matmul_l2_prefetch_changes_no_bits() -> None:
-    """`prefetch_l2` (weights into L2 before the PDL wait) is a hint: the same rows, for the
-    small-M table configs and one program per split, inside a graph too (PDL is on there)."""
-    from dataclasses import replace
-
-    n, k = SPLIT_SHAPE
-    w = randn(n, k, seed=30, scale=k**-0.5)
-    x = randn(16, k, seed=31)
-    cfgs = [cfg for max_m, _, _, cfg in mm.TILE_TABLE if max_m <= 32]
-    cfgs.append(mm.MatmulConfig(16, 64, 256, 4, 4, tma=True, split_programs=True))
-    for cfg in cfgs:
-        want = mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=3)
-        on = replace(cfg, prefetch_l2=True)
-        assert mm._prefetches(on, w)  # not blind: the prefetching kernel is the one that ran
-        assert torch.equal(mm.matmul(x, w, config=on, out_dtype=torch.float32, splits=3), want)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = mm.matmul(x, w, config=on, out_dtype=torch.float32, splits=3)
-        graph.replay()
-        assert torch.equal(y, want), cfg
-
-
 def test_matmul_negative_control_split_points_are_visible() -> None:
     """The split tests can fail: another split count changes rows (the fold is not exact)."""
     n, k = SPLIT_SHAPE
@@ -555,47 +517,6 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     other = pool.run(0, SEQ, cfg=OTHER_BLOCK_CFG, path="prefill")
     assert rel_err(other, pool.reference()) < TOL
     assert not torch.equal(other, full), "a different key block gave the same bits"
-
-
-def test_attention_scores_ahead_gives_the_same_bits(pool: Pool, full: torch.Tensor) -> None:
-    """`scores_ahead` / `scores_ahead_split` only reorder work (the next block's q @ K^T before
-    this block's fold): every row equal, full prefill, chunks from every offset on both
-    paths, one-row decodes (a skipped, repeated or misordered block would change rows)."""
-    from lockstep.ops.triton import attention
-
-    # The table's split, and one of four key blocks (the interpreter's table split holds two
-    # blocks, so the carried-scores loop would run at most once per split).
-    for split in (ATTN_CFG.split, 4 * ATTN_CFG.block_n):
-        base = AttentionConfig(**{**ATTN_CFG.__dict__, "split": split})
-        want = full if split == ATTN_CFG.split else pool.run(0, SEQ, cfg=base, path="prefill")
-        ahead = AttentionConfig(**{**base.__dict__, "scores_ahead": True,
-                                   "scores_ahead_split": True})  # fmt: skip
-        assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), want)
-        step = 1 if not GPU else 37
-        for p in range(0, SEQ, step):
-            n = min(SEQ - p, 1 + p % 7)
-            for path in ("prefill", "split"):
-                got = pool.run(p, n, cfg=ahead, path=path)
-                assert torch.equal(got, want[p : p + n]), (split, p, path)
-    # Not blind: the flag reaches the kernel on both paths.
-    seen = []
-    kernel = attention._attn_fwd
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs["SCORES_AHEAD"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    attention._attn_fwd = Spy()
-    try:
-        for path in ("prefill", "split"):
-            pool.run(SEQ - 2, 2, cfg=ahead, path=path)
-    finally:
-        attention._attn_fwd = kernel
-    assert seen == [True, True]
 
 
 def test_attention_row_sum_by_dot_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:

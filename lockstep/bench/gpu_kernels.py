@@ -105,14 +105,12 @@ SWEEP_ATTN_PREFILL = {
     "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4),
     "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3),
     "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
-    "r128n64w8s3ahead": AttentionConfig(rows=128, num_warps=8, num_stages=3, scores_ahead=True),
 }
 # Each decode config's bits are compared with the first prefill config of its row_sum.
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
     "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
     "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, num_stages_split=3),
-    "r16n64w1s3ahead": AttentionConfig(rows_split=16, num_warps_split=1, scores_ahead_split=True),
     "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4),  # negative control
     "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1, row_sum="mma"),
     "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2, row_sum="mma"),

@@ -71,11 +71,6 @@ class AttentionConfig:
     # for every tile shape and warp count (GPU test over 1-8 decode warps), but measured on an
     # H200: prefill 6% slower (16k: 1.109x SDPA), decode at most 15% faster (docs/gpu.md).
     row_sum: str = "sum"
-    # Compute the next unmasked key block's q @ K^T before folding the current block (same
-    # bits; a schedule only). Built after the fourth session's device time was spent: not yet
-    # measured, so off (docs/gpu_notes.md has the prediction and the command).
-    scores_ahead: bool = False  # prefill path
-    scores_ahead_split: bool = False  # split (decode) path
     num_stages: int = 3
     num_stages_split: int = 3
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
@@ -134,45 +129,33 @@ def _tile_rows(cu_q, q_start, b, tile, G: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _block_offsets(
-    slots_ptr, kvh, skc, skh, j0, hi,
+def _block_update(
+    m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
+    ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
-    """Gather offsets of a key block's K/V rows and its bounds mask. The K and V caches share
-    one layout, so one offset per element serves both (a decode program is one warp, and
-    64-bit offsets were ~40% of its instructions); they are 32-bit unless the cache holds
-    2**31 elements or more (WIDE)."""
+    """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
+    row sees entirely, where the causal and bounds masks are all-true: same bits, less work.
+    The K and V caches share one layout, so one gather offset per element serves both (a
+    decode program is one warp, and 64-bit offsets were ~40% of its instructions); they are
+    32-bit unless the cache holds 2**31 elements or more (WIDE)."""
     offs_d = tl.arange(0, D)
     offs_j = j0 + tl.arange(0, BLOCK_N)
-    jmask = offs_j < hi
     if MASKED:
+        jmask = offs_j < hi
         slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0)
-    else:
-        slots = tl.load(slots_ptr + offs_j)
-    if WIDE:
-        slots = slots.to(tl.int64)
-    kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
-    return kv_offs, jmask
-
-
-@triton.jit
-def _block_scores(q, k_cache, kv_offs, jmask, MASKED: tl.constexpr):
-    """q @ K^T of one key block (raw scores, no causal mask)."""
-    if MASKED:
+        if WIDE:
+            slots = slots.to(tl.int64)
+        kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
         k = tl.load(k_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
+        slots = tl.load(slots_ptr + offs_j)
+        if WIDE:
+            slots = slots.to(tl.int64)
+        kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
         k = tl.load(k_cache + kv_offs)
-    return tl.dot(q, tl.trans(k))
-
-
-@triton.jit
-def _block_fold(
-    m, lsum, acc, s, v_cache, kv_offs, jmask, pos, j0, qk_scale,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, ROW_SUM_MMA: tl.constexpr,
-):  # fmt: skip
-    """Fold one key block's scores s into the online-softmax state (m in log2 units)."""
+    s = tl.dot(q, tl.trans(k))
     if MASKED:
-        offs_j = j0 + tl.arange(0, BLOCK_N)
         s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -192,20 +175,6 @@ def _block_fold(
 
 
 @triton.jit
-def _block_update(
-    m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
-    ROW_SUM_MMA: tl.constexpr,
-):  # fmt: skip
-    """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
-    row sees entirely, where the causal and bounds masks are all-true: same bits, less work."""
-    kv_offs, jmask = _block_offsets(slots_ptr, kvh, skc, skh, j0, hi, MASKED, BLOCK_N, D, WIDE)
-    s = _block_scores(q, k_cache, kv_offs, jmask, MASKED)
-    return _block_fold(m, lsum, acc, s, v_cache, kv_offs, jmask, pos, j0, qk_scale, MASKED,
-                       BLOCK_N, ROW_SUM_MMA)  # fmt: skip
-
-
-@triton.jit
 def row_sum_mma(p, BLOCK_N: tl.constexpr):
     """Row sums of p as a tensor-core dot with ones: each output is one MMA chain over the
     keys in k-step order, the same whatever the warps, the tile's rows or the instruction
@@ -220,47 +189,20 @@ def row_sum_mma(p, BLOCK_N: tl.constexpr):
 def _split_partial(
     q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
-    ROW_SUM_MMA: tl.constexpr, SCORES_AHEAD: tl.constexpr,
+    ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
     visited in ascending order; those wholly at or before pos_lo (the tile's first position)
-    skip the masks. SCORES_AHEAD computes the next unmasked block's q @ K^T before folding
-    the current one: the same operations on the same values (same bits), but the next
-    block's MMAs no longer wait behind this block's softmax and p @ V chain."""
+    skip the masks."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     lsum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     mid = lo + tl.maximum(tl.minimum(pos_lo + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
-    if SCORES_AHEAD:
-        # Only the scores are carried to the next iteration; a block's gather offsets are
-        # recomputed where its V is read (carrying two blocks' [BLOCK_N, D] offsets spilled
-        # registers: offline compile for sm_90, 1,840 -> 5,896 bytes of stack on one warp).
-        # (Names assigned inside the loop are new there, so only m, lsum, acc, s are
-        # loop-carried.)
-        if lo < mid:
-            offs0, jm0 = _block_offsets(slots_ptr, kvh, skc, skh, lo, hi, False, BLOCK_N, D,
-                                        WIDE)  # fmt: skip
-            s = _block_scores(q, k_cache, offs0, jm0, False)
-            for j0 in range(lo, mid - BLOCK_N, BLOCK_N):
-                offs_n, jm_n = _block_offsets(slots_ptr, kvh, skc, skh, j0 + BLOCK_N, hi, False,
-                                              BLOCK_N, D, WIDE)  # fmt: skip
-                s_n = _block_scores(q, k_cache, offs_n, jm_n, False)
-                offs_c, jm_c = _block_offsets(slots_ptr, kvh, skc, skh, j0, hi, False, BLOCK_N,
-                                              D, WIDE)  # fmt: skip
-                m, lsum, acc = _block_fold(m, lsum, acc, s, v_cache, offs_c, jm_c, pos, j0,
-                                           qk_scale, False, BLOCK_N, ROW_SUM_MMA)  # fmt: skip
-                s = s_n
-            offs_l, jm_l = _block_offsets(slots_ptr, kvh, skc, skh, mid - BLOCK_N, hi, False,
-                                          BLOCK_N, D, WIDE)  # fmt: skip
-            m, lsum, acc = _block_fold(m, lsum, acc, s, v_cache, offs_l, jm_l, pos,
-                                       mid - BLOCK_N, qk_scale, False, BLOCK_N,
-                                       ROW_SUM_MMA)  # fmt: skip
-    else:
-        for j0 in range(lo, mid, BLOCK_N):
-            m, lsum, acc = _block_update(
-                m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi,
-                qk_scale, False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
-            )  # fmt: skip
+    for j0 in range(lo, mid, BLOCK_N):
+        m, lsum, acc = _block_update(
+            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
+            False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+        )  # fmt: skip
     for j0 in range(mid, hi, BLOCK_N):
         m, lsum, acc = _block_update(
             m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
@@ -300,7 +242,6 @@ def _attn_fwd(
     WRITE_PARTIALS: tl.constexpr,
     WIDE: tl.constexpr,
     ROW_SUM_MMA: tl.constexpr,
-    SCORES_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
@@ -325,7 +266,6 @@ def _attn_fwd(
         m, lsum, acc = _split_partial(
             qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
             tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
-            SCORES_AHEAD,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
         smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
@@ -340,7 +280,6 @@ def _attn_fwd(
             m, lsum, acc = _split_partial(
                 qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
                 tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
-                SCORES_AHEAD,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
         o = finalize_rows(l_s, acc_s)
@@ -504,9 +443,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            SCORES_AHEAD=bool(config.scores_ahead),
-            **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma", **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq
@@ -531,8 +468,7 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            SCORES_AHEAD=bool(config.scores_ahead_split), **split_opts,
+            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma", **split_opts,
         )  # fmt: skip
         _attn_merge[(n_tiles, b * hkv)](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,

@@ -15,14 +15,6 @@ it to finish, as without PDL.
 PDL changes when a kernel starts, never what it computes: the bits are the same with it on or
 off (tests/test_gpu_engine.py compares), and `LOCKSTEP_PDL=0` switches it off (benchmarks).
 The Triton interpreter and GPUs before Hopper run without it.
-
-Two experimental switches (read at import, off; built after the fourth session's device time,
-not yet measured): `LOCKSTEP_PDL_TRIGGER_FIRST=1` lets the next kernel launch BEFORE this one's
-wait (still safe: the next kernel waits for this one to complete, which cannot happen before
-this one's own wait returns, so the order stays transitive), so that a kernel's programs can
-be resident a kernel earlier; and the only thing a kernel may do before its wait is
-`l2_prefetch` of memory that no kernel writes (weights): a hint that moves bytes into L2 and
-returns nothing, so it cannot observe a write (see `lockstep.ops.triton.matmul`).
 """
 
 from __future__ import annotations
@@ -35,7 +27,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _ENABLED: dict[int, bool] = {}
-TRIGGER_FIRST = tl.constexpr(os.environ.get("LOCKSTEP_PDL_TRIGGER_FIRST", "0") == "1")
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -60,28 +51,8 @@ def pdl_launch(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """First statement of every kernel (after `l2_prefetch` hints at most): wait for the
-    previous kernel (its writes visible), then allow the next one to launch (before the wait
-    with LOCKSTEP_PDL_TRIGGER_FIRST=1). A no-op when PDL is off."""
+    """First statement of every kernel: wait for the previous kernel (its writes visible),
+    then allow the next one to launch. A no-op when PDL is off."""
     if PDL:
-        if TRIGGER_FIRST:
-            gdc_launch_dependents()
-            gdc_wait()
-        else:
-            gdc_wait()
-            gdc_launch_dependents()
-
-
-@triton.jit
-def l2_prefetch(ptrs, nbytes):
-    """Hint: bring `nbytes` (a multiple of 16) from each 16-byte aligned address of `ptrs` into
-    L2 (Hopper's bulk prefetch). Returns nothing, reads nothing into registers: the one thing
-    a kernel may do before `wait_for_inputs`, and only on memory no kernel writes."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-        "=r,l,r",
-        [ptrs, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+        gdc_wait()
+        gdc_launch_dependents()

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.triton.launch import l2_prefetch, pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -42,15 +42,9 @@ class MatmulConfig:
     warp_specialize: bool = False  # TMA kernels only: producer/consumer warps (Hopper)
     persistent: bool = False  # TMA kernel only: one program per SM walks the tiles
     split_programs: bool = False  # one program per K split, folded by the tile's last program
-    # Pointer/TMA kernel: prefetch this program's weight rows into L2 before waiting for the
-    # previous kernel (PDL), so the weight stream starts under the previous kernel's tail.
-    # Built after the fourth session's device time was spent: not yet measured, so off in the
-    # table; LOCKSTEP_MM_PREFETCH=1 turns it on for small-M configs (BM <= 32), to measure.
-    prefetch_l2: bool = False
 
 
 _INF = 1 << 62
-_PREFETCH_SMALL_M = os.environ.get("LOCKSTEP_MM_PREFETCH", "0") == "1"
 
 # Split points are multiples of this, so that every BK of the table (<= 256) divides a split
 # and no K block straddles two splits.
@@ -103,21 +97,6 @@ TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _prefetches(cfg: MatmulConfig, w: torch.Tensor) -> bool:
-    """Whether the kernel prefetches its weight rows into L2 (cfg.prefetch_l2, or
-    LOCKSTEP_MM_PREFETCH=1 for BM <= 32): CUDA only (inline PTX), and only where every row
-    segment is 16-byte aligned and a multiple of 16 bytes long, as the bulk prefetch needs."""
-    if not (cfg.prefetch_l2 or (_PREFETCH_SMALL_M and cfg.bm <= 32)):
-        return False
-    if w.device.type != "cuda" or _interpreting():
-        return False
-    # Split starts are multiples of SPLIT_ALIGN (256) elements, so 16-byte aligned whenever
-    # the row is; the last split's length is K minus such a start.
-    size = w.element_size()
-    return (w.data_ptr() % 16 == 0 and w.stride(0) * size % 16 == 0
-            and w.shape[1] * size % 16 == 0)  # fmt: skip
 
 
 def pick_config(m: int, n: int, k: int) -> MatmulConfig:
@@ -230,42 +209,14 @@ def _fold_at_last_arrival(part, ws, counters, tile, split, pid_m, pid_n, M, N, N
     return total, is_last
 
 
-@triton.jit
-def _prefetch_weight_rows(w_raw, pid, M, N, K, SPLIT_LEN, NUM_SPLITS, swn,
-                          SPLIT_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          GROUP_M: tl.constexpr):  # fmt: skip
-    """L2 prefetch of the weight rows this program will stream: its tile's BN rows over its
-    split's K range (one program per split) or all of K. Arithmetic on the program id and
-    scalar arguments, then `l2_prefetch`: no load, safe before the PDL wait (weights are never
-    written). The wrapper checks the 16-byte alignment the bulk prefetch needs."""
-    if SPLIT_PROGRAMS:
-        tile = pid // NUM_SPLITS
-        k_lo = (pid % NUM_SPLITS) * SPLIT_LEN
-        k_hi = tl.minimum(K, k_lo + SPLIT_LEN)
-    else:
-        tile = pid
-        k_lo = 0
-        k_hi = K
-    pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rn = tl.where(rn < N, rn, N - 1).to(tl.int64)
-    row_bytes = (k_hi - k_lo) * (w_raw.dtype.element_ty.primitive_bitwidth // 8)
-    l2_prefetch(w_raw + rn * swn + k_lo, tl.zeros([BN], tl.int32) + row_bytes)
-
-
 # M is not specialized (Triton would compile M == 1 apart): one binary per config for all M.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    x, w, w_raw, bias, y, ws, counters, M, N, K, SPLIT_LEN, NUM_SPLITS, sxm, swn, sym,
+    x, w, bias, y, ws, counters, M, N, K, SPLIT_LEN, NUM_SPLITS, sxm, swn, sym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """y = x @ w.T (+bias); `w` is a pointer or (TMA) a tensor descriptor, `w_raw` always the
-    weight's pointer (for the L2 prefetch)."""
-    if PREFETCH:
-        _prefetch_weight_rows(w_raw, tl.program_id(0), M, N, K, SPLIT_LEN, NUM_SPLITS, swn,
-                              SPLIT_PROGRAMS, BM, BN, GROUP_M)  # fmt: skip
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     if SPLIT_PROGRAMS:
@@ -414,9 +365,9 @@ def matmul(
     else:
         ws = counters = y  # unused
     _matmul_kernel[(tiles * (num_splits if split_programs else 1),)](
-        xa, wa, w, b, y, ws, counters, m, n, k, split_len, num_splits, x.stride(0), w.stride(0),
+        xa, wa, b, y, ws, counters, m, n, k, split_len, num_splits, x.stride(0), w.stride(0),
         y.stride(0), HAS_BIAS=has_bias, EVEN_K=k % cfg.bk == 0, TMA=tma,
         SPLIT_PROGRAMS=split_programs, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        PREFETCH=_prefetches(cfg, w), **opts,
+        **opts,
     )  # fmt: skip
     return y
