@@ -5,16 +5,21 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 import torch
 
+from lockstep.engine import sampler
 from lockstep.engine.sampler import (
     RowSampling,
     _exp,
     _log,
     _uniform,
     choose_token_tensor,
+    gumbel_noise_reference,
     top_logprobs,
 )
+
+GPU = torch.cuda.is_available()
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
@@ -104,3 +109,69 @@ def test_a_rows_token_does_not_depend_on_the_other_rows() -> None:
     # The control: moving every sampled row to another position changes some tokens.
     shifted = [RowSampling(**{**r.__dict__, "position": r.position + 1}) for r in rows]
     assert choose_tokens(logits, shifted) != together
+
+
+def _noise_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeds and positions over the int64 range: negative, 64-bit, large positions."""
+    seeds = torch.tensor([0, 7, 2**62 + 12345, -5, 123456789012, -(2**63)], dtype=torch.int64)
+    positions = torch.tensor([0, 100, 2**40, 3, 99999, 2**31 - 1], dtype=torch.int64)
+    return seeds, positions
+
+
+def test_noise_kernels_equal_the_reference_bit_for_bit() -> None:
+    """The C++ kernel (CPU) and the Triton kernel (the GPU, or the interpreter without one)
+    give every element of the torch reference's noise. The control: the same formula with
+    torch's own log differs from the reference in the last bits of some elements, so the
+    comparison sees a last-bit change."""
+    from lockstep.ops.cpu_build import load_extension
+    from lockstep.ops.triton.sampling import gumbel_noise as triton_noise
+
+    seeds, positions = _noise_inputs()
+    n = 20000
+    want = gumbel_noise_reference(seeds, positions, n)
+    assert torch.equal(load_extension().gumbel_noise(seeds, positions, n), want)
+    dev = "cuda" if GPU else "cpu"
+    got = triton_noise(seeds.to(dev), positions.to(dev), n).cpu()
+    assert torch.equal(got, want)
+    u = _uniform(seeds, positions, n)
+    assert not torch.equal(-torch.log(-torch.log(u)), want)
+
+
+def test_sampling_draws_its_noise_from_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not blind: with the CPU kernels loaded, sampling never calls the reference, and the
+    tokens are those the reference gives."""
+    from lockstep.ops.cpu_build import load_extension
+
+    load_extension()
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 2
+    rows = [_row(seed=i, position=50 + i, top_p=0.9 if i % 2 else 1.0) for i in range(4)]
+    want = choose_tokens(logits, rows)
+
+    def refuse(*args):
+        raise AssertionError("the reference noise was used")
+
+    monkeypatch.setattr(sampler, "gumbel_noise_reference", refuse)
+    assert choose_tokens(logits, rows) == want
+    noise = sampler.gumbel_noise(torch.tensor([1]), torch.tensor([2]), 10)
+    monkeypatch.undo()
+    assert torch.equal(noise, gumbel_noise_reference(torch.tensor([1]), torch.tensor([2]), 10))
+
+
+def test_top_p_keeps_the_shortest_prefix_that_reaches_the_mass() -> None:
+    """For random rows and thresholds, the kept tokens are the most likely ones (ties by
+    lower id) and the shortest such prefix whose probability reaches top_p of the total
+    (checked in float64 away from the boundary, where the fixed-point sums cannot matter)."""
+    gen = torch.Generator().manual_seed(9)
+    for trial in range(40):
+        v = 50 + trial
+        scores = (torch.randn(1, v, generator=gen) * 2).double()
+        p = 0.05 + 0.9 * float(torch.rand(1, generator=gen))
+        keep = sampler._filter_mask(scores, [_row(top_p=p)])[0]
+        probs = (scores[0] - scores[0].max()).exp()
+        order = torch.sort(scores[0], descending=True, stable=True).indices
+        mass = torch.cumsum(probs[order], 0) / probs.sum()
+        n = int(keep.sum())
+        if abs(float(mass[n - 1]) - p) < 1e-9 or (n > 1 and abs(float(mass[n - 2]) - p) < 1e-9):
+            continue  # at the boundary: the fixed-point rounding decides
+        assert torch.equal(keep.nonzero().flatten().sort().values, order[:n].sort().values)
+        assert float(mass[n - 1]) >= p and (n == 1 or float(mass[n - 2]) < p), (trial, n, p)

@@ -78,9 +78,29 @@ def _log(x: torch.Tensor) -> torch.Tensor:
     return 2.0 * z * total + e.to(torch.float64) * _LN2
 
 
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
-    """-log(-log(u)) for the counter-based uniforms of each row's (seed, position)."""
+def gumbel_noise_reference(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """-log(-log(u)) for the counter-based uniforms of each row's (seed, position): the
+    definition of the noise, in torch (~200 full-width float64 passes)."""
     return -_log(-_log(_uniform(seeds, positions, n)))
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """`gumbel_noise_reference`'s values, bit for bit, in one pass where a kernel exists: the
+    Triton kernel on CUDA, the C++ kernel on CPU once the deterministic CPU backend has built
+    it (tests compare both with the reference); otherwise the reference itself."""
+    if seeds.device.type == "cuda":
+        try:
+            from lockstep.ops.triton.sampling import gumbel_noise as triton_noise
+        except ImportError:  # no triton: the reference
+            return gumbel_noise_reference(seeds, positions, n)
+        return triton_noise(seeds, positions, n)
+    if seeds.device.type == "cpu":
+        from lockstep.ops.cpu_build import loaded_extension
+
+        ext = loaded_extension()
+        if ext is not None:
+            return ext.gumbel_noise(seeds, positions, n)
+    return gumbel_noise_reference(seeds, positions, n)
 
 
 @dataclass(frozen=True)
@@ -143,29 +163,41 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    """Which tokens each tempered row keeps after top-k, min-p and top-p (in that order)."""
+    """Which tokens each tempered row keeps after top-k, min-p and top-p (in that order).
+    Each filter runs once over the rows that use it; every step is a stable sort (exact: a
+    unique permutation), an elementwise operation, a sum of booleans or an integer prefix sum
+    (exact in any order), so a row's mask never depends on the other rows."""
+    v = scores.shape[1]
+    device = scores.device
     keep = torch.ones_like(scores, dtype=torch.bool)
     best = scores.max(dim=1, keepdim=True).values
-    for i, r in enumerate(rows):
-        if not (0 < r.top_k < scores.shape[1] or r.min_p > 0.0 or r.top_p < 1.0):
-            continue
-        row = scores[i]
-        if 0 < r.top_k < row.numel():
-            order = torch.sort(row, descending=True, stable=True).indices
-            keep[i] = False
-            keep[i, order[: r.top_k]] = True
-        if r.min_p > 0.0:
-            keep[i] &= row >= best[i] + math.log(r.min_p)
-        if r.top_p < 1.0:
-            masked = torch.where(keep[i], row, torch.full_like(row, -math.inf))
-            order = torch.sort(masked, descending=True, stable=True).indices
-            probs = _exp(masked[order] - best[i])
-            cumulative = torch.cumsum(probs, dim=0)
-            # The smallest prefix whose mass reaches top_p of the kept mass; at least one. The
-            # cutoff stays on the device (reading it back would wait for queued kernels).
-            cutoff = torch.searchsorted(cumulative, cumulative[-1:] * r.top_p) + 1
-            ranks = torch.arange(row.numel(), device=row.device)
-            kept = torch.empty_like(keep[i])
-            kept[order] = ranks < cutoff.clamp(min=1)
-            keep[i] = kept
+    ranks = torch.arange(v, device=device)
+    k_rows = [i for i, r in enumerate(rows) if 0 < r.top_k < v]
+    if k_rows:
+        index = _to_device(k_rows, torch.int64, device)
+        ks = _to_device([rows[i].top_k for i in k_rows], torch.int64, device)
+        order = torch.sort(scores[index], dim=1, descending=True, stable=True).indices
+        kept = torch.zeros((len(k_rows), v), dtype=torch.bool, device=device)
+        keep[index] = kept.scatter_(1, order, ranks[None, :] < ks[:, None])
+    min_p_rows = [i for i, r in enumerate(rows) if r.min_p > 0.0]
+    if min_p_rows:
+        index = _to_device(min_p_rows, torch.int64, device)
+        logs = _to_device([math.log(rows[i].min_p) for i in min_p_rows], torch.float64, device)
+        keep[index] &= scores[index] >= best[index] + logs[:, None]
+    p_rows = [i for i, r in enumerate(rows) if r.top_p < 1.0]
+    if p_rows:
+        index = _to_device(p_rows, torch.int64, device)
+        top_p = _to_device([rows[i].top_p for i in p_rows], torch.float64, device)
+        masked = torch.where(keep[index], scores[index], -math.inf)
+        order = torch.sort(masked, dim=1, descending=True, stable=True).indices
+        probs = _exp(masked.gather(1, order) - best[index])  # in (0, 1], the best token 1
+        # The prefix sums in fixed point (units of 2**-44 of the best token's probability;
+        # truncation, then an exact integer sum: V * 2**44 < 2**63), so that no summation
+        # order can change them. The kept prefix is the shortest whose mass reaches top_p of
+        # the row's kept mass; at least one token. Nothing is read back to the host.
+        cumulative = torch.cumsum((probs * 2.0**44).to(torch.int64), dim=1)
+        target = torch.ceil(cumulative[:, -1:].to(torch.float64) * top_p[:, None])
+        cutoff = (cumulative < target.to(torch.int64)).sum(dim=1, keepdim=True) + 1
+        kept = torch.zeros((len(p_rows), v), dtype=torch.bool, device=device)
+        keep[index] = kept.scatter_(1, order, ranks[None, :] < cutoff)
     return keep

@@ -978,6 +978,89 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   return out;
 }
 
+// ----------------------------------------------------------------------------------------
+// sampling noise: bit for bit lockstep.engine.sampler.gumbel_noise_reference (float64 basic
+// operations in the same sequence; frexp by bit fields so that the column loop vectorizes)
+// ----------------------------------------------------------------------------------------
+
+constexpr int kLogTerms = 30;
+constexpr uint64_t kMask32 = 0xFFFFFFFFULL;
+constexpr int64_t kNoiseCols = 4096;  // columns per task
+constexpr int64_t kNoiseBlock = 256;  // columns per vectorized pass
+
+// The reference's 32-bit mixer (x < 2**32); the reference's int64 values are the same bits.
+inline uint64_t hash32(uint64_t x) {
+  x = ((x >> 16) ^ x) * 0x45D9F3BULL & kMask32;
+  x = ((x >> 16) ^ x) * 0x45D9F3BULL & kMask32;
+  return (x >> 16) ^ x;
+}
+
+// x[i] = log(x[i]), x >= 0: x = m 2^e with m in [0.5, 1), frexp(+-0) = (+-0, 0) as torch's,
+// z = (m-1)/(m+1), then 2 z sum(z^2i / (2i+1)) + e ln2, the series in Horner order with
+// coef[] from 1/59 to 1. frexp by bit fields and selects, no branches, so that the loop
+// vectorizes (the unrolled series is the same operations).
+inline void basic_log(double* x, int64_t n, const double* coef, double ln2) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double xv = x[i];
+    uint64_t bits;
+    std::memcpy(&bits, &xv, sizeof bits);
+    const uint64_t zero = uint64_t{0} - static_cast<uint64_t>(xv == 0.0);  // all ones if zero
+    const int64_t e =
+        (static_cast<int64_t>((bits >> 52) & 0x7FF) - 1022) & ~static_cast<int64_t>(zero);
+    const uint64_t mbits =
+        (((bits & 0xFFFFFFFFFFFFFULL) | 0x3FE0000000000000ULL) & ~zero) | (bits & zero);
+    double m;
+    std::memcpy(&m, &mbits, sizeof m);
+    const double z = (m - 1.0) / (m + 1.0);
+    const double z2 = z * z;
+    double total = 0.0;
+#pragma GCC unroll 30
+    for (int k = 0; k < kLogTerms; ++k) total = total * z2 + coef[k];
+    x[i] = 2.0 * z * total + static_cast<double>(e) * ln2;
+  }
+}
+
+at::Tensor gumbel_noise(const at::Tensor& seeds, const at::Tensor& positions, int64_t n) {
+  TORCH_CHECK(seeds.dim() == 1 && seeds.scalar_type() == at::kLong && positions.sizes() ==
+                  seeds.sizes() && positions.scalar_type() == at::kLong,
+              "gumbel_noise: seeds and positions must be int64 [R]");
+  const at::Tensor sd = seeds.contiguous(), ps = positions.contiguous();
+  const int64_t rows = sd.size(0);
+  at::Tensor out = at::empty({rows, n}, sd.options().dtype(at::kDouble));
+  double coef[kLogTerms];
+  for (int i = 0; i < kLogTerms; ++i) coef[i] = 1.0 / (2 * (kLogTerms - 1 - i) + 1);
+  const double ln2 = 0.6931471805599453;
+  const int64_t* seed_p = sd.data_ptr<int64_t>();
+  const int64_t* pos_p = ps.data_ptr<int64_t>();
+  double* op = out.data_ptr<double>();
+  const int64_t chunks = (n + kNoiseCols - 1) / kNoiseCols;
+  parallel_tasks(rows * chunks, [&](int64_t task) {
+    const int64_t r = task / chunks, lo = task % chunks * kNoiseCols;
+    const int64_t hi = std::min(n, lo + kNoiseCols);
+    const uint64_t seed = static_cast<uint64_t>(seed_p[r]);
+    uint64_t key = hash32(static_cast<uint64_t>(pos_p[r]) & kMask32);
+    key = hash32(key ^ ((seed >> 32) & kMask32));
+    key = hash32(key ^ (seed & kMask32));
+    double* o = op + r * n;
+    alignas(64) double buf[kNoiseBlock];
+    for (int64_t c0 = lo; c0 < hi; c0 += kNoiseBlock) {
+      const int64_t m = std::min(kNoiseBlock, hi - c0);
+      for (int64_t i = 0; i < m; ++i) {
+        const uint64_t a = hash32(hash32(static_cast<uint64_t>(c0 + i)) ^ key);
+        const uint64_t b = hash32(a ^ 0x5BD1E995ULL);
+        // 53 random bits (32 from a, 21 from b), +0.5: strictly inside (0, 1)
+        const double bits = static_cast<double>(a) * 2097152.0 + static_cast<double>(b >> 11);
+        buf[i] = (bits + 0.5) / 9007199254740992.0;
+      }
+      basic_log(buf, m, coef, ln2);
+      for (int64_t i = 0; i < m; ++i) buf[i] = -buf[i];
+      basic_log(buf, m, coef, ln2);
+      for (int64_t i = 0; i < m; ++i) o[c0 + i] = -buf[i];
+    }
+  });
+  return out;
+}
+
 }  // namespace lockstep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -988,4 +1071,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("log_softmax", &lockstep::log_softmax);
   m.def("rope", &lockstep::rope);
   m.def("attention", &lockstep::attention);
+  m.def("gumbel_noise", &lockstep::gumbel_noise);
 }

@@ -1,0 +1,102 @@
+"""The sampler's Gumbel noise in one kernel, bit for bit the reference in
+`lockstep.engine.sampler` (`gumbel_noise_reference`).
+
+Noise for row r, token v is a pure function of (seed_r, position_r, v): integer hashing, then
+-log(-log(u)) with the reference's log built from IEEE basic operations on float64 (frexp by
+bit fields, one division, a 30-term Horner series). Basic operations are correctly rounded,
+so the same sequence of them gives the same bits on any device; multiply-add contraction is
+off (`enable_fp_fusion=False`) so the compiler cannot fuse a * b + c into one rounding, and
+every float64 constant that float32 cannot hold (the series' coefficients, ln 2) is read from
+a float64 tensor, never written as a literal (Triton would type a literal as float32).
+
+The reference runs ~200 full-width float64 passes in torch (R x V elements each); this is one
+pass that writes the noise once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
+BLOCK = 1024
+LOG_TERMS = 30  # the reference's Horner series length
+
+
+_COEFFICIENTS: dict[torch.device, torch.Tensor] = {}
+
+
+def log_coefficients(device: torch.device) -> torch.Tensor:
+    """float64 [LOG_TERMS + 1]: the series' coefficients in Horner order (1/59, ..., 1/3, 1),
+    then ln 2, computed by Python exactly as the reference computes them. Cached per device
+    (a copy per call would make every sampling step wait for the device)."""
+    if device not in _COEFFICIENTS:
+        coef = [1.0 / (2 * i + 1) for i in range(LOG_TERMS - 1, -1, -1)]
+        _COEFFICIENTS[device] = torch.tensor([*coef, 0.6931471805599453], dtype=torch.float64,
+                                             device=device)  # fmt: skip
+    return _COEFFICIENTS[device]
+
+
+@triton.jit
+def _hash32(x):
+    """The reference's 32-bit mixer on int64 values < 2**32."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _log(x, coef, TERMS: tl.constexpr):
+    """log(x) for float64 x >= 0, the reference's operations: x = m * 2**e, m in [0.5, 1)
+    (frexp from the bit fields; frexp(0) = (0, 0) as torch's), z = (m - 1) / (m + 1), then
+    2 z sum(z**2i / (2i + 1)) + e ln 2."""
+    bits = x.to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1022
+    m = ((bits & 0xFFFFFFFFFFFFF) | 0x3FE0000000000000).to(tl.float64, bitcast=True)
+    zero = x == 0.0
+    m = tl.where(zero, x, m)
+    e = tl.where(zero, 0, e)
+    z = (m - 1.0) / (m + 1.0)
+    z2 = z * z
+    total = tl.zeros_like(z)
+    for i in tl.static_range(TERMS):
+        total = total * z2 + tl.load(coef + i)
+    return 2.0 * z * total + e.to(tl.float64) * tl.load(coef + TERMS)
+
+
+@triton.jit
+def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    seed = tl.load(seeds + row)
+    key = _hash32(tl.load(positions + row) & 0xFFFFFFFF)
+    key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF))
+    key = _hash32(key ^ (seed & 0xFFFFFFFF))
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    a = _hash32(_hash32(idx) ^ key)
+    b = _hash32(a ^ 0x5BD1E995)
+    # 53 random bits (32 from a, 21 from b), +0.5: strictly inside (0, 1).
+    bits = a.to(tl.float64) * 2097152.0 + (b >> 11).to(tl.float64)
+    u = (bits + 0.5) / 9007199254740992.0
+    g = -_log(-_log(u, coef, TERMS), coef, TERMS)
+    tl.store(out + row.to(tl.int64) * n + idx, g, mask=idx < n)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """float64 [R, n] noise for int64 seeds [R] and positions [R] (on one device)."""
+    r = seeds.shape[0]
+    out = torch.empty((r, n), dtype=torch.float64, device=seeds.device)
+    if r and n:
+        opts = {"num_warps": 4, **pdl_launch(seeds.device)}
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            opts["enable_fp_fusion"] = False
+        _gumbel_kernel[(r, triton.cdiv(n, BLOCK))](
+            seeds.contiguous(), positions.contiguous(), log_coefficients(seeds.device), out, n,
+            TERMS=LOG_TERMS, BLOCK=BLOCK, **opts,
+        )  # fmt: skip
+    return out
