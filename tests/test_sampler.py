@@ -16,6 +16,7 @@ from lockstep.engine.sampler import (
     _uniform,
     choose_token_tensor,
     gumbel_noise_reference,
+    probability_units_reference,
     top_logprobs,
 )
 
@@ -118,23 +119,29 @@ def _noise_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return seeds, positions
 
 
-def test_noise_kernels_equal_the_reference_bit_for_bit() -> None:
-    """The C++ kernel (CPU) and the Triton kernel (the GPU, or the interpreter without one)
-    give every element of the torch reference's noise. The control: the same formula with
-    torch's own log differs from the reference in the last bits of some elements, so the
-    comparison sees a last-bit change."""
+def test_cpu_noise_kernel_equals_the_reference_bit_for_bit() -> None:
+    """The C++ kernel gives every element of the torch reference's noise. The control: the
+    same formula with torch's own log differs from the reference in the last bits of some
+    elements, so the comparison sees a last-bit change."""
     from lockstep.ops.cpu_build import load_extension
+
+    seeds, positions = _noise_inputs()
+    want = gumbel_noise_reference(seeds, positions, 20000)
+    assert torch.equal(load_extension().gumbel_noise(seeds, positions, 20000), want)
+    u = _uniform(seeds, positions, 20000)
+    assert not torch.equal(-torch.log(-torch.log(u)), want)
+
+
+def test_triton_noise_kernel_equals_the_reference_bit_for_bit() -> None:
+    """The Triton kernel (on the GPU, or the interpreter without one) gives every element of
+    the reference's noise (the control is the test above)."""
     from lockstep.ops.triton.sampling import gumbel_noise as triton_noise
 
     seeds, positions = _noise_inputs()
-    n = 20000
-    want = gumbel_noise_reference(seeds, positions, n)
-    assert torch.equal(load_extension().gumbel_noise(seeds, positions, n), want)
+    want = gumbel_noise_reference(seeds, positions, 20000)
     dev = "cuda" if GPU else "cpu"
-    got = triton_noise(seeds.to(dev), positions.to(dev), n).cpu()
+    got = triton_noise(seeds.to(dev), positions.to(dev), 20000).cpu()
     assert torch.equal(got, want)
-    u = _uniform(seeds, positions, n)
-    assert not torch.equal(-torch.log(-torch.log(u)), want)
 
 
 def test_sampling_draws_its_noise_from_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,3 +182,46 @@ def test_top_p_keeps_the_shortest_prefix_that_reaches_the_mass() -> None:
             continue  # at the boundary: the fixed-point rounding decides
         assert torch.equal(keep.nonzero().flatten().sort().values, order[:n].sort().values)
         assert float(mass[n - 1]) >= p and (n == 1 or float(mass[n - 2]) < p), (trial, n, p)
+
+
+def _unit_inputs() -> torch.Tensor:
+    """Scores minus the best: 0 and -0, -inf, far below the clamp, halfway cases of the
+    rounding to multiples of ln 2, and a dense sweep."""
+    ln2 = math.log(2.0)
+    special = [0.0, -0.0, -math.inf, -1e308, -64.0, -63.9, -30.5, -30.49]
+    halves = [-(n + 0.5) * ln2 for n in range(92)]
+    sweep = torch.linspace(-70.0, 0.0, 30001, dtype=torch.float64)
+    return torch.cat([torch.tensor(special + halves, dtype=torch.float64), sweep])
+
+
+def test_cpu_units_kernel_equals_the_reference_bit_for_bit() -> None:
+    """Top-p's fixed-point probabilities from the C++ kernel equal the reference's; the
+    control: torch's own exp gives other units for some inputs."""
+    from lockstep.ops.cpu_build import load_extension
+
+    x = _unit_inputs()
+    want = probability_units_reference(x)
+    assert torch.equal(load_extension().probability_units(x), want)
+    assert not torch.equal((x.clamp(min=-64.0).exp() * 2.0**44).to(torch.int64), want)
+
+
+def test_triton_units_kernel_equals_the_reference_bit_for_bit() -> None:
+    from lockstep.ops.triton.sampling import probability_units as triton_units
+
+    x = _unit_inputs()
+    dev = "cuda" if GPU else "cpu"
+    assert torch.equal(triton_units(x.to(dev)).cpu(), probability_units_reference(x))
+
+
+def test_top_k_keeps_the_first_k_of_a_stable_descending_sort() -> None:
+    """Rows with many ties (integer scores): the kept tokens are the first k of a stable
+    descending sort (ties by lower id), for several k in one batch."""
+    gen = torch.Generator().manual_seed(21)
+    scores = torch.randint(-3, 4, (12, 40), generator=gen).double()
+    ks = [1, 2, 3, 5, 7, 8, 13, 20, 39, 4, 6, 11]
+    keep = sampler._filter_mask(scores, [_row(top_k=k) for k in ks])
+    for i, k in enumerate(ks):
+        order = torch.sort(scores[i], descending=True, stable=True).indices
+        want = torch.zeros(40, dtype=torch.bool)
+        want[order[:k]] = True
+        assert torch.equal(keep[i], want), (i, k)

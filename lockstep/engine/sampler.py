@@ -103,6 +103,36 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.
     return gumbel_noise_reference(seeds, positions, n)
 
 
+# Top-p sums probabilities in fixed point: units of 2**-UNIT_BITS of the best token's
+# probability, truncated, so that the sums are exact integers (V * 2**44 < 2**63).
+UNIT_BITS = 44
+
+
+def probability_units_reference(x: torch.Tensor) -> torch.Tensor:
+    """int64 trunc(exp(x) * 2**UNIT_BITS) for float64 x <= 0 (a score minus the row's best):
+    the definition. x below -64 (-inf included) is clamped there: exp(-64) * 2**44 < 1, so
+    those tokens get 0 units either way (anything below -44 ln 2 = -30.5 does)."""
+    return (_exp(x.clamp(min=-64.0)) * 2.0**UNIT_BITS).to(torch.int64)
+
+
+def probability_units(x: torch.Tensor) -> torch.Tensor:
+    """`probability_units_reference`'s values, bit for bit, in one pass where a kernel exists
+    (as `gumbel_noise`)."""
+    if x.device.type == "cuda":
+        try:
+            from lockstep.ops.triton.sampling import probability_units as triton_units
+        except ImportError:
+            return probability_units_reference(x)
+        return triton_units(x)
+    if x.device.type == "cpu":
+        from lockstep.ops.cpu_build import loaded_extension
+
+        ext = loaded_extension()
+        if ext is not None:
+            return ext.probability_units(x.contiguous())
+    return probability_units_reference(x)
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """How to choose the token of one logits row. `position` is the absolute position the
@@ -164,21 +194,27 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Which tokens each tempered row keeps after top-k, min-p and top-p (in that order).
-    Each filter runs once over the rows that use it; every step is a stable sort (exact: a
-    unique permutation), an elementwise operation, a sum of booleans or an integer prefix sum
-    (exact in any order), so a row's mask never depends on the other rows."""
+    Each filter runs once over the rows that use it; every step is exact whatever the batch:
+    the k-th largest value (a value, not an order), stable sorts (a unique permutation),
+    elementwise operations, sums of booleans and integer prefix sums. So a row's mask never
+    depends on the other rows."""
     v = scores.shape[1]
     device = scores.device
     keep = torch.ones_like(scores, dtype=torch.bool)
     best = scores.max(dim=1, keepdim=True).values
-    ranks = torch.arange(v, device=device)
     k_rows = [i for i, r in enumerate(rows) if 0 < r.top_k < v]
     if k_rows:
         index = _to_device(k_rows, torch.int64, device)
-        ks = _to_device([rows[i].top_k for i in k_rows], torch.int64, device)
-        order = torch.sort(scores[index], dim=1, descending=True, stable=True).indices
-        kept = torch.zeros((len(k_rows), v), dtype=torch.bool, device=device)
-        keep[index] = kept.scatter_(1, order, ranks[None, :] < ks[:, None])
+        ks = _to_device([rows[i].top_k for i in k_rows], torch.int64, device)[:, None]
+        picked = scores[index]
+        # The k largest, ties to the lower id (a stable descending sort's first k): all
+        # tokens above the k-th largest value, then the first of those equal to it by id.
+        top = torch.topk(picked, max(rows[i].top_k for i in k_rows), dim=1).values
+        kth = top.gather(1, ks - 1)
+        above = picked > kth
+        ties = picked == kth
+        tie_rank = torch.cumsum(ties.to(torch.int64), dim=1)
+        keep[index] = above | (ties & (tie_rank <= ks - above.sum(dim=1, keepdim=True)))
     min_p_rows = [i for i, r in enumerate(rows) if r.min_p > 0.0]
     if min_p_rows:
         index = _to_device(min_p_rows, torch.int64, device)
@@ -190,14 +226,14 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         top_p = _to_device([rows[i].top_p for i in p_rows], torch.float64, device)
         masked = torch.where(keep[index], scores[index], -math.inf)
         order = torch.sort(masked, dim=1, descending=True, stable=True).indices
-        probs = _exp(masked.gather(1, order) - best[index])  # in (0, 1], the best token 1
-        # The prefix sums in fixed point (units of 2**-44 of the best token's probability;
-        # truncation, then an exact integer sum: V * 2**44 < 2**63), so that no summation
-        # order can change them. The kept prefix is the shortest whose mass reaches top_p of
-        # the row's kept mass; at least one token. Nothing is read back to the host.
-        cumulative = torch.cumsum((probs * 2.0**44).to(torch.int64), dim=1)
+        # The kept prefix is the shortest whose mass reaches top_p of the row's kept mass; at
+        # least one token. Fixed-point units (exact integer prefix sums: no summation order
+        # can change them); nothing is read back to the host.
+        units = probability_units(masked.gather(1, order) - best[index])
+        cumulative = torch.cumsum(units, dim=1)
         target = torch.ceil(cumulative[:, -1:].to(torch.float64) * top_p[:, None])
         cutoff = (cumulative < target.to(torch.int64)).sum(dim=1, keepdim=True) + 1
+        ranks = torch.arange(v, device=device)
         kept = torch.zeros((len(p_rows), v), dtype=torch.bool, device=device)
         keep[index] = kept.scatter_(1, order, ranks[None, :] < cutoff)
     return keep

@@ -1061,6 +1061,39 @@ at::Tensor gumbel_noise(const at::Tensor& seeds, const at::Tensor& positions, in
   return out;
 }
 
+// Top-p's fixed-point probabilities: bit for bit lockstep.engine.sampler.
+// probability_units_reference, trunc(exp(max(x, -64)) * 2**44) with the reference's exp: k =
+// x / ln2 rounded half to even (adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
+// 17 Taylor terms, then times 2**k from its bit fields (k >= -93: exact, as ldexp).
+at::Tensor probability_units(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kDouble && x.is_contiguous(),
+              "probability_units: x must be contiguous float64");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kLong));
+  const double* xp = x.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t n = x.numel();
+  const double ln2 = 0.6931471805599453, magic = 4503599627370496.0;
+  parallel_tasks((n + kNoiseCols - 1) / kNoiseCols, [&](int64_t task) {
+    const int64_t lo = task * kNoiseCols, hi = std::min(n, lo + kNoiseCols);
+    for (int64_t i = lo; i < hi; ++i) {
+      const double v = std::max(xp[i], -64.0);
+      const double k = (v / ln2 - magic) + magic;
+      const double r = v - k * ln2;
+      double term = 1.0, total = 1.0;
+#pragma GCC unroll 17
+      for (int t = 1; t < 18; ++t) {
+        term = term * r / static_cast<double>(t);
+        total = total + term;
+      }
+      const uint64_t sbits = static_cast<uint64_t>(static_cast<int64_t>(k) + 1023) << 52;
+      double scale;
+      std::memcpy(&scale, &sbits, sizeof scale);
+      op[i] = static_cast<int64_t>(total * scale * 17592186044416.0);
+    }
+  });
+  return out;
+}
+
 }  // namespace lockstep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1072,4 +1105,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &lockstep::rope);
   m.def("attention", &lockstep::attention);
   m.def("gumbel_noise", &lockstep::gumbel_noise);
+  m.def("probability_units", &lockstep::probability_units);
 }

@@ -1,5 +1,6 @@
-"""The sampler's Gumbel noise in one kernel, bit for bit the reference in
-`lockstep.engine.sampler` (`gumbel_noise_reference`).
+"""The sampler's float64 work in one pass each, bit for bit its reference in
+`lockstep.engine.sampler`: the Gumbel noise (`gumbel_noise_reference`) and top-p's
+fixed-point probabilities (`probability_units_reference`).
 
 Noise for row r, token v is a pure function of (seed_r, position_r, v): integer hashing, then
 -log(-log(u)) with the reference's log built from IEEE basic operations on float64 (frexp by
@@ -25,6 +26,7 @@ from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
 
 BLOCK = 1024
 LOG_TERMS = 30  # the reference's Horner series length
+UNIT_BITS = 44  # lockstep.engine.sampler.UNIT_BITS
 
 
 _COEFFICIENTS: dict[torch.device, torch.Tensor] = {}
@@ -87,16 +89,54 @@ def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: t
     tl.store(out + row.to(tl.int64) * n + idx, g, mask=idx < n)
 
 
+@triton.jit
+def _units_kernel(x, coef, out, n, UNIT_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """The reference's `_exp` on max(x, -64), times 2**UNIT_BITS, truncated: k = x / ln2
+    rounded half to even (by adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
+    17 Taylor terms, then times 2**k built from its bit fields (k >= -93: exact, as ldexp)."""
+    wait_for_inputs(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.maximum(tl.load(x + offs, mask=mask, other=0.0), -64.0)
+    ln2 = tl.load(coef + LOG_TERMS)
+    k = (v / ln2 - 4503599627370496.0) + 4503599627370496.0
+    r = v - k * ln2
+    term = tl.full(r.shape, 1.0, tl.float64)
+    total = tl.full(r.shape, 1.0, tl.float64)
+    for i in tl.static_range(1, 18):
+        term = term * r / i
+        total = total + term
+    scale = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    tl.store(out + offs, (total * scale * UNIT_SCALE).to(tl.int64), mask=mask)
+
+
+def _opts(device: torch.device) -> dict:
+    opts = {"num_warps": 4, **pdl_launch(device)}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        opts["enable_fp_fusion"] = False
+    return opts
+
+
+def probability_units(x: torch.Tensor) -> torch.Tensor:
+    """int64 fixed-point probabilities of float64 x <= 0 (`probability_units_reference`)."""
+    xc = x.contiguous()
+    out = torch.empty(xc.shape, dtype=torch.int64, device=x.device)
+    if xc.numel():
+        _units_kernel[(triton.cdiv(xc.numel(), BLOCK),)](
+            xc, log_coefficients(x.device), out, xc.numel(), UNIT_SCALE=float(2**UNIT_BITS),
+            BLOCK=BLOCK, **_opts(x.device),
+        )  # fmt: skip
+    return out
+
+
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
     """float64 [R, n] noise for int64 seeds [R] and positions [R] (on one device)."""
     r = seeds.shape[0]
     out = torch.empty((r, n), dtype=torch.float64, device=seeds.device)
     if r and n:
-        opts = {"num_warps": 4, **pdl_launch(seeds.device)}
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            opts["enable_fp_fusion"] = False
         _gumbel_kernel[(r, triton.cdiv(n, BLOCK))](
             seeds.contiguous(), positions.contiguous(), log_coefficients(seeds.device), out, n,
-            TERMS=LOG_TERMS, BLOCK=BLOCK, **opts,
+            TERMS=LOG_TERMS, BLOCK=BLOCK, **_opts(seeds.device),
         )  # fmt: skip
     return out
