@@ -72,3 +72,25 @@ def test_a_pool_too_small_for_the_batch_is_a_clear_error() -> None:
         run_decode_bench(_engine(kv_tokens=150), batch=4, prompt_len=40, gen_len=6)
     with pytest.raises(ConfigError, match="gen_len=0"):
         run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=0)
+
+
+def test_sampled_benchmark_samples_with_seeded_filters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--temperature / --top-p reach the sampler for every request, each with its own seed
+    (the control is the greedy default, whose rows have temperature 0)."""
+    from lockstep.engine import engine as engine_module
+
+    seen = []
+    real = engine_module.choose_token_tensor
+
+    def spy(logits, rows):
+        seen.extend(rows)
+        return real(logits, rows)
+
+    monkeypatch.setattr(engine_module, "choose_token_tensor", spy)
+    run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3)
+    assert seen and all(r.temperature == 0.0 for r in seen)
+    seen.clear()
+    sampling = {"temperature": 1.0, "top_p": 0.9}
+    run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3, sampling=sampling)
+    assert seen and all(r.temperature == 1.0 and r.top_p == 0.9 for r in seen)
+    assert {r.seed for r in seen} == {0, 1, 2, 3}

@@ -19,6 +19,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--prompt-len", type=int, default=128)
     decode.add_argument("--gen-len", type=int, default=64)
     decode.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    decode.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (default 0: greedy)")  # fmt: skip
+    decode.add_argument("--top-p", type=float, default=1.0)
+    decode.add_argument("--top-k", type=int, default=0)
     add_engine_arguments(decode)
     decode.set_defaults(func=run_bench_decode)
 
@@ -34,10 +38,11 @@ def run_bench_decode(args: argparse.Namespace) -> int:
         batches=[int(b) for b in args.batches.split(",")],
         prompt_len=args.prompt_len,
         gen_len=args.gen_len,
+        sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
     )
     doc["command"] = "lockstep bench decode " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k in ("modes", "batches", "prompt_len", "gen_len")
+        if k in ("modes", "batches", "prompt_len", "gen_len", "temperature", "top_p", "top_k")
     )  # fmt: skip
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """End-to-end throughput benchmark: prefill and decode through the real engine.
 
 For each mode and batch size it starts one engine, runs `batch` requests of `prompt_len`
-random-token prompts with `gen_len` greedy tokens (ignore_eos), and reports prefill tokens/s,
+random-token prompts with `gen_len` tokens (ignore_eos; greedy unless `sampling` asks for a
+temperature, top-k or top-p, each request then seeded by its index), and reports prefill tokens/s,
 decode tokens/s (aggregate and per request) and the deterministic/fast ratio. A human table
 first, then ONE JSON document on the last line.
 """
@@ -13,7 +14,7 @@ import json
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +36,12 @@ class DecodeResult:
 
 
 def run_decode_bench(
-    engine: Engine, batch: int, prompt_len: int, gen_len: int, seed: int = 0
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    seed: int = 0,
+    sampling: dict[str, Any] | None = None,
 ) -> DecodeResult:
     """Prefill `batch` prompts, then time `gen_len` decode steps during which all `batch`
     requests decode (the steady window). Requests finish their prefills at different steps,
@@ -51,8 +57,8 @@ def run_decode_bench(
     # per decoding request, goes to prompts. A request decodes from its first token on.
     per_step = max(1, engine.config.max_batch_tokens - batch)
     prefill_steps = -(-batch * prompt_len // per_step) + 1
-    params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, temperature=0.0,
-                            ignore_eos=True)  # fmt: skip
+    choice = {"temperature": 0.0, **(sampling or {})}
+    params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, ignore_eos=True, **choice)
     need = batch * (prompt_len + params.max_tokens - 1)  # the engine's bound per request
     if need > engine.pool.num_slots:
         raise ConfigError(
@@ -62,8 +68,11 @@ def run_decode_bench(
         )
     # Distinct first tokens so no request hits another's prefix in the cache.
     ids = [f"bench-{seed}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(vocab) for _ in range(prompt_len)], params)
+    for i, rid in enumerate(ids):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        engine.add_request(
+            rid, prompt, replace(params, seed=i) if choice["temperature"] else params
+        )
     t0 = time.perf_counter()
     window_start = None
     steps = 0
@@ -110,7 +119,12 @@ def _is_cuda(engine: Engine) -> bool:
 
 
 def bench_modes(
-    options: dict[str, Any], modes: list[str], batches: list[int], prompt_len: int, gen_len: int
+    options: dict[str, Any],
+    modes: list[str],
+    batches: list[int],
+    prompt_len: int,
+    gen_len: int,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from lockstep.config import EngineConfig
 
@@ -129,9 +143,9 @@ def bench_modes(
             # Warm-up with the measured shapes (other prompts): kernel compilation for the
             # prefill chunks and CUDA-graph capture for the decode bucket happen once per
             # process and belong to neither timed column.
-            run_decode_bench(engine, b, prompt_len, 2, seed=99 + b)
+            run_decode_bench(engine, b, prompt_len, 2, seed=99 + b, sampling=sampling)
             engine.flush_cache()
-            r = run_decode_bench(engine, b, prompt_len, gen_len, seed=b)
+            r = run_decode_bench(engine, b, prompt_len, gen_len, seed=b, sampling=sampling)
             print(
                 f"# {r.mode} batch {r.batch}: decode {r.decode_ms_per_step:.3f} ms/step", flush=True
             )
@@ -159,7 +173,7 @@ def bench_modes(
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "options": {k: v for k, v in options.items() if v is not None}
-        | {"overlap_decode": overlap},
+        | {"overlap_decode": overlap, "sampling": sampling or {"temperature": 0.0}},
         "results": [asdict(r) for r in results],
         "det_over_fast_decode": ratios,
     }
