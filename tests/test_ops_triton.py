@@ -484,15 +484,18 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
     assert torch.equal(pool.run(SEQ - 5, 5, cfg=tiny, path="split"), full[SEQ - 5 :])
 
 
-def test_attention_many_splits_merge_in_order(pool: Pool) -> None:
-    """Splits of one key block: more partials per row than the merge keeps in flight (4), so
-    the merge's load pipeline wraps; the split path still equals the prefill path's in-kernel
-    merge (this config's own bits)."""
+def test_attention_many_splits_merge_in_order() -> None:
+    """Splits of one key block over a longer sequence: more partials per row than the merge
+    keeps in flight (4), so the merge's load pipeline wraps; the split path still equals the
+    prefill path's in-kernel merge (this config's own bits)."""
+    length = 160 if not GPU else SEQ  # interpreter: 10 partials of 16 keys
+    long_pool = Pool(seed=101, length=length)
     many = AttentionConfig(**{**ATTN_CFG.__dict__, "split": ATTN_CFG.block_n})
-    rows = pool.run(0, SEQ, cfg=many, path="prefill")
+    rows = long_pool.run(0, length, cfg=many, path="prefill")
     for n in (1, 3):
-        assert torch.equal(pool.run(SEQ - n, n, cfg=many, path="split"), rows[SEQ - n :]), n
-    assert not torch.equal(rows, pool.run(0, SEQ, path="prefill")), "split size not visible"
+        got = long_pool.run(length - n, n, cfg=many, path="split")
+        assert torch.equal(got, rows[length - n :]), n
+    assert not torch.equal(rows, long_pool.run(0, length, path="prefill")), "split not visible"
 
 
 def test_attention_64_bit_gather_offsets_give_the_same_bits(

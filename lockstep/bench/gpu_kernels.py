@@ -105,8 +105,12 @@ SWEEP_ATTN_PREFILL = {
     "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4),
     "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3),
     "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
+    # Other split sizes (other numerics): timing, and their own decode = prefill check.
+    "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
+    "r128n64w8s3sp128": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=128),
 }
-# Each decode config's bits are compared with the first prefill config of its row_sum.
+# Each decode config's bits are compared with the first prefill config of its row_sum and
+# split size.
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
     "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
@@ -116,6 +120,8 @@ SWEEP_ATTN_DECODE = {
     "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2, row_sum="mma"),
     "r16n64w4s3mma": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="mma"),
     "r16n64w8s3mma": AttentionConfig(rows_split=16, num_warps_split=8, row_sum="mma"),
+    "r16n64w1s3sp256": AttentionConfig(rows_split=16, num_warps_split=1, split=256),
+    "r16n64w1s3sp128": AttentionConfig(rows_split=16, num_warps_split=1, split=128),
 }
 
 
@@ -265,10 +271,10 @@ def run_attention_bits(log) -> dict:
     configs = {name: cfg for name, (cfg, _, _) in runs.items()}
     bases = {}
     for name, cfg in configs.items():
-        bases.setdefault(cfg.row_sum, name)
+        bases.setdefault((cfg.row_sum, cfg.split), name)
     result = {}
     for other, cfg in configs.items():
-        base = bases[cfg.row_sum]
+        base = bases[(cfg.row_sum, cfg.split)]
         if other == base:
             continue
         diff = int((outs[base] != outs[other]).any(dim=-1).sum())

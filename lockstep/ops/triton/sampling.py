@@ -90,8 +90,8 @@ def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _units_kernel(x, coef, out, n, UNIT_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):  # fmt: skip
+def _units_kernel(x, coef, out, n, TERMS: tl.constexpr, UNIT_SCALE: tl.constexpr,
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """The reference's `_exp` on max(x, -64), times 2**UNIT_BITS, truncated: k = x / ln2
     rounded half to even (by adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
     17 Taylor terms, then times 2**k built from its bit fields (k >= -93: exact, as ldexp)."""
@@ -99,7 +99,7 @@ def _units_kernel(x, coef, out, n, UNIT_SCALE: tl.constexpr, BLOCK: tl.constexpr
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     v = tl.maximum(tl.load(x + offs, mask=mask, other=0.0), -64.0)
-    ln2 = tl.load(coef + LOG_TERMS)
+    ln2 = tl.load(coef + TERMS)  # after the log series' coefficients
     k = (v / ln2 - 4503599627370496.0) + 4503599627370496.0
     r = v - k * ln2
     term = tl.full(r.shape, 1.0, tl.float64)
@@ -124,8 +124,8 @@ def probability_units(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(xc.shape, dtype=torch.int64, device=x.device)
     if xc.numel():
         _units_kernel[(triton.cdiv(xc.numel(), BLOCK),)](
-            xc, log_coefficients(x.device), out, xc.numel(), UNIT_SCALE=float(2**UNIT_BITS),
-            BLOCK=BLOCK, **_opts(x.device),
+            xc, log_coefficients(x.device), out, xc.numel(), TERMS=LOG_TERMS,
+            UNIT_SCALE=float(2**UNIT_BITS), BLOCK=BLOCK, **_opts(x.device),
         )  # fmt: skip
     return out
 
