@@ -157,11 +157,14 @@ def test_cuda_graph_decode_equals_eager(monkeypatch) -> None:
                                      max_running=16, cuda_graphs=graphs))  # fmt: skip
         assert (engine.runner.graphs is not None) == graphs
         rng = random.Random(9)
-        params = SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
         for i in range(11):  # 11 sequences: padded to the 16-row bucket
             prompt = [
                 rng.randrange(engine.decoder.spec.vocab_size) for _ in range(rng.randint(1, 300))
             ]
+            # Sampled, with top-p, top-k or neither: the sampler's kernels run in the batch.
+            params = SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True,
+                                    top_p=0.9 if i % 3 == 0 else 1.0,
+                                    top_k=50 if i % 3 == 1 else 0)  # fmt: skip
             engine.add_request(f"r{i}", prompt, params)
         out: dict[str, list] = {}
         while engine.has_unfinished():

@@ -11,7 +11,11 @@
   and an element's path can depend on where it sits in the tensor. `_exp` and `_log` below are
   built from those basic operations.
 * Filters (temperature, top-k, top-p, min-p) act on the tempered distribution, in that order
-  of strictness; ties in sorting keep the lower token id first (stable sorts).
+  of strictness; ties in sorting keep the lower token id first (stable sorts). Top-p sums
+  probabilities in fixed point (`probability_units`), so its cutoff is an exact integer
+  comparison.
+* The torch functions here are the definition (`*_reference`); the float64 work runs in one
+  kernel pass where one exists (Triton on CUDA, C++ on CPU), tested equal bit for bit.
 
 Reported logprobs are the log-softmax of the raw logits (the `Ops` backend's deterministic
 row kernel), independent of the sampling filters, so generation and teacher-forced scoring
