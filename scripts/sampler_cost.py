@@ -1,5 +1,6 @@
 """Cost of choosing sampled tokens (temperature, top-p, top-k) for a batch of logits rows:
-the noise from its kernel (C++ on CPU, Triton on CUDA) against the torch reference noise.
+the float64 work (noise, top-p's probabilities) from its kernels (C++ on CPU, Triton on CUDA)
+against the torch references (the filters are the same batched code in both columns).
 
     python scripts/sampler_cost.py [--device cuda] [--vocab 151936] [--batches 1,8,32]
 
@@ -43,7 +44,9 @@ def main() -> None:
         from lockstep.ops.cpu_build import load_extension
 
         load_extension()  # the deterministic CPU backend builds it at start-up
-    kernel_noise = sampler.gumbel_noise
+    kernels = {"gumbel_noise": sampler.gumbel_noise, "probability_units": sampler.probability_units}
+    references = {"gumbel_noise": sampler.gumbel_noise_reference,
+                  "probability_units": sampler.probability_units_reference}  # fmt: skip
     filters = {"temperature": {}, "top_p 0.9": {"top_p": 0.9}, "top_k 50": {"top_k": 50}}
     records = []
     for batch in map(int, args.batches.split(",")):
@@ -53,18 +56,19 @@ def main() -> None:
             params = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw}
             rows = [RowSampling(**params, seed=i, position=1000 + i) for i in range(batch)]
             out = {}
-            for noise_name, noise in (("kernel", kernel_noise),
-                                      ("reference", sampler.gumbel_noise_reference)):  # fmt: skip
-                sampler.gumbel_noise = noise
+            for column, functions in (("kernel", kernels), ("reference", references)):
+                for attr, fn in functions.items():
+                    setattr(sampler, attr, fn)
                 try:
                     call = partial(choose_token_tensor, logits, rows)
-                    out[noise_name] = time_ms(call, args.device, args.reps)
+                    out[column] = time_ms(call, args.device, args.reps)
                 finally:
-                    sampler.gumbel_noise = kernel_noise
+                    for attr, fn in kernels.items():
+                        setattr(sampler, attr, fn)
             records.append({"batch": batch, "filter": name, "kernel_ms": out["kernel"],
                             "reference_ms": out["reference"]})  # fmt: skip
-            print(f"batch {batch:3d} {name:12s} noise kernel {out['kernel']:9.2f} ms   "
-                  f"reference {out['reference']:9.2f} ms", flush=True)  # fmt: skip
+            print(f"batch {batch:3d} {name:12s} kernels {out['kernel']:9.2f} ms   "
+                  f"references {out['reference']:9.2f} ms", flush=True)  # fmt: skip
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         json.dumps(

@@ -94,3 +94,10 @@ def test_sampled_benchmark_samples_with_seeded_filters(monkeypatch: pytest.Monke
     run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3, sampling=sampling)
     assert seen and all(r.temperature == 1.0 and r.top_p == 0.9 for r in seen)
     assert {r.seed for r in seen} == {0, 1, 2, 3}
+
+
+def test_filters_without_a_temperature_are_refused() -> None:
+    """--top-p / --top-k at temperature 0 would silently run greedy while the JSON records
+    the filters: refused with one line instead."""
+    with pytest.raises(ConfigError, match="--temperature"):
+        run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3, sampling={"top_p": 0.9})

@@ -105,6 +105,11 @@ def test_a_rows_token_does_not_depend_on_the_other_rows() -> None:
     together = choose_tokens(logits, rows)
     alone = [choose_tokens(logits[i : i + 1], [rows[i]])[0] for i in range(12)]
     assert together == alone
+    sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+    scores = logits[sampled].double()
+    masks = sampler._filter_mask(scores, [rows[i] for i in sampled])
+    for j, i in enumerate(sampled):
+        assert torch.equal(masks[j], sampler._filter_mask(scores[j : j + 1], [rows[i]])[0]), i
     reversed_order = choose_tokens(logits.flip(0), rows[::-1])[::-1]
     assert reversed_order == together
     # The control: moving every sampled row to another position changes some tokens.
@@ -144,24 +149,37 @@ def test_triton_noise_kernel_equals_the_reference_bit_for_bit() -> None:
     assert torch.equal(got, want)
 
 
-def test_sampling_draws_its_noise_from_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not blind: with the CPU kernels loaded, sampling never calls the reference, and the
-    tokens are those the reference gives."""
+def test_sampling_draws_from_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the CPU kernels loaded, sampling never calls the references, and picks the tokens
+    the references give (computed first, with the references patched in)."""
     from lockstep.ops.cpu_build import load_extension
 
     load_extension()
     logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 2
     rows = [_row(seed=i, position=50 + i, top_p=0.9 if i % 2 else 1.0) for i in range(4)]
-    want = choose_tokens(logits, rows)
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler, "gumbel_noise", sampler.gumbel_noise_reference)
+        patch.setattr(sampler, "probability_units", sampler.probability_units_reference)
+        want = choose_tokens(logits, rows)
 
     def refuse(*args):
-        raise AssertionError("the reference noise was used")
+        raise AssertionError("a reference was used")
 
     monkeypatch.setattr(sampler, "gumbel_noise_reference", refuse)
+    monkeypatch.setattr(sampler, "probability_units_reference", refuse)
     assert choose_tokens(logits, rows) == want
-    noise = sampler.gumbel_noise(torch.tensor([1]), torch.tensor([2]), 10)
-    monkeypatch.undo()
-    assert torch.equal(noise, gumbel_noise_reference(torch.tensor([1]), torch.tensor([2]), 10))
+
+
+def test_tiny_temperatures_are_refused() -> None:
+    """Logits divided by a temperature far below any useful one overflow float64: refused,
+    while 0 (greedy) and the smallest accepted value pass."""
+    from lockstep.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
+    from lockstep.errors import RequestError
+
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature=1e-320)
+    SamplingParams(temperature=0.0)
+    SamplingParams(temperature=MIN_TEMPERATURE)
 
 
 def test_top_p_keeps_the_shortest_prefix_that_reaches_the_mass() -> None:
@@ -188,29 +206,65 @@ def _unit_inputs() -> torch.Tensor:
     """Scores minus the best: 0 and -0, -inf, far below the clamp, halfway cases of the
     rounding to multiples of ln 2, and a dense sweep."""
     ln2 = math.log(2.0)
-    special = [0.0, -0.0, -math.inf, -1e308, -64.0, -63.9, -30.5, -30.49]
+    special = [0.0, -0.0, -math.inf, math.nan, -1e308, -64.0, -63.9, -30.5, -30.49]
     halves = [-(n + 0.5) * ln2 for n in range(92)]
     sweep = torch.linspace(-70.0, 0.0, 30001, dtype=torch.float64)
     return torch.cat([torch.tensor(special + halves, dtype=torch.float64), sweep])
 
 
+def _full_precision_cases() -> list[tuple[torch.Tensor, int]]:
+    """(x, unit_bits) with x in [-(k + 1) ln 2, -k ln 2] and unit_bits = 62 + k: the units then
+    hold every bit of exp(x) (53 significant bits, all above the truncation), so they compare
+    the kernels' float64 exp itself, not only its first 44 bits."""
+    ln2 = math.log(2.0)
+    return [(torch.linspace(-(k + 1) * ln2, -k * ln2, 4001, dtype=torch.float64), 62 + k)
+            for k in range(0, 37, 3)]  # fmt: skip
+
+
 def test_cpu_units_kernel_equals_the_reference_bit_for_bit() -> None:
-    """Top-p's fixed-point probabilities from the C++ kernel equal the reference's; the
-    control: torch's own exp gives other units for some inputs."""
+    """Top-p's fixed-point probabilities from the C++ kernel equal the reference's, at the
+    sampler's 44 bits and at full precision; the control: torch's own exp gives other bits."""
     from lockstep.ops.cpu_build import load_extension
 
+    ext = load_extension()
     x = _unit_inputs()
-    want = probability_units_reference(x)
-    assert torch.equal(load_extension().probability_units(x), want)
-    assert not torch.equal((x.clamp(min=-64.0).exp() * 2.0**44).to(torch.int64), want)
+    assert torch.equal(ext.probability_units(x, 44), probability_units_reference(x))
+    for x, bits in _full_precision_cases():
+        assert torch.equal(ext.probability_units(x, bits), probability_units_reference(x, bits))
+    x, bits = _full_precision_cases()[0]
+    assert not torch.equal((x.exp() * 2.0**bits).to(torch.int64),
+                           probability_units_reference(x, bits))  # fmt: skip
 
 
 def test_triton_units_kernel_equals_the_reference_bit_for_bit() -> None:
     from lockstep.ops.triton.sampling import probability_units as triton_units
 
-    x = _unit_inputs()
     dev = "cuda" if GPU else "cpu"
-    assert torch.equal(triton_units(x.to(dev)).cpu(), probability_units_reference(x))
+    x = _unit_inputs()
+    assert torch.equal(triton_units(x.to(dev), 44).cpu(), probability_units_reference(x))
+    for x, bits in _full_precision_cases():
+        got = triton_units(x.to(dev), bits).cpu()
+        assert torch.equal(got, probability_units_reference(x, bits)), bits
+
+
+@pytest.mark.skipif(not GPU, reason="the interpreter does not contract a * b + c")
+def test_negative_control_contraction_changes_the_noise() -> None:
+    """Why the kernels compile with contraction off: the same noise kernel with a * b + c
+    fused differs from the reference in some elements."""
+    import triton
+
+    from lockstep.ops.triton import sampling
+
+    seeds, positions = (t.cuda() for t in _noise_inputs())
+    n = 20000
+    out = torch.empty((seeds.shape[0], n), dtype=torch.float64, device="cuda")
+    sampling._gumbel_kernel[(seeds.shape[0], triton.cdiv(n, sampling.BLOCK))](
+        seeds, positions, sampling.float64_constants(seeds.device), out, n,
+        TERMS=sampling.LOG_TERMS, BLOCK=sampling.BLOCK, PDL=False, enable_fp_fusion=True,
+    )  # fmt: skip
+    want = gumbel_noise_reference(seeds.cpu(), positions.cpu(), n)
+    assert torch.equal(sampling.gumbel_noise(seeds, positions, n).cpu(), want)
+    assert not torch.equal(out.cpu(), want)
 
 
 def test_top_k_keeps_the_first_k_of_a_stable_descending_sort() -> None:

@@ -1,8 +1,9 @@
 """End-to-end throughput benchmark: prefill and decode through the real engine.
 
 For each mode and batch size it starts one engine, runs `batch` requests of `prompt_len`
-random-token prompts with `gen_len` tokens (ignore_eos; greedy unless `sampling` asks for a
-temperature, top-k or top-p, each request then seeded by its index), and reports prefill tokens/s,
+random-token prompts with `gen_len` tokens (ignore_eos; greedy unless `sampling` sets a
+temperature, optionally with top-k / top-p, each request then seeded by its index), and reports
+prefill tokens/s,
 decode tokens/s (aggregate and per request) and the deterministic/fast ratio. A human table
 first, then ONE JSON document on the last line.
 """
@@ -58,6 +59,9 @@ def run_decode_bench(
     per_step = max(1, engine.config.max_batch_tokens - batch)
     prefill_steps = -(-batch * prompt_len // per_step) + 1
     choice = {"temperature": 0.0, **(sampling or {})}
+    if not choice["temperature"] and (choice.get("top_p", 1.0) < 1.0 or choice.get("top_k", 0)):
+        raise ConfigError("decode benchmark: --top-p / --top-k filter sampled tokens: give a "
+                          "--temperature > 0 as well (0 is greedy)")  # fmt: skip
     params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, ignore_eos=True, **choice)
     need = batch * (prompt_len + params.max_tokens - 1)  # the engine's bound per request
     if need > engine.pool.num_slots:

@@ -29,6 +29,7 @@ from lockstep.engine.model_runner import ChunkLogits, ModelRunner, TokenSource
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
 from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
+from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import ScheduledChunk, Scheduler
 from lockstep.engine.text_output import TextOutput
@@ -106,6 +107,8 @@ class Engine:
                 max_context=self.max_model_len,
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
+        if self.device.type == "cuda":  # compile the sampler's kernels before any request
+            warm_up_sampler(self.device, spec.vocab_size)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None  # a step launched ahead (overlap_decode)
         self.steps_launched_ahead = 0

@@ -24,10 +24,13 @@ report the same bits.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _LN2 = 0.6931471805599453
 _MASK32 = 0xFFFFFFFF
@@ -89,52 +92,69 @@ def gumbel_noise_reference(seeds: torch.Tensor, positions: torch.Tensor, n: int)
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
-    """`gumbel_noise_reference`'s values, bit for bit, in one pass where a kernel exists: the
-    Triton kernel on CUDA, the C++ kernel on CPU once the deterministic CPU backend has built
-    it (tests compare both with the reference); otherwise the reference itself."""
-    if seeds.device.type == "cuda":
-        try:
-            from lockstep.ops.triton.sampling import gumbel_noise as triton_noise
-        except ImportError:  # no triton: the reference
-            return gumbel_noise_reference(seeds, positions, n)
-        return triton_noise(seeds, positions, n)
-    if seeds.device.type == "cpu":
-        from lockstep.ops.cpu_build import loaded_extension
-
-        ext = loaded_extension()
-        if ext is not None:
-            return ext.gumbel_noise(seeds, positions, n)
-    return gumbel_noise_reference(seeds, positions, n)
+    """`gumbel_noise_reference`'s values, bit for bit, from this device's kernel if it has one
+    (`_kernels`), else from the reference itself."""
+    kernels = _kernels(seeds.device)
+    if kernels is None:
+        return gumbel_noise_reference(seeds, positions, n)
+    return kernels.gumbel_noise(seeds, positions, n)
 
 
 # Top-p sums probabilities in fixed point: units of 2**-UNIT_BITS of the best token's
-# probability, truncated, so that the sums are exact integers (V * 2**44 < 2**63).
+# probability, truncated, so that the sums are exact integers (V * 2**44 < 2**63 for V below
+# 2**19, checked).
 UNIT_BITS = 44
 
 
-def probability_units_reference(x: torch.Tensor) -> torch.Tensor:
-    """int64 trunc(exp(x) * 2**UNIT_BITS) for float64 x <= 0 (a score minus the row's best):
-    the definition. x below -64 (-inf included) is clamped there: exp(-64) * 2**44 < 1, so
-    those tokens get 0 units either way (anything below -44 ln 2 = -30.5 does)."""
-    return (_exp(x.clamp(min=-64.0)) * 2.0**UNIT_BITS).to(torch.int64)
+def probability_units_reference(x: torch.Tensor, unit_bits: int = UNIT_BITS) -> torch.Tensor:
+    """int64 trunc(exp(x) * 2**unit_bits) for float64 x <= 0 (a score minus the row's best):
+    the definition. x below -64, -inf and NaN (a row of -inf scores) count as -64: exp(-64) *
+    2**44 < 1, so those tokens get 0 units (anything below -44 ln 2 = -30.5 does). `unit_bits`
+    other than UNIT_BITS: tests only (62 keeps every bit of probabilities above 1/2)."""
+    x = torch.where(x >= -64.0, x, -64.0)
+    return (_exp(x) * 2.0**unit_bits).to(torch.int64)
 
 
-def probability_units(x: torch.Tensor) -> torch.Tensor:
-    """`probability_units_reference`'s values, bit for bit, in one pass where a kernel exists
-    (as `gumbel_noise`)."""
-    if x.device.type == "cuda":
+def probability_units(x: torch.Tensor, unit_bits: int = UNIT_BITS) -> torch.Tensor:
+    """`probability_units_reference`'s values, bit for bit, from this device's kernel if it
+    has one (`_kernels`), else from the reference itself."""
+    kernels = _kernels(x.device)
+    if kernels is None:
+        return probability_units_reference(x, unit_bits)
+    return kernels.probability_units(x.contiguous(), unit_bits)
+
+
+_REPORTED: set[str] = set()
+
+
+def _kernels(device: torch.device):
+    """The module whose `gumbel_noise(seeds, positions, n)` and `probability_units(x,
+    unit_bits)` run the sampler's float64 work in one pass each on this device, bit for bit
+    the references (tested): `lockstep.ops.triton.sampling` on CUDA; on CPU the C++ kernels,
+    once the process has built them (the deterministic CPU backend does at start-up; fast
+    mode never compiles). None: the torch references (~200 full-width passes), logged once."""
+    kernels = None
+    if device.type == "cuda":
         try:
-            from lockstep.ops.triton.sampling import probability_units as triton_units
+            from lockstep.ops.triton import sampling as kernels
         except ImportError:
-            return probability_units_reference(x)
-        return triton_units(x)
-    if x.device.type == "cpu":
+            kernels = None
+    elif device.type == "cpu":
         from lockstep.ops.cpu_build import loaded_extension
 
-        ext = loaded_extension()
-        if ext is not None:
-            return ext.probability_units(x.contiguous())
-    return probability_units_reference(x)
+        kernels = loaded_extension()
+    if kernels is None and device.type not in _REPORTED:
+        _REPORTED.add(device.type)
+        logger.info("sampler on %s: the torch reference computes the noise and top-p's "
+                    "probabilities (no kernel here); same bits, slower", device.type)  # fmt: skip
+    return kernels
+
+
+def warm_up(device: torch.device, vocab: int) -> None:
+    """Run one sampled row with top-k and top-p: compiles this device's sampler kernels and
+    uploads their constants now, so the first sampled request does not wait for either."""
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    choose_token_tensor(logits, [RowSampling(1.0, 2, 0.5, 0.0, 0, 0)])
 
 
 @dataclass(frozen=True)
@@ -203,6 +223,8 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     elementwise operations, sums of booleans and integer prefix sums. So a row's mask never
     depends on the other rows."""
     v = scores.shape[1]
+    if v >= 1 << (63 - UNIT_BITS):
+        raise ValueError(f"vocabulary of {v} tokens: top-p's fixed-point sums need < 2**19")
     device = scores.device
     keep = torch.ones_like(scores, dtype=torch.bool)
     best = scores.max(dim=1, keepdim=True).values
@@ -229,15 +251,16 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         index = _to_device(p_rows, torch.int64, device)
         top_p = _to_device([rows[i].top_p for i in p_rows], torch.float64, device)
         masked = torch.where(keep[index], scores[index], -math.inf)
-        order = torch.sort(masked, dim=1, descending=True, stable=True).indices
-        # The kept prefix is the shortest whose mass reaches top_p of the row's kept mass; at
-        # least one token. Fixed-point units (exact integer prefix sums: no summation order
-        # can change them); nothing is read back to the host.
-        units = probability_units(masked.gather(1, order) - best[index])
-        cumulative = torch.cumsum(units, dim=1)
+        ordered, order = torch.sort(masked, dim=1, descending=True, stable=True)
+        # The kept prefix: the shortest whose units reach ceil(top_p * T), T the row's total
+        # units (the tokens the earlier filters kept), at least one token. Units are exact
+        # integers, so no summation order can move the cutoff; since ceil(top_p * T) <= T,
+        # the prefix never reaches a token with no units (those the earlier filters dropped,
+        # and any below 2**-44 of the best token's probability). Nothing is read back.
+        cumulative = torch.cumsum(probability_units(ordered - best[index]), dim=1)
         target = torch.ceil(cumulative[:, -1:].to(torch.float64) * top_p[:, None])
         cutoff = (cumulative < target.to(torch.int64)).sum(dim=1, keepdim=True) + 1
         ranks = torch.arange(v, device=device)
         kept = torch.zeros((len(p_rows), v), dtype=torch.bool, device=device)
-        keep[index] = kept.scatter_(1, order, ranks[None, :] < cutoff)
+        keep[index] &= kept.scatter_(1, order, ranks[None, :] < cutoff)
     return keep

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from lockstep.errors import RequestError
 
+# Smaller temperatures are refused: logits divided by them can overflow float64 (a row of
+# infinities has no distribution left to sample).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,10 +45,11 @@ class SamplingParams:
             "an integer >= 1",
         )
         _check(
-            _finite(self.temperature) and self.temperature >= 0.0,
+            _finite(self.temperature)
+            and (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE),
             "temperature",
             self.temperature,
-            "a number >= 0 (0 means greedy)",
+            f"0 (greedy) or a number >= {MIN_TEMPERATURE:g}",
         )
         _check(
             isinstance(self.top_k, int) and self.top_k >= 0,

@@ -985,7 +985,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 constexpr int kLogTerms = 30;
 constexpr uint64_t kMask32 = 0xFFFFFFFFULL;
-constexpr int64_t kNoiseCols = 4096;  // columns per task
+constexpr int64_t kSamplerTask = 4096;  // elements (columns of a row) per task
 constexpr int64_t kNoiseBlock = 256;  // columns per vectorized pass
 
 // The reference's 32-bit mixer (x < 2**32); the reference's int64 values are the same bits.
@@ -1033,10 +1033,10 @@ at::Tensor gumbel_noise(const at::Tensor& seeds, const at::Tensor& positions, in
   const int64_t* seed_p = sd.data_ptr<int64_t>();
   const int64_t* pos_p = ps.data_ptr<int64_t>();
   double* op = out.data_ptr<double>();
-  const int64_t chunks = (n + kNoiseCols - 1) / kNoiseCols;
+  const int64_t chunks = (n + kSamplerTask - 1) / kSamplerTask;
   parallel_tasks(rows * chunks, [&](int64_t task) {
-    const int64_t r = task / chunks, lo = task % chunks * kNoiseCols;
-    const int64_t hi = std::min(n, lo + kNoiseCols);
+    const int64_t r = task / chunks, lo = task % chunks * kSamplerTask;
+    const int64_t hi = std::min(n, lo + kSamplerTask);
     const uint64_t seed = static_cast<uint64_t>(seed_p[r]);
     uint64_t key = hash32(static_cast<uint64_t>(pos_p[r]) & kMask32);
     key = hash32(key ^ ((seed >> 32) & kMask32));
@@ -1062,21 +1062,24 @@ at::Tensor gumbel_noise(const at::Tensor& seeds, const at::Tensor& positions, in
 }
 
 // Top-p's fixed-point probabilities: bit for bit lockstep.engine.sampler.
-// probability_units_reference, trunc(exp(max(x, -64)) * 2**44) with the reference's exp: k =
-// x / ln2 rounded half to even (adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
-// 17 Taylor terms, then times 2**k from its bit fields (k >= -93: exact, as ldexp).
-at::Tensor probability_units(const at::Tensor& x) {
+// probability_units_reference, trunc(exp(max(x, -64)) * 2**unit_bits) (NaN counts as -64)
+// with the reference's exp: k = x / ln2 rounded half to even (adding and subtracting 2**52:
+// |x / ln2| < 93), r = x - k ln2, 17 Taylor terms, then times 2**k from its bit fields
+// (k >= -93: exact, as ldexp).
+at::Tensor probability_units(const at::Tensor& x, int64_t unit_bits) {
   TORCH_CHECK(x.scalar_type() == at::kDouble && x.is_contiguous(),
               "probability_units: x must be contiguous float64");
+  TORCH_CHECK(unit_bits >= 0 && unit_bits <= 100, "probability_units: unit_bits in [0, 100]");
+  const double unit_scale = std::ldexp(1.0, static_cast<int>(unit_bits));
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kLong));
   const double* xp = x.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t n = x.numel();
   const double ln2 = 0.6931471805599453, magic = 4503599627370496.0;
-  parallel_tasks((n + kNoiseCols - 1) / kNoiseCols, [&](int64_t task) {
-    const int64_t lo = task * kNoiseCols, hi = std::min(n, lo + kNoiseCols);
+  parallel_tasks((n + kSamplerTask - 1) / kSamplerTask, [&](int64_t task) {
+    const int64_t lo = task * kSamplerTask, hi = std::min(n, lo + kSamplerTask);
     for (int64_t i = lo; i < hi; ++i) {
-      const double v = std::max(xp[i], -64.0);
+      const double v = xp[i] >= -64.0 ? xp[i] : -64.0;  // NaN too, as the reference
       const double k = (v / ln2 - magic) + magic;
       const double r = v - k * ln2;
       double term = 1.0, total = 1.0;
@@ -1088,7 +1091,7 @@ at::Tensor probability_units(const at::Tensor& x) {
       const uint64_t sbits = static_cast<uint64_t>(static_cast<int64_t>(k) + 1023) << 52;
       double scale;
       std::memcpy(&scale, &sbits, sizeof scale);
-      op[i] = static_cast<int64_t>(total * scale * 17592186044416.0);
+      op[i] = static_cast<int64_t>(total * scale * unit_scale);
     }
   });
   return out;

@@ -26,21 +26,21 @@ from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
 
 BLOCK = 1024
 LOG_TERMS = 30  # the reference's Horner series length
-UNIT_BITS = 44  # lockstep.engine.sampler.UNIT_BITS
 
 
-_COEFFICIENTS: dict[torch.device, torch.Tensor] = {}
+_CONSTANTS: dict[torch.device, torch.Tensor] = {}
 
 
-def log_coefficients(device: torch.device) -> torch.Tensor:
-    """float64 [LOG_TERMS + 1]: the series' coefficients in Horner order (1/59, ..., 1/3, 1),
-    then ln 2, computed by Python exactly as the reference computes them. Cached per device
-    (a copy per call would make every sampling step wait for the device)."""
-    if device not in _COEFFICIENTS:
+def float64_constants(device: torch.device) -> torch.Tensor:
+    """float64 [LOG_TERMS + 1]: the log series' coefficients in Horner order (1/59, ..., 1/3,
+    1), then ln 2, computed by Python exactly as the reference computes them. Cached per device
+    (a copy per call would make every sampling step wait for the device; the engine's
+    `sampler.warm_up` makes the one copy at start-up)."""
+    if device not in _CONSTANTS:
         coef = [1.0 / (2 * i + 1) for i in range(LOG_TERMS - 1, -1, -1)]
-        _COEFFICIENTS[device] = torch.tensor([*coef, 0.6931471805599453], dtype=torch.float64,
-                                             device=device)  # fmt: skip
-    return _COEFFICIENTS[device]
+        _CONSTANTS[device] = torch.tensor([*coef, 0.6931471805599453], dtype=torch.float64,
+                                          device=device)  # fmt: skip
+    return _CONSTANTS[device]
 
 
 @triton.jit
@@ -92,13 +92,14 @@ def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: t
 @triton.jit
 def _units_kernel(x, coef, out, n, TERMS: tl.constexpr, UNIT_SCALE: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """The reference's `_exp` on max(x, -64), times 2**UNIT_BITS, truncated: k = x / ln2
-    rounded half to even (by adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
+    """The reference's `_exp` on max(x, -64) (NaN too), times 2**unit_bits, truncated: k =
+    x / ln2 rounded half to even (by adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
     17 Taylor terms, then times 2**k built from its bit fields (k >= -93: exact, as ldexp)."""
     wait_for_inputs(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    v = tl.maximum(tl.load(x + offs, mask=mask, other=0.0), -64.0)
+    v = tl.load(x + offs, mask=mask, other=-64.0)  # padding lanes: small units, never stored
+    v = tl.where(v >= -64.0, v, -64.0)  # NaN too, as the reference (tl.maximum would not)
     ln2 = tl.load(coef + TERMS)  # after the log series' coefficients
     k = (v / ln2 - 4503599627370496.0) + 4503599627370496.0
     r = v - k * ln2
@@ -118,25 +119,35 @@ def _opts(device: torch.device) -> dict:
     return opts
 
 
-def probability_units(x: torch.Tensor) -> torch.Tensor:
-    """int64 fixed-point probabilities of float64 x <= 0 (`probability_units_reference`)."""
+def probability_units(x: torch.Tensor, unit_bits: int) -> torch.Tensor:
+    """int64 trunc(exp(x) * 2**unit_bits) of float64 x <= 0 (`probability_units_reference`)."""
+    if x.dtype != torch.float64 or not 0 <= unit_bits <= 100:
+        raise ValueError(f"probability_units wants float64 x and 0 <= unit_bits <= 100; got "
+                         f"{x.dtype}, {unit_bits}")  # fmt: skip
     xc = x.contiguous()
     out = torch.empty(xc.shape, dtype=torch.int64, device=x.device)
     if xc.numel():
         _units_kernel[(triton.cdiv(xc.numel(), BLOCK),)](
-            xc, log_coefficients(x.device), out, xc.numel(), TERMS=LOG_TERMS,
-            UNIT_SCALE=float(2**UNIT_BITS), BLOCK=BLOCK, **_opts(x.device),
+            xc, float64_constants(x.device), out, xc.numel(), TERMS=LOG_TERMS,
+            UNIT_SCALE=float(2**unit_bits), BLOCK=BLOCK, **_opts(x.device),
         )  # fmt: skip
     return out
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
     """float64 [R, n] noise for int64 seeds [R] and positions [R] (on one device)."""
+    if (
+        seeds.dtype != torch.int64
+        or positions.dtype != torch.int64
+        or seeds.dim() != 1
+        or (positions.shape != seeds.shape or positions.device != seeds.device)
+    ):
+        raise ValueError("gumbel_noise wants int64 seeds [R] and positions [R] on one device")
     r = seeds.shape[0]
     out = torch.empty((r, n), dtype=torch.float64, device=seeds.device)
     if r and n:
         _gumbel_kernel[(r, triton.cdiv(n, BLOCK))](
-            seeds.contiguous(), positions.contiguous(), log_coefficients(seeds.device), out, n,
+            seeds.contiguous(), positions.contiguous(), float64_constants(seeds.device), out, n,
             TERMS=LOG_TERMS, BLOCK=BLOCK, **_opts(seeds.device),
         )  # fmt: skip
     return out
