@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# This session's prepared experiments, in one device call (~6 min); docs/gpu_notes.md has the
-# predictions. Bits first (kernel tests, the attention bits table), then timings:
-#   1. the merge kernel with eight partials in flight (was four): decode probe, prod column
-#   2. splits of 256 and 128 keys (other numerics): decode probe, prefill sweep, and their
-#      own decode = prefill bits
-#   3. the sampler's kernels (noise, top-p units) and top-k without a sort: sampler_cost.py
+# The fifth session's experiment call (~6 min; docs/gpu_notes.md, run 42, has the predictions
+# and outcomes), kept to re-run after kernel changes. Bits first (kernel tests, the attention
+# bits table), then timings:
+#   1. decode probe: the table's 512-key splits against splits of 256 and 128 keys (other
+#      numerics), prefill sweep with the same, and each split size's decode = prefill bits
+#   2. the sampler's kernels against the torch references: scripts/sampler_cost.py
+#   3. the batch-1 decode graph of qwen3-8b shapes (attention and merge per call)
 # Usage (device): bash scripts/gpu_experiments.sh   (logs and JSON under $OUT)
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

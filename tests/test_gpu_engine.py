@@ -206,8 +206,9 @@ def test_overlapped_decode_with_graphs_gives_the_plain_outputs() -> None:
 def test_a_step_launched_ahead_never_waits_for_the_device() -> None:
     """Overlapped decode only helps if launching step N+1 and reading step N's tokens never
     synchronize with the device (a pageable copy, `.item()` or `.tolist()` of a CUDA tensor
-    would wait for N+1 too). Steady-state greedy steps run under torch's sync debug mode set
-    to raise; reading the tokens waits on their own CUDA event, which it allows."""
+    would wait for N+1 too). Steady-state steps (greedy and sampled rows) run under torch's
+    sync debug mode set to raise; reading the tokens waits on their own CUDA event, which it
+    allows."""
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
     from lockstep.engine.sampling_params import SamplingParams
@@ -215,9 +216,10 @@ def test_a_step_launched_ahead_never_waits_for_the_device() -> None:
     engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
                                  kv_tokens=16384, max_model_len=4096, max_running=4,
                                  cuda_graphs=True, overlap_decode=True))  # fmt: skip
-    for i in range(3):
+    for i in range(3):  # greedy, sampled with top-p, sampled with top-k
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40,
-                           temperature=0.0 if i else 0.8, seed=i, ignore_eos=True))  # fmt: skip
+                           temperature=0.0 if i == 0 else 0.8, top_p=0.9 if i == 1 else 1.0,
+                           top_k=50 if i == 2 else 0, seed=i, ignore_eos=True))  # fmt: skip
     while engine.steps_launched_ahead < 4:  # prefill, graph capture, steady state
         engine.step()
     before = engine.steps_launched_ahead
@@ -233,5 +235,31 @@ def test_a_step_launched_ahead_never_waits_for_the_device() -> None:
     try:
         with pytest.raises(RuntimeError):
             torch.ones(1, device="cuda").item()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_first_sampled_step_does_not_wait_for_the_device() -> None:
+    """The engine warms the sampler at start-up, so sampling for the first time (noise, top-p
+    units, top-k) makes no synchronizing copy. Control: without the cached constants, the
+    upload's pageable copy is caught by the same mode."""
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+    from lockstep.engine.sampler import RowSampling, choose_token_tensor
+    from lockstep.ops.triton import sampling
+
+    sampling._CONSTANTS.clear()
+    engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
+                                 kv_tokens=4096, max_model_len=4096, cuda_graphs=False))  # fmt: skip
+    vocab = engine.decoder.spec.vocab_size
+    logits = torch.randn(2, vocab, device="cuda")
+    rows = [RowSampling(0.7, 0, 0.9, 0.0, 1, 10), RowSampling(1.0, 40, 1.0, 0.0, 2, 10)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        choose_token_tensor(logits, rows)
+        sampling._CONSTANTS.clear()
+        with pytest.raises(RuntimeError):
+            choose_token_tensor(logits, rows)
     finally:
         torch.cuda.set_sync_debug_mode("default")
