@@ -279,3 +279,37 @@ def test_top_k_keeps_the_first_k_of_a_stable_descending_sort() -> None:
         want = torch.zeros(40, dtype=torch.bool)
         want[order[:k]] = True
         assert torch.equal(keep[i], want), (i, k)
+
+
+def _top_p_by_stable_sort(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Top-p built the plain way, one row at a time: a stable descending sort and the
+    shortest prefix whose units reach ceil(top_p * total) (after top-k and min-p)."""
+    keep = sampler._filter_mask(scores, [RowSampling(**{**r.__dict__, "top_p": 1.0})
+                                         for r in rows])  # fmt: skip
+    for i, r in enumerate(rows):
+        masked = torch.where(keep[i], scores[i], -math.inf)
+        order = torch.sort(masked, descending=True, stable=True).indices
+        units = probability_units_reference(masked[order] - scores[i].max())
+        cumulative = torch.cumsum(units, 0)
+        target = math.ceil(float(cumulative[-1]) * r.top_p)
+        n = int((cumulative < target).sum()) + 1
+        kept = torch.zeros_like(keep[i])
+        kept[order[:n]] = True
+        keep[i] &= kept
+    return keep
+
+
+def test_top_p_is_the_plain_stable_sort_construction() -> None:
+    """Rows full of ties, with top-k and min-p before top-p, several thresholds in one batch:
+    the masks equal the plain one-row-at-a-time stable-sort construction (the sampler sorts
+    values only and breaks ties by id afterwards)."""
+    gen = torch.Generator().manual_seed(31)
+    scores = torch.randint(-40, 3, (8, 300), generator=gen).double() * 0.5
+    rows = [_row(top_p=p, top_k=k, min_p=m) for p, k, m in
+            [(0.05, 0, 0.0), (0.5, 0, 0.0), (0.9, 0, 0.0), (0.99, 0, 0.0), (0.7, 30, 0.0),
+             (0.8, 0, 0.01), (0.95, 5, 0.0), (0.3, 0, 0.0)]]  # fmt: skip
+    assert torch.equal(sampler._filter_mask(scores, rows), _top_p_by_stable_sort(scores, rows))
+    # At the boundary: the first of two equal tokens holds exactly half of the mass, which
+    # reaches top_p = 0.5, so it alone is kept (the lower id).
+    tie = torch.tensor([[1.0, 1.0, -math.inf]], dtype=torch.float64)
+    assert sampler._filter_mask(tie, [_row(top_p=0.5)]).tolist() == [[True, False, False]]

@@ -219,9 +219,8 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Which tokens each tempered row keeps after top-k, min-p and top-p (in that order).
     Each filter runs once over the rows that use it; every step is exact whatever the batch:
-    the k-th largest value (a value, not an order), stable sorts (a unique permutation),
-    elementwise operations, sums of booleans and integer prefix sums. So a row's mask never
-    depends on the other rows."""
+    k-th largest values (values, not an order), sorted values, elementwise operations, sums of
+    booleans and integer prefix sums. So a row's mask never depends on the other rows."""
     v = scores.shape[1]
     if v >= 1 << (63 - UNIT_BITS):
         raise ValueError(f"vocabulary of {v} tokens: top-p's fixed-point sums need < 2**19")
@@ -233,14 +232,8 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         index = _to_device(k_rows, torch.int64, device)
         ks = _to_device([rows[i].top_k for i in k_rows], torch.int64, device)[:, None]
         picked = scores[index]
-        # The k largest, ties to the lower id (a stable descending sort's first k): all
-        # tokens above the k-th largest value, then the first of those equal to it by id.
         top = torch.topk(picked, max(rows[i].top_k for i in k_rows), dim=1).values
-        kth = top.gather(1, ks - 1)
-        above = picked > kth
-        ties = picked == kth
-        tie_rank = torch.cumsum(ties.to(torch.int64), dim=1)
-        keep[index] = above | (ties & (tie_rank <= ks - above.sum(dim=1, keepdim=True)))
+        keep[index] = _first_k(picked, ks, top.gather(1, ks - 1))
     min_p_rows = [i for i, r in enumerate(rows) if r.min_p > 0.0]
     if min_p_rows:
         index = _to_device(min_p_rows, torch.int64, device)
@@ -251,16 +244,33 @@ def _filter_mask(scores: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         index = _to_device(p_rows, torch.int64, device)
         top_p = _to_device([rows[i].top_p for i in p_rows], torch.float64, device)
         masked = torch.where(keep[index], scores[index], -math.inf)
-        ordered, order = torch.sort(masked, dim=1, descending=True, stable=True)
-        # The kept prefix: the shortest whose units reach ceil(top_p * T), T the row's total
-        # units (the tokens the earlier filters kept), at least one token. Units are exact
-        # integers, so no summation order can move the cutoff; since ceil(top_p * T) <= T,
-        # the prefix never reaches a token with no units (those the earlier filters dropped,
-        # and any below 2**-44 of the best token's probability). Nothing is read back.
-        cumulative = torch.cumsum(probability_units(ordered - best[index]), dim=1)
-        target = torch.ceil(cumulative[:, -1:].to(torch.float64) * top_p[:, None])
-        cutoff = (cumulative < target.to(torch.int64)).sum(dim=1, keepdim=True) + 1
-        ranks = torch.arange(v, device=device)
-        kept = torch.zeros((len(p_rows), v), dtype=torch.bool, device=device)
-        keep[index] &= kept.scatter_(1, order, ranks[None, :] < cutoff)
+        counts, kth = _top_p_cutoff(masked, best[index], top_p[:, None])
+        keep[index] &= _first_k(masked, counts, kth)
     return keep
+
+
+def _first_k(scores: torch.Tensor, ks: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """The first ks[r] tokens of row r in a stable descending sort (ties to the lower id),
+    given kth[r], the ks[r]-th largest value: every token above it, then the lowest-id tokens
+    equal to it. Values and counts only, so the same for any sort algorithm."""
+    above = scores > kth
+    ties = scores == kth
+    tie_rank = torch.cumsum(ties.to(torch.int64), dim=1)
+    return above | (ties & (tie_rank <= ks - above.sum(dim=1, keepdim=True)))
+
+
+def _top_p_cutoff(
+    masked: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's kept count per row and the value at that rank: the shortest prefix of the
+    row's values, largest first, whose units reach ceil(top_p * T), T the row's total units
+    (the tokens the earlier filters kept); at least one token. Units are exact integers, so
+    no summation order can move the cutoff; since ceil(top_p * T) <= T, the prefix never
+    reaches a token without units (one the earlier filters dropped, or below 2**-44 of the
+    best token's probability). Only values are sorted: the order among equal values changes
+    no prefix sum, and `_first_k` breaks the ties. Nothing is read back to the host."""
+    ordered = torch.sort(masked, dim=1, descending=True).values
+    cumulative = torch.cumsum(probability_units(ordered - best), dim=1)
+    target = torch.ceil(cumulative[:, -1:].to(torch.float64) * top_p).to(torch.int64)
+    counts = (cumulative < target).sum(dim=1, keepdim=True) + 1
+    return counts, ordered.gather(1, counts - 1)
