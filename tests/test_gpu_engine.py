@@ -250,7 +250,8 @@ def test_the_first_sampled_step_does_not_wait_for_the_device() -> None:
 
     sampling._CONSTANTS.clear()
     engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
-                                 kv_tokens=4096, max_model_len=4096, cuda_graphs=False))  # fmt: skip
+                                 kv_tokens=4096, max_model_len=4096,
+                                 cuda_graphs=False))  # fmt: skip
     vocab = engine.decoder.spec.vocab_size
     logits = torch.randn(2, vocab, device="cuda")
     rows = [RowSampling(0.7, 0, 0.9, 0.0, 1, 10), RowSampling(1.0, 40, 1.0, 0.0, 2, 10)]

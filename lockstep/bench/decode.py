@@ -3,9 +3,8 @@
 For each mode and batch size it starts one engine, runs `batch` requests of `prompt_len`
 random-token prompts with `gen_len` tokens (ignore_eos; greedy unless `sampling` sets a
 temperature, optionally with top-k / top-p, each request then seeded by its index), and reports
-prefill tokens/s,
-decode tokens/s (aggregate and per request) and the deterministic/fast ratio. A human table
-first, then ONE JSON document on the last line.
+prefill tokens/s, decode tokens/s (aggregate and per request) and the deterministic/fast
+ratio. A human table first, then ONE JSON document on the last line.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
   and an element's path can depend on where it sits in the tensor. `_exp` and `_log` below are
   built from those basic operations.
 * Filters (temperature, top-k, top-p, min-p) act on the tempered distribution, in that order
-  of strictness; ties in sorting keep the lower token id first (stable sorts). Top-p sums
+  of strictness; among equal scores the lower token id is kept first. Top-p sums
   probabilities in fixed point (`probability_units`), so its cutoff is an exact integer
   comparison.
 * The torch functions here are the definition (`*_reference`); the float64 work runs in one

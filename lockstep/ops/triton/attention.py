@@ -443,7 +443,8 @@ def paged_attention(
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma", **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
+            **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq

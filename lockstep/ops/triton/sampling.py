@@ -10,8 +10,8 @@ off (`enable_fp_fusion=False`) so the compiler cannot fuse a * b + c into one ro
 every float64 constant that float32 cannot hold (the series' coefficients, ln 2) is read from
 a float64 tensor, never written as a literal (Triton would type a literal as float32).
 
-The reference runs ~200 full-width float64 passes in torch (R x V elements each); this is one
-pass that writes the noise once.
+The references run ~200 (noise) and ~50 (units) full-width float64 passes in torch; each
+kernel is one pass.
 """
 
 from __future__ import annotations
@@ -92,9 +92,10 @@ def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: t
 @triton.jit
 def _units_kernel(x, coef, out, n, TERMS: tl.constexpr, UNIT_SCALE: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """The reference's `_exp` on max(x, -64) (NaN too), times 2**unit_bits, truncated: k =
-    x / ln2 rounded half to even (by adding and subtracting 2**52: |x / ln2| < 93), r = x - k ln2,
-    17 Taylor terms, then times 2**k built from its bit fields (k >= -93: exact, as ldexp)."""
+    """The reference's `_exp` on max(x, -64) (NaN too), times 2**unit_bits, truncated:
+    k = x / ln2 rounded half to even (by adding and subtracting 2**52: |x / ln2| < 93),
+    r = x - k ln2, 17 Taylor terms, then times 2**k from its bit fields (k >= -93: exact, as
+    ldexp)."""
     wait_for_inputs(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
