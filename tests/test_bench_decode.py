@@ -75,8 +75,9 @@ def test_a_pool_too_small_for_the_batch_is_a_clear_error() -> None:
 
 
 def test_sampled_benchmark_samples_with_seeded_filters(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--temperature / --top-p reach the sampler for every request, each with its own seed
-    (the control is the greedy default, whose rows have temperature 0)."""
+    """The benchmark's sampling settings reach the sampler for every request, each with its
+    own seed (the control is the greedy default, whose rows have temperature 0); the CLI's
+    flags are tested in tests/test_cli.py."""
     from lockstep.engine import engine as engine_module
 
     seen = []
@@ -99,5 +100,6 @@ def test_sampled_benchmark_samples_with_seeded_filters(monkeypatch: pytest.Monke
 def test_filters_without_a_temperature_are_refused() -> None:
     """--top-p / --top-k at temperature 0 would silently run greedy while the JSON records
     the filters: refused with one line instead."""
-    with pytest.raises(ConfigError, match="--temperature"):
-        run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3, sampling={"top_p": 0.9})
+    for sampling in ({"top_p": 0.9}, {"top_k": 5}):
+        with pytest.raises(ConfigError, match="--temperature"):
+            run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3, sampling=sampling)

@@ -75,3 +75,21 @@ def test_missing_tokenizer(tmp_path: Path) -> None:
 )
 def test_invalid_engine_option_is_one_line(flag: str, value: str, needle: str) -> None:
     _one_line_error(_lockstep("generate", "hi", "--model", "random:tiny", flag, value), needle)
+
+
+def test_bench_decode_sampling_options_reach_the_json(tmp_path: Path) -> None:
+    """--temperature/--top-p/--top-k are recorded in the JSON and its command line; filters
+    without a temperature are one clear line (the control: the same run at temperature 1)."""
+    import json
+
+    out_file = tmp_path / "bench.json"
+    args = ("bench", "decode", "--model", "random:tiny", "--device", "cpu", "--modes",
+            "deterministic", "--batches", "2", "--prompt-len", "8", "--gen-len", "2",
+            "--kv-tokens", "512")  # fmt: skip
+    out = _lockstep(*args, "--temperature", "1", "--top-p", "0.9", "--top-k", "5",
+                    "--output", str(out_file))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out_file.read_text())
+    assert doc["options"]["sampling"] == {"temperature": 1.0, "top_p": 0.9, "top_k": 5}
+    assert "--temperature 1.0 --top-p 0.9 --top-k 5" in doc["command"]
+    _one_line_error(_lockstep(*args, "--top-p", "0.9"), "--temperature", "top_p=0.9")

@@ -239,11 +239,13 @@ def test_a_step_launched_ahead_never_waits_for_the_device() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_the_first_sampled_step_does_not_wait_for_the_device() -> None:
-    """The engine warms the sampler at start-up, so sampling for the first time (noise, top-p
-    units, top-k) makes no synchronizing copy. Control: without the cached constants, the
-    upload's pageable copy is caught by the same mode."""
+def test_the_first_sampling_after_start_up_does_not_wait_for_the_device() -> None:
+    """The engine warms the sampler at start-up, so the sampler's first call after it (noise,
+    top-p units, top-k; the call a first sampled step makes) makes no synchronizing copy, and
+    it runs the Triton kernels. Control: without the cached constants, the upload's pageable
+    copy is caught by the same mode."""
     from lockstep.config import EngineConfig
+    from lockstep.engine import sampler
     from lockstep.engine.engine import Engine
     from lockstep.engine.sampler import RowSampling, choose_token_tensor
     from lockstep.ops.triton import sampling
@@ -252,6 +254,7 @@ def test_the_first_sampled_step_does_not_wait_for_the_device() -> None:
     engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
                                  kv_tokens=4096, max_model_len=4096,
                                  cuda_graphs=False))  # fmt: skip
+    assert sampler._kernels(torch.device("cuda")) is sampling
     vocab = engine.decoder.spec.vocab_size
     logits = torch.randn(2, vocab, device="cuda")
     rows = [RowSampling(0.7, 0, 0.9, 0.0, 1, 10), RowSampling(1.0, 40, 1.0, 0.0, 2, 10)]

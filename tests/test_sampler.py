@@ -171,13 +171,15 @@ def test_sampling_draws_from_the_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_tiny_temperatures_are_refused() -> None:
-    """Logits divided by a temperature far below any useful one overflow float64: refused,
-    while 0 (greedy) and the smallest accepted value pass."""
+    """Temperatures in (0, MIN_TEMPERATURE) are refused (greedy in all but name, and far
+    enough down the tempered logits overflow), up to the last float below the limit, while 0
+    (greedy) and the limit itself pass."""
     from lockstep.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
     from lockstep.errors import RequestError
 
-    with pytest.raises(RequestError, match="temperature"):
-        SamplingParams(temperature=1e-320)
+    for tiny in (1e-320, 1e-6, math.nextafter(MIN_TEMPERATURE, 0.0)):
+        with pytest.raises(RequestError, match="temperature"):
+            SamplingParams(temperature=tiny)
     SamplingParams(temperature=0.0)
     SamplingParams(temperature=MIN_TEMPERATURE)
 

@@ -407,6 +407,7 @@ def _bad_cases(model: str) -> list[tuple[str, object, int, str | None]]:
         ("/v1/completions", {**comp, "temperature": "hot"}, 400, "temperature"),
         ("/v1/completions", {**comp, "max_tokens": True}, 400, "max_tokens"),
         ("/v1/completions", {**comp, "temperature": 3.5}, 400, "temperature"),
+        ("/v1/completions", {**comp, "temperature": 1e-6}, 400, "temperature"),
         ("/v1/completions", {**comp, "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {**comp, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {**comp, "logprobs": 50}, 400, "logprobs"),

@@ -21,8 +21,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     decode.add_argument("--temperature", type=float, default=0.0,
                         help="sample at this temperature (default 0: greedy)")  # fmt: skip
-    decode.add_argument("--top-p", type=float, default=1.0)
-    decode.add_argument("--top-k", type=int, default=0)
+    decode.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus filter for sampled tokens (needs --temperature)")  # fmt: skip
+    decode.add_argument("--top-k", type=int, default=0,
+                        help="keep the k most likely tokens (needs --temperature; 0: off)")  # fmt: skip
     add_engine_arguments(decode)
     decode.set_defaults(func=run_bench_decode)
 

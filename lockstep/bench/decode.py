@@ -59,7 +59,8 @@ def run_decode_bench(
     prefill_steps = -(-batch * prompt_len // per_step) + 1
     choice = {"temperature": 0.0, **(sampling or {})}
     if not choice["temperature"] and (choice.get("top_p", 1.0) < 1.0 or choice.get("top_k", 0)):
-        raise ConfigError("decode benchmark: --top-p / --top-k filter sampled tokens: give a "
+        raise ConfigError(f"decode benchmark: top_p={choice.get('top_p', 1.0)} / "
+                          f"top_k={choice.get('top_k', 0)} filter sampled tokens: give a "
                           "--temperature > 0 as well (0 is greedy)")  # fmt: skip
     params = SamplingParams(max_tokens=gen_len + prefill_steps + 2, ignore_eos=True, **choice)
     need = batch * (prompt_len + params.max_tokens - 1)  # the engine's bound per request

@@ -107,8 +107,7 @@ class Engine:
                 max_context=self.max_model_len,
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
-        if self.device.type == "cuda":  # compile the sampler's kernels before any request
-            warm_up_sampler(self.device, spec.vocab_size)
+        warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None  # a step launched ahead (overlap_decode)
         self.steps_launched_ahead = 0

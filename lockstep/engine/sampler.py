@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -124,35 +125,42 @@ def probability_units(x: torch.Tensor, unit_bits: int = UNIT_BITS) -> torch.Tens
     return kernels.probability_units(x.contiguous(), unit_bits)
 
 
-_REPORTED: set[str] = set()
+_KERNELS: dict[str, ModuleType | None] = {}
 
 
-def _kernels(device: torch.device):
+def _kernels(device: torch.device) -> ModuleType | None:
     """The module whose `gumbel_noise(seeds, positions, n)` and `probability_units(x,
     unit_bits)` run the sampler's float64 work in one pass each on this device, bit for bit
-    the references (tested): `lockstep.ops.triton.sampling` on CUDA; on CPU the C++ kernels,
-    once the process has built them (the deterministic CPU backend does at start-up; fast
-    mode never compiles). None: the torch references (~200 full-width passes), logged once."""
-    kernels = None
+    the references (tested): `lockstep.ops.triton.sampling` on CUDA, the C++ kernels on CPU
+    (built on first use if no engine has built them yet, whatever the mode). Chosen once per
+    device type. None: the torch references (~200 full-width passes; same bits, much slower),
+    with a warning saying why."""
+    if device.type in _KERNELS:
+        return _KERNELS[device.type]
+    kernels, why = None, "no kernels for this device"
     if device.type == "cuda":
         try:
             from lockstep.ops.triton import sampling as kernels
-        except ImportError:
-            kernels = None
+        except ImportError as exc:
+            why = f"triton is missing ({exc})"
     elif device.type == "cpu":
-        from lockstep.ops.cpu_build import loaded_extension
+        from lockstep.ops.cpu_build import KernelBuildError, load_extension
 
-        kernels = loaded_extension()
-    if kernels is None and device.type not in _REPORTED:
-        _REPORTED.add(device.type)
-        logger.info("sampler on %s: the torch reference computes the noise and top-p's "
-                    "probabilities (no kernel here); same bits, slower", device.type)  # fmt: skip
+        try:
+            kernels = load_extension()
+        except KernelBuildError as exc:
+            why = str(exc)
+    if kernels is None:
+        logger.warning("sampler on %s: the torch reference computes the noise and top-p's "
+                       "probabilities, same bits but much slower: %s", device.type, why)  # fmt: skip
+    _KERNELS[device.type] = kernels
     return kernels
 
 
 def warm_up(device: torch.device, vocab: int) -> None:
-    """Run one sampled row with top-k and top-p: compiles this device's sampler kernels and
-    uploads their constants now, so the first sampled request does not wait for either."""
+    """Run one sampled row with top-k and top-p: chooses (and on CPU builds or loads) this
+    device's sampler kernels, compiles them and uploads their constants now, so the first
+    sampled request waits for none of it."""
     logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
     choose_token_tensor(logits, [RowSampling(1.0, 2, 0.5, 0.0, 0, 0)])
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from lockstep.errors import RequestError
 
-# Smaller temperatures are refused: logits divided by them can overflow float64 (a row of
-# infinities has no distribution left to sample).
+# Smaller temperatures are refused rather than sampled: they are greedy in all but name (vLLM
+# treats them as greedy), and far enough down (below ~2e-270) finite logits divided by them
+# overflow float64, leaving a row of infinities with no distribution to sample. A refusal
+# says so; quietly sampling or quietly switching to greedy would not.
 MIN_TEMPERATURE = 1e-5
 
 

@@ -217,6 +217,8 @@ def _matmul_kernel(
     SPLIT_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """y = x @ w.T (+ bias) for one output tile (or one K split of it: SPLIT_PROGRAMS), `w` a
+    pointer or (TMA) a tensor descriptor; K order as in the module docstring."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     if SPLIT_PROGRAMS:

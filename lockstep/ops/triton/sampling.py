@@ -73,6 +73,8 @@ def _log(x, coef, TERMS: tl.constexpr):
 @triton.jit
 def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: tl.constexpr,
                    PDL: tl.constexpr):  # fmt: skip
+    """Noise of row program_id(0), columns of block program_id(1): the reference's key from
+    (seed, position), its uniform per column, then -log(-log(u))."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     seed = tl.load(seeds + row)
@@ -89,7 +91,9 @@ def _gumbel_kernel(seeds, positions, coef, out, n, TERMS: tl.constexpr, BLOCK: t
     tl.store(out + row.to(tl.int64) * n + idx, g, mask=idx < n)
 
 
-@triton.jit
+# n (rows x V) varies with the number of top-p rows: not specialized, so that no batch
+# compiles a second binary while serving.
+@triton.jit(do_not_specialize=["n"])
 def _units_kernel(x, coef, out, n, TERMS: tl.constexpr, UNIT_SCALE: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """The reference's `_exp` on max(x, -64) (NaN too), times 2**unit_bits, truncated:
@@ -114,6 +118,9 @@ def _units_kernel(x, coef, out, n, TERMS: tl.constexpr, UNIT_SCALE: tl.constexpr
 
 
 def _opts(device: torch.device) -> dict:
+    """Launch options: contraction off (a * b + c stays two roundings, as in the reference);
+    the interpreter takes no compiler options and computes each operation in numpy, which
+    never contracts."""
     opts = {"num_warps": 4, **pdl_launch(device)}
     if os.environ.get("TRITON_INTERPRET") != "1":
         opts["enable_fp_fusion"] = False
@@ -121,7 +128,9 @@ def _opts(device: torch.device) -> dict:
 
 
 def probability_units(x: torch.Tensor, unit_bits: int) -> torch.Tensor:
-    """int64 trunc(exp(x) * 2**unit_bits) of float64 x <= 0 (`probability_units_reference`)."""
+    """int64 trunc(exp(x) * 2**unit_bits) of float64 x <= 0 (`probability_units_reference`).
+    The sampler uses 44 bits; tests use up to 100 on x <= -(unit_bits - 62) ln 2, where the
+    result still fits int64 (elsewhere it would not)."""
     if x.dtype != torch.float64 or not 0 <= unit_bits <= 100:
         raise ValueError(f"probability_units wants float64 x and 0 <= unit_bits <= 100; got "
                          f"{x.dtype}, {unit_bits}")  # fmt: skip
