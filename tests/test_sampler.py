@@ -315,3 +315,40 @@ def test_top_p_is_the_plain_stable_sort_construction() -> None:
     # reaches top_p = 0.5, so it alone is kept (the lower id).
     tie = torch.tensor([[1.0, 1.0, -math.inf]], dtype=torch.float64)
     assert sampler._filter_mask(tie, [_row(top_p=0.5)]).tolist() == [[True, False, False]]
+
+
+def test_cpu_top_p_cutoff_by_selection_equals_the_sort() -> None:
+    """The C++ kernel finds top-p's count and kept value by a weighted selection; on rows with
+    ties, dropped (-inf) tokens, peaked and flat scores and thresholds from 0.0005 to 0.9995
+    it gives the sort's exact answer. The control: the next threshold up moves some cutoff."""
+    from lockstep.ops.cpu_build import load_extension
+
+    ext = load_extension()
+    gen = torch.Generator().manual_seed(41)
+    moved = 0
+    for trial in range(200):
+        rows, v = int(torch.randint(1, 6, (1,), generator=gen)), 2 + trial * 3
+        if trial % 3:
+            scores = torch.randint(-30, 5, (rows, v), generator=gen).double() * (trial % 7) / 4
+        else:
+            scores = torch.randn(rows, v, generator=gen, dtype=torch.float64) * (trial % 11)
+        best = scores.max(dim=1, keepdim=True).values
+        masked = torch.where((torch.rand(rows, v, generator=gen) > 0.3) | (scores == best),
+                             scores, -math.inf)  # fmt: skip
+        top_p = torch.rand(rows, generator=gen, dtype=torch.float64) * 0.999 + 0.0005
+        want = sampler._top_p_cutoff_by_sort(masked, best, top_p[:, None])
+        got = ext.top_p_cutoff(masked, best, top_p)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+        higher = ext.top_p_cutoff(masked, best, torch.clamp(top_p + 0.05, max=0.9999))
+        moved += not torch.equal(higher[0], want[0])
+    assert moved > 50
+    # The larger values' units reach the target exactly (two ties at 0 hold 2**45 units and
+    # the target is 2**45): the kept value is 0, not the -1 the selection pivots on first.
+    scores = torch.tensor([[0.0, -1.0, 0.0]], dtype=torch.float64)
+    best = torch.zeros((1, 1), dtype=torch.float64)
+    total = 2 * 2**44 + int(probability_units_reference(torch.tensor([-1.0]).double())[0])
+    top_p = torch.tensor([(2**45 - 0.5) / total], dtype=torch.float64)
+    want = sampler._top_p_cutoff_by_sort(scores, best, top_p[:, None])
+    assert want[0].tolist() == [[2]] and want[1].tolist() == [[0.0]]
+    got = ext.top_p_cutoff(scores, best, top_p)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

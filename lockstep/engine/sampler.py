@@ -112,6 +112,8 @@ def probability_units_reference(x: torch.Tensor, unit_bits: int = UNIT_BITS) -> 
     the definition. x below -64, -inf and NaN (a row of -inf scores) count as -64: exp(-64) *
     2**44 < 1, so those tokens get 0 units (anything below -44 ln 2 = -30.5 does). `unit_bits`
     other than UNIT_BITS: tests only (62 keeps every bit of probabilities above 1/2)."""
+    if x.dtype != torch.float64:
+        raise ValueError(f"probability units are defined on float64 scores, not {x.dtype}")
     x = torch.where(x >= -64.0, x, -64.0)
     return (_exp(x) * 2.0**unit_bits).to(torch.int64)
 
@@ -268,6 +270,19 @@ def _first_k(scores: torch.Tensor, ks: torch.Tensor, kth: torch.Tensor) -> torch
 
 
 def _top_p_cutoff(
+    masked: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's kept count per row and the value at that rank (`_top_p_cutoff_by_sort`). On the
+    CPU the C++ kernel finds them by a weighted selection instead of a sort (the same exact
+    integers, tested equal); elsewhere the sort."""
+    kernels = _kernels(masked.device) if masked.device.type == "cpu" else None
+    if kernels is not None:
+        counts, kth = kernels.top_p_cutoff(masked.contiguous(), best, top_p.flatten())
+        return counts, kth
+    return _top_p_cutoff_by_sort(masked, best, top_p)
+
+
+def _top_p_cutoff_by_sort(
     masked: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p's kept count per row and the value at that rank: the shortest prefix of the

@@ -26,6 +26,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -1062,10 +1063,27 @@ at::Tensor gumbel_noise(const at::Tensor& seeds, const at::Tensor& positions, in
 }
 
 // Top-p's fixed-point probabilities: bit for bit lockstep.engine.sampler.
-// probability_units_reference, trunc(exp(max(x, -64)) * 2**unit_bits) (NaN counts as -64)
-// with the reference's exp: k = x / ln2 rounded half to even (adding and subtracting 2**52:
+// probability_units_reference, trunc(exp(max(x, -64)) * unit_scale) (NaN counts as -64) with
+// the reference's exp: k = x / ln2 rounded half to even (adding and subtracting 2**52:
 // |x / ln2| < 93), r = x - k ln2, 17 Taylor terms, then times 2**k from its bit fields
 // (k >= -93: exact, as ldexp).
+inline int64_t probability_unit(double x, double unit_scale) {
+  const double ln2 = 0.6931471805599453, magic = 4503599627370496.0;
+  const double v = x >= -64.0 ? x : -64.0;  // NaN too, as the reference
+  const double k = (v / ln2 - magic) + magic;
+  const double r = v - k * ln2;
+  double term = 1.0, total = 1.0;
+#pragma GCC unroll 17
+  for (int t = 1; t < 18; ++t) {
+    term = term * r / static_cast<double>(t);
+    total = total + term;
+  }
+  const uint64_t sbits = static_cast<uint64_t>(static_cast<int64_t>(k) + 1023) << 52;
+  double scale;
+  std::memcpy(&scale, &sbits, sizeof scale);
+  return static_cast<int64_t>(total * scale * unit_scale);
+}
+
 at::Tensor probability_units(const at::Tensor& x, int64_t unit_bits) {
   TORCH_CHECK(x.scalar_type() == at::kDouble && x.is_contiguous(),
               "probability_units: x must be contiguous float64");
@@ -1075,26 +1093,95 @@ at::Tensor probability_units(const at::Tensor& x, int64_t unit_bits) {
   const double* xp = x.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t n = x.numel();
-  const double ln2 = 0.6931471805599453, magic = 4503599627370496.0;
   parallel_tasks((n + kSamplerTask - 1) / kSamplerTask, [&](int64_t task) {
     const int64_t lo = task * kSamplerTask, hi = std::min(n, lo + kSamplerTask);
-    for (int64_t i = lo; i < hi; ++i) {
-      const double v = xp[i] >= -64.0 ? xp[i] : -64.0;  // NaN too, as the reference
-      const double k = (v / ln2 - magic) + magic;
-      const double r = v - k * ln2;
-      double term = 1.0, total = 1.0;
-#pragma GCC unroll 17
-      for (int t = 1; t < 18; ++t) {
-        term = term * r / static_cast<double>(t);
-        total = total + term;
-      }
-      const uint64_t sbits = static_cast<uint64_t>(static_cast<int64_t>(k) + 1023) << 52;
-      double scale;
-      std::memcpy(&scale, &sbits, sizeof scale);
-      op[i] = static_cast<int64_t>(total * scale * unit_scale);
-    }
+    for (int64_t i = lo; i < hi; ++i) op[i] = probability_unit(xp[i], unit_scale);
   });
   return out;
+}
+
+// Top-p's cutoff without sorting: lockstep.engine.sampler._top_p_cutoff's result (count, and
+// the value at that rank) for each row of masked scores [P, V] (float64, -inf = dropped), best
+// [P, 1] and top_p [P]. With u(v) = units of v - best and S(>= v) the units of the tokens
+// scoring at least v: target = ceil(T * top_p) as a double product, T = S(>= -inf); the kept
+// value v* is the largest token value with S(>= v*) >= target (a weighted selection, expected
+// O(V), over the tokens with units: the sorted prefix reaches target at one of them); count =
+// #(> v*) + ceil((target - S(> v*)) / u(v*)), the first position of the sorted values where the
+// prefix sum reaches target. Exact integers throughout, so equal to the sort's answer.
+std::vector<at::Tensor> top_p_cutoff(const at::Tensor& masked, const at::Tensor& best,
+                                     const at::Tensor& top_p) {
+  TORCH_CHECK(masked.dim() == 2 && masked.scalar_type() == at::kDouble && masked.is_contiguous(),
+              "top_p_cutoff: masked must be contiguous float64 [P, V]");
+  const int64_t rows = masked.size(0), vocab = masked.size(1);
+  TORCH_CHECK(best.scalar_type() == at::kDouble && best.numel() == rows &&
+                  top_p.scalar_type() == at::kDouble && top_p.numel() == rows,
+              "top_p_cutoff: best [P, 1] and top_p [P] must be float64");
+  const at::Tensor bc = best.contiguous(), pc = top_p.contiguous();
+  at::Tensor counts = at::empty({rows, 1}, masked.options().dtype(at::kLong));
+  at::Tensor kth = at::empty({rows, 1}, masked.options());
+  const double* mp = masked.data_ptr<double>();
+  const double* bp = bc.data_ptr<double>();
+  const double* pp = pc.data_ptr<double>();
+  int64_t* cp = counts.data_ptr<int64_t>();
+  double* kp = kth.data_ptr<double>();
+  const double unit_scale = 17592186044416.0;  // 2**44, lockstep.engine.sampler.UNIT_BITS
+  parallel_tasks(rows, [&](int64_t r) {
+    const double* x = mp + r * vocab;
+    const double b = bp[r];
+    std::vector<int64_t> units(vocab);
+    for (int64_t i = 0; i < vocab; ++i) units[i] = probability_unit(x[i] - b, unit_scale);
+    std::vector<std::pair<double, int64_t>> cand;  // (value, units) of tokens with units
+    int64_t total = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      total += units[i];
+      if (units[i] > 0) cand.emplace_back(x[i], units[i]);
+    }
+    const int64_t target =
+        static_cast<int64_t>(std::ceil(static_cast<double>(total) * pp[r]));
+    // Weighted selection: [lo, hi) holds the candidates below every value already passed
+    // over; `above` is the units of those passed over (all larger).
+    int64_t lo = 0, hi = static_cast<int64_t>(cand.size()), above = 0;
+    double found = cand.empty() ? -kInf : cand[0].first;
+    while (lo < hi) {
+      const double pivot = cand[lo + (hi - lo) / 2].first;
+      // Three-way partition: larger first, then equal, then smaller.
+      int64_t gt = lo, i = lo, lt = hi;
+      while (i < lt) {
+        if (cand[i].first > pivot) {
+          std::swap(cand[i++], cand[gt++]);
+        } else if (cand[i].first < pivot) {
+          std::swap(cand[i], cand[--lt]);
+        } else {
+          ++i;
+        }
+      }
+      int64_t w_gt = 0, w_eq = 0;
+      for (int64_t j = lo; j < gt; ++j) w_gt += cand[j].second;
+      for (int64_t j = gt; j < lt; ++j) w_eq += cand[j].second;
+      if (above + w_gt >= target) {
+        hi = gt;  // the kept value is larger than the pivot
+      } else if (above + w_gt + w_eq >= target) {
+        found = pivot;
+        break;
+      } else {
+        above += w_gt + w_eq;
+        lo = lt;
+      }
+    }
+    int64_t n_gt = 0, s_gt = 0, u_star = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (x[i] > found) {
+        ++n_gt;
+        s_gt += units[i];
+      } else if (x[i] == found) {
+        u_star = units[i];  // equal values, equal units
+      }
+    }
+    const int64_t need = target - s_gt;  // > 0, and at most the ties' units
+    cp[r] = n_gt + (u_star > 0 ? (need + u_star - 1) / u_star : 1);
+    kp[r] = found;
+  });
+  return {counts, kth};
 }
 
 }  // namespace lockstep
@@ -1109,4 +1196,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &lockstep::attention);
   m.def("gumbel_noise", &lockstep::gumbel_noise);
   m.def("probability_units", &lockstep::probability_units);
+  m.def("top_p_cutoff", &lockstep::top_p_cutoff);
 }
