@@ -294,6 +294,8 @@ def _top_p_cutoff_by_sort(
     no prefix sum, and `_first_k` breaks the ties. Nothing is read back to the host."""
     ordered = torch.sort(masked, dim=1, descending=True).values
     cumulative = torch.cumsum(probability_units(ordered - best), dim=1)
-    target = torch.ceil(cumulative[:, -1:].to(torch.float64) * top_p).to(torch.int64)
+    total = cumulative[:, -1:]
+    # ceil(T * top_p) <= T but for the rounding of T to a double (T near 2**62): at most T.
+    target = torch.minimum(torch.ceil(total.to(torch.float64) * top_p).to(torch.int64), total)
     counts = (cumulative < target).sum(dim=1, keepdim=True) + 1
     return counts, ordered.gather(1, counts - 1)

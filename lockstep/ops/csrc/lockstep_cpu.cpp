@@ -1136,8 +1136,8 @@ std::vector<at::Tensor> top_p_cutoff(const at::Tensor& masked, const at::Tensor&
       total += units[i];
       if (units[i] > 0) cand.emplace_back(x[i], units[i]);
     }
-    const int64_t target =
-        static_cast<int64_t>(std::ceil(static_cast<double>(total) * pp[r]));
+    const int64_t target = std::min(  // at most T, as the sort path's guard
+        static_cast<int64_t>(std::ceil(static_cast<double>(total) * pp[r])), total);
     // Weighted selection: [lo, hi) holds the candidates below every value already passed
     // over; `above` is the units of those passed over (all larger).
     int64_t lo = 0, hi = static_cast<int64_t>(cand.size()), above = 0;
