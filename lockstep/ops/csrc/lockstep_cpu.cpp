@@ -1100,10 +1100,11 @@ at::Tensor probability_units(const at::Tensor& x, int64_t unit_bits) {
   return out;
 }
 
-// Top-p's cutoff without sorting: lockstep.engine.sampler._top_p_cutoff's result (count, and
-// the value at that rank) for each row of masked scores [P, V] (float64, -inf = dropped), best
-// [P, 1] and top_p [P]. With u(v) = units of v - best and S(>= v) the units of the tokens
-// scoring at least v: target = ceil(T * top_p) as a double product, T = S(>= -inf); the kept
+// Top-p's cutoff without sorting: lockstep.engine.sampler._top_p_cutoff_by_sort's result
+// (count, and the value at that rank) for each row of masked scores [P, V] (float64, -inf =
+// dropped), best [P, 1] and top_p [P]. With u(v) = units of v - best and S(>= v) the units of
+// the tokens scoring at least v: target = min(ceil(T * top_p) as a double product, T), T =
+// S(>= -inf); the kept
 // value v* is the largest token value with S(>= v*) >= target (a weighted selection, expected
 // O(V), over the tokens with units: the sorted prefix reaches target at one of them); count =
 // #(> v*) + ceil((target - S(> v*)) / u(v*)), the first position of the sorted values where the
