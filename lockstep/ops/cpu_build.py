@@ -122,9 +122,3 @@ def load_extension() -> ModuleType:
         if first:
             logger.info("compiled the lockstep CPU kernels in %.1f s", time.perf_counter() - start)
         return _module
-
-
-def loaded_extension() -> ModuleType | None:
-    """The kernel module if this process has already built or loaded it, else None (never
-    compiles: for optional users such as the sampler's noise)."""
-    return _module
