@@ -516,6 +516,47 @@ def test_attention_64_bit_gather_offsets_give_the_same_bits(
     assert len(asked) == 2  # both launches took the forced 64-bit flag: the test is not blind
 
 
+def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
+    pool: Pool, full: torch.Tensor
+) -> None:
+    """`slots_ahead_split` (the production default) / `slots_ahead` load the next key
+    block's slot ids early: the same values reach the same arithmetic, so every row keeps
+    its bits, on both paths and with the option off, at every chunk start tried (blocks
+    wholly visible, partly visible, a split's last)."""
+    from lockstep.ops.triton.attention import split_slots_ahead
+
+    ahead = AttentionConfig(**{**ATTN_CFG.__dict__, "slots_ahead": True,
+                               "slots_ahead_split": True})  # fmt: skip
+    plain = AttentionConfig(**{**ATTN_CFG.__dict__, "slots_ahead_split": False})
+    assert split_slots_ahead(ahead, 1, torch.device(DEV))  # this test's launches take it
+    assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), full)
+    for p in range(0, SEQ, 1 if not GPU else 13):
+        n = min(SEQ - p, 1 + p % 5)
+        want = full[p : p + n]
+        assert torch.equal(pool.run(p, n, cfg=plain, path="split"), want), p
+        for path in ("prefill", "split"):
+            assert torch.equal(pool.run(p, n, cfg=ahead, path=path), want), (p, path)
+
+
+def test_split_slots_ahead_only_while_every_program_is_resident(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA the option applies up to AHEAD_PROGRAMS_PER_SM programs per SM (its double
+    buffers fit three), never when the config turns it off."""
+    from lockstep.ops.triton import attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(attention, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    limit = attention.AHEAD_PROGRAMS_PER_SM * 132
+    on = AttentionConfig()
+    assert on.slots_ahead_split
+    assert attention.split_slots_ahead(on, limit, cuda)
+    assert not attention.split_slots_ahead(on, limit + 1, cuda)
+    off = AttentionConfig(slots_ahead_split=False)
+    assert not attention.split_slots_ahead(off, 1, cuda)
+
+
 def test_attention_negative_control_other_key_block_differs(pool: Pool, full: torch.Tensor) -> None:
     other = pool.run(0, SEQ, cfg=OTHER_BLOCK_CFG, path="prefill")
     assert rel_err(other, pool.reference()) < TOL

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops.base import AttentionMeta
-from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import num_sms, pdl_launch, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -73,6 +73,16 @@ class AttentionConfig:
     row_sum: str = "sum"
     num_stages: int = 3
     num_stages_split: int = 3
+    # Load the next key block's slot ids before this block's arithmetic (the unmasked loop):
+    # the same values, so the same bits. Triton 3.6 then double-buffers K/V, so the next
+    # block's gather runs under this block's arithmetic (offline compile for sm_90: 69,888
+    # bytes of shared memory per decode program instead of 37,120). Measured on an H200
+    # (docs/gpu_notes.md, run 50): batch 1, 512 keys 22.1 -> 17.9 us, 8k 31.2 -> 25.8, but
+    # slower once programs outnumber what fits (batch 1 at 32k keys, 512 programs: 58.9 ->
+    # 66.0), so the split path applies it only while every program is resident
+    # (`split_slots_ahead`). The prefill path (`slots_ahead`) is not measured: off.
+    slots_ahead: bool = False
+    slots_ahead_split: bool = True
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
     workspace_bytes: int = 256 << 20
     # Multiply-add contraction; off so that the shared formulas cannot be contracted
@@ -129,8 +139,17 @@ def _tile_rows(cu_q, q_start, b, tile, G: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _block_slots(slots_ptr, j0, hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Slot ids of keys j0 .. j0 + BLOCK_N - 1 (0 past hi when MASKED)."""
+    offs_j = j0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        return tl.load(slots_ptr + offs_j, mask=offs_j < hi, other=0)
+    return tl.load(slots_ptr + offs_j)
+
+
+@triton.jit
 def _block_update(
-    m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
+    m, lsum, acc, q, k_cache, v_cache, slots, kvh, skc, skh, pos, j0, hi, qk_scale,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
     ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
@@ -141,18 +160,13 @@ def _block_update(
     32-bit unless the cache holds 2**31 elements or more (WIDE)."""
     offs_d = tl.arange(0, D)
     offs_j = j0 + tl.arange(0, BLOCK_N)
+    if WIDE:
+        slots = slots.to(tl.int64)
+    kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
     if MASKED:
         jmask = offs_j < hi
-        slots = tl.load(slots_ptr + offs_j, mask=jmask, other=0)
-        if WIDE:
-            slots = slots.to(tl.int64)
-        kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
         k = tl.load(k_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
-        slots = tl.load(slots_ptr + offs_j)
-        if WIDE:
-            slots = slots.to(tl.int64)
-        kv_offs = slots[:, None] * skc + kvh * skh + offs_d[None, :]
         k = tl.load(k_cache + kv_offs)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
@@ -189,24 +203,35 @@ def row_sum_mma(p, BLOCK_N: tl.constexpr):
 def _split_partial(
     q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
-    ROW_SUM_MMA: tl.constexpr,
+    ROW_SUM_MMA: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
     visited in ascending order; those wholly at or before pos_lo (the tile's first position)
-    skip the masks."""
+    skip the masks. SLOTS_AHEAD: the unmasked loop loads the next block's slot ids before
+    this block's arithmetic (same values, so the same bits)."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     lsum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     mid = lo + tl.maximum(tl.minimum(pos_lo + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
-    for j0 in range(lo, mid, BLOCK_N):
-        m, lsum, acc = _block_update(
-            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
-            False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
-        )  # fmt: skip
+    if SLOTS_AHEAD:
+        nxt = _block_slots(slots_ptr, lo, hi, True, BLOCK_N)
+        for j0 in range(lo, mid, BLOCK_N):
+            cur = nxt
+            nxt = _block_slots(slots_ptr, j0 + BLOCK_N, hi, True, BLOCK_N)
+            m, lsum, acc = _block_update(
+                m, lsum, acc, q, k_cache, v_cache, cur, kvh, skc, skh, pos, j0, hi, qk_scale,
+                False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            )  # fmt: skip
+    else:
+        for j0 in range(lo, mid, BLOCK_N):
+            m, lsum, acc = _block_update(
+                m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, False, BLOCK_N),
+                kvh, skc, skh, pos, j0, hi, qk_scale, False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            )  # fmt: skip
     for j0 in range(mid, hi, BLOCK_N):
         m, lsum, acc = _block_update(
-            m, lsum, acc, q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, j0, hi, qk_scale,
-            True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, True, BLOCK_N),
+            kvh, skc, skh, pos, j0, hi, qk_scale, True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
         )  # fmt: skip
     return m, lsum, acc
 
@@ -242,6 +267,7 @@ def _attn_fwd(
     WRITE_PARTIALS: tl.constexpr,
     WIDE: tl.constexpr,
     ROW_SUM_MMA: tl.constexpr,
+    SLOTS_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
@@ -266,6 +292,7 @@ def _attn_fwd(
         m, lsum, acc = _split_partial(
             qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
             tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            SLOTS_AHEAD,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
         smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
@@ -280,6 +307,7 @@ def _attn_fwd(
             m, lsum, acc = _split_partial(
                 qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
                 tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+                SLOTS_AHEAD,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
         o = finalize_rows(l_s, acc_s)
@@ -397,6 +425,22 @@ def needs_wide_offsets(cache: torch.Tensor) -> bool:
     return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride(), strict=True)) >= 2**31
 
 
+# Decode programs with slot ids ahead that fit one SM at once: 227 KB of shared memory over
+# 69,888 bytes each.
+AHEAD_PROGRAMS_PER_SM = 3
+
+
+def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.device) -> bool:
+    """Whether a split-path launch of `programs` programs loads slot ids a block ahead: the
+    config asks for it and they all fit the device at once (the interpreter has no limit).
+    Speed only: both variants give the same bits."""
+    if not config.slots_ahead_split:
+        return False
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return programs <= AHEAD_PROGRAMS_PER_SM * num_sms(device)
+
+
 def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
     opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device)}
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -444,7 +488,7 @@ def paged_attention(
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
             WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            SLOTS_AHEAD=config.slots_ahead, **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq
@@ -466,10 +510,12 @@ def paged_attention(
     merge_opts = _launch_opts(4, 1, fusion, q.device)
     for i in range(n_waves):
         base = i * wave
-        _attn_fwd[(n_tiles, b * hkv, min(wave, n_splits - base))](
+        grid = (n_tiles, b * hkv, min(wave, n_splits - base))
+        _attn_fwd[grid](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma", **split_opts,
+            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
+            SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **split_opts,
         )  # fmt: skip
         _attn_merge[(n_tiles, b * hkv)](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import num_sms, pdl_launch, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -274,20 +274,12 @@ def _matmul_persistent_kernel(
             y_desc.store([pid_m * BM, pid_n * BN], out.to(y_desc.dtype))
 
 
-_NUM_SMS: dict[int, int] = {}
 # Arrival counters of the split-programs path, one per output tile, all zero between calls
 # (each tile's last program re-arms its own). One buffer per device, never reallocated, so
 # that CUDA graphs captured against it stay valid. Shared by every call on the device: two
 # split-program matmuls must not run concurrently on two streams (the engine uses one).
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 MAX_SPLIT_TILES = 1 << 16
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def reserve_counters(device: torch.device) -> torch.Tensor:
@@ -351,7 +343,7 @@ def matmul(
         wa = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
         if cfg.persistent:
             y_desc = TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn])
-            n_sms = _num_sms(x.device)
+            n_sms = num_sms(x.device)
             _matmul_persistent_kernel[(min(n_sms, tiles),)](
                 xa, wa, y_desc, b, m, n, k, split_len, num_splits, n_sms, HAS_BIAS=has_bias,
                 BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,

@@ -1,0 +1,239 @@
+"""Where the time of a captured decode step goes, kernel by kernel, inside the CUDA graph.
+
+    python scripts/graph_timeline.py --model random:qwen3-8b [--batch 1] [--variants ...]
+
+`profile_decode.py` breaks down an EAGER forward; with PDL each kernel there includes its wait
+for the previous one, and the graph's overlaps are missing. This script captures the decode
+forward of the engine's static batch as a graph, replays it under torch.profiler (kernels in a
+graph are traced one by one) and charges every kernel the time by which it pushed the end of
+the step's critical path: contribution = end - (latest end of any kernel before it), >= 0. The
+contributions add up to the replay's span. Kernels on other streams (prefetch) are listed apart.
+
+Variants (each captured and timed in turn, logits compared bit for bit with the first):
+  name:proj=BM-BN-BK-WARPS-STAGES[-s],...   proj one of qkv, o, gate_up, down: that
+  projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
+  instead of the table's; attn_stages=N, attn_ahead=0|1: the decode attention's
+  num_stages_split and slots_ahead_split. None of these changes a bit (the logits check
+  says so again).
+JSON on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+from dataclasses import replace
+
+import torch
+
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.ops.triton import matmul as mm
+from lockstep.ops.triton.attention import DEFAULT_CONFIG
+
+LAYER_MATMULS = ("qkv", "o", "gate_up", "down")
+ATTENTION_KEYS = {"attn_stages": "num_stages_split", "attn_ahead": "slots_ahead_split"}
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, _, rest = text.partition(":")
+    opts = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in (*LAYER_MATMULS, *ATTENTION_KEYS):
+            raise SystemExit(f"unknown key {key!r} in {text!r}: one of {LAYER_MATMULS} or "
+                             f"{tuple(ATTENTION_KEYS)}")  # fmt: skip
+        opts[key] = value
+    return name, opts
+
+
+def parse_config(text: str) -> mm.MatmulConfig:
+    parts = text.split("-")
+    split_programs = parts[-1] == "s"
+    bm, bn, bk, warps, stages = map(int, parts[:5])
+    return mm.MatmulConfig(bm, bn, bk, warps, stages, tma=True, split_programs=split_programs)
+
+
+_TABLE_PICK = mm.pick_config
+
+
+def apply_variant(decoder, opts: dict) -> None:
+    """Route the named projections' small-M matmuls to the given configs (by weight shape)."""
+    w = decoder.layers[0]
+    shapes = {name: tuple(getattr(w, name).shape) for name in LAYER_MATMULS}
+    overrides = {shapes[p]: parse_config(c) for p, c in opts.items() if p in LAYER_MATMULS}
+    fields = {ATTENTION_KEYS[k]: int(v) for k, v in opts.items() if k in ATTENTION_KEYS}
+    decoder.ops.attention_config = replace(DEFAULT_CONFIG, **fields)
+
+    def pick(m: int, n: int, k: int) -> mm.MatmulConfig:
+        if m <= 16 and (n, k) in overrides:
+            return overrides[(n, k)]
+        return _TABLE_PICK(m, n, k)
+
+    mm.pick_config = pick
+
+
+def short_name(name: str) -> str:
+    for key in ("_matmul_persistent", "_matmul_kernel", "_attn_fwd", "_merge", "_add_rms_norm",
+                "_rms_norm", "_silu_mul", "_attention_input", "_hint_kernel", "_load_kernel",
+                "log_softmax", "index_select", "embedding", "copy", "fill"):  # fmt: skip
+        if key in name:
+            return key.strip("_")
+    return name[:40]
+
+
+def kernel_events(prof) -> list[dict]:
+    out = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type().name != "CUDA" or ev.duration_ns() <= 0:
+            continue
+        name = ev.name()
+        if name.startswith("Memcpy") or name.startswith("Memset"):
+            continue
+        out.append({"name": name, "start": ev.start_ns() / 1e3, "dur": ev.duration_ns() / 1e3,
+                    "stream": ev.device_resource_id()})  # fmt: skip
+    return sorted(out, key=lambda e: e["start"])
+
+
+def critical_path(events: list[dict]) -> tuple[list[dict], list[dict], float]:
+    """Main-stream kernels (the stream with the most) with their contribution; others apart."""
+    streams: dict[int, int] = {}
+    for e in events:
+        streams[e["stream"]] = streams.get(e["stream"], 0) + 1
+    main_stream = max(streams, key=streams.get)
+    main = [e for e in events if e["stream"] == main_stream]
+    side = [e for e in events if e["stream"] != main_stream]
+    t0 = main[0]["start"]
+    latest = t0
+    mm_count = 0
+    for e in main:
+        end = e["start"] + e["dur"]
+        e["contribution"] = max(0.0, end - latest)
+        e["gap_before"] = max(0.0, e["start"] - latest)
+        latest = max(latest, end)
+        e["label"] = short_name(e["name"])
+        if e["label"].startswith("matmul"):
+            e["label"] = f"matmul {LAYER_MATMULS[mm_count % 4]}"
+            mm_count += 1
+    if mm_count % 4 == 1:  # the LM head after the last layer
+        last = [e for e in main if e["label"].startswith("matmul")][-1]
+        last["label"] = "matmul lm_head"
+    return main, side, latest - t0
+
+
+def capture(decoder, batch, kv):
+    decoder.forward(batch, kv)  # compile, allocate
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = decoder.forward(batch, kv)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, logits
+
+
+def replay_ms(graph, reps: int = 40) -> float:
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="random:qwen3-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--variants", nargs="*", default=["base:"])
+    ap.add_argument("--layer", type=int, default=17, help="the layer whose kernels are listed")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16",
+                                 kv_tokens=8192, max_model_len=4096, max_running=args.batch,
+                                 cuda_graphs=True))  # fmt: skip
+    vocab = engine.decoder.spec.vocab_size
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for r in range(args.batch):
+        engine.add_request(f"p{r}", [(7 * i + 3 + 11 * r) % vocab for i in range(args.prompt_len)],
+                           params)  # fmt: skip
+    while engine.runner.graphs.num_graphs == 0:
+        engine.step()
+    for _ in range(8):  # past the first split boundary of the keys
+        engine.step()
+    torch.cuda.synchronize()
+    entry = max(engine.runner.graphs._graphs.items(), key=lambda kv: kv[0][0])[1]
+    batch, kv, decoder = entry.inputs.batch, engine.runner.kv, engine.decoder
+    doc = {"command": "python scripts/graph_timeline.py " + " ".join(
+               f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+               for k, v in vars(args).items() if v is not None),
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "variants": {}}  # fmt: skip
+    reference = None
+    from torch.profiler import ProfilerActivity, profile
+
+    for text in args.variants:
+        name, opts = parse_variant(text)
+        apply_variant(decoder, opts)
+        try:
+            graph, logits = capture(decoder, batch, kv)
+        except Exception as exc:  # a config out of shared memory, say: report, go on
+            print(f"\n== {name} {opts}: failed: {type(exc).__name__}: {str(exc)[:300]}")
+            doc["variants"][name] = {"options": opts, "error": str(exc)[:300]}
+            torch.cuda.synchronize()
+            continue
+        same = None
+        if reference is None:
+            reference = logits.clone()
+        else:
+            same = bool(torch.equal(logits, reference))
+        ms = replay_ms(graph)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        main, side, span = critical_path(kernel_events(prof))
+        by_label: dict[str, list[float]] = {}
+        for e in main:
+            by_label.setdefault(e["label"], []).append(e["contribution"])
+        table = sorted(((sum(v), len(v), k) for k, v in by_label.items()), reverse=True)
+        print(f"\n== {name} {opts}: replay {ms:.3f} ms (events), profiled span {span / 1e3:.3f}"
+              f" ms, logits equal to the first variant: {same}")  # fmt: skip
+        print(f"{'kernel':24s} {'calls':>5s} {'on path us':>10s} {'us/call':>8s}")
+        for total, n, label in table:
+            print(f"{label:24s} {n:5d} {total:10.1f} {total / n:8.2f}")
+        if side:
+            print(f"other streams: {len(side)} kernels, {sum(e['dur'] for e in side):.1f} us busy")
+        layer_starts = [i for i, e in enumerate(main) if e["label"] == "attention_input"]
+        rows = []
+        if len(layer_starts) > args.layer + 1:
+            lo, hi = layer_starts[args.layer] - 2, layer_starts[args.layer + 1] - 2
+            t0 = main[lo]["start"]
+            print(f"layer {args.layer}: kernel, start, duration, gap before, on path (us)")
+            for e in main[lo:hi]:
+                rows.append({k: e[k] for k in ("label", "start", "dur", "gap_before",
+                                                "contribution")})  # fmt: skip
+                print(
+                    f"  {e['label']:22s} {e['start'] - t0:8.1f} {e['dur']:8.1f} "
+                    f"{e['gap_before']:6.1f} {e['contribution']:8.1f}"
+                )
+        doc["variants"][name] = {
+            "options": opts, "replay_ms": ms, "span_ms": span / 1e3, "logits_equal": same,
+            "on_path_us": {k: t for t, _, k in table}, "calls": {k: n for _, n, k in table},
+            "side_busy_us": sum(e["dur"] for e in side), "layer": rows,
+        }  # fmt: skip
+        del graph
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()
