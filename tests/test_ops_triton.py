@@ -519,23 +519,24 @@ def test_attention_64_bit_gather_offsets_give_the_same_bits(
 def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
     pool: Pool, full: torch.Tensor
 ) -> None:
-    """`slots_ahead_split` (the production default) / `slots_ahead` load the next key
-    block's slot ids early: the same values reach the same arithmetic, so every row keeps
-    its bits, on both paths and with the option off, at every chunk start tried (blocks
-    wholly visible, partly visible, a split's last)."""
+    """`slots_ahead` / `slots_ahead_split` (both on in the production table) load the next
+    key block's slot ids early: the same values reach the same arithmetic, so every row
+    keeps its bits, on both paths, on or off, at every chunk start tried (blocks wholly
+    visible, partly visible, a split's last)."""
     from lockstep.ops.triton.attention import split_slots_ahead
 
-    ahead = AttentionConfig(**{**ATTN_CFG.__dict__, "slots_ahead": True,
-                               "slots_ahead_split": True})  # fmt: skip
-    plain = AttentionConfig(**{**ATTN_CFG.__dict__, "slots_ahead_split": False})
+    fields = ("slots_ahead", "slots_ahead_split")
+    ahead = AttentionConfig(**{**ATTN_CFG.__dict__, **dict.fromkeys(fields, True)})
+    plain = AttentionConfig(**{**ATTN_CFG.__dict__, **dict.fromkeys(fields, False)})
     assert split_slots_ahead(ahead, 1, torch.device(DEV))  # this test's launches take it
-    assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), full)
+    for cfg in (ahead, plain):
+        assert torch.equal(pool.run(0, SEQ, cfg=cfg, path="prefill"), full)
     for p in range(0, SEQ, 1 if not GPU else 13):
         n = min(SEQ - p, 1 + p % 5)
-        want = full[p : p + n]
-        assert torch.equal(pool.run(p, n, cfg=plain, path="split"), want), p
-        for path in ("prefill", "split"):
-            assert torch.equal(pool.run(p, n, cfg=ahead, path=path), want), (p, path)
+        for cfg in (ahead, plain):
+            for path in ("prefill", "split"):
+                got = pool.run(p, n, cfg=cfg, path=path)
+                assert torch.equal(got, full[p : p + n]), (p, path, cfg.slots_ahead)
 
 
 def test_split_slots_ahead_only_while_every_program_is_resident(
