@@ -156,9 +156,10 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=17, help="the layer whose kernels are listed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    kv_tokens = max(8192, args.batch * (args.prompt_len + 128))  # every request at once
     engine = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16",
-                                 kv_tokens=8192, max_model_len=4096, max_running=args.batch,
-                                 cuda_graphs=True))  # fmt: skip
+                                 kv_tokens=kv_tokens, max_model_len=4096,
+                                 max_running=args.batch, cuda_graphs=True))  # fmt: skip
     vocab = engine.decoder.spec.vocab_size
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for r in range(args.batch):
@@ -169,13 +170,15 @@ def main() -> None:
     for _ in range(8):  # past the first split boundary of the keys
         engine.step()
     torch.cuda.synchronize()
-    entry = max(engine.runner.graphs._graphs.items(), key=lambda kv: kv[0][0])[1]
+    bucket, entry = max(engine.runner.graphs._graphs.items(), key=lambda kv: kv[0][0])
+    print(f"timing the graph of bucket (batch, context) {bucket}")
     batch, kv, decoder = entry.inputs.batch, engine.runner.kv, engine.decoder
     doc = {"command": "python scripts/graph_timeline.py " + " ".join(
                f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
                for k, v in vars(args).items() if v is not None),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name(), "variants": {}}  # fmt: skip
+           "device": torch.cuda.get_device_name(), "bucket": list(bucket),
+           "variants": {}}  # fmt: skip
     reference = None
     from torch.profiler import ProfilerActivity, profile
 

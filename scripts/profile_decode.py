@@ -96,8 +96,11 @@ def main() -> None:
                     help="launch each decode step before the previous one's tokens are read"
                     " (default: the engine's, on for CUDA)")  # fmt: skip
     args = ap.parse_args()
+    # Room for every request's prompt and generation at once (a pool of 8,192 tokens held
+    # only ~15 of 32 512-token requests, so batch-32 profiles ran smaller, preempted batches).
+    kv_tokens = max(8192, args.batch * (args.prompt_len + args.steps + 64))
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
-                                 dtype="bfloat16", kv_tokens=8192, max_model_len=4096,
+                                 dtype="bfloat16", kv_tokens=kv_tokens, max_model_len=4096,
                                  max_running=args.batch, cuda_graphs=True,
                                  overlap_decode=args.overlap_decode))  # fmt: skip
     vocab = engine.decoder.spec.vocab_size
