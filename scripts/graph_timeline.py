@@ -12,9 +12,9 @@ contributions add up to the replay's span. Kernels on other streams (prefetch) a
 Variants (each captured and timed in turn, logits compared bit for bit with the first):
   name:proj=BM-BN-BK-WARPS-STAGES[-s],...   proj one of qkv, o, gate_up, down: that
   projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
-  instead of the table's; attn_stages=N, attn_ahead=0|1: the decode attention's
-  num_stages_split and slots_ahead_split. None of these changes a bit (the logits check
-  says so again).
+  instead of the table's; attn_stages=N, attn_ahead=0|1, attn_ahead_per_sm=N: the decode
+  attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm. None of
+  these changes a bit (the logits check says so again).
 JSON on the last line.
 """
 
@@ -35,7 +35,11 @@ from lockstep.ops.triton import matmul as mm
 from lockstep.ops.triton.attention import DEFAULT_CONFIG
 
 LAYER_MATMULS = ("qkv", "o", "gate_up", "down")
-ATTENTION_KEYS = {"attn_stages": "num_stages_split", "attn_ahead": "slots_ahead_split"}
+ATTENTION_KEYS = {
+    "attn_stages": "num_stages_split",
+    "attn_ahead": "slots_ahead_split",
+    "attn_ahead_per_sm": "slots_ahead_programs_per_sm",
+}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -542,18 +542,20 @@ def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
 def test_split_slots_ahead_only_while_every_program_is_resident(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On CUDA the option applies up to AHEAD_PROGRAMS_PER_SM programs per SM (its double
-    buffers fit three), never when the config turns it off."""
+    """On CUDA the option applies up to `slots_ahead_programs_per_sm` programs per SM (the
+    table: 3, what its double buffers fit), never when the config turns it off."""
     from lockstep.ops.triton import attention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(attention, "num_sms", lambda device: 132)
     cuda = torch.device("cuda", 0)
-    limit = attention.AHEAD_PROGRAMS_PER_SM * 132
     on = AttentionConfig()
-    assert on.slots_ahead_split
-    assert attention.split_slots_ahead(on, limit, cuda)
-    assert not attention.split_slots_ahead(on, limit + 1, cuda)
+    assert on.slots_ahead_split and on.slots_ahead_programs_per_sm == 3
+    assert attention.split_slots_ahead(on, 3 * 132, cuda)
+    assert not attention.split_slots_ahead(on, 3 * 132 + 1, cuda)
+    wider = AttentionConfig(slots_ahead_programs_per_sm=8)
+    assert attention.split_slots_ahead(wider, 8 * 132, cuda)
+    assert not attention.split_slots_ahead(wider, 8 * 132 + 1, cuda)
     off = AttentionConfig(slots_ahead_split=False)
     assert not attention.split_slots_ahead(off, 1, cuda)
 

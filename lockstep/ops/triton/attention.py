@@ -85,6 +85,12 @@ class AttentionConfig:
     # -> 0.81x / 0.93x / 0.91x (run 52).
     slots_ahead: bool = True
     slots_ahead_split: bool = True
+    # The split path's residency rule: ahead only while the launch's grid has at most this
+    # many programs per SM (227 KB of shared memory over 69,888 bytes each fit three). A CUDA
+    # graph's grid is sized by its context bucket, so at batch 32 and ~520 keys half of its
+    # 1,024 programs have no work and the rule declines; whether a higher limit pays there is
+    # measured next (docs/gpu_notes.md, run 55).
+    slots_ahead_programs_per_sm: int = 3
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
     workspace_bytes: int = 256 << 20
     # Multiply-add contraction; off so that the shared formulas cannot be contracted
@@ -427,20 +433,15 @@ def needs_wide_offsets(cache: torch.Tensor) -> bool:
     return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride(), strict=True)) >= 2**31
 
 
-# Decode programs with slot ids ahead that fit one SM at once: 227 KB of shared memory over
-# 69,888 bytes each.
-AHEAD_PROGRAMS_PER_SM = 3
-
-
 def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.device) -> bool:
     """Whether a split-path launch of `programs` programs loads slot ids a block ahead: the
-    config asks for it and they all fit the device at once (the interpreter has no limit).
-    Speed only: both variants give the same bits."""
+    config asks for it and they fit `slots_ahead_programs_per_sm` per SM (the interpreter
+    has no limit). Speed only: both variants give the same bits."""
     if not config.slots_ahead_split:
         return False
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return True
-    return programs <= AHEAD_PROGRAMS_PER_SM * num_sms(device)
+    return programs <= config.slots_ahead_programs_per_sm * num_sms(device)
 
 
 def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
