@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="64,512,1024,4096,32768")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kc = torch.randn(32 * 32768 + 64, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache_tokens = 32 * 32768 + 64
+    kc = torch.randn(cache_tokens, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn_like(kc)
     configs = {"prod": DEFAULT_CONFIG}
     for text in args.variants:
@@ -43,6 +44,11 @@ def main() -> None:
     print("configs:", {k: v for k, v in configs.items()}, flush=True)
     for batch in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
+            need = batch * -(-ctx // 16) * 16  # whole pages of 16 (paged_slots)
+            if need > cache_tokens:  # the slots would run past the cache
+                print(f"B {batch:2d} ctx {ctx:6d}: skipped, {need} slots > the probe's "
+                      f"{cache_tokens}-token cache", flush=True)  # fmt: skip
+                continue
             slots = paged_slots([ctx] * batch, seed=ctx)
             meta = build_attention_meta([1] * batch, [ctx - 1] * batch, slots).to("cuda")
             q = torch.randn(batch, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -516,27 +516,48 @@ def test_attention_64_bit_gather_offsets_give_the_same_bits(
     assert len(asked) == 2  # both launches took the forced 64-bit flag: the test is not blind
 
 
+class _LaunchSpy:
+    """Stands in for a @triton.jit kernel: records the named constexprs of every launch."""
+
+    def __init__(self, kernel, names: tuple[str, ...]) -> None:
+        self.kernel, self.names, self.seen = kernel, names, set()
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.seen.add(tuple(bool(kwargs[n]) for n in self.names))
+            return launch(*args, **kwargs)
+
+        return run
+
+
 def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
-    pool: Pool, full: torch.Tensor
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`slots_ahead` / `slots_ahead_split` (both on in the production table) load the next
     key block's slot ids early: the same values reach the same arithmetic, so every row
     keeps its bits, on both paths, on or off, at every chunk start tried (blocks wholly
-    visible, partly visible, a split's last)."""
-    from lockstep.ops.triton.attention import split_slots_ahead
+    visible, partly visible, a split's last). Splits of four key blocks (the production
+    split has eight), so the unmasked loop runs past its second block; a spy checks that
+    both settings reach both kernels' launches."""
+    from lockstep.ops.triton import attention
 
+    spy = _LaunchSpy(attention._attn_fwd, ("WRITE_PARTIALS", "SLOTS_AHEAD"))
+    monkeypatch.setattr(attention, "_attn_fwd", spy)
+    base = ATTN_CFG.__dict__ if GPU else {**ATTN_CFG.__dict__, "split": 4 * ATTN_CFG.block_n}
     fields = ("slots_ahead", "slots_ahead_split")
-    ahead = AttentionConfig(**{**ATTN_CFG.__dict__, **dict.fromkeys(fields, True)})
-    plain = AttentionConfig(**{**ATTN_CFG.__dict__, **dict.fromkeys(fields, False)})
-    assert split_slots_ahead(ahead, 1, torch.device(DEV))  # this test's launches take it
-    for cfg in (ahead, plain):
-        assert torch.equal(pool.run(0, SEQ, cfg=cfg, path="prefill"), full)
+    ahead = AttentionConfig(**{**base, **dict.fromkeys(fields, True)})
+    plain = AttentionConfig(**{**base, **dict.fromkeys(fields, False)})
+    want = pool.run(0, SEQ, cfg=plain, path="prefill")
+    assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), want)
     for p in range(0, SEQ, 1 if not GPU else 13):
         n = min(SEQ - p, 1 + p % 5)
         for cfg in (ahead, plain):
             for path in ("prefill", "split"):
                 got = pool.run(p, n, cfg=cfg, path=path)
-                assert torch.equal(got, full[p : p + n]), (p, path, cfg.slots_ahead)
+                assert torch.equal(got, want[p : p + n]), (p, path, cfg.slots_ahead)
+    assert spy.seen == {(False, True), (True, True), (False, False), (True, False)}, spy.seen
 
 
 def test_split_slots_ahead_only_while_every_program_is_resident(

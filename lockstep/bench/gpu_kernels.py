@@ -105,7 +105,9 @@ SWEEP_ATTN_PREFILL = {
     "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4),
     "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3),
     "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
-    # Slot ids loaded in the block's own iteration (the table before the sixth session).
+    # Slot ids loaded in the block's own iteration (the table before the sixth session; in
+    # gpu_attention_prefill_slots_ahead_h200.json, run before the default changed, this
+    # schedule is "r128n64w8s3" and the table's is "r128n64w8s3ahead").
     "r128n64w8s3plain": AttentionConfig(rows=128, num_warps=8, num_stages=3, slots_ahead=False),
     # Other split sizes (other numerics): timing, and their own decode = prefill check.
     "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
@@ -115,6 +117,10 @@ SWEEP_ATTN_PREFILL = {
 # split size.
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
+    # Slot ids ahead forced on at any grid size (the bits run's 84,000 programs are above
+    # the table's residency limit, so the table row runs without) and forced off.
+    "r16n64w1s3ahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30),
+    "r16n64w1s3plain": AttentionConfig(slots_ahead_split=False),
     "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
     "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, num_stages_split=3),
     "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4),  # negative control

@@ -89,7 +89,7 @@ class AttentionConfig:
     # many programs per SM (227 KB of shared memory over 69,888 bytes each fit three). A CUDA
     # graph's grid is sized by its context bucket, so at batch 32 and ~520 keys half of its
     # 1,024 programs have no work and the rule declines; whether a higher limit pays there is
-    # measured next (docs/gpu_notes.md, run 55).
+    # to be measured (docs/gpu_notes.md, "For the next device session").
     slots_ahead_programs_per_sm: int = 3
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
     workspace_bytes: int = 256 << 20
@@ -100,6 +100,9 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         if self.row_sum not in ("mma", "sum"):
             raise ValueError(f"row_sum={self.row_sum!r} must be 'mma' or 'sum'")
+        if self.slots_ahead_programs_per_sm < 1:
+            raise ValueError(f"slots_ahead_programs_per_sm={self.slots_ahead_programs_per_sm} "
+                             "must be >= 1 (slots_ahead_split=False turns the option off)")  # fmt: skip
         if self.split % self.block_n:
             raise ValueError(f"split={self.split} must be a multiple of block_n={self.block_n}")
         for name in ("block_n", "rows", "rows_split"):
@@ -491,7 +494,8 @@ def paged_attention(
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
             WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            SLOTS_AHEAD=config.slots_ahead, **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            SLOTS_AHEAD=config.slots_ahead,
+            **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
         )  # fmt: skip
         return out
     r = t * hq
