@@ -3,6 +3,7 @@
 one key block walked by one program.
 
     python scripts/attn_decode_probe.py [--variants s5=num_stages_split:5 ...] [--batches 1,8]
+        [--kernels]   (each kernel's share of a replay: the split kernel vs the merge)
 
 A variant is NAME=field:value[,field:value] over AttentionConfig's fields; the production
 config is always timed first. Variants that change block_n or split change the bits (timing
@@ -17,7 +18,7 @@ from functools import partial
 
 import torch
 
-from lockstep.bench.gpu_kernels import HD, HKV, HQ, bench_ms, graph_ms, paged_slots
+from lockstep.bench.gpu_kernels import HD, HKV, HQ, bench_ms, flush_l2, graph_ms, paged_slots
 from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
 
@@ -27,11 +28,48 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, {k: int(v) for k, v in (f.split(":") for f in fields.split(","))}
 
 
+def kernel_split(fn) -> str:
+    """Each kernel's share of one CUDA-graph replay of fn (after an L2 flush): its end minus
+    the latest end before it, so the split kernel and the merge are charged apart even
+    though PDL overlaps them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    flush_l2()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    events = sorted(
+        (ev.start_ns() / 1e3, ev.duration_ns() / 1e3, ev.name())
+        for ev in prof.profiler.kineto_results.events()
+        if ev.device_type().name == "CUDA" and ev.duration_ns() > 0
+        and not ev.name().startswith(("Memcpy", "Memset"))
+    )  # fmt: skip
+    if not events:
+        return "(no kernels traced)"
+    latest, parts = events[0][0], []
+    for start, dur, name in events:
+        parts.append(f"{name.split('(')[0][-12:]} {max(0.0, start + dur - latest):.1f}")
+        latest = max(latest, start + dur)
+    return ", ".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="*", default=[])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="64,512,1024,4096,32768")
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also print each kernel's share of one replay (split vs merge)",
+    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache_tokens = 32 * 32768 + 64
@@ -56,6 +94,8 @@ def main() -> None:
             for name, cfg in configs.items():
                 fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, "split")
                 line += f"  {name} {graph_ms(fn) * 1e3:7.1f}"
+                if args.kernels:
+                    line += f" [{kernel_split(fn)}]"
             print(line, flush=True)
     # An almost empty kernel's cost in a graph, for scale: one tiny copy.
     a = torch.zeros(16, device="cuda")

@@ -7,7 +7,9 @@
 #   2. the attention bits table with decode rows that force slot ids ahead on and off
 #   3. the batch-32 decode graph with the residency limit raised (the graph's grid is sized
 #      by its context bucket, so the table's limit of 3 per SM declines there)
-#   4. splits of 256 keys (other numerics) now that the prefill schedule is faster: decode
+#   4. batch 1: how the time splits between the split kernel and the merge (32k: 0.53 of the
+#      floor; if the merge's 64-step fold is most of it, precomputing its weights is next)
+#   5. splits of 256 keys (other numerics) now that the prefill schedule is faster: decode
 #      probe and prefill sweep
 # Usage (device): bash scripts/gpu_experiments.sh   (logs and JSON under $OUT)
 set -u -o pipefail
@@ -35,6 +37,9 @@ timeout 150 python3 scripts/graph_timeline.py --batch 32 --out "$OUT/graph_timel
   | grep "^timing\|^==\|^attn\|^merge" || status=1
 timeout 90 python3 scripts/attn_decode_probe.py --batches 32 --contexts 512,1024,8192 \
   --variants w8=slots_ahead_programs_per_sm:8 2>&1 | grep "^B" || status=1
+echo "== batch 1: the split kernel's and the merge's shares (the merge folds 64 partials at 32k)"
+timeout 60 python3 scripts/attn_decode_probe.py --batches 1 --contexts 512,8192,32768 \
+  --kernels 2>&1 | grep "^B" || status=1
 echo "== splits of 256 keys (other numerics): decode probe, prefill sweep"
 timeout 120 python3 scripts/attn_decode_probe.py --variants s256=split:256 \
   --batches 1,32 --contexts 512,1024,8192,32768 2>&1 | grep "^B" || status=1
