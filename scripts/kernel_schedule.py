@@ -1,9 +1,13 @@
-"""How Triton schedules the attention kernel's key-block loop, without a GPU: compile for sm_90
-with the installed Triton and print shared memory, the async copies, the `async_wait` counts
-(0 = the next block's copies are waited for at the top of each iteration: no overlap) and the
+"""How Triton schedules a kernel's main loop, without a GPU: compile for sm_90 with the
+installed Triton and print shared memory, the async copies, the `async_wait` counts (0 = the
+next block's copies are waited for at the top of each iteration: no overlap) and the
 shared-memory buffers (`2x64x128` = double-buffered).
 
     python scripts/kernel_schedule.py [--path split|prefill] [--stages 2,3,4] [--ahead 0,1]
+    python scripts/kernel_schedule.py --matmul 16-32-256-4-5 [16-64-256-4-4-s ...]
+
+(`--matmul`: BM-BN-BK-WARPS-STAGES[-s] configs of the TMA matmul kernel, -s = one program per
+K split.)
 
 The device runs Triton 3.6; for its schedule use the same version here, e.g.
 `python -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0`,
@@ -63,22 +67,58 @@ def compile_attention(path: str, stages: int, ahead: bool):
     )  # fmt: skip
 
 
+def compile_matmul(text: str):
+    """The non-persistent TMA matmul kernel at config BM-BN-BK-WARPS-STAGES[-s], bf16."""
+    from lockstep.ops.triton import matmul
+
+    parts = text.split("-")
+    bm, bn, bk, warps, stages = map(int, parts[:5])
+    fn = matmul._matmul_kernel
+    names = list(fn.arg_names)
+    constexprs = {
+        "HAS_BIAS": False, "EVEN_K": True, "TMA": True, "SPLIT_PROGRAMS": parts[5:] == ["s"],
+        "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PDL": True,
+    }  # fmt: skip
+    types = {"x": f"tensordesc<bf16[{bm},{bk}]>", "w": f"tensordesc<bf16[{bn},{bk}]>",
+             "bias": "*bf16", "y": "*bf16", "ws": "*fp32", "counters": "*i32"}  # fmt: skip
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = {"bias", "y", "ws", "counters", "N", "K", "SPLIT_LEN", "sxm", "swn", "sym"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    src = ASTSource(
+        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+
+
+def summary(kernel) -> str:
+    ttgir = kernel.asm["ttgir"]
+    waits = re.findall(r"async_wait[^\n]*num = (\d+)", ttgir)
+    barrier_waits = ttgir.count("wait_barrier")
+    buffers = re.findall(r"local_alloc[^\n]*-> !ttg.memdesc<([^,>]*)", ttgir)
+    copies = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
+    return (f"shared {kernel.metadata.shared} B, async copies {copies}, async_wait nums "
+            f"{waits}, barrier waits {barrier_waits}, buffers {buffers}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", choices=("split", "prefill"), default="split")
     ap.add_argument("--stages", default="3")
     ap.add_argument("--ahead", default="0,1", help="slot ids a block ahead: 0, 1 or both")
+    ap.add_argument("--matmul", nargs="*", default=None, help="matmul configs instead")
     args = ap.parse_args()
+    if args.matmul:
+        print(f"triton {triton.__version__}, sm_90, TMA matmul")
+        for text in args.matmul:
+            print(f"{text}: {summary(compile_matmul(text))}")
+        return
     print(f"triton {triton.__version__}, sm_90, {args.path} path")
     for ahead in (bool(int(a)) for a in args.ahead.split(",")):
         for stages in map(int, args.stages.split(",")):
             kernel = compile_attention(args.path, stages, ahead)
-            ttgir = kernel.asm["ttgir"]
-            waits = re.findall(r"async_wait[^\n]*num = (\d+)", ttgir)
-            buffers = re.findall(r"local_alloc[^\n]*-> !ttg.memdesc<([^,>]*)", ttgir)
-            copies = ttgir.count("async_copy_global_to_local")
-            print(f"ahead {int(ahead)} stages {stages}: shared {kernel.metadata.shared} B, "
-                  f"async copies {copies}, async_wait nums {waits}, buffers {buffers}")  # fmt: skip
+            print(f"ahead {int(ahead)} stages {stages}: {summary(kernel)}")
 
 
 if __name__ == "__main__":
