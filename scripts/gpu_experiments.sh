@@ -7,9 +7,11 @@
 #   2. the attention bits table with decode rows that force slot ids ahead on and off
 #   3. the batch-32 decode graph with the residency limit raised (the graph's grid is sized
 #      by its context bucket, so the table's limit of 3 per SM declines there)
-#   4. batch 1: how the time splits between the split kernel and the merge (32k: 0.53 of the
+#   4. batch 1: o and qkv at M = 1 with more stages (o's 64 KB in flight per SM is at the
+#      edge of what the copy rate needs; 8 stages measured 6% faster once)
+#   5. batch 1: how the time splits between the split kernel and the merge (32k: 0.53 of the
 #      floor; if the merge's 64-step fold is most of it, precomputing its weights is next)
-#   5. splits of 256 keys (other numerics) now that the prefill schedule is faster: decode
+#   6. splits of 256 keys (other numerics) now that the prefill schedule is faster: decode
 #      probe and prefill sweep
 # Usage (device): bash scripts/gpu_experiments.sh   (logs and JSON under $OUT)
 set -u -o pipefail
@@ -37,6 +39,10 @@ timeout 150 python3 scripts/graph_timeline.py --batch 32 --out "$OUT/graph_timel
   | grep "^timing\|^==\|^attn\|^merge" || status=1
 timeout 90 python3 scripts/attn_decode_probe.py --batches 32 --contexts 512,1024,8192 \
   --variants w8=slots_ahead_programs_per_sm:8 2>&1 | grep "^B" || status=1
+echo "== batch 1: o and qkv at M = 1 with more weight in flight (same tiles, more stages)"
+timeout 120 python3 scripts/graph_timeline.py --batch 1 --out "$OUT/graph_timeline_b1_stages.json" \
+  --variants base: o7:o=16-32-256-4-7 o8:o=16-32-256-4-8,qkv=16-64-256-4-5 \
+  o9:o=16-32-256-4-9,qkv=16-64-256-4-6 base2: 2>&1 | grep "^==\|matmul o \|matmul qkv " || status=1
 echo "== batch 1: the split kernel's and the merge's shares (the merge folds 64 partials at 32k)"
 timeout 60 python3 scripts/attn_decode_probe.py --batches 1 --contexts 512,8192,32768 \
   --kernels 2>&1 | grep "^B" || status=1
