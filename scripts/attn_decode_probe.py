@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from lockstep.bench.gpu_kernels import HD, HKV, HQ, bench_ms, flush_l2, graph_ms, paged_slots
+from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
 from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
 
@@ -45,19 +46,11 @@ def kernel_split(fn) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    events = sorted(
-        (ev.start_ns() / 1e3, ev.duration_ns() / 1e3, ev.name())
-        for ev in prof.profiler.kineto_results.events()
-        if ev.device_type().name == "CUDA" and ev.duration_ns() > 0
-        and not ev.name().startswith(("Memcpy", "Memset"))
-    )  # fmt: skip
+    events = kernel_events(prof)
     if not events:
         return "(no kernels traced)"
-    latest, parts = events[0][0], []
-    for start, dur, name in events:
-        parts.append(f"{name.split('(')[0][-12:]} {max(0.0, start + dur - latest):.1f}")
-        latest = max(latest, start + dur)
-    return ", ".join(parts)
+    charge_critical_path(events)
+    return ", ".join(f"{e['name'].split('(')[0][-12:]} {e['contribution']:.1f}" for e in events)
 
 
 def main() -> None:

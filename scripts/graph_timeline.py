@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
 from lockstep.config import EngineConfig
 from lockstep.engine.engine import Engine
 from lockstep.engine.sampling_params import SamplingParams
@@ -103,19 +104,6 @@ def short_name(name: str) -> str:
     return name[:40]
 
 
-def kernel_events(prof) -> list[dict]:
-    out = []
-    for ev in prof.profiler.kineto_results.events():
-        if ev.device_type().name != "CUDA" or ev.duration_ns() <= 0:
-            continue
-        name = ev.name()
-        if name.startswith("Memcpy") or name.startswith("Memset"):
-            continue
-        out.append({"name": name, "start": ev.start_ns() / 1e3, "dur": ev.duration_ns() / 1e3,
-                    "stream": ev.device_resource_id()})  # fmt: skip
-    return sorted(out, key=lambda e: e["start"])
-
-
 def critical_path(events: list[dict], num_layers: int) -> tuple[list[dict], list[dict], float]:
     """Main-stream kernels (the stream with the most) with their contribution; others apart.
     Matmuls are named by their order (qkv, o, gate_up, down per layer, then the LM head);
@@ -129,14 +117,9 @@ def critical_path(events: list[dict], num_layers: int) -> tuple[list[dict], list
     main_stream = max(streams, key=streams.get)
     main = [e for e in events if e["stream"] == main_stream]
     side = [e for e in events if e["stream"] != main_stream]
-    t0 = main[0]["start"]
-    latest = t0
+    span = charge_critical_path(main)
     mm_count = 0
     for e in main:
-        end = e["start"] + e["dur"]
-        e["contribution"] = max(0.0, end - latest)
-        e["gap_before"] = max(0.0, e["start"] - latest)
-        latest = max(latest, end)
         e["label"] = short_name(e["name"])
         if e["label"].startswith("matmul"):
             e["label"] = f"matmul {LAYER_MATMULS[mm_count % 4]}"
@@ -148,7 +131,7 @@ def critical_path(events: list[dict], num_layers: int) -> tuple[list[dict], list
         print(f"warning: {mm_count} matmul kernels, not 4 per layer + 1: left unnamed")
         for e in matmuls:
             e["label"] = "matmul"
-    return main, side, latest - t0
+    return main, side, span
 
 
 def capture(decoder, batch, kv):
