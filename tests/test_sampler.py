@@ -337,9 +337,11 @@ def test_cpu_top_p_cutoff_by_selection_equals_the_sort() -> None:
                              scores, -math.inf)  # fmt: skip
         top_p = torch.rand(rows, generator=gen, dtype=torch.float64) * 0.999 + 0.0005
         want = sampler._top_p_cutoff_by_sort(masked, best, top_p[:, None])
-        got = ext.top_p_cutoff(masked, best, top_p)
+        got = ext.top_p_cutoff(masked, best, top_p, sampler.UNIT_BITS)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
-        higher = ext.top_p_cutoff(masked, best, torch.clamp(top_p + 0.05, max=0.9999))
+        higher = ext.top_p_cutoff(
+            masked, best, torch.clamp(top_p + 0.05, max=0.9999), sampler.UNIT_BITS
+        )
         moved += not torch.equal(higher[0], want[0])
     assert moved > 50
     # The larger values' units reach the target exactly (two ties at 0 hold 2**45 units and
@@ -350,5 +352,5 @@ def test_cpu_top_p_cutoff_by_selection_equals_the_sort() -> None:
     top_p = torch.tensor([(2**45 - 0.5) / total], dtype=torch.float64)
     want = sampler._top_p_cutoff_by_sort(scores, best, top_p[:, None])
     assert want[0].tolist() == [[2]] and want[1].tolist() == [[0.0]]
-    got = ext.top_p_cutoff(scores, best, top_p)
+    got = ext.top_p_cutoff(scores, best, top_p, sampler.UNIT_BITS)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

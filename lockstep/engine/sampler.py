@@ -277,7 +277,7 @@ def _top_p_cutoff(
     integers, tested equal); elsewhere the sort."""
     kernels = _kernels(masked.device) if masked.device.type == "cpu" else None
     if kernels is not None:
-        counts, kth = kernels.top_p_cutoff(masked.contiguous(), best, top_p.flatten())
+        counts, kth = kernels.top_p_cutoff(masked.contiguous(), best, top_p.flatten(), UNIT_BITS)
         return counts, kth
     return _top_p_cutoff_by_sort(masked, best, top_p)
 

@@ -1102,15 +1102,15 @@ at::Tensor probability_units(const at::Tensor& x, int64_t unit_bits) {
 
 // Top-p's cutoff without sorting: lockstep.engine.sampler._top_p_cutoff_by_sort's result
 // (count, and the value at that rank) for each row of masked scores [P, V] (float64, -inf =
-// dropped), best [P, 1] and top_p [P]. With u(v) = units of v - best and S(>= v) the units of
-// the tokens scoring at least v: target = min(ceil(T * top_p) as a double product, T), T =
-// S(>= -inf); the kept
-// value v* is the largest token value with S(>= v*) >= target (a weighted selection, expected
-// O(V), over the tokens with units: the sorted prefix reaches target at one of them); count =
-// #(> v*) + ceil((target - S(> v*)) / u(v*)), the first position of the sorted values where the
-// prefix sum reaches target. Exact integers throughout, so equal to the sort's answer.
+// dropped), best [P, 1], top_p [P] and the units' bits (sampler.UNIT_BITS). With u(v) = units
+// of v - best and S(>= v) the units of the tokens scoring at least v: target = min(ceil(T *
+// top_p) as a double product, T), T = S(>= -inf); the kept value v* is the largest token
+// value with S(>= v*) >= target (a weighted selection, expected O(V), over the tokens with
+// units: the sorted prefix reaches target at one of them); count = #(> v*) + ceil((target -
+// S(> v*)) / u(v*)), the first position of the sorted values where the prefix sum reaches
+// target. Exact integers throughout, so equal to the sort's answer.
 std::vector<at::Tensor> top_p_cutoff(const at::Tensor& masked, const at::Tensor& best,
-                                     const at::Tensor& top_p) {
+                                     const at::Tensor& top_p, int64_t unit_bits) {
   TORCH_CHECK(masked.dim() == 2 && masked.scalar_type() == at::kDouble && masked.is_contiguous(),
               "top_p_cutoff: masked must be contiguous float64 [P, V]");
   const int64_t rows = masked.size(0), vocab = masked.size(1);
@@ -1125,7 +1125,8 @@ std::vector<at::Tensor> top_p_cutoff(const at::Tensor& masked, const at::Tensor&
   const double* pp = pc.data_ptr<double>();
   int64_t* cp = counts.data_ptr<int64_t>();
   double* kp = kth.data_ptr<double>();
-  const double unit_scale = 17592186044416.0;  // 2**44, lockstep.engine.sampler.UNIT_BITS
+  TORCH_CHECK(unit_bits >= 0 && unit_bits <= 62, "top_p_cutoff: unit_bits in [0, 62]");
+  const double unit_scale = std::ldexp(1.0, static_cast<int>(unit_bits));
   parallel_tasks(rows, [&](int64_t r) {
     const double* x = mp + r * vocab;
     const double b = bp[r];
