@@ -13,8 +13,8 @@ Variants (each captured and timed in turn, logits compared bit for bit with the 
   name:proj=BM-BN-BK-WARPS-STAGES[-s],...   proj one of qkv, o, gate_up, down: that
   projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
   instead of the table's; attn_stages=N, attn_ahead=0|1, attn_ahead_per_sm=N: the decode
-  attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm. None of
-  these changes a bit (the logits check says so again).
+  attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm;
+  merge_cols=N, merge_warps=N: the merge's column chunk and warps. None of these changes a bit (the logits check says so again).
 JSON on the last line.
 """
 
@@ -40,6 +40,8 @@ ATTENTION_KEYS = {
     "attn_stages": "num_stages_split",
     "attn_ahead": "slots_ahead_split",
     "attn_ahead_per_sm": "slots_ahead_programs_per_sm",
+    "merge_cols": "merge_cols",
+    "merge_warps": "merge_warps",
 }
 
 

@@ -484,9 +484,23 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
     assert torch.equal(pool.run(SEQ - 5, 5, cfg=tiny, path="split"), full[SEQ - 5 :])
 
 
+def test_attention_merge_shapes_give_the_same_bits(pool: Pool, full: torch.Tensor) -> None:
+    """The merge folds each chunk of output columns in its own program (`merge_cols`) with
+    its loads pipelined (`merge_stages`; the interpreter ignores stages, the GPU does not),
+    one wave or several: every chunk folds the same (m, l) in the same order, so the split
+    path keeps the prefill path's bits whatever the shape (decode and short extends)."""
+    for cols, stages in ((HD // 4, 2), (HD // 2, 8), (HD, 1)):
+        for ws in (ATTN_CFG.workspace_bytes, 1):
+            shape = {"merge_cols": cols, "merge_stages": stages, "workspace_bytes": ws}
+            cfg = AttentionConfig(**{**ATTN_CFG.__dict__, **shape})
+            for n in (1, 3):
+                got = pool.run(SEQ - n, n, cfg=cfg, path="split")
+                assert torch.equal(got, full[SEQ - n :]), (shape, n)
+
+
 def test_attention_many_splits_merge_in_order() -> None:
-    """Splits of one key block over a longer sequence: more partials per row than the merge
-    keeps in flight (4), so the merge's load pipeline wraps; the split path still equals the
+    """Splits of one key block over a longer sequence: more partials per row than the merge's
+    pipeline has stages (8), so its load pipeline wraps; the split path still equals the
     prefill path's in-kernel merge (this config's own bits)."""
     length = 160 if not GPU else SEQ  # interpreter: 10 partials of 16 keys
     long_pool = Pool(seed=101, length=length)

@@ -28,7 +28,8 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     cannot contract the shared formulas differently.
 
 Workspace of the split path (float32), bounded by batch and wave size, never by context:
-    partials: WAVE * T * Hq * (D + 2) * 4 bytes, running state: T * Hq * (D + 2) * 4 bytes,
+    partials: WAVE * T * Hq * (D + 2) * 4 bytes,
+    running state (several waves only): T * Hq * (D + 2 * D / merge_cols) * 4 bytes,
 with WAVE = min(splits of the longest sequence, max(1, WORKSPACE_BYTES // (T*Hq*(D+2)*4))).
 Contexts longer than WAVE * SPLIT run as several waves that fold into the running state in the
 same ascending order. The prefill path needs no workspace at all.
@@ -88,9 +89,16 @@ class AttentionConfig:
     # The split path's residency rule: ahead only while the launch's grid has at most this
     # many programs per SM (227 KB of shared memory over 69,888 bytes each fit three). A CUDA
     # graph's grid is sized by its context bucket, so at batch 32 and ~520 keys half of its
-    # 1,024 programs have no work and the rule declines; whether a higher limit pays there is
-    # to be measured (docs/gpu_notes.md, "For the next device session").
+    # 1,024 programs have no work and the rule declines; limits of 4 and 8 measured no faster
+    # there (graph 5.55 vs 5.54 ms per step; docs/gpu_notes.md, seventh session, run 56).
     slots_ahead_programs_per_sm: int = 3
+    # The split path's merge (`_attn_merge`): output columns per program, its warps, and the
+    # partials in flight (its loop's pipeline stages, at most one per partial of a wave: a
+    # deeper prologue only costs). Speed only: the fold is elementwise in the columns, and
+    # stages move loads, not folds (docs/gpu_notes.md, seventh session).
+    merge_cols: int = 32
+    merge_warps: int = 1
+    merge_stages: int = 8
     split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
     workspace_bytes: int = 256 << 20
     # Multiply-add contraction; off so that the shared formulas cannot be contracted
@@ -105,6 +113,12 @@ class AttentionConfig:
                              "must be >= 1 (slots_ahead_split=False turns the option off)")  # fmt: skip
         if self.split % self.block_n:
             raise ValueError(f"split={self.split} must be a multiple of block_n={self.block_n}")
+        for name in ("merge_cols", "merge_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        if self.merge_stages < 1:
+            raise ValueError(f"merge_stages={self.merge_stages} must be >= 1")
         for name in ("block_n", "rows", "rows_split"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -329,15 +343,13 @@ def _attn_fwd(
 
 
 @triton.jit
-def _load_partial(ws_m, ws_l, ws_acc, w, n, R, row, valid, D: tl.constexpr):
-    """Split partial w of these rows from the workspace; rows past the n partials read as
-    the identity (never folded: the caller folds exactly n)."""
+def _load_partial(w, ws_m, ws_l, ws_acc, R, row, valid, D: tl.constexpr, offs_d):
+    """Columns offs_d of split partial w of these rows from the workspace (32-bit offsets:
+    the wrapper keeps the workspace below 2**31 elements)."""
     wrow = w * R + row
-    ok = valid & (row * 0 + w < n)  # broadcast: the interpreter wants a bool tensor
-    m = tl.load(ws_m + wrow, mask=ok, other=float("-inf"))
-    lsum = tl.load(ws_l + wrow, mask=ok, other=0.0)
-    offs_d = tl.arange(0, D)
-    acc = tl.load(ws_acc + wrow[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    m = tl.load(ws_m + wrow, mask=valid, other=float("-inf"))
+    lsum = tl.load(ws_l + wrow, mask=valid, other=0.0)
+    acc = tl.load(ws_acc + wrow[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     return m, lsum, acc
 
 
@@ -362,42 +374,48 @@ def _attn_merge(
     ROWS: tl.constexpr,
     SPLIT: tl.constexpr,
     D: tl.constexpr,
+    DC: tl.constexpr,
+    STAGES: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Fold this wave's split partials, ascending, into each row's running state; the last
-    wave writes the output. Same tiles as `_attn_fwd`, so the same partials exist."""
+    wave writes the output. One program per (row tile, seq*kv head, chunk of DC of the D
+    output columns): the fold is elementwise in the columns, and every chunk folds the same
+    (m, l) in the same order, so chunking changes no bit. ROWS divides the split path's
+    tile rows, so every partial a tile folds was written by its split tile (those wholly in
+    a row's causal future are identities for that row)."""
     wait_for_inputs(PDL)
     tile = tl.program_id(0)
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
+    chunk = tl.program_id(2)
     tok, gi, valid, pos, hi = _tile_rows(cu_q, q_start, b, tile, G, ROWS)
     head = kvh * G + gi
-    offs_d = tl.arange(0, D)
-    row = tok.to(tl.int64) * (HKV * G) + head
+    offs_d = chunk * DC + tl.arange(0, DC)
+    row = tok * (HKV * G) + head
+    # Each chunk keeps its own copy of the running (m, l): a chunk reads it while another
+    # program of the same launch writes its update.
+    srow = chunk * R + row
     if FIRST:
         m_s = tl.full([ROWS], float("-inf"), tl.float32)
         l_s = tl.zeros([ROWS], tl.float32)
-        acc_s = tl.zeros([ROWS, D], tl.float32)
+        acc_s = tl.zeros([ROWS, DC], tl.float32)
     else:
-        m_s = tl.load(st_m + row, mask=valid, other=0.0)
-        l_s = tl.load(st_l + row, mask=valid, other=0.0)
+        m_s = tl.load(st_m + srow, mask=valid, other=0.0)
+        l_s = tl.load(st_l + srow, mask=valid, other=0.0)
         acc_s = tl.load(st_acc + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     n_here = tl.minimum(wave, tl.cdiv(hi, SPLIT) - wave_base)
-    # The fold is sequential but its loads are not: partial w + 4 is loaded while partial w
-    # is folded (four in flight; Triton does not pipeline a loop without a dot). Only loads
-    # move: the folds are the same operations in the same order.
-    m0, l0, a0 = _load_partial(ws_m, ws_l, ws_acc, 0, n_here, R, row, valid, D)
-    m1, l1, a1 = _load_partial(ws_m, ws_l, ws_acc, 1, n_here, R, row, valid, D)
-    m2, l2, a2 = _load_partial(ws_m, ws_l, ws_acc, 2, n_here, R, row, valid, D)
-    m3, l3, a3 = _load_partial(ws_m, ws_l, ws_acc, 3, n_here, R, row, valid, D)
-    for w in range(0, n_here):
-        m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m0, l0, a0)
-        m0, l0, a0 = m1, l1, a1
-        m1, l1, a1 = m2, l2, a2
-        m2, l2, a2 = m3, l3, a3
-        m3, l3, a3 = _load_partial(ws_m, ws_l, ws_acc, w + 4, n_here, R, row, valid, D)
+    # The fold is sequential, its loads are not: Triton software-pipelines this loop (an
+    # explicit tl.range with STAGES; without it a loop with no dot is not pipelined), so the
+    # partials STAGES - 1 ahead are in flight as asynchronous copies while this one folds
+    # (offline compile for sm_90: cp.async with counted waits). Hand-written prefetch in
+    # registers waited on every load at the top of each iteration (seventh session, runs
+    # 57-58). Only loads move: the folds are the same in the same order.
+    for w in tl.range(0, n_here, num_stages=STAGES):
+        m, lsum, acc = _load_partial(w, ws_m, ws_l, ws_acc, R, row, valid, D, offs_d)
+        m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
     if LAST:
         o = finalize_rows(l_s, acc_s)
         orow = tok.to(tl.int64) * sot + head.to(tl.int64) * soh
@@ -405,8 +423,8 @@ def _attn_merge(
             out + orow[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=valid[:, None]
         )
     else:
-        tl.store(st_m + row, m_s, mask=valid)
-        tl.store(st_l + row, l_s, mask=valid)
+        tl.store(st_m + srow, m_s, mask=valid)
+        tl.store(st_l + srow, l_s, mask=valid)
         tl.store(st_acc + row[:, None] * D + offs_d[None, :], acc_s, mask=valid[:, None])
 
 
@@ -499,9 +517,17 @@ def paged_attention(
         )  # fmt: skip
         return out
     r = t * hq
+    # Merge tiles: the rows of one chunk at most (a power of two dividing the split tile's
+    # rows, so they fold only partials the split tile wrote), columns in chunks.
+    m_rows = min(rows, triton.next_power_of_2(meta.max_q * g))
+    m_cols = min(config.merge_cols, d)
+    merge_grid = (triton.cdiv(meta.max_q * g, m_rows), b * hkv, d // m_cols)
     n_splits = triton.cdiv(meta.max_kv, config.split)
     per_split = r * (d + 2) * 4
     wave = max(1, min(n_splits, config.workspace_bytes // per_split))
+    if wave * r * d >= 2**31:  # the merge addresses partials with 32-bit offsets
+        raise ValueError(f"{t} query rows x {hq} heads is too large for the split path's "
+                         f"workspace ({wave * r * d} elements >= 2**31)")  # fmt: skip
     f32 = torch.float32
     ws_acc = torch.empty((wave, r, d), dtype=f32, device=q.device)
     ws_m = torch.empty((wave, r), dtype=f32, device=q.device)
@@ -509,12 +535,12 @@ def paged_attention(
     n_waves = math.ceil(n_splits / wave)
     if n_waves > 1:
         st_acc = torch.empty((r, d), dtype=f32, device=q.device)
-        st_m = torch.empty((r,), dtype=f32, device=q.device)
-        st_l = torch.empty((r,), dtype=f32, device=q.device)
+        st_m = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
+        st_l = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
     split_opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion, q.device)
-    merge_opts = _launch_opts(4, 1, fusion, q.device)
+    merge_opts = _launch_opts(config.merge_warps, 1, fusion, q.device)
     for i in range(n_waves):
         base = i * wave
         grid = (n_tiles, b * hkv, min(wave, n_splits - base))
@@ -524,9 +550,10 @@ def paged_attention(
             WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
             SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **split_opts,
         )  # fmt: skip
-        _attn_merge[(n_tiles, b * hkv)](
+        _attn_merge[merge_grid](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
-            out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=rows, SPLIT=config.split, D=d,
-            FIRST=i == 0, LAST=i == n_waves - 1, **merge_opts,
+            out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=m_rows, SPLIT=config.split, D=d,
+            DC=m_cols, STAGES=min(config.merge_stages, wave), FIRST=i == 0,
+            LAST=i == n_waves - 1, **merge_opts,
         )  # fmt: skip
     return out
