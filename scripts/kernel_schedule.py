@@ -5,9 +5,12 @@ shared-memory buffers (`2x64x128` = double-buffered).
 
     python scripts/kernel_schedule.py [--path split|prefill] [--stages 2,3,4] [--ahead 0,1]
     python scripts/kernel_schedule.py --matmul 16-32-256-4-5 [16-64-256-4-4-s ...]
+    python scripts/kernel_schedule.py --merge [--stages 1,4,8] [--merge-cols 32] [--warps 1]
 
 (`--matmul`: BM-BN-BK-WARPS-STAGES[-s] configs of the TMA matmul kernel, -s = one program per
-K split.)
+K split. `--merge`: the split path's merge at a batch-1 decode tile (4 rows), with its loop's
+pipeline stages; also the fold loop's instructions, stall cycles and scoreboard waits from
+the SASS, where Triton's bundled disassembler is present.)
 
 The device runs Triton 3.6; for its schedule use the same version here, e.g.
 `python -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0`,
@@ -92,6 +95,54 @@ def compile_matmul(text: str):
                           options={"num_warps": warps, "num_stages": stages})  # fmt: skip
 
 
+def compile_merge(stages: int, cols: int, warps: int):
+    """`_attn_merge` for a batch-1 Qwen3-8B decode (G 4, D 128), one wave, bf16 output."""
+    fn = attention._attn_merge
+    names = list(fn.arg_names)
+    constexprs = {
+        "HKV": 8, "G": 4, "ROWS": 4, "SPLIT": 512, "D": 128, "DC": cols, "STAGES": stages,
+        "FIRST": True, "LAST": True, "PDL": True,
+    }  # fmt: skip
+    pointers = {"out": "*bf16", "cu_q": "*i32", "q_start": "*i32", "ws_m": "*fp32",
+                "ws_l": "*fp32", "ws_acc": "*fp32", "st_m": "*fp32", "st_l": "*fp32",
+                "st_acc": "*fp32"}  # fmt: skip
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    divisible = {*pointers, "R", "sot", "soh"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    src = ASTSource(
+        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )  # fmt: skip
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": False},
+    )  # fmt: skip
+
+
+def loop_summary(kernel) -> str:
+    """The innermost SASS loop (a label up to the last branch back to it): instructions, the
+    control codes' stall cycles, and its scoreboard waits (a DEPBAR.LE with a count lets that
+    many copies stay in flight; a wait mask on the loads' scoreboard waits for all)."""
+    try:
+        sass = kernel.asm["sass"]
+    except Exception as e:  # noqa: BLE001 - the disassembler is optional
+        return f"(no SASS: {e})"
+    lines = [line.strip() for line in sass.splitlines()]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\w+):$", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA (\w+);", line)) and labels.get(m.group(1), i) < i]  # fmt: skip
+    if not loops:
+        return "(no loop in the SASS)"
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    body = lines[lo + 1 : hi + 1]
+    control = [re.match(r"^([0-9a-f-]{2}):[0-9-]:[0-9-]:[Y-]:([0-9a-f])\s", line) for line in body]
+    stalls = sum(int(m.group(2), 16) for m in control if m)
+    depbars = [line.split("DEPBAR")[1].strip(" ;") for line in body if "DEPBAR.LE" in line]
+    masked = sum(1 for m in control if m and m.group(1) != "--")
+    return (f"loop {sum(1 for m in control if m)} instructions, {stalls} stall cycles, "
+            f"DEPBAR {depbars or 'none'}, {masked} instructions with a wait mask")  # fmt: skip
+
+
 def summary(kernel) -> str:
     ttgir = kernel.asm["ttgir"]
     waits = re.findall(r"async_wait[^\n]*num = (\d+)", ttgir)
@@ -108,7 +159,17 @@ def main() -> None:
     ap.add_argument("--stages", default="3")
     ap.add_argument("--ahead", default="0,1", help="slot ids a block ahead: 0, 1 or both")
     ap.add_argument("--matmul", nargs="*", default=None, help="matmul configs instead")
+    ap.add_argument("--merge", action="store_true", help="the split path's merge instead")
+    ap.add_argument("--merge-cols", type=int, default=attention.DEFAULT_CONFIG.merge_cols)
+    ap.add_argument("--warps", type=int, default=attention.DEFAULT_CONFIG.merge_warps)
     args = ap.parse_args()
+    if args.merge:
+        print(f"triton {triton.__version__}, sm_90, merge, {args.merge_cols} columns, "
+              f"{args.warps} warps")  # fmt: skip
+        for stages in map(int, args.stages.split(",")):
+            kernel = compile_merge(stages, args.merge_cols, args.warps)
+            print(f"stages {stages}: {summary(kernel)}; {loop_summary(kernel)}")
+        return
     if args.matmul:
         print(f"triton {triton.__version__}, sm_90, TMA matmul")
         for text in args.matmul:
