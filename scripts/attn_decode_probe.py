@@ -25,8 +25,10 @@ from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
+    """NAME=field:value[,field:value]; values are integers, or words (row_sum:mma)."""
     name, _, fields = text.partition("=")
-    return name, {k: int(v) for k, v in (f.split(":") for f in fields.split(","))}
+    pairs = (f.split(":") for f in fields.split(","))
+    return name, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
 
 
 def kernel_split(fn) -> str:

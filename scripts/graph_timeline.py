@@ -14,7 +14,10 @@ Variants (each captured and timed in turn, logits compared bit for bit with the 
   projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
   instead of the table's; attn_stages=N, attn_ahead=0|1, attn_ahead_per_sm=N: the decode
   attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm;
-  merge_cols=N, merge_warps=N: the merge's column chunk and warps. None of these changes a bit (the logits check says so again).
+  merge_cols=N, merge_warps=N: the merge's column chunk and warps. None of these changes a
+  bit (the logits check says so again). attn_row_sum=mma|sum, attn_warps=N: the row sum's
+  reduction and the decode tile's warps; row_sum is numerics (its logits differ), and warps
+  other than 1 keep the bits only with row_sum=mma (AttentionConfig).
 JSON on the last line.
 """
 
@@ -42,7 +45,10 @@ ATTENTION_KEYS = {
     "attn_ahead_per_sm": "slots_ahead_programs_per_sm",
     "merge_cols": "merge_cols",
     "merge_warps": "merge_warps",
+    "attn_warps": "num_warps_split",
+    "attn_row_sum": "row_sum",
 }
+WORD_VALUES = {"attn_row_sum": ("mma", "sum")}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -55,6 +61,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
                              f"{LAYER_MATMULS} or {tuple(ATTENTION_KEYS)}")  # fmt: skip
         if key in LAYER_MATMULS:
             parse_config(value)  # refuse a malformed config before any engine is built
+        elif key in WORD_VALUES:
+            if value not in WORD_VALUES[key]:
+                raise SystemExit(f"{key}={value!r} in {text!r}: want one of {WORD_VALUES[key]}")
         elif not value.isdigit():
             raise SystemExit(f"{key}={value!r} in {text!r}: want a non-negative integer")
         opts[key] = value
@@ -84,7 +93,11 @@ def apply_variant(decoder, opts: dict) -> None:
     w = decoder.layers[0]
     shapes = {name: tuple(getattr(w, name).shape) for name in LAYER_MATMULS}
     overrides = {shapes[p]: parse_config(c) for p, c in opts.items() if p in LAYER_MATMULS}
-    fields = {ATTENTION_KEYS[k]: int(v) for k, v in opts.items() if k in ATTENTION_KEYS}
+    fields = {
+        ATTENTION_KEYS[k]: v if k in WORD_VALUES else int(v)
+        for k, v in opts.items()
+        if k in ATTENTION_KEYS
+    }
     if "slots_ahead_split" in fields:
         fields["slots_ahead_split"] = bool(fields["slots_ahead_split"])
     decoder.ops.attention_config = replace(DEFAULT_CONFIG, **fields)
