@@ -363,8 +363,9 @@ class Pool:
     """A paged KV cache with one sequence's keys scattered over random slots, plus random
     batch-mates sharing the pool."""
 
-    def __init__(self, seed: int, length: int = SEQ, mates: int = 3) -> None:
+    def __init__(self, seed: int, length: int = SEQ, mates: int = 3, group: int = GROUP) -> None:
         rng = random.Random(seed)
+        self.group = group
         self.mate_lens = [rng.randint(1, length + 40) for _ in range(mates)]
         total = length + sum(self.mate_lens) + 7
         perm = torch.randperm(total, generator=gen(seed)).to(torch.int32)
@@ -375,8 +376,8 @@ class Pool:
             at += n
         self.k = randn(total, HKV, HD, seed=seed + 1)
         self.v = randn(total, HKV, HD, seed=seed + 2)
-        self.q = randn(length, HKV * GROUP, HD, seed=seed + 3)
-        self.mate_q = [randn(n, HKV * GROUP, HD, seed=seed + 10 + i) for i, n in
+        self.q = randn(length, HKV * group, HD, seed=seed + 3)
+        self.mate_q = [randn(n, HKV * group, HD, seed=seed + 10 + i) for i, n in
                        enumerate(self.mate_lens)]  # fmt: skip
         self.scale = HD**-0.5
 
@@ -409,8 +410,8 @@ class Pool:
 
     def reference(self) -> torch.Tensor:
         idx = torch.tensor(self.slots, device=DEV).long()
-        k = self.k[idx].double().repeat_interleave(GROUP, dim=1)
-        v = self.v[idx].double().repeat_interleave(GROUP, dim=1)
+        k = self.k[idx].double().repeat_interleave(self.group, dim=1)
+        v = self.v[idx].double().repeat_interleave(self.group, dim=1)
         s = torch.einsum("qhd,khd->hqk", self.q.double(), k) * self.scale
         n = len(self.slots)
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=DEV).triu(1), float("-inf"))
@@ -484,18 +485,47 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
     assert torch.equal(pool.run(SEQ - 5, 5, cfg=tiny, path="split"), full[SEQ - 5 :])
 
 
-def test_attention_merge_shapes_give_the_same_bits(pool: Pool, full: torch.Tensor) -> None:
+class _NanFilledTorch:
+    """torch for the attention wrapper, with `empty` filled with NaN: a partial or running
+    state that the merge reads before anything wrote it shows up in every bit it touches."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(shape, *, dtype, device) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def test_attention_merge_shapes_give_the_same_bits(
+    pool: Pool, full: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The merge folds each chunk of output columns in its own program (`merge_cols`) with
-    its loads pipelined (`merge_stages`; the interpreter ignores stages, the GPU does not),
-    one wave or several: every chunk folds the same (m, l) in the same order, so the split
-    path keeps the prefill path's bits whatever the shape (decode and short extends)."""
-    for cols, stages in ((HD // 4, 2), (HD // 2, 8), (HD, 1)):
-        for ws in (ATTN_CFG.workspace_bytes, 1):
-            shape = {"merge_cols": cols, "merge_stages": stages, "workspace_bytes": ws}
-            cfg = AttentionConfig(**{**ATTN_CFG.__dict__, **shape})
-            for n in (1, 3):
-                got = pool.run(SEQ - n, n, cfg=cfg, path="split")
-                assert torch.equal(got, full[SEQ - n :]), (shape, n)
+    its loads pipelined (`merge_stages`, capped per launch at the wave's partials rounded up
+    to a power of two; the interpreter ignores stages, the GPU does not), in one wave, in
+    waves of two partials (the last one part full) and in waves of one: every chunk folds
+    the same (m, l) in the same order, so the split path keeps the prefill path's bits
+    (decode and extends), also with 3 q heads per kv head (merge tiles of 4 rows over split
+    tiles of 16 rows holding 5 positions). The wrapper's buffers start as NaN."""
+    from lockstep.ops.triton import attention
+
+    monkeypatch.setattr(attention, "torch", _NanFilledTorch())
+    odd = Pool(seed=102, mates=2, group=3)
+    for p, want in ((pool, full), (odd, odd.run(0, SEQ, path="prefill"))):
+        assert not want.isnan().any()
+        hq = HKV * p.group
+        for cols, stages in ((HD // 4, 2), (HD // 2, 8), (HD, 1)):
+            # An extend starting 8 positions before the last split boundary: its first split
+            # tile ends before the boundary, its last after it, so a merge tile spanning both
+            # would fold a partial the first never wrote.
+            across = SEQ - (SEQ - 1) // ATTN_CFG.split * ATTN_CFG.split + 8
+            for n in (1, 3, across):
+                two_per_wave = 2 * n * hq * (HD + 2) * 4  # bytes of two splits' partials
+                for ws in (ATTN_CFG.workspace_bytes, two_per_wave, 1):
+                    shape = {"merge_cols": cols, "merge_stages": stages, "workspace_bytes": ws}
+                    cfg = AttentionConfig(**{**ATTN_CFG.__dict__, **shape})
+                    got = p.run(SEQ - n, n, cfg=cfg, path="split")
+                    assert torch.equal(got, want[SEQ - n :]), (p.group, shape, n)
 
 
 def test_attention_many_splits_merge_in_order() -> None:

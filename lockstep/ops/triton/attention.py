@@ -29,7 +29,7 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
 
 Workspace of the split path (float32), bounded by batch and wave size, never by context:
     partials: WAVE * T * Hq * (D + 2) * 4 bytes,
-    running state (several waves only): T * Hq * (D + 2 * D / merge_cols) * 4 bytes,
+    running state (several waves only): T * Hq * (D + 2 * D / min(merge_cols, D)) * 4 bytes,
 with WAVE = min(splits of the longest sequence, max(1, WORKSPACE_BYTES // (T*Hq*(D+2)*4))).
 Contexts longer than WAVE * SPLIT run as several waves that fold into the running state in the
 same ascending order. The prefill path needs no workspace at all.
@@ -93,9 +93,10 @@ class AttentionConfig:
     # there (graph 5.55 vs 5.54 ms per step; docs/gpu_notes.md, seventh session, run 56).
     slots_ahead_programs_per_sm: int = 3
     # The split path's merge (`_attn_merge`): output columns per program, its warps, and the
-    # partials in flight (its loop's pipeline stages, at most one per partial of a wave: a
-    # deeper prologue only costs). Speed only: the fold is elementwise in the columns, and
-    # stages move loads, not folds (docs/gpu_notes.md, seventh session).
+    # partials in flight (its loop's pipeline stages; a launch uses at most the wave's
+    # partials rounded up to a power of two: a deeper prologue only costs). Speed only: the
+    # fold is elementwise in the columns, and stages move loads, not folds
+    # (docs/gpu_notes.md, seventh session).
     merge_cols: int = 32
     merge_warps: int = 1
     merge_stages: int = 8
@@ -119,6 +120,8 @@ class AttentionConfig:
                 raise ValueError(f"{name}={v} must be a power of two")
         if self.merge_stages < 1:
             raise ValueError(f"merge_stages={self.merge_stages} must be >= 1")
+        if self.workspace_bytes >= 2**33:  # the merge addresses partials with 32-bit offsets
+            raise ValueError(f"workspace_bytes={self.workspace_bytes} must be < 2**33 (8 GiB)")
         for name in ("block_n", "rows", "rows_split"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -517,17 +520,20 @@ def paged_attention(
         )  # fmt: skip
         return out
     r = t * hq
-    # Merge tiles: the rows of one chunk at most (a power of two dividing the split tile's
-    # rows, so they fold only partials the split tile wrote), columns in chunks.
+    # Merge tiles: the longest query chunk's rows (max_q x G) at most, as a power of two that
+    # divides the split tile's rows (so a tile folds only partials its split tile wrote);
+    # the output columns in chunks of m_cols.
     m_rows = min(rows, triton.next_power_of_2(meta.max_q * g))
     m_cols = min(config.merge_cols, d)
     merge_grid = (triton.cdiv(meta.max_q * g, m_rows), b * hkv, d // m_cols)
     n_splits = triton.cdiv(meta.max_kv, config.split)
     per_split = r * (d + 2) * 4
     wave = max(1, min(n_splits, config.workspace_bytes // per_split))
-    if wave * r * d >= 2**31:  # the merge addresses partials with 32-bit offsets
-        raise ValueError(f"{t} query rows x {hq} heads is too large for the split path's "
-                         f"workspace ({wave * r * d} elements >= 2**31)")  # fmt: skip
+    if wave * r * d >= 2**31:  # 32-bit merge offsets; with workspace_bytes < 2**33 only a
+        # single split of a huge batch can get here
+        raise ValueError(f"the split path's workspace for {t} query rows x {hq} heads "
+                         f"({wave * r * d} elements) reaches 2**31 elements, the merge's "
+                         "32-bit offsets: split the batch")  # fmt: skip
     f32 = torch.float32
     ws_acc = torch.empty((wave, r, d), dtype=f32, device=q.device)
     ws_m = torch.empty((wave, r), dtype=f32, device=q.device)
@@ -541,6 +547,9 @@ def paged_attention(
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
     split_opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion, q.device)
     merge_opts = _launch_opts(config.merge_warps, 1, fusion, q.device)
+    # At most one stage per partial of a wave (a deeper prologue only costs), rounded up to
+    # a power of two so that eager calls compile few variants.
+    merge_stages = min(config.merge_stages, triton.next_power_of_2(wave))
     for i in range(n_waves):
         base = i * wave
         grid = (n_tiles, b * hkv, min(wave, n_splits - base))
@@ -553,7 +562,7 @@ def paged_attention(
         _attn_merge[merge_grid](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
             out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=m_rows, SPLIT=config.split, D=d,
-            DC=m_cols, STAGES=min(config.merge_stages, wave), FIRST=i == 0,
+            DC=m_cols, STAGES=merge_stages, FIRST=i == 0,
             LAST=i == n_waves - 1, **merge_opts,
         )  # fmt: skip
     return out
