@@ -41,33 +41,30 @@ POINTERS = {
 DIVISIBLE = {*POINTERS, "sqt", "sqh", "skc", "skh", "sot", "soh", "R"}
 
 
+def compile_sm90(fn, types: dict, constexprs: dict, divisible: set, options: dict):
+    """Compile `fn` for sm_90: `types` names each runtime argument's type (default i32),
+    `divisible` the arguments the launcher would specialise as multiples of 16."""
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    src = ASTSource(
+        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_attention(path: str, stages: int, ahead: bool):
     """The production tile of `path` (split: 16 rows on one warp; prefill: 128 rows on 8)."""
-    fn = attention._attn_fwd
-    names = list(fn.arg_names)
     rows, warps = (16, 1) if path == "split" else (128, 8)
     constexprs = {
         "HKV": 8, "G": 4, "ROWS": rows, "BLOCK_N": 64, "SPLIT": 512, "D": 128,
         "WRITE_PARTIALS": int(path == "split"), "WIDE": False, "ROW_SUM_MMA": False,
         "SLOTS_AHEAD": ahead, "PDL": True,
     }  # fmt: skip
-    signature = {}
-    for n in names:
-        if n in constexprs:
-            signature[n] = "constexpr"
-        elif n in POINTERS:
-            signature[n] = POINTERS[n]
-        else:
-            signature[n] = "fp32" if n == "qk_scale" else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIVISIBLE}
-    src = ASTSource(
-        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs=attrs,
-    )  # fmt: skip
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False},
-    )  # fmt: skip
+    options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+    return compile_sm90(attention._attn_fwd, {**POINTERS, "qk_scale": "fp32"}, constexprs,
+                        DIVISIBLE, options)  # fmt: skip
 
 
 def compile_matmul(text: str):
@@ -76,29 +73,19 @@ def compile_matmul(text: str):
 
     parts = text.split("-")
     bm, bn, bk, warps, stages = map(int, parts[:5])
-    fn = matmul._matmul_kernel
-    names = list(fn.arg_names)
     constexprs = {
         "HAS_BIAS": False, "EVEN_K": True, "TMA": True, "SPLIT_PROGRAMS": parts[5:] == ["s"],
         "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "PDL": True,
     }  # fmt: skip
     types = {"x": f"tensordesc<bf16[{bm},{bk}]>", "w": f"tensordesc<bf16[{bn},{bk}]>",
              "bias": "*bf16", "y": "*bf16", "ws": "*fp32", "counters": "*i32"}  # fmt: skip
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     divisible = {"bias", "y", "ws", "counters", "N", "K", "SPLIT_LEN", "sxm", "swn", "sym"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
-    src = ASTSource(
-        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs=attrs,
-    )  # fmt: skip
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+    return compile_sm90(matmul._matmul_kernel, types, constexprs, divisible,
+                        {"num_warps": warps, "num_stages": stages})  # fmt: skip
 
 
 def compile_merge(stages: int, cols: int, warps: int):
     """`_attn_merge` for a batch-1 Qwen3-8B decode (G 4, D 128), one wave, bf16 output."""
-    fn = attention._attn_merge
-    names = list(fn.arg_names)
     constexprs = {
         "HKV": 8, "G": 4, "ROWS": 4, "SPLIT": 512, "D": 128, "DC": cols, "STAGES": stages,
         "FIRST": True, "LAST": True, "PDL": True,
@@ -106,17 +93,9 @@ def compile_merge(stages: int, cols: int, warps: int):
     pointers = {"out": "*bf16", "cu_q": "*i32", "q_start": "*i32", "ws_m": "*fp32",
                 "ws_l": "*fp32", "ws_acc": "*fp32", "st_m": "*fp32", "st_l": "*fp32",
                 "st_acc": "*fp32"}  # fmt: skip
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
-    divisible = {*pointers, "R", "sot", "soh"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
-    src = ASTSource(
-        fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs=attrs,
-    )  # fmt: skip
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": False},
-    )  # fmt: skip
+    options = {"num_warps": warps, "num_stages": 1, "enable_fp_fusion": False}
+    return compile_sm90(attention._attn_merge, pointers, constexprs,
+                        {*pointers, "R", "sot", "soh"}, options)  # fmt: skip
 
 
 def loop_summary(kernel) -> str:
