@@ -511,14 +511,14 @@ def test_attention_merge_shapes_give_the_same_bits(
 
     monkeypatch.setattr(attention, "torch", _NanFilledTorch())
     odd = Pool(seed=102, mates=2, group=3)
+    # An extend starting 8 positions before the last split boundary: its first split tile
+    # ends before the boundary, its last after it, so a merge tile spanning both would fold a
+    # partial the first never wrote.
+    across = SEQ - (SEQ - 1) // ATTN_CFG.split * ATTN_CFG.split + 8
     for p, want in ((pool, full), (odd, odd.run(0, SEQ, path="prefill"))):
         assert not want.isnan().any()
         hq = HKV * p.group
         for cols, stages in ((HD // 4, 2), (HD // 2, 8), (HD, 1)):
-            # An extend starting 8 positions before the last split boundary: its first split
-            # tile ends before the boundary, its last after it, so a merge tile spanning both
-            # would fold a partial the first never wrote.
-            across = SEQ - (SEQ - 1) // ATTN_CFG.split * ATTN_CFG.split + 8
             for n in (1, 3, across):
                 two_per_wave = 2 * n * hq * (HD + 2) * 4  # bytes of two splits' partials
                 for ws in (ATTN_CFG.workspace_bytes, two_per_wave, 1):
