@@ -4,6 +4,7 @@ next block's copies are waited for at the top of each iteration: no overlap) and
 shared-memory buffers (`2x64x128` = double-buffered).
 
     python scripts/kernel_schedule.py [--path split|prefill] [--stages 2,3,4] [--ahead 0,1]
+        [--row-sum sum|mma] [--warps N]   (--warps: the split path's; prefill keeps 8)
     python scripts/kernel_schedule.py --matmul 16-32-256-4-5 [16-64-256-4-4-s ...]
     python scripts/kernel_schedule.py --merge [--stages 1,4,8] [--merge-cols 32] [--warps 1]
 
@@ -54,12 +55,15 @@ def compile_sm90(fn, types: dict, constexprs: dict, divisible: set, options: dic
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_attention(path: str, stages: int, ahead: bool):
-    """The production tile of `path` (split: 16 rows on one warp; prefill: 128 rows on 8)."""
-    rows, warps = (16, 1) if path == "split" else (128, 8)
+def compile_attention(
+    path: str, stages: int, ahead: bool, row_sum_mma: bool = False, split_warps: int = 1
+):
+    """The production tile of `path` (split: 16 rows on `split_warps` warps, 1 in the table;
+    prefill: 128 rows on 8)."""
+    rows, warps = (16, split_warps) if path == "split" else (128, 8)
     constexprs = {
         "HKV": 8, "G": 4, "ROWS": rows, "BLOCK_N": 64, "SPLIT": 512, "D": 128,
-        "WRITE_PARTIALS": int(path == "split"), "WIDE": False, "ROW_SUM_MMA": False,
+        "WRITE_PARTIALS": int(path == "split"), "WIDE": False, "ROW_SUM_MMA": row_sum_mma,
         "SLOTS_AHEAD": ahead, "PDL": True,
     }  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
@@ -99,27 +103,30 @@ def compile_merge(stages: int, cols: int, warps: int):
 
 
 def loop_summary(kernel) -> str:
-    """The innermost SASS loop (a label up to the last branch back to it): instructions, the
-    control codes' stall cycles, and its scoreboard waits (a DEPBAR.LE with a count lets that
-    many copies stay in flight; a wait mask on the loads' scoreboard waits for all)."""
+    """Each SASS loop (a label up to a branch back to it), in program order: instructions,
+    the control codes' stall cycles, and its scoreboard waits (a DEPBAR.LE with a count lets
+    that many copies stay in flight; a wait mask on the loads' scoreboard waits for all)."""
     try:
         sass = kernel.asm["sass"]
     except Exception as e:  # noqa: BLE001 - the disassembler is optional
         return f"(no SASS: {e})"
     lines = [line.strip() for line in sass.splitlines()]
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\w+):$", line))}
+    # Loops of more than one instruction (the kernel ends in a one-branch trap loop).
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA (\w+);", line)) and labels.get(m.group(1), i) < i]  # fmt: skip
+             if (m := re.search(r"BRA (\w+);", line)) and labels.get(m.group(1), i) < i - 2]  # fmt: skip
     if not loops:
         return "(no loop in the SASS)"
-    lo, hi = max(loops, key=lambda span: span[1] - span[0])
-    body = lines[lo + 1 : hi + 1]
-    control = [re.match(r"^([0-9a-f-]{2}):[0-9-]:[0-9-]:[Y-]:([0-9a-f])\s", line) for line in body]
-    stalls = sum(int(m.group(2), 16) for m in control if m)
-    depbars = [line.split("DEPBAR")[1].strip(" ;") for line in body if "DEPBAR.LE" in line]
-    masked = sum(1 for m in control if m and m.group(1) != "--")
-    return (f"loop {sum(1 for m in control if m)} instructions, {stalls} stall cycles, "
-            f"DEPBAR {depbars or 'none'}, {masked} instructions with a wait mask")  # fmt: skip
+    parts = []
+    for lo, hi in sorted(loops):
+        body = lines[lo + 1 : hi + 1]
+        control = [re.match(r"^([0-9a-f-]{2}):[0-9-]:[0-9-]:[Y-]:([0-9a-f])\s", x) for x in body]
+        stalls = sum(int(m.group(2), 16) for m in control if m)
+        depbars = [x.split("DEPBAR")[1].strip(" ;") for x in body if "DEPBAR.LE" in x]
+        masked = sum(1 for m in control if m and m.group(1) != "--")
+        parts.append(f"loop {sum(1 for m in control if m)} instructions, {stalls} stall "
+                     f"cycles, DEPBAR {depbars or 'none'}, {masked} with a wait mask")  # fmt: skip
+    return "; ".join(parts)
 
 
 def summary(kernel) -> str:
@@ -140,13 +147,21 @@ def main() -> None:
     ap.add_argument("--matmul", nargs="*", default=None, help="matmul configs instead")
     ap.add_argument("--merge", action="store_true", help="the split path's merge instead")
     ap.add_argument("--merge-cols", type=int, default=attention.DEFAULT_CONFIG.merge_cols)
-    ap.add_argument("--warps", type=int, default=attention.DEFAULT_CONFIG.merge_warps)
+    ap.add_argument(
+        "--warps",
+        type=int,
+        default=None,
+        help="the merge's or the split path's warps (default: the table's)",
+    )
+    ap.add_argument("--row-sum", choices=("sum", "mma"), default="sum")
     args = ap.parse_args()
+    table = attention.DEFAULT_CONFIG
     if args.merge:
+        warps = args.warps or table.merge_warps
         print(f"triton {triton.__version__}, sm_90, merge, {args.merge_cols} columns, "
-              f"{args.warps} warps")  # fmt: skip
+              f"{warps} warps")  # fmt: skip
         for stages in map(int, args.stages.split(",")):
-            kernel = compile_merge(stages, args.merge_cols, args.warps)
+            kernel = compile_merge(stages, args.merge_cols, warps)
             print(f"stages {stages}: {summary(kernel)}; {loop_summary(kernel)}")
         return
     if args.matmul:
@@ -154,11 +169,13 @@ def main() -> None:
         for text in args.matmul:
             print(f"{text}: {summary(compile_matmul(text))}")
         return
-    print(f"triton {triton.__version__}, sm_90, {args.path} path")
+    warps = args.warps or table.num_warps_split
+    print(f"triton {triton.__version__}, sm_90, {args.path} path, row sum {args.row_sum}"
+          + (f", {warps} warps" if args.path == "split" else ""))  # fmt: skip
     for ahead in (bool(int(a)) for a in args.ahead.split(",")):
         for stages in map(int, args.stages.split(",")):
-            kernel = compile_attention(args.path, stages, ahead)
-            print(f"ahead {int(ahead)} stages {stages}: {summary(kernel)}")
+            kernel = compile_attention(args.path, stages, ahead, args.row_sum == "mma", warps)
+            print(f"ahead {int(ahead)} stages {stages}: {summary(kernel)}; {loop_summary(kernel)}")
 
 
 if __name__ == "__main__":
