@@ -486,15 +486,42 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
 
 
 class _NanFilledTorch:
-    """torch for the attention wrapper, with `empty` filled with NaN: a partial or running
-    state that the merge reads before anything wrote it shows up in every bit it touches."""
+    """torch for a kernel wrapper's module, with `empty` / `empty_like` of floating dtypes
+    filled with NaN: a workspace element that a kernel reads before anything wrote it shows
+    up in every bit it touches (on the GPU and in the interpreter alike)."""
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
 
     @staticmethod
     def empty(shape, *, dtype, device) -> torch.Tensor:
+        if not dtype.is_floating_point:
+            return torch.empty(shape, dtype=dtype, device=device)
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    @staticmethod
+    def empty_like(x: torch.Tensor) -> torch.Tensor:
+        return _NanFilledTorch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def test_workspaces_are_written_before_they_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split-K matmul's float32 workspace (one program per split, folded by the last to
+    arrive) and log-softmax's per-chunk partials, started as NaN: the same bits as usual."""
+    from lockstep.ops.triton import log_softmax as ls
+
+    n, k = SPLIT_SHAPE
+    x, w = randn(9, k, seed=23), randn(n, k, seed=24, scale=k**-0.5)
+    cfg = mm.MatmulConfig(16, 32, 256 if GPU else 64, 4, 3 if GPU else 1, split_programs=True)
+    logits = randn(3, 151936 if GPU else 5000, seed=25, scale=4.0)
+    usual = (mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=3), ls.log_softmax(logits))
+    monkeypatch.setattr(mm, "torch", _NanFilledTorch())
+    monkeypatch.setattr(ls, "torch", _NanFilledTorch())
+    nan_started = (
+        mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=3),
+        ls.log_softmax(logits),
+    )
+    for a, b in zip(usual, nan_started, strict=True):
+        assert not a.isnan().any() and torch.equal(a, b)
 
 
 def test_attention_merge_shapes_give_the_same_bits(
