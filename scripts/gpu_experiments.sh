@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The next device session's experiment call (~8.5 min; docs/gpu_notes.md, "Seventh session",
+# The next device session's experiment call (~9.5 min; docs/gpu_notes.md, "Seventh session",
 # "For the next device session", has the predictions), prepared after the seventh session's
 # device time was spent. Bits first, then timings:
+#   0. the kernel tests added after the device time, on the GPU for the first time
 #   1. the engine property suite on the merge as committed (stages capped at the wave's
 #      partials; the seventh session's full run predates the cap)
 #   2. o at M = 1, 8, 16 against cuBLAS (the table's 7 stages are new; the last sweep read
@@ -10,10 +11,16 @@
 #      the probe, and the batch-1 / batch-32 decode graphs (the prefill sweep of run 56 read
 #      0.808x / 0.905x / 0.893x of SDPA with it, faster than tl.sum's 0.815x / 0.933x / 0.913x)
 # Usage (device): bash scripts/gpu_experiments.sh   (logs and JSON under $OUT)
+# The timeouts add up to more than a device call's 600 s; the expected total is ~9.5 min
+# (the seventh session: engine suite 227 s, attention tests 42-108 s). Run with a 600 s
+# limit; anything cut off is the last graph timeline.
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name --format=csv,noheader
+echo "== kernel tests added after the seventh session's device time (merge, workspaces)"
+timeout 120 python3 -m pytest -q tests/test_ops_triton.py -k "merge or workspaces or split" \
+  -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests_new.log" | tail -2 || status=1
 echo "== engine property suite, 14 cases"
 LOCKSTEP_GPU_CASES=14 timeout 270 python3 -m pytest -q tests/test_gpu_engine.py \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -2 || status=1
