@@ -488,20 +488,23 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
 class _NanFilledTorch:
     """torch for a kernel wrapper's module, with `empty` / `empty_like` of floating dtypes
     filled with NaN: a workspace element that a kernel reads before anything wrote it shows
-    up in every bit it touches (on the GPU and in the interpreter alike)."""
+    up in every bit it touches (on the GPU and in the interpreter alike). `filled` counts the
+    buffers it filled, so a test can show the wrapper really allocated through it."""
+
+    def __init__(self) -> None:
+        self.filled = 0
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
 
-    @staticmethod
-    def empty(shape, *, dtype, device) -> torch.Tensor:
+    def empty(self, shape, *, dtype, device) -> torch.Tensor:
         if not dtype.is_floating_point:
             return torch.empty(shape, dtype=dtype, device=device)
+        self.filled += 1
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    @staticmethod
-    def empty_like(x: torch.Tensor) -> torch.Tensor:
-        return _NanFilledTorch.empty(x.shape, dtype=x.dtype, device=x.device)
+    def empty_like(self, x: torch.Tensor) -> torch.Tensor:
+        return self.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def test_workspaces_are_written_before_they_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -514,14 +517,17 @@ def test_workspaces_are_written_before_they_are_read(monkeypatch: pytest.MonkeyP
     cfg = mm.MatmulConfig(16, 32, 256 if GPU else 64, 4, 3 if GPU else 1, split_programs=True)
     logits = randn(3, 151936 if GPU else 5000, seed=25, scale=4.0)
     usual = (mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=3), ls.log_softmax(logits))
-    monkeypatch.setattr(mm, "torch", _NanFilledTorch())
-    monkeypatch.setattr(ls, "torch", _NanFilledTorch())
+    mm_torch, ls_torch = _NanFilledTorch(), _NanFilledTorch()
+    monkeypatch.setattr(mm, "torch", mm_torch)
+    monkeypatch.setattr(ls, "torch", ls_torch)
     nan_started = (
         mm.matmul(x, w, config=cfg, out_dtype=torch.float32, splits=3),
         ls.log_softmax(logits),
     )
     for a, b in zip(usual, nan_started, strict=True):
         assert not a.isnan().any() and torch.equal(a, b)
+    # Not blind: output and workspace (matmul), output and both partials (log-softmax).
+    assert (mm_torch.filled, ls_torch.filled) == (2, 3)
 
 
 def test_attention_merge_shapes_give_the_same_bits(
@@ -536,7 +542,8 @@ def test_attention_merge_shapes_give_the_same_bits(
     tiles of 16 rows holding 5 positions). The wrapper's buffers start as NaN."""
     from lockstep.ops.triton import attention
 
-    monkeypatch.setattr(attention, "torch", _NanFilledTorch())
+    nan_torch = _NanFilledTorch()
+    monkeypatch.setattr(attention, "torch", nan_torch)
     odd = Pool(seed=102, mates=2, group=3)
     # An extend starting 8 positions before the last split boundary: its first split tile
     # ends before the boundary, its last after it, so a merge tile spanning both would fold a
@@ -551,8 +558,11 @@ def test_attention_merge_shapes_give_the_same_bits(
                 for ws in (ATTN_CFG.workspace_bytes, two_per_wave, 1):
                     shape = {"merge_cols": cols, "merge_stages": stages, "workspace_bytes": ws}
                     cfg = AttentionConfig(**{**ATTN_CFG.__dict__, **shape})
+                    filled = nan_torch.filled
                     got = p.run(SEQ - n, n, cfg=cfg, path="split")
                     assert torch.equal(got, want[SEQ - n :]), (p.group, shape, n)
+                    # Not blind: output and partials, plus the running state in waves.
+                    assert nan_torch.filled - filled >= (7 if ws == 1 else 4), (shape, n)
 
 
 def test_attention_many_splits_merge_in_order() -> None:
