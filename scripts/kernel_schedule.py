@@ -94,12 +94,10 @@ def compile_merge(stages: int, cols: int, warps: int):
         "HKV": 8, "G": 4, "ROWS": 4, "SPLIT": 512, "D": 128, "DC": cols, "STAGES": stages,
         "FIRST": True, "LAST": True, "PDL": True,
     }  # fmt: skip
-    pointers = {"out": "*bf16", "cu_q": "*i32", "q_start": "*i32", "ws_m": "*fp32",
-                "ws_l": "*fp32", "ws_acc": "*fp32", "st_m": "*fp32", "st_l": "*fp32",
-                "st_acc": "*fp32"}  # fmt: skip
+    state = {"st_m": "*fp32", "st_l": "*fp32", "st_acc": "*fp32"}  # the running state
     options = {"num_warps": warps, "num_stages": 1, "enable_fp_fusion": False}
-    return compile_sm90(attention._attn_merge, pointers, constexprs,
-                        {*pointers, "R", "sot", "soh"}, options)  # fmt: skip
+    return compile_sm90(attention._attn_merge, {**POINTERS, **state}, constexprs,
+                        DIVISIBLE | set(state), options)  # fmt: skip
 
 
 def loop_summary(kernel) -> str:
