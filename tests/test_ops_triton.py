@@ -668,45 +668,58 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     assert not torch.equal(other, full), "a different key block gave the same bits"
 
 
-def test_attention_row_sum_by_dot_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:
-    """`row_sum="mma"`: accurate, decode (split path) rows equal the prefill's at every
-    position tried, and (control) the option is applied: its bits are not tl.sum's."""
-    mma = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "mma"})
-    want = pool.run(0, SEQ, cfg=mma, path="prefill")
+def test_attention_row_sum_by_tl_sum_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:
+    """`row_sum="sum"` (tl.sum, the table before the eighth session) with decode tiles on one
+    warp: accurate, decode (split path) rows equal its prefill's at every position tried, and
+    (control) the option is applied: its bits are not the dot row sum's."""
+    tl_sum = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum", "num_warps_split": 1})
+    want = pool.run(0, SEQ, cfg=tl_sum, path="prefill")
     assert rel_err(want, pool.reference()) < TOL
     for p in range(0, SEQ, 1 if not GPU else 11):
-        assert torch.equal(pool.run(p, 1, cfg=mma, path="split"), want[p : p + 1]), p
-    assert not torch.equal(want, full), "row_sum='mma' gave tl.sum's bits: not applied"
+        assert torch.equal(pool.run(p, 1, cfg=tl_sum, path="split"), want[p : p + 1]), p
+    assert ATTN_CFG.row_sum == "mma"
+    assert not torch.equal(want, full), "row_sum='sum' gave the dot's bits: not applied"
 
 
 @pytest.mark.skipif(not GPU, reason="the interpreter has no warps or MMA layouts")
 def test_attention_decode_tiles_on_any_warp_count_match_prefill(
     pool: Pool, full: torch.Tensor
 ) -> None:
-    """With `row_sum="mma"` the row sum of p is a dot, so decode tiles whose warps split a key
-    block (mma.sync, 16 rows) give the prefill tiles' bits (wgmma, 128 rows on 8 warps)."""
-    mma = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "mma"})
-    want = pool.run(0, SEQ, cfg=mma, path="prefill")
-    assert rel_err(want, pool.reference()) < TOL
+    """The row sum of p is a dot (the table's `row_sum="mma"`), so decode tiles whose warps
+    split a key block (mma.sync, 16 rows) give the prefill tiles' bits (wgmma, 128 rows on 8
+    warps)."""
+    assert ATTN_CFG.row_sum == "mma"
     for warps in (1, 2, 4, 8):
-        cfg = AttentionConfig(**{**mma.__dict__, "num_warps_split": warps})
+        cfg = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": warps})
         for p in (0, 63, 64, 511, 512, 700, SEQ - 1):
-            assert torch.equal(pool.run(p, 1, cfg=cfg, path="split"), want[p : p + 1]), (warps, p)
+            assert torch.equal(pool.run(p, 1, cfg=cfg, path="split"), full[p : p + 1]), (warps, p)
 
 
-def test_attention_negative_control_decode_tile_across_warps_differs(
-    pool: Pool, full: torch.Tensor
-) -> None:
-    """GPU: 16-row decode tiles on 4 warps split each key block across warps, so tl.sum
-    reduces the row sum in another order than the prefill tiles: some rows differ. This is
-    why the table's decode tiles run on one warp. Interpreter: a different split size
-    differs."""
+def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool) -> None:
+    """GPU: with `row_sum="sum"`, 16-row decode tiles on 4 warps split each key block across
+    warps, so tl.sum reduces the row sum in another order than that option's prefill tiles:
+    some rows differ. This is why tl.sum needs decode tiles on one warp, and why the table's
+    row sum is a dot. Interpreter: a different split size differs."""
     if GPU:
-        bad = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": 4})
+        tl_sum = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum"})
+        want = pool.run(0, SEQ, cfg=tl_sum, path="prefill")
+        bad = AttentionConfig(**{**tl_sum.__dict__, "num_warps_split": 4})
     else:
+        want = pool.run(0, SEQ, path="prefill")
         bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
     rows = [pool.run(p, 1, cfg=bad, path="split") for p in range(0, SEQ, 3)]
-    assert not torch.equal(torch.cat(rows), full[0:SEQ:3])
+    assert not torch.equal(torch.cat(rows), want[0:SEQ:3])
+
+
+def test_gpu_kernels_sweep_names_the_table() -> None:
+    """The bench's sweep rows named as the table are the table (the bits table compares
+    every decode config with its row sum's first prefill config)."""
+    from lockstep.bench.gpu_kernels import SWEEP_ATTN_DECODE, SWEEP_ATTN_PREFILL
+    from lockstep.ops.triton.attention import DEFAULT_CONFIG
+
+    assert SWEEP_ATTN_DECODE["r16n64w2s3mma"] == DEFAULT_CONFIG
+    assert SWEEP_ATTN_PREFILL["r128n64w8s3mma"] == DEFAULT_CONFIG
+    assert SWEEP_ATTN_PREFILL["r128n64w8s3"].row_sum == "sum"  # the "sum" rows' prefill base
 
 
 # ------------------------------------------------------------- the decoder, end to end (GPU)

@@ -100,36 +100,44 @@ SWEEP_MM = {
         C(128, 128, 64, 8, 4, tma=True, persistent=True, group_m=16),
     ],
 }
+# Since the eighth session the table (DEFAULT_CONFIG) reduces the row sum as a dot
+# (row_sum="mma") and runs decode tiles on 2 warps: "r128n64w8s3mma" and "r16n64w2s3mma"
+# below. The "sum" rows are the table before it (tl.sum; decode tiles on one warp).
 SWEEP_ATTN_PREFILL = {
-    "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3),
-    "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4),
-    "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3),
+    "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="sum"),
+    "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4, row_sum="sum"),
+    "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3, row_sum="sum"),
     "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
     # Slot ids loaded in the block's own iteration (the table before the sixth session; in
     # gpu_attention_prefill_slots_ahead_h200.json, run before the default changed, this
     # schedule is "r128n64w8s3" and the table's is "r128n64w8s3ahead").
-    "r128n64w8s3plain": AttentionConfig(rows=128, num_warps=8, num_stages=3, slots_ahead=False),
+    "r128n64w8s3plain": AttentionConfig(
+        rows=128, num_warps=8, num_stages=3, slots_ahead=False, row_sum="sum"
+    ),  # fmt: skip
     # Other split sizes (other numerics): timing, and their own decode = prefill check.
     "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
     "r128n64w8s3sp128": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=128),
 }
 # Each decode config's bits are compared with the first prefill config of its row_sum and
 # split size.
+_SUM = {"row_sum": "sum", "num_warps_split": 1}
 SWEEP_ATTN_DECODE = {
-    "r16n64w1s3": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=3),
+    "r16n64w1s3": AttentionConfig(rows_split=16, num_stages_split=3, **_SUM),
     # Slot ids ahead forced on at any grid size (the bits run's 84,000 programs are above
     # the table's residency limit, so the table row runs without) and forced off.
-    "r16n64w1s3ahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30),
-    "r16n64w1s3plain": AttentionConfig(slots_ahead_split=False),
-    "r16n64w1s4": AttentionConfig(rows_split=16, num_warps_split=1, num_stages_split=4),
-    "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, num_stages_split=3),
-    "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4),  # negative control
+    "r16n64w1s3ahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30, **_SUM),
+    "r16n64w1s3plain": AttentionConfig(slots_ahead_split=False, **_SUM),
+    "r16n64w1s4": AttentionConfig(rows_split=16, num_stages_split=4, **_SUM),
+    "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, row_sum="sum"),
+    "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="sum"),  # control
     "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1, row_sum="mma"),
     "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2, row_sum="mma"),
+    "r16n64w2s3mmaahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30, row_sum="mma"),
+    "r16n64w2s3mmaplain": AttentionConfig(slots_ahead_split=False, row_sum="mma"),
     "r16n64w4s3mma": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="mma"),
     "r16n64w8s3mma": AttentionConfig(rows_split=16, num_warps_split=8, row_sum="mma"),
-    "r16n64w1s3sp256": AttentionConfig(rows_split=16, num_warps_split=1, split=256),
-    "r16n64w1s3sp128": AttentionConfig(rows_split=16, num_warps_split=1, split=128),
+    "r16n64w2s3sp256": AttentionConfig(rows_split=16, num_warps_split=2, split=256),
+    "r16n64w2s3sp128": AttentionConfig(rows_split=16, num_warps_split=2, split=128),
 }
 
 

@@ -17,13 +17,13 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
     share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
   * Rows of a tile are (query position, q head of one GQA group) pairs; every op on a row is
-    row-local. The row sum of p (tl.sum over a key block) reduces in an order fixed by the
-    MMA layout, so the two paths use tiles whose rows see a key block the same way: prefill
-    128 rows on 8 warps (wgmma), decode 16 rows on one warp (mma.sync). Measured equal on an
-    H200 with Triton 3.6; 16 rows on 4 warps split a block across warps and differ (a
-    negative-control test). Re-measure on any Triton or hardware change. The alternative,
-    `row_sum="mma"` (p @ ones on the tensor cores, layout-free, any warp count), measured
-    slower overall (AttentionConfig).
+    row-local. The row sum of p over a key block is a tensor-core dot with ones
+    (`row_sum_mma`): one MMA chain per row in k-step order, so prefill tiles (128 rows on 8
+    warps, wgmma) and decode tiles (16 rows on 2 warps, mma.sync) give the same bits whatever
+    their warps (a GPU test over 1-8 decode warps). The alternative, `row_sum="sum"` (tl.sum),
+    reduces in an order fixed by the MMA layout: equal across the two paths only with decode
+    tiles on one warp (measured on an H200 with Triton 3.6; 4 warps differ, the negative
+    control), and measured slower since slot ids ahead (AttentionConfig).
   * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
     cannot contract the shared formulas differently.
 
@@ -60,24 +60,28 @@ class AttentionConfig:
     block_n: int = 64
     split: int = 512
     rows: int = 128  # query rows (position x head) per tile on the prefill path
-    # Decode tiles: 16 rows on ONE warp (mma.sync). A warp then holds whole key blocks of a
-    # row, and tl.sum reduces the row sum in the same order as the prefill's wgmma tiles
-    # (measured: all rows equal in float32); 16 rows on 4 warps split the keys across warps
-    # and differ (the negative control).
+    # Decode tiles: 16 rows (query positions x q heads of one GQA group) on 2
+    # warps. With the dot row sum the warp count is speed only (below).
     rows_split: int = 16
     num_warps: int = 8
-    num_warps_split: int = 1
-    # How the row sum of p over a key block is reduced. "sum": tl.sum, in the order of the
-    # MMA layout (above). "mma": a tensor-core dot with ones (`row_sum_mma`), the same bits
-    # for every tile shape and warp count (GPU test over 1-8 decode warps), but measured on an
-    # H200: prefill 6% slower (16k: 1.109x SDPA), decode at most 15% faster (docs/gpu.md).
-    row_sum: str = "sum"
+    num_warps_split: int = 2
+    # How the row sum of p over a key block is reduced. "mma": a tensor-core dot with ones
+    # (`row_sum_mma`), the same bits for every tile shape and warp count. "sum": tl.sum, in
+    # the order of the MMA layout, so decode tiles must then run on ONE warp (a warp holds
+    # whole key blocks of a row, the order of the prefill's wgmma tiles); 16 rows on 4 warps
+    # split the keys across warps and differ (the negative control). Measured on an H200
+    # (docs/gpu_notes.md, eighth session, run 64), "mma" with 2 decode warps against "sum"
+    # with 1: decode at batch 1, 1k / 8k / 32k keys 18.8 / 23.5 / 47.8 -> 16.4 / 21.7 / 46.2
+    # us, batch 32 and 128 within 0.2% or faster; prefill (run 56) 0.815x / 0.933x / 0.913x
+    # -> 0.808x / 0.905x / 0.893x of SDPA. 4 decode warps: batch 1 at 32k keys 81 us.
+    row_sum: str = "mma"
     num_stages: int = 3
     num_stages_split: int = 3
     # Load the next key block's slot ids before this block's arithmetic (the unmasked loop):
     # the same values, so the same bits. Triton 3.6 then double-buffers K/V, so the next
-    # block's gather runs under this block's arithmetic (offline compile for sm_90: 69,888
-    # bytes of shared memory per decode program instead of 37,120). Measured on an H200
+    # block's gather runs under this block's arithmetic (offline compile for sm_90, the dot
+    # row sum on 2 warps: 71,680 bytes of shared memory per decode program instead of
+    # 39,168; tl.sum on 1 warp: 69,888 instead of 37,120). Measured on an H200
     # (docs/gpu_notes.md, run 50): batch 1, 512 keys 22.1 -> 17.9 us, 8k 31.2 -> 25.8, but
     # slower once programs outnumber what fits (batch 1 at 32k keys, 512 programs: 58.9 ->
     # 66.0), so the split path applies it only while every program is resident
@@ -87,7 +91,7 @@ class AttentionConfig:
     slots_ahead: bool = True
     slots_ahead_split: bool = True
     # The split path's residency rule: ahead only while the launch's grid has at most this
-    # many programs per SM (227 KB of shared memory over 69,888 bytes each fit three). A CUDA
+    # many programs per SM (227 KB of shared memory over 71,680 bytes each fit three). A CUDA
     # graph's grid is sized by its context bucket, so at batch 32 and ~520 keys half of its
     # 1,024 programs have no work and the rule declines; limits of 4 and 8 measured no faster
     # there (graph 5.55 vs 5.54 ms per step; docs/gpu_notes.md, seventh session, run 56).
