@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The next device session's experiment call (~9.5 min; docs/gpu_notes.md, "Seventh session",
-# "For the next device session", has the predictions), prepared after the seventh session's
-# device time was spent. Bits first, then timings:
+# The eighth session's first device call (run 64, 347 s; docs/gpu_notes.md, "Seventh
+# session", "For the next device session", has the predictions, "Eighth session" the
+# outcomes), prepared after the seventh session's device time was spent. Bits first, then
+# timings:
 #   0. the kernel tests added after the device time, on the GPU for the first time
 #   1. the engine property suite on the merge as committed (stages capped at the wave's
 #      partials; the seventh session's full run predates the cap)
