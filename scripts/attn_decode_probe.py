@@ -5,9 +5,10 @@ one key block walked by one program.
     python scripts/attn_decode_probe.py [--variants s5=num_stages_split:5 ...] [--batches 1,8]
         [--kernels]   (each kernel's share of a replay: the split kernel vs the merge)
 
-A variant is NAME=field:value[,field:value] over AttentionConfig's fields; the production
-config is always timed first. Variants that change block_n or split change the bits (timing
-only).
+A variant is NAME=field:value[,field:value] over AttentionConfig's fields, plus `path:prefill`
+to force the prefill path (all splits folded in-kernel, no merge; with `rows:16,num_warps:2`
+it runs the decode's tile shape); the production config is always timed first (the split
+path). Variants that change block_n or split change the bits (timing only).
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def main() -> None:
     kc = torch.randn(cache_tokens, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn_like(kc)
     configs = {"prod": DEFAULT_CONFIG}
+    paths = {"prod": "split"}
     for text in args.variants:
         name, fields = parse_variant(text)
+        paths[name] = fields.pop("path", "split")
         configs[name] = replace(DEFAULT_CONFIG, **fields)
     print("configs:", {k: v for k, v in configs.items()}, flush=True)
     for batch in map(int, args.batches.split(",")):
@@ -87,7 +90,7 @@ def main() -> None:
             q = torch.randn(batch, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
             line = f"B {batch:2d} ctx {ctx:6d}:"
             for name, cfg in configs.items():
-                fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, "split")
+                fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, paths[name])
                 line += f"  {name} {graph_ms(fn) * 1e3:7.1f}"
                 if args.kernels:
                     line += f" [{kernel_split(fn)}]"

@@ -14,8 +14,9 @@ Variants (each captured and timed in turn, logits compared bit for bit with the 
   projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
   instead of the table's; attn_stages=N, attn_ahead=0|1, attn_ahead_per_sm=N: the decode
   attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm;
-  merge_cols=N, merge_warps=N: the merge's column chunk and warps. None of these changes a
-  bit (the logits check says so again). attn_row_sum=mma|sum, attn_warps=N: the row sum's
+  merge_cols=N, merge_warps=N: the merge's column chunk and warps; attn_fold=N: the
+  decode path's fold_programs_per_sm (a large N keeps multi-split decodes on the split
+  path). None of these changes a bit (the logits check says so again). attn_row_sum=mma|sum, attn_warps=N: the row sum's
   reduction and the decode tile's warps; row_sum is numerics (its logits differ), and warps
   other than 1 keep the bits only with row_sum=mma (AttentionConfig).
 JSON on the last line.
@@ -47,6 +48,7 @@ ATTENTION_KEYS = {
     "merge_warps": "merge_warps",
     "attn_warps": "num_warps_split",
     "attn_row_sum": "row_sum",
+    "attn_fold": "fold_programs_per_sm",
 }
 WORD_VALUES = {"attn_row_sum": ("mma", "sum")}
 

@@ -434,7 +434,7 @@ def test_attention_matches_reference(pool: Pool, full: torch.Tensor) -> None:
     assert rel_err(full, pool.reference()) < TOL
 
 
-@pytest.mark.parametrize("path", ["prefill", "split"])
+@pytest.mark.parametrize("path", ["prefill", "fold", "split"])
 def test_attention_random_chunkings_match_full_prefill(
     pool: Pool, full: torch.Tensor, path: str
 ) -> None:
@@ -457,14 +457,17 @@ def test_attention_extend_at_every_prefix_offset(pool: Pool, full: torch.Tensor)
         offsets = list(range(SEQ))
     for p in offsets:
         n = min(SEQ - p, 1 + p % 19)
-        path = "split" if p % 2 else "prefill"
+        path = ("prefill", "split", "fold")[p % 3]
         assert torch.equal(pool.run(p, n, path=path), full[p : p + n]), (p, n, path)
 
 
 def test_attention_one_row_decode_matches_prefill(pool: Pool, full: torch.Tensor) -> None:
+    """One-row decodes on the path the wrapper picks (fold within the first split, else the
+    split path here) and on each decode path forced."""
     positions = range(SEQ) if not GPU else range(0, SEQ, 7)
     for p in positions:
-        assert torch.equal(pool.run(p, 1), full[p : p + 1]), p
+        for path in (None, "fold", "split"):
+            assert torch.equal(pool.run(p, 1, path=path), full[p : p + 1]), (p, path)
 
 
 def test_attention_batch_mates_do_not_matter(pool: Pool, full: torch.Tensor) -> None:
@@ -477,7 +480,7 @@ def test_attention_batch_mates_do_not_matter(pool: Pool, full: torch.Tensor) -> 
         rng.shuffle(mates)
         p = rng.randrange(SEQ)
         n = rng.randint(1, SEQ - p)
-        path = ("prefill", "split")[trial % 2]
+        path = ("prefill", "split", "fold")[trial % 3]
         assert torch.equal(pool.run(p, n, mates, path=path), full[p : p + n]), (trial, p, n)
 
 
@@ -594,9 +597,9 @@ def test_attention_64_bit_gather_offsets_give_the_same_bits(
     assert attention.needs_wide_offsets(torch.empty(2**21 + 1, 8, 128, device="meta"))
     asked = []
     monkeypatch.setattr(attention, "needs_wide_offsets", lambda cache: asked.append(1) or True)
-    for path in ("prefill", "split"):
+    for path in ("prefill", "fold", "split"):
         assert torch.equal(pool.run(SEQ - 3, 3, path=path), full[SEQ - 3 :]), path
-    assert len(asked) == 2  # both launches took the forced 64-bit flag: the test is not blind
+    assert len(asked) == 3  # every launch took the forced 64-bit flag: the test is not blind
 
 
 class _LaunchSpy:
@@ -637,7 +640,7 @@ def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
     for p in range(0, SEQ, 1 if not GPU else 13):
         n = min(SEQ - p, 1 + p % 5)
         for cfg in (ahead, plain):
-            for path in ("prefill", "split"):
+            for path in ("prefill", "fold", "split"):
                 got = pool.run(p, n, cfg=cfg, path=path)
                 assert torch.equal(got, want[p : p + n]), (p, path, cfg.slots_ahead)
     assert spy.seen == {(False, True), (True, True), (False, False), (True, False)}, spy.seen
@@ -662,6 +665,51 @@ def test_split_slots_ahead_only_while_every_program_is_resident(
     assert not attention.split_slots_ahead(wider, 8 * 132 + 1, cuda)
     off = AttentionConfig(slots_ahead_split=False)
     assert not attention.split_slots_ahead(off, 1, cuda)
+
+
+def test_decode_path_folds_in_kernel_when_the_programs_fill_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode-shaped calls fold their splits in-kernel when every sequence fits one split,
+    or on CUDA when the fold's programs number `fold_programs_per_sm` per SM (1.5 in the
+    table); otherwise they take the split path. The interpreter keeps the split path for
+    more than one split."""
+    from lockstep.ops.triton import attention
+
+    cfg = AttentionConfig()
+    assert cfg.fold_programs_per_sm == 1.5
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert attention.decode_path(cfg, 1, cfg.split, cpu) == "fold"
+    assert attention.decode_path(cfg, 10**6, cfg.split + 1, cpu) == "split"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(attention, "num_sms", lambda device: 132)
+    assert attention.decode_path(cfg, 8, cfg.split, cuda) == "fold"  # batch 1, one split
+    assert attention.decode_path(cfg, 8, cfg.split + 1, cuda) == "split"  # batch 1
+    assert attention.decode_path(cfg, 197, 32768, cuda) == "split"  # batch 24 at Hkv 8: 192
+    assert attention.decode_path(cfg, 198, 32768, cuda) == "fold"  # 1.5 x 132
+    assert attention.decode_path(cfg, 256, 1024, cuda) == "fold"  # batch 32
+    never = AttentionConfig(fold_programs_per_sm=math.inf)
+    assert attention.decode_path(never, 10**6, 1024, cuda) == "split"
+    with pytest.raises(ValueError, match="fold_programs_per_sm"):
+        AttentionConfig(fold_programs_per_sm=0)
+
+
+def test_unforced_decode_calls_take_the_path_decode_path_picks(
+    pool: Pool, full: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper follows `decode_path`: a one-row decode within the first split folds
+    in-kernel (no partials written), one past it takes the split path (here, the
+    interpreter), and both give the prefill's bits."""
+    from lockstep.ops.triton import attention
+
+    spy = _LaunchSpy(attention._attn_fwd, ("WRITE_PARTIALS",))
+    monkeypatch.setattr(attention, "_attn_fwd", spy)
+    early, late = ATTN_CFG.split - 1, SEQ - 1
+    assert late >= ATTN_CFG.split
+    assert torch.equal(pool.run(early, 1), full[early : early + 1])
+    assert spy.seen == {(False,)}, spy.seen
+    assert torch.equal(pool.run(late, 1), full[late:])
+    assert spy.seen == {(False,), (True,)}, spy.seen
 
 
 def test_attention_negative_control_other_key_block_differs(pool: Pool, full: torch.Tensor) -> None:
@@ -694,7 +742,9 @@ def test_attention_decode_tiles_on_any_warp_count_match_prefill(
     for warps in (1, 2, 4, 8):
         cfg = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": warps})
         for p in (0, 63, 64, 511, 512, 700, SEQ - 1):
-            assert torch.equal(pool.run(p, 1, cfg=cfg, path="split"), full[p : p + 1]), (warps, p)
+            for path in ("fold", "split"):
+                got = pool.run(p, 1, cfg=cfg, path=path)
+                assert torch.equal(got, full[p : p + 1]), (warps, p, path)
 
 
 def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool) -> None:

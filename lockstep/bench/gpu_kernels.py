@@ -25,7 +25,12 @@ import torch.nn.functional as F
 
 from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton import matmul as mm
-from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+from lockstep.ops.triton.attention import (
+    DEFAULT_CONFIG,
+    AttentionConfig,
+    decode_path,
+    paged_attention,
+)
 
 SHAPES = {  # name: (N, K), Qwen3-8B
     "qkv": (6144, 4096),
@@ -282,6 +287,11 @@ def run_attention_bits(log) -> dict:
     dmeta = build_attention_meta([1] * length, list(range(length)), [slots] * length).to("cuda")
     runs = {f"prefill:{n}": (c, "prefill", meta) for n, c in SWEEP_ATTN_PREFILL.items()}
     runs |= {f"decode:{n}": (c, "split", dmeta) for n, c in SWEEP_ATTN_DECODE.items()}
+    # The decode tiles with the splits folded in-kernel (the path a full GPU of programs
+    # takes): the table's config, with slot ids ahead forced on (this run's 16,800 programs
+    # are above the residency limit), and tl.sum's one-warp tiles.
+    runs |= {f"fold:{n}": (SWEEP_ATTN_DECODE[n], "fold", dmeta)
+             for n in ("r16n64w2s3mma", "r16n64w2s3mmaahead", "r16n64w1s3")}  # fmt: skip
     outs = {name: paged_attention(q, k, v, m, HD**-0.5, cfg, path, f32)
             for name, (cfg, path, m) in runs.items()}  # fmt: skip
     configs = {name: cfg for name, (cfg, _, _) in runs.items()}
@@ -353,14 +363,18 @@ def run_decode(sweep: bool, bandwidth: float, log) -> list[dict]:
             kv_bytes = 2 * batch * ctx * HKV * HD * 2
             floor_ms = kv_bytes / (bandwidth * 1e12) * 1e3  # copy rate counts read+write bytes
             for name, cfg in cfgs.items():
-                fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg, "split")
+                # The wrapper's own choice of path (fold or split, `decode_path`), as in the
+                # engine; the record names it.
+                hkv = kc.shape[1]
+                path = decode_path(cfg, batch * hkv, ctx, kc.device)
+                fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg)
                 t_eager = bench_ms(fn)
                 t = graph_ms(fn)
-                rec = {"batch": batch, "ctx": ctx, "cfg": name, "graph_ms": t,
+                rec = {"batch": batch, "ctx": ctx, "cfg": name, "path": path, "graph_ms": t,
                        "eager_ms": t_eager, "floor_ms": floor_ms, "floor_frac": floor_ms / t}  # fmt: skip
                 rows.append(rec)
-                log(f"decode B={batch:3d} ctx={ctx:6d} {name:11s} graph {t * 1e3:8.1f} us  eager "
-                    f"{t_eager * 1e3:8.1f} us  floor {floor_ms * 1e3:8.1f} us  "
+                log(f"decode B={batch:3d} ctx={ctx:6d} {name:11s} {path:5s} graph {t * 1e3:8.1f} "
+                    f"us  eager {t_eager * 1e3:8.1f} us  floor {floor_ms * 1e3:8.1f} us  "
                     f"{rec['floor_frac']:.2f} of floor")  # fmt: skip
     return rows
 

@@ -104,7 +104,18 @@ class AttentionConfig:
     merge_cols: int = 32
     merge_warps: int = 1
     merge_stages: int = 8
-    split_path_max_q: int = 4  # calls whose longest chunk is this short take the split path
+    # Calls whose longest chunk has at most split_path_max_q queries (decode, short extends)
+    # run decode tiles (rows_split, num_warps_split) on one of two paths (`decode_path`):
+    # "fold", one program per (tile, sequence x kv head) folding its splits in-kernel like the
+    # prefill path (no workspace, no merge), when every sequence fits one split or the
+    # programs number at least fold_programs_per_sm per SM; else "split", one program per
+    # split, partials merged by `_attn_merge`, which spreads a long context over the SMs.
+    # Speed only. Measured on an H200 (docs/gpu_notes.md, eighth session, runs 70-71), fold
+    # against split: batch 32 (256 programs, 1.9 per SM) at 1k / 8k / 32k keys 42.5 / 271.2 /
+    # 1039.4 -> 40.3 / 252.8 / 970.1 us; batch 24 (1.45 per SM) even; batch 16 (0.97 per SM)
+    # slower from 1k keys (25.2 -> 28.8 us); batch 1-24 at 512 keys (one split) 2-8% faster.
+    split_path_max_q: int = 4
+    fold_programs_per_sm: float = 1.5
     workspace_bytes: int = 256 << 20
     # Multiply-add contraction; off so that the shared formulas cannot be contracted
     # differently in the two kernels (only a benchmark switch).
@@ -122,6 +133,9 @@ class AttentionConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
+        if not self.fold_programs_per_sm > 0:
+            raise ValueError(f"fold_programs_per_sm={self.fold_programs_per_sm} must be > 0 "
+                             "(math.inf keeps every multi-split decode on the split path)")  # fmt: skip
         if self.merge_stages < 1:
             raise ValueError(f"merge_stages={self.merge_stages} must be >= 1")
         if self.workspace_bytes >= 2**33:  # the merge addresses partials with 32-bit offsets
@@ -472,6 +486,19 @@ def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.devi
     return programs <= config.slots_ahead_programs_per_sm * num_sms(device)
 
 
+def decode_path(config: AttentionConfig, programs: int, max_kv: int, device: torch.device) -> str:
+    """The path of a call whose chunks are all short (max_q <= split_path_max_q), given its
+    fold-path programs (tiles x sequences x kv heads) and longest context: "fold" when every
+    sequence fits one split (the merge would only copy) or the programs fill
+    `fold_programs_per_sm` per SM, else "split". The interpreter has no SMs: there only the
+    one-split case folds. Speed only: all paths give the same bits."""
+    if max_kv <= config.split:
+        return "fold"
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "split"
+    return "fold" if programs >= config.fold_programs_per_sm * num_sms(device) else "split"
+
+
 def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
     opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device)}
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -490,9 +517,12 @@ def paged_attention(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged caches (see `lockstep.ops.base`).
-    The path (prefill or split) is chosen by T for speed only: both give the same bits.
-    `force_path` ("prefill" | "split") and `out_dtype` (float32 shows every bit of the
-    float32 result) exist for tests and benchmarks."""
+    The path is chosen for speed only, all three give the same bits: "prefill" (prefill
+    tiles, splits folded in-kernel) for calls with a longer chunk than
+    `config.split_path_max_q`, else decode tiles on "fold" (splits folded in-kernel) or
+    "split" (one program per split, then the merge), by `decode_path`. `force_path` and
+    `out_dtype` (float32 shows every bit of the float32 result) exist for tests and
+    benchmarks."""
     _check(q, k_cache, v_cache)
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -502,9 +532,15 @@ def paged_attention(
     if t == 0 or b == 0:
         return out
     qk_scale = float(scale) * LOG2E
-    path = force_path or ("split" if meta.max_q <= config.split_path_max_q else "prefill")
-    if path not in ("prefill", "split"):
-        raise ValueError(f"force_path={force_path!r} is invalid: expected prefill or split")
+    if force_path not in (None, "prefill", "fold", "split"):
+        raise ValueError(f"force_path={force_path!r} is invalid: expected prefill, fold or split")
+    if force_path:
+        path = force_path
+    elif meta.max_q > config.split_path_max_q:
+        path = "prefill"
+    else:
+        decode_tiles = triton.cdiv(meta.max_q * g, config.rows_split)
+        path = decode_path(config, decode_tiles * b * hkv, meta.max_kv, q.device)
     rows = config.rows if path == "prefill" else config.rows_split
     n_tiles = triton.cdiv(meta.max_q * g, rows)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
@@ -514,13 +550,19 @@ def paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0),
         out.stride(1),
     )  # fmt: skip
-    if path == "prefill":
+    if path in ("prefill", "fold"):
+        if path == "prefill":
+            ahead = config.slots_ahead
+            opts = _launch_opts(config.num_warps, config.num_stages, fusion, q.device)
+        else:  # decode tiles: the split path's warps, stages and residency rule
+            ahead = split_slots_ahead(config, n_tiles * b * hkv, q.device)
+            opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion,
+                                q.device)  # fmt: skip
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
             WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            SLOTS_AHEAD=config.slots_ahead,
-            **_launch_opts(config.num_warps, config.num_stages, fusion, q.device),
+            SLOTS_AHEAD=ahead, **opts,
         )  # fmt: skip
         return out
     r = t * hq
