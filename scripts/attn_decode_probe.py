@@ -66,9 +66,16 @@ def main() -> None:
         action="store_true",
         help="also print each kernel's share of one replay (split vs merge)",
     )
+    ap.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=32 * 32768 + 64,
+        help="the K/V caches' tokens; above 2**21 (Hkv 8, D 128) the kernels take their "
+        "64-bit offset path, as in the decode table of lockstep.bench.gpu_kernels",
+    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cache_tokens = 32 * 32768 + 64
+    cache_tokens = args.cache_tokens
     kc = torch.randn(cache_tokens, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn_like(kc)
     configs = {"prod": DEFAULT_CONFIG}
