@@ -5,10 +5,11 @@ one key block walked by one program.
     python scripts/attn_decode_probe.py [--variants s5=num_stages_split:5 ...] [--batches 1,8]
         [--kernels]   (each kernel's share of a replay: the split kernel vs the merge)
 
-A variant is NAME=field:value[,field:value] over AttentionConfig's fields, plus `path:prefill`
-to force the prefill path (all splits folded in-kernel, no merge; with `rows:16,num_warps:2`
-it runs the decode's tile shape); the production config is always timed first (the split
-path). Variants that change block_n or split change the bits (timing only).
+A variant is NAME=field:value[,field:value] over AttentionConfig's fields, plus
+`path:split|fold|prefill` to force a path (otherwise the wrapper picks fold or split,
+`decode_path`); the production config is always timed first, on the wrapper's path. (Runs
+70-71 forced `path:prefill,rows:16,num_warps:2`, the fold path before it had a name, and
+timed the production config on the split path.) Variants that change block_n or split change the bits (timing only).
 """
 
 from __future__ import annotations
@@ -79,10 +80,10 @@ def main() -> None:
     kc = torch.randn(cache_tokens, HKV, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn_like(kc)
     configs = {"prod": DEFAULT_CONFIG}
-    paths = {"prod": "split"}
+    paths = {"prod": None}  # the wrapper's own choice (fold or split, `decode_path`)
     for text in args.variants:
         name, fields = parse_variant(text)
-        paths[name] = fields.pop("path", "split")
+        paths[name] = fields.pop("path", None)
         configs[name] = replace(DEFAULT_CONFIG, **fields)
     print("configs:", {k: v for k, v in configs.items()}, flush=True)
     for batch in map(int, args.batches.split(",")):
