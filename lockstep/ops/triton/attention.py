@@ -11,8 +11,10 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     splits of SPLIT keys at absolute positions 0, S, 2S, ...; each split starts a fresh
     online-softmax state (max, sum, acc).
   * Split partials are folded in ascending split order by `merge_partials`, the ONE
-    `@triton.jit` merge routine: in-kernel by the prefill path (`_attn_fwd`, WRITE_PARTIALS=0)
-    and in a second kernel by the split path (`_attn_merge`), so both compute the same sum.
+    `@triton.jit` merge routine: in-kernel by the prefill and fold paths (`_attn_fwd`,
+    WRITE_PARTIALS=0; prefill tiles, or decode tiles when a decode's programs fill the GPU,
+    `decode_path`) and in a second kernel by the split path (`_attn_merge`), so all three
+    compute the same sum.
   * A block or split that is entirely in a row's causal future is an exact identity on that
     row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
     share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
@@ -32,7 +34,7 @@ Workspace of the split path (float32), bounded by batch and wave size, never by 
     running state (several waves only): T * Hq * (D + 2 * D / min(merge_cols, D)) * 4 bytes,
 with WAVE = min(splits of the longest sequence, max(1, WORKSPACE_BYTES // (T*Hq*(D+2)*4))).
 Contexts longer than WAVE * SPLIT run as several waves that fold into the running state in the
-same ascending order. The prefill path needs no workspace at all.
+same ascending order. The prefill and fold paths need no workspace at all.
 """
 
 from __future__ import annotations
