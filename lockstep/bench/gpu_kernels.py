@@ -118,7 +118,7 @@ SWEEP_ATTN_PREFILL = {
     # schedule is "r128n64w8s3" and the table's is "r128n64w8s3ahead").
     "r128n64w8s3plain": AttentionConfig(
         rows=128, num_warps=8, num_stages=3, slots_ahead=False, row_sum="sum"
-    ),  # fmt: skip
+    ),
     # Other split sizes (other numerics): timing, and their own decode = prefill check.
     "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
     "r128n64w8s3sp128": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=128),
