@@ -9,7 +9,8 @@ A variant is NAME=field:value[,field:value] over AttentionConfig's fields, plus
 `path:split|fold|prefill` to force a path (otherwise the wrapper picks fold or split,
 `decode_path`); the production config is always timed first, on the wrapper's path. (Runs
 70-71 forced `path:prefill,rows:16,num_warps:2`, the fold path before it had a name, and
-timed the production config on the split path.) Variants that change block_n or split change the bits (timing only).
+timed the production config on the split path.) Variants that change block_n or split
+change the bits (timing only).
 """
 
 from __future__ import annotations
@@ -26,11 +27,21 @@ from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
 
 
+def parse_value(text: str) -> int | float | str:
+    """An integer, a float (fold_programs_per_sm:1.5) or a word (row_sum:mma)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
-    """NAME=field:value[,field:value]; values are integers, or words (row_sum:mma)."""
+    """NAME=field:value[,field:value] (values: `parse_value`)."""
     name, _, fields = text.partition("=")
     pairs = (f.split(":") for f in fields.split(","))
-    return name, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
+    return name, {k: parse_value(v) for k, v in pairs}
 
 
 def kernel_split(fn) -> str:

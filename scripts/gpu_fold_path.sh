@@ -13,8 +13,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name --format=csv,noheader
 echo "== attention kernel tests"
-timeout 150 python3 -m pytest -q tests/test_ops_triton.py -k "attention or decode_path or unforced" \
-  -p no:cacheprovider 2>&1 | tee "$OUT/attention_tests.log" | tail -2 || status=1
+timeout 150 python3 -m pytest -q tests/test_ops_triton.py \
+  -k "attention or decode_path or unforced" -p no:cacheprovider 2>&1 \
+  | tee "$OUT/attention_tests.log" | tail -2 || status=1
 echo "== bits table"
 timeout 80 python3 -m lockstep.bench.gpu_kernels --sweep --only bits \
   --out "$OUT/gpu_attention_bits_fold_h200.json" 2>&1 | grep "^bits" || status=1

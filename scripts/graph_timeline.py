@@ -14,11 +14,12 @@ Variants (each captured and timed in turn, logits compared bit for bit with the 
   projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
   instead of the table's; attn_stages=N, attn_ahead=0|1, attn_ahead_per_sm=N: the decode
   attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm;
-  merge_cols=N, merge_warps=N: the merge's column chunk and warps; attn_fold=N: the
-  decode path's fold_programs_per_sm (a large N keeps multi-split decodes on the split
-  path). None of these changes a bit (the logits check says so again). attn_row_sum=mma|sum, attn_warps=N: the row sum's
-  reduction and the decode tile's warps; row_sum is numerics (its logits differ), and warps
-  other than 1 keep the bits only with row_sum=mma (AttentionConfig).
+  merge_cols=N, merge_warps=N: the merge's column chunk and warps; attn_fold=X: the
+  decode path's fold_programs_per_sm (a number; a large one keeps multi-split decodes on
+  the split path). None of these changes a bit (the logits check says so again).
+  attn_row_sum=mma|sum, attn_warps=N: the row sum's reduction and the decode tile's warps;
+  row_sum is numerics (its logits differ), and with sum the config requires attn_warps=1
+  (AttentionConfig: tl.sum keeps the bits only on one warp per 16 rows).
 JSON on the last line.
 """
 
@@ -51,6 +52,7 @@ ATTENTION_KEYS = {
     "attn_fold": "fold_programs_per_sm",
 }
 WORD_VALUES = {"attn_row_sum": ("mma", "sum")}
+FLOAT_KEYS = {"attn_fold"}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -66,6 +68,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
         elif key in WORD_VALUES:
             if value not in WORD_VALUES[key]:
                 raise SystemExit(f"{key}={value!r} in {text!r}: want one of {WORD_VALUES[key]}")
+        elif key in FLOAT_KEYS:
+            try:
+                float(value)
+            except ValueError:
+                raise SystemExit(f"{key}={value!r} in {text!r}: want a number") from None
         elif not value.isdigit():
             raise SystemExit(f"{key}={value!r} in {text!r}: want a non-negative integer")
         opts[key] = value
@@ -96,7 +103,7 @@ def apply_variant(decoder, opts: dict) -> None:
     shapes = {name: tuple(getattr(w, name).shape) for name in LAYER_MATMULS}
     overrides = {shapes[p]: parse_config(c) for p, c in opts.items() if p in LAYER_MATMULS}
     fields = {
-        ATTENTION_KEYS[k]: v if k in WORD_VALUES else int(v)
+        ATTENTION_KEYS[k]: v if k in WORD_VALUES else float(v) if k in FLOAT_KEYS else int(v)
         for k, v in opts.items()
         if k in ATTENTION_KEYS
     }

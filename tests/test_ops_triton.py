@@ -603,16 +603,18 @@ def test_attention_64_bit_gather_offsets_give_the_same_bits(
 
 
 class _LaunchSpy:
-    """Stands in for a @triton.jit kernel: records the named constexprs of every launch."""
+    """Stands in for a @triton.jit kernel: records the named keyword arguments of every launch
+    (constexprs and launch options), as booleans unless `raw`."""
 
-    def __init__(self, kernel, names: tuple[str, ...]) -> None:
-        self.kernel, self.names, self.seen = kernel, names, set()
+    def __init__(self, kernel, names: tuple[str, ...], raw: bool = False) -> None:
+        self.kernel, self.names, self.raw, self.seen = kernel, names, raw, set()
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            self.seen.add(tuple(bool(kwargs[n]) for n in self.names))
+            values = (kwargs[n] for n in self.names)
+            self.seen.add(tuple(values) if self.raw else tuple(bool(v) for v in values))
             return launch(*args, **kwargs)
 
         return run
@@ -685,7 +687,7 @@ def test_decode_path_folds_in_kernel_when_the_programs_fill_the_gpu(
     monkeypatch.setattr(attention, "num_sms", lambda device: 132)
     assert attention.decode_path(cfg, 8, cfg.split, cuda) == "fold"  # batch 1, one split
     assert attention.decode_path(cfg, 8, cfg.split + 1, cuda) == "split"  # batch 1
-    assert attention.decode_path(cfg, 197, 32768, cuda) == "split"  # batch 24 at Hkv 8: 192
+    assert attention.decode_path(cfg, 197, 32768, cuda) == "split"  # just below 1.5 x 132
     assert attention.decode_path(cfg, 198, 32768, cuda) == "fold"  # 1.5 x 132
     assert attention.decode_path(cfg, 256, 1024, cuda) == "fold"  # batch 32
     never = AttentionConfig(fold_programs_per_sm=math.inf)
@@ -697,19 +699,51 @@ def test_decode_path_folds_in_kernel_when_the_programs_fill_the_gpu(
 def test_unforced_decode_calls_take_the_path_decode_path_picks(
     pool: Pool, full: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The wrapper follows `decode_path`: a one-row decode within the first split folds
-    in-kernel (no partials written), one past it takes the split path (here, the
-    interpreter), and both give the prefill's bits."""
+    """The wrapper follows `decode_path` with the fold's program count (decode tiles x
+    sequences x kv heads, batch-mates included): a one-row decode within the first split
+    folds in-kernel on DECODE tiles (rows_split, num_warps_split, num_stages_split; no
+    partials written), one past it takes the split path (one-sequence calls never fill the
+    GPU's SMs), and every call gives the prefill's bits."""
     from lockstep.ops.triton import attention
 
-    spy = _LaunchSpy(attention._attn_fwd, ("WRITE_PARTIALS",))
+    names = ("WRITE_PARTIALS", "ROWS", "num_warps", "num_stages")
+    spy = _LaunchSpy(attention._attn_fwd, names, raw=True)
     monkeypatch.setattr(attention, "_attn_fwd", spy)
-    early, late = ATTN_CFG.split - 1, SEQ - 1
-    assert late >= ATTN_CFG.split
+    asked = []
+    rule = attention.decode_path
+    monkeypatch.setattr(attention, "decode_path", lambda c, programs, max_kv, device: (
+        asked.append((programs, max_kv)) or rule(c, programs, max_kv, device)))  # fmt: skip
+    cfg = ATTN_CFG
+    decode_tiles = (0, cfg.rows_split, cfg.num_warps_split, cfg.num_stages_split)
+    early, late = cfg.split - 1, SEQ - 1
+    assert late >= cfg.split
     assert torch.equal(pool.run(early, 1), full[early : early + 1])
-    assert spy.seen == {(False,)}, spy.seen
+    assert spy.seen == {decode_tiles}, spy.seen
+    assert asked == [(HKV * math.ceil(GROUP / cfg.rows_split), early + 1)], asked
     assert torch.equal(pool.run(late, 1), full[late:])
-    assert spy.seen == {(False,), (True,)}, spy.seen
+    assert spy.seen == {decode_tiles, (1, *decode_tiles[1:])}, spy.seen
+    # Batch-mates, one of 9 queries (short chunks up to 16 here): 2 decode tiles per
+    # sequence (9 x G rows > 16), times 3 sequences x Hkv.
+    asked.clear()
+    wide = AttentionConfig(**{**cfg.__dict__, "split_path_max_q": 16})
+    first = next(i for i, n in enumerate(pool.mate_lens) if n >= 9)
+    mates = [(first, 0, 9), ((first + 1) % len(pool.mate_lens), 0, 1)]
+    assert torch.equal(pool.run(late, 1, mates, cfg=wide), full[late:])
+    tiles = math.ceil(9 * GROUP / cfg.rows_split)
+    assert tiles > 1 and asked == [(3 * HKV * tiles, SEQ)], asked
+
+
+def test_attention_fold_and_split_paths_with_other_group_sizes() -> None:
+    """3 and 7 q heads per kv head: a 16-row decode tile ends inside a position's heads, and
+    extends of up to 4 queries span two tiles. Every decode path gives the prefill's bits."""
+    for seed, group in ((104, 3), (105, 7)):
+        p = Pool(seed=seed, mates=1, group=group)
+        want = p.run(0, SEQ, path="prefill")
+        for start in range(0, SEQ, 1 if not GPU else 37):
+            n = min(SEQ - start, 1 + start % 4)
+            for path in ("fold", "split"):
+                got = p.run(start, n, path=path)
+                assert torch.equal(got, want[start : start + n]), (group, start, n, path)
 
 
 def test_attention_negative_control_other_key_block_differs(pool: Pool, full: torch.Tensor) -> None:
@@ -747,20 +781,33 @@ def test_attention_decode_tiles_on_any_warp_count_match_prefill(
                 assert torch.equal(got, full[p : p + 1]), (warps, p, path)
 
 
-def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool) -> None:
+@pytest.mark.parametrize("path", ["fold", "split"])
+def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool, path: str) -> None:
     """GPU: with `row_sum="sum"`, 16-row decode tiles on 4 warps split each key block across
     warps, so tl.sum reduces the row sum in another order than that option's prefill tiles:
-    some rows differ. This is why tl.sum needs decode tiles on one warp, and why the table's
-    row sum is a dot. Interpreter: a different split size differs."""
+    some rows differ, on both decode paths. This is why tl.sum needs decode tiles on one
+    warp (the config refuses others unless `negative_control`), and why the table's row sum
+    is a dot. Interpreter: a different split size differs."""
     if GPU:
-        tl_sum = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum"})
+        tl_sum = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum", "num_warps_split": 1})
         want = pool.run(0, SEQ, cfg=tl_sum, path="prefill")
-        bad = AttentionConfig(**{**tl_sum.__dict__, "num_warps_split": 4})
+        bad = AttentionConfig(**{**tl_sum.__dict__, "num_warps_split": 4, "negative_control": True})
     else:
         want = pool.run(0, SEQ, path="prefill")
         bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
-    rows = [pool.run(p, 1, cfg=bad, path="split") for p in range(0, SEQ, 3)]
+    rows = [pool.run(p, 1, cfg=bad, path=path) for p in range(0, SEQ, 3)]
     assert not torch.equal(torch.cat(rows), want[0:SEQ:3])
+
+
+def test_tl_sum_decode_tiles_must_keep_one_warp_per_16_rows() -> None:
+    """The config refuses tl.sum decode tiles whose warps would split a key block (the
+    negative control's configuration) unless asked for one; the dot row sum takes any."""
+    with pytest.raises(ValueError, match="row_sum='sum'"):
+        AttentionConfig(row_sum="sum")  # the table's 2 decode warps
+    AttentionConfig(row_sum="sum", num_warps_split=1)
+    AttentionConfig(row_sum="sum", rows_split=64, num_warps_split=4)
+    AttentionConfig(row_sum="sum", num_warps_split=4, negative_control=True)
+    AttentionConfig(row_sum="mma", num_warps_split=8)
 
 
 def test_gpu_kernels_sweep_names_the_table() -> None:

@@ -28,7 +28,7 @@ from lockstep.ops.triton import matmul as mm
 from lockstep.ops.triton.attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
-    decode_path,
+    attention_path,
     paged_attention,
 )
 
@@ -108,16 +108,17 @@ SWEEP_MM = {
 # Since the eighth session the table (DEFAULT_CONFIG) reduces the row sum as a dot
 # (row_sum="mma") and runs decode tiles on 2 warps: "r128n64w8s3mma" and "r16n64w2s3mma"
 # below. The "sum" rows are the table before it (tl.sum; decode tiles on one warp).
+_SUM = {"row_sum": "sum", "num_warps_split": 1}
 SWEEP_ATTN_PREFILL = {
-    "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="sum"),
-    "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4, row_sum="sum"),
-    "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3, row_sum="sum"),
+    "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3, **_SUM),
+    "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4, **_SUM),
+    "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3, **_SUM),
     "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
     # Slot ids loaded in the block's own iteration (the table before the sixth session; in
     # gpu_attention_prefill_slots_ahead_h200.json, run before the default changed, this
     # schedule is "r128n64w8s3" and the table's is "r128n64w8s3ahead").
     "r128n64w8s3plain": AttentionConfig(
-        rows=128, num_warps=8, num_stages=3, slots_ahead=False, row_sum="sum"
+        rows=128, num_warps=8, num_stages=3, slots_ahead=False, **_SUM
     ),
     # Other split sizes (other numerics): timing, and their own decode = prefill check.
     "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
@@ -125,7 +126,6 @@ SWEEP_ATTN_PREFILL = {
 }
 # Each decode config's bits are compared with the first prefill config of its row_sum and
 # split size.
-_SUM = {"row_sum": "sum", "num_warps_split": 1}
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_stages_split=3, **_SUM),
     # Slot ids ahead forced on at any grid size (the bits run's 84,000 programs are above
@@ -134,7 +134,9 @@ SWEEP_ATTN_DECODE = {
     "r16n64w1s3plain": AttentionConfig(slots_ahead_split=False, **_SUM),
     "r16n64w1s4": AttentionConfig(rows_split=16, num_stages_split=4, **_SUM),
     "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, row_sum="sum"),
-    "r16n64w4": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="sum"),  # control
+    "r16n64w4": AttentionConfig(  # the negative control: tl.sum on 16 rows x 4 warps
+        rows_split=16, num_warps_split=4, row_sum="sum", negative_control=True
+    ),
     "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1, row_sum="mma"),
     "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2, row_sum="mma"),
     "r16n64w2s3mmaahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30, row_sum="mma"),
@@ -363,15 +365,15 @@ def run_decode(sweep: bool, bandwidth: float, log) -> list[dict]:
             kv_bytes = 2 * batch * ctx * HKV * HD * 2
             floor_ms = kv_bytes / (bandwidth * 1e12) * 1e3  # copy rate counts read+write bytes
             for name, cfg in cfgs.items():
-                # The wrapper's own choice of path (fold or split, `decode_path`), as in the
-                # engine; the record names it.
-                hkv = kc.shape[1]
-                path = decode_path(cfg, batch * hkv, ctx, kc.device)
+                # The wrapper's own choice of path (fold or split), as in the engine; the
+                # record names it (the wrapper's rule, asked with the call's own meta).
+                path = attention_path(cfg, meta, HQ // HKV, HKV, kc.device)
                 fn = partial(paged_attention, q, kc, vc, meta, HD**-0.5, cfg)
                 t_eager = bench_ms(fn)
                 t = graph_ms(fn)
                 rec = {"batch": batch, "ctx": ctx, "cfg": name, "path": path, "graph_ms": t,
-                       "eager_ms": t_eager, "floor_ms": floor_ms, "floor_frac": floor_ms / t}  # fmt: skip
+                       "eager_ms": t_eager, "floor_ms": floor_ms,
+                       "floor_frac": floor_ms / t}  # fmt: skip
                 rows.append(rec)
                 log(f"decode B={batch:3d} ctx={ctx:6d} {name:11s} {path:5s} graph {t * 1e3:8.1f} "
                     f"us  eager {t_eager * 1e3:8.1f} us  floor {floor_ms * 1e3:8.1f} us  "

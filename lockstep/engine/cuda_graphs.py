@@ -10,8 +10,11 @@ Why a replay gives the bits of an eager step:
     rows and of its batch-mates, so padding b sequences up to a bucket of B changes no real row.
   * Padding rows are copies of row 0 (token, position, output slot, keys), so they compute row
     0's values bit for bit and write the very same K/V bits into row 0's slot.
-  * The context bucket only sets how many key splits the attention grid has; splits past a
-    sequence's end are empty programs (DESIGN.md: keys at absolute positions).
+  * The context bucket (the attention's max_kv) and the batch bucket only pick the decode
+    attention's path (fold or split, `decode_path`: speed only, the same bits) and size the
+    split path's grid, whose splits past a sequence's end are empty programs (DESIGN.md: keys
+    at absolute positions). Buckets start above one split, so a graph may take the split path
+    where the eager step folded: the same bits either way.
 
 The first step of a bucket runs eagerly on the static buffers (warm-up and Triton compilation),
 then is captured and replayed; the eager run writes exactly the K/V the replay writes again.

@@ -12,9 +12,9 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     online-softmax state (max, sum, acc).
   * Split partials are folded in ascending split order by `merge_partials`, the ONE
     `@triton.jit` merge routine: in-kernel by the prefill and fold paths (`_attn_fwd`,
-    WRITE_PARTIALS=0; prefill tiles, or decode tiles when a decode's programs fill the GPU,
-    `decode_path`) and in a second kernel by the split path (`_attn_merge`), so all three
-    compute the same sum.
+    WRITE_PARTIALS=0; prefill tiles, or decode tiles when every sequence fits one split or a
+    decode's programs fill the GPU, `decode_path`) and in a second kernel by the split path
+    (`_attn_merge`), so all three compute the same sum.
   * A block or split that is entirely in a row's causal future is an exact identity on that
     row's state (max unchanged, weights exactly 1 and 0), so it does not matter how many rows
     share a tile, how far the tile reaches, or which sequence the batch-mates belong to.
@@ -55,9 +55,10 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile configuration. block_n and split are part of the numerics: changing them changes
-    bits. Stages never do. Rows and warps may differ between the two paths only where the row
-    sum reduces in the same order (measured, docs/gpu.md; the GPU tests check this table)."""
+    """Tile configuration. block_n, split and row_sum are part of the numerics: changing them
+    changes bits. Stages and the path never do, and with the dot row sum (the table) neither
+    do a tile's rows and warps; with tl.sum decode tiles must keep one warp per 16 rows, the
+    prefill tiles' order (measured, docs/gpu.md; checked here, and by the GPU tests)."""
 
     block_n: int = 64
     split: int = 512
@@ -119,6 +120,9 @@ class AttentionConfig:
     split_path_max_q: int = 4
     fold_programs_per_sm: float = 1.5
     workspace_bytes: int = 256 << 20
+    # Only for negative-control tests: skip the check that tl.sum's decode tiles keep one
+    # warp per 16 rows (the configuration that must differ).
+    negative_control: bool = False
     # Multiply-add contraction; off so that the shared formulas cannot be contracted
     # differently in the two kernels (only a benchmark switch).
     fp_fusion: bool = False
@@ -135,9 +139,16 @@ class AttentionConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
+        one_warp_per_16_rows = self.num_warps_split * 16 == self.rows_split
+        if self.row_sum == "sum" and not one_warp_per_16_rows and not self.negative_control:
+            raise ValueError(
+                f"row_sum='sum' reduces in the MMA layout's order: decode tiles of "
+                f"{self.rows_split} rows keep the prefill's bits only on "
+                f"{self.rows_split // 16} warp(s), not {self.num_warps_split}"
+            )
         if not self.fold_programs_per_sm > 0:
             raise ValueError(f"fold_programs_per_sm={self.fold_programs_per_sm} must be > 0 "
-                             "(math.inf keeps every multi-split decode on the split path)")  # fmt: skip
+                             "(math.inf keeps multi-split decodes on the split path)")  # fmt: skip
         if self.merge_stages < 1:
             raise ValueError(f"merge_stages={self.merge_stages} must be >= 1")
         if self.workspace_bytes >= 2**33:  # the merge addresses partials with 32-bit offsets
@@ -203,8 +214,8 @@ def _block_update(
 ):  # fmt: skip
     """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
     row sees entirely, where the causal and bounds masks are all-true: same bits, less work.
-    The K and V caches share one layout, so one gather offset per element serves both (a
-    decode program is one warp, and 64-bit offsets were ~40% of its instructions); they are
+    The K and V caches share one layout, so one gather offset per element serves both (when a
+    decode program was one warp, 64-bit offsets were ~40% of its instructions); they are
     32-bit unless the cache holds 2**31 elements or more (WIDE)."""
     offs_d = tl.arange(0, D)
     offs_j = j0 + tl.arange(0, BLOCK_N)
@@ -318,9 +329,10 @@ def _attn_fwd(
     SLOTS_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Prefill path (WRITE_PARTIALS=0): one program per (tile, seq*kv head), all splits merged
-    in-kernel. Split path (WRITE_PARTIALS=1): one program per (tile, seq*kv head, split of this
-    wave), partials to the workspace for `_attn_merge`."""
+    """Prefill and fold paths (WRITE_PARTIALS=0; prefill or decode tiles): one program per
+    (tile, seq*kv head), all splits merged in-kernel. Split path (WRITE_PARTIALS=1): one
+    program per (tile, seq*kv head, split of this wave), partials to the workspace for
+    `_attn_merge`."""
     wait_for_inputs(PDL)
     n_tiles = tl.num_programs(0)
     # Longest tiles (latest positions) first: better balance for causal prefill.
@@ -488,6 +500,18 @@ def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.devi
     return programs <= config.slots_ahead_programs_per_sm * num_sms(device)
 
 
+def attention_path(
+    config: AttentionConfig, meta: AttentionMeta, q_per_kv: int, n_kv_heads: int,
+    device: torch.device,
+) -> str:  # fmt: skip
+    """The path `paged_attention` takes for a call (speed only): "prefill" when a chunk is
+    longer than `split_path_max_q`, else `decode_path` over the fold's decode tiles."""
+    if meta.max_q > config.split_path_max_q:
+        return "prefill"
+    tiles = triton.cdiv(meta.max_q * q_per_kv, config.rows_split)
+    return decode_path(config, tiles * meta.num_seqs * n_kv_heads, meta.max_kv, device)
+
+
 def decode_path(config: AttentionConfig, programs: int, max_kv: int, device: torch.device) -> str:
     """The path of a call whose chunks are all short (max_q <= split_path_max_q), given its
     fold-path programs (tiles x sequences x kv heads) and longest context: "fold" when every
@@ -535,14 +559,9 @@ def paged_attention(
         return out
     qk_scale = float(scale) * LOG2E
     if force_path not in (None, "prefill", "fold", "split"):
-        raise ValueError(f"force_path={force_path!r} is invalid: expected prefill, fold or split")
-    if force_path:
-        path = force_path
-    elif meta.max_q > config.split_path_max_q:
-        path = "prefill"
-    else:
-        decode_tiles = triton.cdiv(meta.max_q * g, config.rows_split)
-        path = decode_path(config, decode_tiles * b * hkv, meta.max_kv, q.device)
+        raise ValueError(f"force_path={force_path!r} is invalid: expected prefill, fold or "
+                         "split")  # fmt: skip
+    path = force_path or attention_path(config, meta, g, hkv, q.device)
     rows = config.rows if path == "prefill" else config.rows_split
     n_tiles = triton.cdiv(meta.max_q * g, rows)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
