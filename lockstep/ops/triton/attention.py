@@ -40,7 +40,6 @@ same ascending order. The prefill and fold paths need no workspace at all.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +47,13 @@ import triton
 import triton.language as tl
 
 from lockstep.ops.base import AttentionMeta
-from lockstep.ops.triton.launch import num_sms, pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import (
+    compiled_for_gpu,
+    interpreting,
+    num_sms,
+    pdl_launch,
+    wait_for_inputs,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -495,7 +500,7 @@ def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.devi
     has no limit). Speed only: both variants give the same bits."""
     if not config.slots_ahead_split:
         return False
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not compiled_for_gpu(device):
         return True
     return programs <= config.slots_ahead_programs_per_sm * num_sms(device)
 
@@ -520,14 +525,14 @@ def decode_path(config: AttentionConfig, programs: int, max_kv: int, device: tor
     one-split case folds. Speed only: all paths give the same bits."""
     if max_kv <= config.split:
         return "fold"
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not compiled_for_gpu(device):
         return "split"
     return "fold" if programs >= config.fold_programs_per_sm * num_sms(device) else "split"
 
 
 def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
     opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device)}
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         opts["enable_fp_fusion"] = fp_fusion
     return opts
 

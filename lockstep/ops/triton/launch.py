@@ -39,9 +39,21 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: numpy on the CPU,
+    no compiler options, no warps or SMs)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compiled_for_gpu(device: torch.device) -> bool:
+    """Whether kernels on this device are compiled for a CUDA GPU (not interpreted): the
+    case where SM counts, residency and PDL mean anything."""
+    return device.type == "cuda" and not interpreting()
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on this device are launched with PDL (cached per device)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not compiled_for_gpu(device):
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _ENABLED:

@@ -20,14 +20,13 @@ TMA tensor descriptors, and a persistent TMA kernel for large M.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.triton.launch import num_sms, pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import interpreting, num_sms, pdl_launch, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -98,10 +97,6 @@ TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
     (_INF, _INF, 8192, _C(128, 128, 64, 8, 4, group_m=16, tma=True, persistent=True)),
     (_INF, _INF, _INF, _C(128, 256, 64, 8, 3, tma=True)),
 )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pick_config(m: int, n: int, k: int) -> MatmulConfig:
@@ -340,7 +335,7 @@ def matmul(
     has_bias = bias is not None
     b = bias if has_bias else y
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(x.device)}
-    tma = cfg.tma and not _interpreting() and x.dtype != torch.float32
+    tma = cfg.tma and not interpreting() and x.dtype != torch.float32
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

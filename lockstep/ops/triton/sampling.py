@@ -16,13 +16,11 @@ kernel is one pass.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 
 BLOCK = 1024
 LOG_TERMS = 30  # the reference's Horner series length
@@ -122,7 +120,7 @@ def _opts(device: torch.device) -> dict:
     the interpreter takes no compiler options and computes each operation in numpy, which
     never contracts."""
     opts = {"num_warps": 4, **pdl_launch(device)}
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         opts["enable_fp_fusion"] = False
     return opts
 
