@@ -576,14 +576,13 @@ def paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0),
         out.stride(1),
     )  # fmt: skip
+    if path == "prefill":
+        opts = _launch_opts(config.num_warps, config.num_stages, fusion, q.device)
+    else:  # decode tiles (fold and split paths)
+        opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion, q.device)
     if path in ("prefill", "fold"):
-        if path == "prefill":
-            ahead = config.slots_ahead
-            opts = _launch_opts(config.num_warps, config.num_stages, fusion, q.device)
-        else:  # decode tiles: the split path's warps, stages and residency rule
-            ahead = split_slots_ahead(config, n_tiles * b * hkv, q.device)
-            opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion,
-                                q.device)  # fmt: skip
+        ahead = config.slots_ahead if path == "prefill" else (
+            split_slots_ahead(config, n_tiles * b * hkv, q.device))  # fmt: skip
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
@@ -617,7 +616,6 @@ def paged_attention(
         st_l = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
-    split_opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion, q.device)
     merge_opts = _launch_opts(config.merge_warps, 1, fusion, q.device)
     # At most one stage per partial of a wave (a deeper prologue only costs), rounded up to
     # a power of two so that eager calls compile few variants.
@@ -629,7 +627,7 @@ def paged_attention(
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
             WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **split_opts,
+            SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **opts,
         )  # fmt: skip
         _attn_merge[merge_grid](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
