@@ -821,6 +821,24 @@ def test_gpu_kernels_sweep_names_the_table() -> None:
     assert SWEEP_ATTN_PREFILL["r128n64w8s3"].row_sum == "sum"  # the "sum" rows' prefill base
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="profiles CUDA-graph replays")
+def test_graph_span_counts_the_kernels_not_the_launch() -> None:
+    """The decode table's span column: each replay's kernels found among the flushes (two
+    per replay here), and a span that the replay's own time bounds from above."""
+    from lockstep.bench.gpu_kernels import graph_ms, graph_span_ms
+
+    a = torch.zeros(1 << 20, device="cuda")
+    b, c = torch.empty_like(a), torch.empty_like(a)
+
+    def two_kernels() -> None:  # kernels, not copies (a same-dtype copy_ is a memcpy node)
+        torch.add(a, 1.0, out=b)
+        torch.mul(b, 2.0, out=c)
+
+    span, replay = graph_span_ms(two_kernels), graph_ms(two_kernels)
+    assert 0 < span < replay, (span, replay)
+
+
 # ------------------------------------------------------------- the decoder, end to end (GPU)
 
 
