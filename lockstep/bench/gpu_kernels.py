@@ -203,8 +203,9 @@ def graph_span_ms(fn, rep: int = 30) -> float:
     the replay's first kernel start to its last kernel end (the profiler's timestamps): the
     GPU's time on the work, without the graph launch that `graph_ms` also counts
     (`graph_launch_cost`; a decode step's graph of ~400 kernels pays it once, not per
-    kernel). With PDL the kernels overlap; the span counts the overlap
-    once (`charge_critical_path`)."""
+    kernel). With PDL the kernels overlap; the span counts the overlap once
+    (`charge_critical_path`). Only kernels count: memcpy and memset nodes are not in the
+    profiler's kernel list (`kernel_events`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
@@ -220,8 +221,8 @@ def graph_span_ms(fn, rep: int = 30) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    names = {e["name"] for e in kernel_events(prof)}
-    per_replay = len(kernel_events(prof))
+    sequence = [e["name"] for e in kernel_events(prof)]
+    names, per_replay = set(sequence), len(sequence)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(rep):
             flush_l2()
@@ -229,13 +230,18 @@ def graph_span_ms(fn, rep: int = 30) -> float:
         torch.cuda.synchronize()
     del graph
     # The flush's reduction is not one of the graph's kernels, so what is left falls into
-    # runs of per_replay kernels, one per replay, in start order.
+    # runs of per_replay kernels, one per replay, in start order, each in the order of the
+    # replay traced alone.
     events = [e for e in kernel_events(prof) if e["name"] in names]
-    if not per_replay or len(events) != rep * per_replay:
+    replays = [events[i : i + per_replay] for i in range(0, len(events), per_replay)]
+    if (
+        not per_replay
+        or len(events) != rep * per_replay
+        or any([e["name"] for e in r] != sequence for r in replays)
+    ):
         raise RuntimeError(f"traced {len(events)} graph kernels over {rep} replays of "
                            f"{per_replay}: cannot tell the replays apart")  # fmt: skip
-    spans = [charge_critical_path(events[i : i + per_replay])
-             for i in range(0, len(events), per_replay)]  # fmt: skip
+    spans = [charge_critical_path(r) for r in replays]
     return float(np.median(spans)) / 1e3
 
 
@@ -413,7 +419,7 @@ def run_decode(sweep: bool, bandwidth: float, log) -> list[dict]:
     table up to the eighth session) and the kernels' span within a replay (`graph_span_ms`,
     without the graph launch, which an engine's decode graph pays once per step).
     Each cell on a cache of its own tokens, as an engine's cache holds them: the offset
-    width follows (`needs_wide_offsets`; 64-bit from 2**21 tokens at Hkv 8 / D 128, here only
+    width follows (`needs_wide_offsets`; 64-bit above 2**21 tokens at Hkv 8 / D 128, here only
     batch 128 at 32k keys, which no engine on one H200 holds for 36 layers). Up to the eighth
     session every cell ran on one 128 x 32k-token cache, so on 64-bit offsets; that timing is
     kept as `graph_ms_wide` (the same bits:
