@@ -21,7 +21,16 @@ from functools import partial
 
 import torch
 
-from lockstep.bench.gpu_kernels import HD, HKV, HQ, bench_ms, flush_l2, graph_ms, paged_slots
+from lockstep.bench.gpu_kernels import (
+    HD,
+    HKV,
+    HQ,
+    bench_ms,
+    capture_graph,
+    flush_l2,
+    graph_ms,
+    paged_slots,
+)
 from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
 from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton.attention import DEFAULT_CONFIG, paged_attention
@@ -50,11 +59,7 @@ def kernel_split(fn) -> str:
     though PDL overlaps them."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     graph.replay()
     flush_l2()
     torch.cuda.synchronize()

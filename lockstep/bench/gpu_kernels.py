@@ -184,15 +184,21 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / ms / 1e9  # TB/s, bytes read + written
 
 
-def graph_ms(fn) -> float:
-    """Median ms of CUDA-graph replays of fn: how decode-sized work runs in the engine, and
-    free of host launch cost (Triton's launcher and TMA descriptor encoding take tens of us,
-    which eager timing of short kernels would count)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn run once eagerly (compilation, warm-up), then captured as a CUDA graph."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_ms(fn) -> float:
+    """Median ms of CUDA-graph replays of fn: how decode-sized work runs in the engine, and
+    free of host launch cost (Triton's launcher and TMA descriptor encoding take tens of us,
+    which eager timing of short kernels would count)."""
+    graph = capture_graph(fn)
     ms = bench_ms(graph.replay)
     del graph
     return ms
@@ -210,11 +216,7 @@ def graph_span_ms(fn, rep: int = 30) -> float:
 
     from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
