@@ -7,6 +7,7 @@ served) print one line to stderr and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -22,7 +23,9 @@ if TYPE_CHECKING:  # the engine is imported only by the commands that start one
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -64,14 +67,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
-    from lockstep.bench.cli import add_bench_parser
-    from lockstep.check.cli import add_check_parser
-    from lockstep.server.cli import add_serve_parser
+# The subcommands whose parsers live beside their code: (name, module, registering function).
+_SUBCOMMANDS = (
+    ("serve", "lockstep.server.cli", "add_serve_parser"),
+    ("check", "lockstep.check.cli", "add_check_parser"),
+    ("bench", "lockstep.bench.cli", "add_bench_parser"),
+)
 
-    add_serve_parser(sub)
-    add_check_parser(sub)
-    add_bench_parser(sub)
+
+def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register serve, check and bench. A subcommand whose module cannot be imported (a broken
+    install) is still listed, and running it prints what is missing; it never takes the other
+    subcommands down with it."""
+    for name, module, register in _SUBCOMMANDS:
+        try:
+            getattr(importlib.import_module(module), register)(sub)
+        except ImportError as e:
+            _add_unavailable_subcommand(sub, name, e)
+
+
+def _add_unavailable_subcommand(
+    sub: argparse._SubParsersAction, name: str, error: ImportError
+) -> None:
+    missing = getattr(error, "name", None) or str(error)
+
+    def fail(args: argparse.Namespace) -> int:
+        raise LockstepError(
+            f"`lockstep {name}` cannot run: the module {missing!r} is not installed; "
+            "reinstall Lockstep with its dependencies (pip install -e . or pip install lockstep)"
+        )
+
+    p = sub.add_parser(name, help=f"(unavailable: {missing!r} is not installed)", add_help=False)
+    p.set_defaults(func=fail, takes_any_arguments=True)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -93,3 +93,29 @@ def test_bench_decode_sampling_options_reach_the_json(tmp_path: Path) -> None:
     assert doc["options"]["sampling"] == {"temperature": 1.0, "top_p": 0.9, "top_k": 5}
     assert "--temperature 1.0 --top-p 0.9 --top-k 5" in doc["command"]
     _one_line_error(_lockstep(*args, "--top-p", "0.9"), "--temperature", "top_p=0.9")
+
+
+def _lockstep_without(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`lockstep ARGS` in a process where importing `module` fails, as on a broken install."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'lockstep'\n"
+        f"from lockstep.cli import main; sys.exit(main({list(args)!r}))"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def test_a_subcommand_missing_a_dependency_leaves_the_others_working() -> None:
+    out = _lockstep_without("httpx", "generate", "hi", "--model", "random:tiny",
+                            "--kv-tokens", "64", "--max-tokens", "2", "--raw")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    _one_line_error(_lockstep_without("httpx", "check", "--serve"), "lockstep check", "'httpx'")
+    # The control: with httpx importable the same command line parses and runs past the import.
+    help_out = _lockstep("check", "--help")
+    assert help_out.returncode == 0 and "--serve" in help_out.stdout
+
+
+def test_check_plot_without_matplotlib_says_what_to_install() -> None:
+    out = _lockstep_without("matplotlib", "check", "--url", "http://127.0.0.1:9", "--plot",
+                            "x.png")  # fmt: skip
+    _one_line_error(out, "--plot", "lockstep[plot]")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -203,6 +204,13 @@ def run_check_command(args: argparse.Namespace) -> int:
         save=args.save,
         against=args.against,
     )
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        err.print(
+            "--plot needs matplotlib, which is optional: pip install 'lockstep[plot]'",
+            markup=False,
+            highlight=False,
+        )
+        return 2
     if args.against is not None and not args.against.is_file():
         err.print(f"--against {args.against}: no such file")
         return 2
