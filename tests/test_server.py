@@ -66,7 +66,7 @@ class ServerProcess:
         if not ready.wait(STARTUP_TIMEOUT_S) or not self.base_url:
             self.stop()
             raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300  # a hang guard: a busy machine starts slowly
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
@@ -101,7 +101,7 @@ class ServerProcess:
     def engine_stats(self) -> dict:
         return httpx.get(self.base_url + "/v1/engine", timeout=30).json()["stats"]
 
-    def wait_idle(self, timeout: float = 20) -> dict:
+    def wait_idle(self, timeout: float = 300) -> dict:
         """The engine stats once no request runs or waits and no KV slot is in use."""
         deadline = time.monotonic() + timeout
         while True:
@@ -162,7 +162,7 @@ def test_chat_completion_greedy(client: openai.OpenAI, server: ServerProcess) ->
         temperature=0,
     )
     choice = reply.choices[0]
-    # The reference output of this model (transformers, greedy): DESIGN.md.
+    # The reference output of this model (transformers, greedy): docs/models.md.
     assert "Paris" in choice.message.content
     assert choice.finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens > 0
@@ -525,11 +525,11 @@ def test_client_disconnect_frees_slots(server: ServerProcess) -> None:
                     events += line.startswith("data:")
                     if events >= 3:
                         break  # leaving the block closes the connection mid-stream
-            server.wait_idle(timeout=10)
+            server.wait_idle()
     # A non-streaming request whose client gives up is aborted too.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/completions", json=long, timeout=0.3)
-    stats = server.wait_idle(timeout=10)
+    stats = server.wait_idle()
     generated = stats["generated_tokens_total"] - before["generated_tokens_total"]
     # Had any of the three run to its end, it alone would have generated 480 tokens.
     assert generated < 480, f"aborted requests kept generating: {generated} tokens"
