@@ -37,9 +37,9 @@ class EngineConfig:
     random_seed: int = 0  # weights of random-weight presets
     debug_checks: bool = False  # check cache integrity after every step
     # Launch the next pure-decode step before the current one's tokens reach the host (see
-    # Engine.step); same outputs, the host's per-step work overlaps the GPU. None: on for CUDA
-    # (measured: 5.62 -> 4.92 ms/token at batch 1 on an H200), off on the CPU, where launching
-    # is computing and there is nothing to overlap.
+    # Engine.step); same outputs, the host's per-step work overlaps the GPU. None: on for
+    # CUDA (docs/design.md, "Overlapped decode"), off on the CPU, where launching is computing
+    # and there is nothing to overlap.
     overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:

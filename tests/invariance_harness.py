@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep.engine.engine import Engine
-from lockstep.engine.forward_batch import ForwardBatch
+from lockstep.models.forward_batch import ForwardBatch
 from lockstep.ops.base import build_attention_meta
 
 
@@ -38,34 +38,10 @@ class Computed:
     v: torch.Tensor
 
 
-class _Scratch:
-    def __init__(self, engine: Engine, n: int) -> None:
-        spec = engine.decoder.spec
-        shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=engine.pool.k_cache(0).dtype, device=engine.device)
-        self.v = torch.zeros_like(self.k)
-
-    def k_cache(self, layer: int) -> torch.Tensor:
-        return self.k[layer]
-
-    def v_cache(self, layer: int) -> torch.Tensor:
-        return self.v[layer]
-
-
 def reference(engine: Engine, tokens: list[int]) -> Computed:
     """One cold full prefill in a private cache (slots 0..n-1)."""
-    n = len(tokens)
-    scratch = _Scratch(engine, n)
-    slots = torch.arange(n, dtype=torch.int64)
-    batch = ForwardBatch(
-        token_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=slots.clone(),
-        out_slots=slots,
-        meta=build_attention_meta([n], [0], [slots]),
-        logit_rows=slots.clone(),
-    ).to(engine.device)
-    logits = engine.decoder.forward(batch, scratch).cpu()
-    return Computed(logits, 0, scratch.k.cpu(), scratch.v.cpu())
+    logits, scratch = engine.decoder.cold_prefill(tokens)
+    return Computed(logits.cpu(), 0, scratch.k.cpu(), scratch.v.cpu())
 
 
 @dataclass
@@ -93,14 +69,9 @@ def _step(engine: Engine, parts: list[tuple[_Seq, int]]) -> list[torch.Tensor]:
         counts.append(n)
         starts.append(start)
         tables.append(seq.slots[:end])
-    i64 = torch.int64
-    batch = ForwardBatch(
-        token_ids=torch.tensor(tokens, dtype=i64),
-        positions=torch.tensor(positions, dtype=i64),
-        out_slots=torch.tensor(out_slots, dtype=i64),
-        meta=build_attention_meta(counts, starts, tables),
-        logit_rows=torch.arange(len(tokens), dtype=i64),
-    ).to(engine.device)
+    meta = build_attention_meta(counts, starts, tables)
+    batch = ForwardBatch.from_lists(tokens, positions, out_slots, meta, range(len(tokens)))
+    batch = batch.to(engine.device)
     logits = engine.decoder.forward(batch, engine.pool).cpu()
     for seq, n in parts:
         seq.done += n

@@ -78,16 +78,16 @@ def test_sampled_benchmark_samples_with_seeded_filters(monkeypatch: pytest.Monke
     """The benchmark's sampling settings reach the sampler for every request, each with its
     own seed (the control is the greedy default, whose rows have temperature 0); the CLI's
     flags are tested in tests/test_cli.py."""
-    from lockstep.engine import engine as engine_module
+    from lockstep.engine import model_runner
 
     seen = []
-    real = engine_module.choose_token_tensor
+    real = model_runner.choose_token_tensor
 
     def spy(logits, rows):
         seen.extend(rows)
         return real(logits, rows)
 
-    monkeypatch.setattr(engine_module, "choose_token_tensor", spy)
+    monkeypatch.setattr(model_runner, "choose_token_tensor", spy)
     run_decode_bench(_engine(), batch=4, prompt_len=40, gen_len=3)
     assert seen and all(r.temperature == 0.0 for r in seen)
     seen.clear()

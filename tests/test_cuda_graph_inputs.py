@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.engine.cuda_graphs import _Staging, _StaticInputs
-from lockstep.engine.forward_batch import ForwardBatch
+from lockstep.models.forward_batch import ForwardBatch
 from lockstep.ops.base import build_attention_meta
 
 

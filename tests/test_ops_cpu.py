@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from lockstep.ops.base import build_attention_meta
+from lockstep.ops.base import LayerKV, build_attention_meta
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
 from lockstep.ops.cpu_fast import CpuFastOps
 from lockstep.ops.reference import ReferenceOps
@@ -139,7 +139,7 @@ def test_simd_paths_give_identical_bits(det) -> None:
             ops.rms_norm(x, norm_w, 1e-5),
             ops.silu_mul(x),
             ops.log_softmax(logits),
-            ops.attention(q, k_cache, v_cache, meta, SCALE),
+            ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE),
         )
     for name in variants:
         for got, want in zip(results[name], results["scalar"], strict=True):
@@ -257,7 +257,7 @@ def call(ops, k_cache, v_cache, parts: list[tuple[Sequence, int, int]]) -> torch
         [n for _, _, n in parts], [s for _, s, _ in parts], [seq.slots for seq, _, _ in parts]
     )
     q = torch.cat([seq.q[s : s + n] for seq, s, n in parts])
-    return ops.attention(q, k_cache, v_cache, meta, SCALE)
+    return ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
 
 
 def random_batch(cache_dtype: torch.dtype, specs: list[tuple[int, int]], seed: int):
@@ -274,11 +274,11 @@ def random_batch(cache_dtype: torch.dtype, specs: list[tuple[int, int]], seed: i
 def test_attention_matches_reference(det, ref, fast, cache_dtype) -> None:
     specs = [(70, 0), (1, 100), (13, 37), (33, 64)]
     q, k_cache, v_cache, meta = random_batch(cache_dtype, specs, seed=11)
-    out = det.attention(q, k_cache, v_cache, meta, SCALE)
+    out = det.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     assert out.shape == q.shape and out.dtype == torch.float32
-    expected = ref.attention(q, k_cache, v_cache, meta, SCALE)
+    expected = ref.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     close(out, expected)
-    close(fast.attention(q, k_cache, v_cache, meta, SCALE), expected)
+    close(fast.attention(q, LayerKV(k_cache, v_cache), meta, SCALE), expected)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -314,17 +314,17 @@ def test_attention_rows_independent_of_chunking_and_batch(det, cache_dtype) -> N
 def test_attention_independent_of_thread_count(det, threads) -> None:
     q, k_cache, v_cache, meta = random_batch(torch.bfloat16, [(90, 20), (1, 300)], seed=13)
     torch.set_num_threads(1)
-    one = det.attention(q, k_cache, v_cache, meta, SCALE)
+    one = det.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     torch.set_num_threads(2)
-    assert torch.equal(det.attention(q, k_cache, v_cache, meta, SCALE), one)
+    assert torch.equal(det.attention(q, LayerKV(k_cache, v_cache), meta, SCALE), one)
 
 
 def test_attention_key_block_changes_bits(det) -> None:
     """Negative control: a different key block (a different reduction order) is visible in
     the bits, so the chunking test above compares something that can differ."""
     q, k_cache, v_cache, meta = random_batch(torch.float32, [(150, 0)], seed=14)
-    base = det.attention(q, k_cache, v_cache, meta, SCALE)
-    other = CpuDeterministicOps(key_block=16).attention(q, k_cache, v_cache, meta, SCALE)
+    base = det.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
+    other = CpuDeterministicOps(key_block=16).attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     close(other, base)
     differing = (base != other).any(dim=(1, 2)).sum().item()
     assert differing > 50, f"only {differing} of 150 rows changed with the key block"
@@ -334,7 +334,7 @@ def test_attention_rejects_bad_metadata(det) -> None:
     q, k_cache, v_cache, meta = random_batch(torch.float32, [(4, 0)], seed=15)
     bad = build_attention_meta([4], [0], [[0, 1, 2, k_cache.shape[0]]])
     with pytest.raises(RuntimeError, match="outside the cache"):
-        det.attention(q, k_cache, v_cache, bad, SCALE)
+        det.attention(q, LayerKV(k_cache, v_cache), bad, SCALE)
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch) -> None:
@@ -357,13 +357,16 @@ def test_attention_other_head_dims(det, ref, head_dim) -> None:
     slots = torch.randperm(n, generator=gen)
     k_cache, v_cache = torch.empty_like(k), torch.empty_like(v)
     k_cache[slots], v_cache[slots] = k, v
-    full = det.attention(q, k_cache, v_cache, build_attention_meta([n], [0], [slots]), 0.2)
-    close(full, ref.attention(q, k_cache, v_cache, build_attention_meta([n], [0], [slots]), 0.2))
+    full = det.attention(q, LayerKV(k_cache, v_cache), build_attention_meta([n], [0], [slots]), 0.2)
+    close(
+        full,
+        ref.attention(q, LayerKV(k_cache, v_cache), build_attention_meta([n], [0], [slots]), 0.2),
+    )
     chunks = []
     for s in range(0, n, 17):
         e = min(n, s + 17)
         meta = build_attention_meta([e - s], [s], [slots])
-        chunks.append(det.attention(q[s:e].contiguous(), k_cache, v_cache, meta, 0.2))
+        chunks.append(det.attention(q[s:e].contiguous(), LayerKV(k_cache, v_cache), meta, 0.2))
     assert torch.equal(torch.cat(chunks), full)
 
 
@@ -371,4 +374,4 @@ def test_unsupported_head_dim_is_refused(det) -> None:
     q = torch.randn(2, 2, 48)
     cache = torch.randn(2, 2, 48)
     with pytest.raises(RuntimeError, match="head_dim"):
-        det.attention(q, cache, cache, build_attention_meta([2], [0], [[0, 1]]), 0.2)
+        det.attention(q, LayerKV(cache, cache), build_attention_meta([2], [0], [[0, 1]]), 0.2)

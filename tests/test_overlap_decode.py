@@ -125,8 +125,7 @@ def test_overlapped_decode_gives_the_outputs_of_the_plain_loop(seed: int, kv_tok
 def test_negative_control_wrong_pending_tokens_change_outputs(monkeypatch) -> None:
     """If the patch took another row's token, outputs would change: the comparison above
     sees the patched tokens (a shifted source index breaks it)."""
-    from lockstep.engine import engine as engine_module
-    from lockstep.engine.model_runner import TokenSource
+    from lockstep.engine.model_runner import LaunchedStep, TokenSource
 
     plain = _engine(False)
     vocab = plain.decoder.spec.vocab_size
@@ -134,12 +133,12 @@ def test_negative_control_wrong_pending_tokens_change_outputs(monkeypatch) -> No
              ignore_eos=True), -1) for i in range(3)]  # fmt: skip
     want = _drive(plain, work)
 
-    def shifted(launched):
+    def shifted(launched: LaunchedStep) -> TokenSource:
         n = len(launched.sampling)
         index = {id(r): (i + 1) % n for i, (r, _) in enumerate(launched.sampling)}
         return TokenSource(launched.tokens, index)
 
-    monkeypatch.setattr(engine_module.Engine, "_token_source", staticmethod(shifted))
+    monkeypatch.setattr(LaunchedStep, "token_source", shifted)
     got = _drive(_engine(True), work)
     assert got != want
     assert vocab > 3

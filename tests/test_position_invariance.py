@@ -1,4 +1,4 @@
-"""The property suite: position invariance, proven on random cases (DESIGN.md, "The contract").
+"""The property suite: position invariance, proven on random cases (docs/design.md, "The contract").
 
 Each case draws a token sequence and a random way of computing it (a prefix-cache hit of any
 length, any partition into forward passes including one-token decode steps, random batch-mates

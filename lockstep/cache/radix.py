@@ -1,7 +1,7 @@
 """Radix prefix cache: a radix tree over token ids whose nodes own KV slots.
 
 Sharing KV by prefix is exact in Lockstep because the KV written for position t is a pure
-function of tokens 0..t (DESIGN.md, "The contract"); this module only has to keep the books.
+function of tokens 0..t (docs/design.md, "The contract"); this module only has to keep the books.
 
 Contracts
 - Token-granular: a node whose key holds L tokens owns exactly L slots of the `KVPool`; slot i

@@ -12,7 +12,7 @@ Why a replay gives the bits of an eager step:
     0's values bit for bit and write the very same K/V bits into row 0's slot.
   * The context bucket (the attention's max_kv) and the batch bucket only pick the decode
     attention's path (fold or split, `decode_path`: speed only, the same bits) and size the
-    split path's grid, whose splits past a sequence's end are empty programs (DESIGN.md: keys
+    split path's grid, whose splits past a sequence's end are empty programs (docs/design.md: keys
     at absolute positions). Buckets start above one split, so a graph may take the split path
     where the eager step folded: the same bits either way.
 
@@ -28,8 +28,8 @@ All graphs share one memory pool; they never run concurrently.
     logit_rows [B]                       0..B-1 (the graph computes every row's logits)
 
 The int64 inputs are views of one device buffer and the int32 inputs of another, filled from
-one pinned staging area shared by all buckets by asynchronous transfers (three per step; a
-step's inputs used to take nine small pageable copies, each a host round trip).
+one pinned staging area shared by all buckets by asynchronous transfers: three per step,
+none of which waits for the host (small pageable copies would each be a host round trip).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.models.decoder import Decoder, KVStorage
+from lockstep.models.forward_batch import ForwardBatch
 from lockstep.ops.base import AttentionMeta
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)

@@ -4,8 +4,9 @@ Every entry point (the Python `LLM`, the CLI, the HTTP server, `lockstep check -
 through this class. It is not thread-safe: exactly one thread calls it (the server runs it in
 a dedicated loop thread).
 
-    add_request -> Scheduler.waiting -> schedule() -> ModelRunner.run() -> log_softmax
-                -> prompt logprobs / sampling -> text and stop handling -> StepOutput
+    add_request -> Scheduler.waiting -> Scheduler.schedule() -> ModelRunner.launch()
+                -> LaunchedStep (tokens and logprobs on their way to the host)
+                -> prompt logprobs, appended tokens, text and stop handling -> StepOutput
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import logging
 import os
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,13 +25,12 @@ from lockstep.cache.kv_pool import KVPool
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
 from lockstep.engine.cuda_graphs import DecodeGraphRunner
-from lockstep.engine.model_runner import ChunkLogits, ModelRunner, TokenSource
+from lockstep.engine.model_runner import LaunchedStep, ModelRunner
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
-from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
 from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.engine.scheduler import ScheduledChunk, Scheduler
+from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder
@@ -43,23 +42,6 @@ logger = logging.getLogger(__name__)
 # Without an explicit kv_tokens the CPU pool is capped: a CPU serves few long sequences, and a
 # pool sized from RAM alone would zero gigabytes at start-up for nothing.
 CPU_DEFAULT_KV_TOKEN_CAP = 65536
-
-
-@dataclass
-class _Launched:
-    """A step enqueued on the device whose results the host has not read yet."""
-
-    layout: list[ChunkLogits]
-    prefill_done_before: list[bool]  # per layout part: prompt fully computed before the step
-    logits: torch.Tensor
-    logprobs: torch.Tensor
-    sampling: list[tuple[Request, int]]  # requests that choose a token, and their logits row
-    tokens: torch.Tensor | None = None  # chosen tokens (device), one per sampling entry
-    # [2, n] float64 tokens and their logprobs, on the host once `ready` (a CUDA event)
-    # has passed: copied asynchronously at launch, so that reading them never waits for a
-    # step launched after this one.
-    host_tokens: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
 
 
 def _live(request: Request) -> bool:
@@ -109,7 +91,7 @@ class Engine:
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         self.requests: dict[str, Request] = {}
-        self._inflight: _Launched | None = None  # a step launched ahead (overlap_decode)
+        self._inflight: LaunchedStep | None = None  # a step launched ahead (overlap_decode)
         self.steps_launched_ahead = 0
         self._arrival = itertools.count()
         self.prompt_tokens_total = 0
@@ -193,12 +175,12 @@ class Engine:
         device computes the next. Outputs are the same: each request computes the same
         positions from the same tokens, and a request that stops here computed one position
         more, which its release discards (or caches: the KV of a real token)."""
-        launched = self._inflight or self._launch_scheduled()
+        launched = self._inflight or self._launch(None)
         self._inflight = None
         if launched is None:
             return []
         if self.config.use_overlap_decode and self._can_launch_ahead(launched):
-            self._inflight = self._launch(self.scheduler.schedule(), self._token_source(launched))
+            self._inflight = self._launch(launched)
             self.steps_launched_ahead += 1
         outputs = self._complete(launched)
         self._drop_dead_inflight()
@@ -212,60 +194,21 @@ class Engine:
         if self._inflight is not None and not any(_live(r) for r, _ in self._inflight.sampling):
             self._inflight = None
 
-    def _launch_scheduled(self) -> _Launched | None:
+    def _launch(self, after: LaunchedStep | None) -> LaunchedStep | None:
+        """Schedule the next step and launch it on the device; each request that samples in
+        it gets a pending token. `after`: the step launched before, whose tokens are this
+        one's pending rows (overlapped decode)."""
         plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting")
             return None
-        return self._launch(plan, None)
-
-    def _launch(self, plan: list[ScheduledChunk], source: TokenSource | None) -> _Launched:
-        """Enqueue the forward, log-softmax and token choice of `plan` on the device, with no
-        host wait (the eager CUDA path's patch indices aside: ModelRunner.run). Each sampling
-        request gets a pending token."""
-        logits, layout = self.runner.run(plan, source)
-        logprobs = self.ops.log_softmax(logits)
-        prefill_done_before: list[bool] = []
-        sampling: list[tuple[Request, int]] = []
-        for part in layout:
-            request = part.chunk.request
-            prefill_done_before.append(request.num_computed >= len(request.prompt_ids))
-            request.num_computed = part.chunk.end
-            if part.sample_row is not None:
-                sampling.append((request, part.sample_row))
-        launched = _Launched(layout, prefill_done_before, logits, logprobs, sampling)
-        if sampling:
-            choices = [
-                RowSampling(
-                    temperature=r.params.temperature, top_k=r.params.top_k,
-                    top_p=r.params.top_p, min_p=r.params.min_p, seed=r.seed,
-                    position=r.num_tokens,
-                )
-                for r, _ in sampling
-            ]  # fmt: skip
-            row_ids = [row for _, row in sampling]
-            if row_ids == list(range(logits.shape[0])):  # decode steps: every row samples
-                picked, picked_lps = logits, logprobs
-            else:
-                rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
-                picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
-            launched.tokens = choose_token_tensor(picked, choices)
-            chosen = picked_lps.gather(1, launched.tokens[:, None])[:, 0]
-            # One transfer for tokens and their logprobs (float64 holds both exactly).
-            both = torch.stack((launched.tokens.double(), chosen.double()))
-            if both.device.type == "cuda":
-                launched.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-                launched.host_tokens.copy_(both, non_blocking=True)
-                launched.ready = torch.cuda.Event()
-                launched.ready.record()
-            else:
-                launched.host_tokens = both
-            for request, _ in sampling:
-                request.pending += 1
+        launched = self.runner.launch(plan, after)
+        for request, _ in launched.sampling:
+            request.pending += 1
         return launched
 
-    def _can_launch_ahead(self, launched: _Launched) -> bool:
+    def _can_launch_ahead(self, launched: LaunchedStep) -> bool:
         """Whether the next schedule is certain to be one new token for exactly the running
         requests, all of which sampled in `launched` (no admission, eviction or preemption),
         and completing `launched` needs no read from the device beyond its tokens (prompt or
@@ -290,44 +233,29 @@ class Engine:
             for r in running
         )
 
-    @staticmethod
-    def _token_source(launched: _Launched) -> TokenSource:
-        assert launched.tokens is not None
-        return TokenSource(
-            launched.tokens, {id(r): i for i, (r, _) in enumerate(launched.sampling)}
-        )
-
-    def _complete(self, launched: _Launched) -> list[StepOutput]:
-        """Bring a launched step's tokens to the host (the step's one host sync on greedy
-        decode) and apply them: prompt logprobs, appended tokens, finish conditions, text.
-        Requests that stopped or were aborted while it ran are skipped."""
+    def _complete(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Apply a launched step's results on the host: prompt logprobs, appended tokens,
+        finish conditions, text. Requests that stopped or were aborted while it ran are
+        skipped."""
         for part in launched.layout:
-            if part.prompt_positions and _live(part.chunk.request):
-                self._record_prompt_logprobs(part.chunk.request, part.prompt_positions,
-                                             part.prompt_rows, launched.logprobs)  # fmt: skip
-        outputs: list[StepOutput] = []
-        if launched.sampling:
-            assert launched.host_tokens is not None
-            if launched.ready is not None:
-                launched.ready.synchronize()  # this step's copy only, not later steps
-            tokens_f, chosen_lps = launched.host_tokens.tolist()
-            for (request, row), token, lp in zip(launched.sampling, tokens_f, chosen_lps,
-                                                 strict=True):  # fmt: skip
-                request.pending -= 1
-                if not _live(request):
-                    continue
-                top = top_logprobs(launched.logprobs[row], request.params.logprobs or 0)
-                outputs.append(self._advance(request, TokenLogprob(int(token), lp, top)))
-        # After the tokens are appended: with a step launched ahead, num_computed already
-        # covers the position of the token just appended, and caching reads all_ids.
-        for part, done_before in zip(launched.layout, launched.prefill_done_before, strict=True):
             request = part.chunk.request
-            if (
-                _live(request)
-                and not done_before
-                and request.num_computed >= len(request.prompt_ids)
-            ):
-                self._on_prefill_done(request)
+            if part.prompt_positions and _live(request):
+                assert request.prompt_logprobs is not None
+                k = request.params.prompt_logprobs or 0
+                request.prompt_logprobs.extend(launched.prompt_logprobs(part, k))
+                request.prompt_logprobs_next = part.prompt_positions[-1] + 2
+        outputs: list[StepOutput] = []
+        tokens, chosen_lps = launched.chosen()
+        for (request, row), token, lp in zip(launched.sampling, tokens, chosen_lps, strict=True):
+            request.pending -= 1
+            if not _live(request):
+                continue
+            top = launched.top_logprobs(row, request.params.logprobs or 0)
+            outputs.append(self._advance(request, TokenLogprob(token, lp, top)))
+        # After the tokens are appended: caching the prompt reads all_ids.
+        for part in launched.layout:
+            if part.chunk.completes_prompt and _live(part.chunk.request):
+                self._on_prefill_done(part.chunk.request)
         for out in outputs:
             if out.finished:
                 request = self.requests.pop(out.request_id)
@@ -341,23 +269,6 @@ class Engine:
             self.cached_tokens_total += max(request.cached_tokens, 0)
         # Share the prompt's KV with requests that arrive while this one still decodes.
         self.scheduler.cache_prefix(request)
-
-    def _record_prompt_logprobs(
-        self, request: Request, positions: list[int], rows: list[int], logprobs: torch.Tensor
-    ) -> None:
-        """Logprobs of prompt[p + 1] from the logits at each position p: one gather and one
-        host transfer for the chunk; top alternatives only when asked for."""
-        k = request.params.prompt_logprobs or 0
-        assert request.prompt_logprobs is not None
-        device = logprobs.device
-        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
-        token_ids = [request.prompt_ids[p + 1] for p in positions]
-        targets = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        chunk = logprobs.index_select(0, row_index)
-        values = chunk.gather(1, targets[:, None])[:, 0].tolist()
-        for i, (token, value) in enumerate(zip(token_ids, values, strict=True)):
-            request.prompt_logprobs.append(TokenLogprob(token, value, top_logprobs(chunk[i], k)))
-        request.prompt_logprobs_next = positions[-1] + 2
 
     def _advance(self, request: Request, chosen: TokenLogprob) -> StepOutput:
         """Append the chosen token to the request: logprobs, finish conditions, text."""
@@ -424,7 +335,7 @@ class Engine:
         }
 
     def fingerprint(self) -> dict[str, Any]:
-        """What the results depend on (DESIGN.md, "What may change results")."""
+        """What the results depend on (docs/design.md, "The contract")."""
         return {
             "engine_version": lockstep.__version__,
             "kernel_table_version": getattr(self.ops, "kernel_table_version", self.ops.name),

@@ -1,31 +1,41 @@
-"""Turns a scheduler plan into one forward pass and hands back the logits the step needs.
+"""The device side of a step: a scheduler plan in, a launched step out.
 
-For each scheduled chunk the runner lays out rows (tokens, absolute positions, output slots),
-the chunk's slot table for attention, and which rows need logits:
+`ModelRunner.launch` lays out the plan's rows (tokens, absolute positions, output slots), the
+chunks' slot tables for attention and which rows need logits:
   * the last row, when the chunk reaches the end of the request's tokens (it samples);
-  * rows whose logits give a still-owed prompt logprob (position p predicts prompt[p+1]).
+  * rows whose logits give a still-owed prompt logprob (position p predicts prompt[p+1]);
+then enqueues the forward (eagerly, or from a CUDA graph for pure decode steps), the
+log-softmax and the token choice, and starts copying the chosen tokens and their logprobs to
+the host. It returns a `LaunchedStep` without waiting for the device; the engine reads the
+step's results through it, on the host side only.
 
-A row whose token is still pending (chosen on the device by the step before, not yet on the
-host: overlapped decode) is built with a placeholder and patched on the device from that
-step's token tensor before the forward runs (`TokenSource`), so building never waits for it.
+A row whose token is still pending (chosen on the device by the step launched before, not yet
+on the host: overlapped decode) is built with a placeholder and patched on the device from
+that step's token tensor before the forward runs, so building never waits for it.
+
+    Engine.step:  Scheduler.schedule() -> ModelRunner.launch(plan, after) -> LaunchedStep
+                  -> LaunchedStep.chosen() (one host sync) -> Engine applies tokens, text
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lockstep.engine.cuda_graphs import DecodeGraphRunner
-from lockstep.engine.forward_batch import ForwardBatch
+from lockstep.engine.outputs import TokenLogprob
+from lockstep.engine.request import Request
+from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
 from lockstep.engine.scheduler import ScheduledChunk
 from lockstep.models.decoder import Decoder, KVStorage
+from lockstep.models.forward_batch import ForwardBatch
 from lockstep.ops.base import build_attention_meta
 
 
 @dataclass(frozen=True)
 class TokenSource:
-    """Where pending tokens come from: the launched step's chosen tokens (device, int64) and
+    """Where pending tokens come from: a launched step's chosen tokens (device, int64) and
     each pending request's index into them (keyed by id(request))."""
 
     tokens: torch.Tensor
@@ -42,17 +52,110 @@ class ChunkLogits:
     sample_row: int | None
 
 
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device whose results the host has not read yet.
+
+    `sampling` lists the requests that choose a token and their logits row; `tokens` holds
+    the chosen tokens on the device (one per sampling entry), which a step launched after this
+    one reads for its pending rows. The chosen tokens and their logprobs are copied to pinned
+    host memory at launch, so `chosen()` waits for this step's copy only, never for a step
+    launched after it."""
+
+    layout: list[ChunkLogits]
+    logprobs: torch.Tensor  # [R, vocab] float32, on the device
+    sampling: list[tuple[Request, int]]
+    tokens: torch.Tensor | None = None
+    _host: torch.Tensor | None = field(default=None, repr=False)  # [2, n] float64
+    _ready: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def chosen(self) -> tuple[list[int], list[float]]:
+        """The chosen tokens and their logprobs, one per sampling entry (the step's one host
+        sync on greedy decode)."""
+        if self._host is None:
+            return [], []
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, logprobs = self._host.tolist()
+        return [int(t) for t in tokens], logprobs
+
+    def top_logprobs(self, row: int, k: int) -> tuple[tuple[int, float], ...]:
+        """The k most likely tokens of logits row `row` and their logprobs (none for k=0)."""
+        return top_logprobs(self.logprobs[row], k)
+
+    def prompt_logprobs(self, part: ChunkLogits, k: int) -> list[TokenLogprob]:
+        """Logprobs of prompt[p + 1] from the logits at each of the chunk's prompt positions
+        p: one gather and one host transfer for the chunk; top alternatives when k > 0."""
+        prompt = part.chunk.request.prompt_ids
+        device = self.logprobs.device
+        rows = self.logprobs.index_select(
+            0, torch.tensor(part.prompt_rows, dtype=torch.int64, device=device)
+        )
+        token_ids = [prompt[p + 1] for p in part.prompt_positions]
+        targets = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        values = rows.gather(1, targets[:, None])[:, 0].tolist()
+        return [
+            TokenLogprob(token, value, top_logprobs(rows[i], k))
+            for i, (token, value) in enumerate(zip(token_ids, values, strict=True))
+        ]
+
+    def token_source(self) -> TokenSource:
+        """Where a step launched after this one finds the tokens this one chooses."""
+        assert self.tokens is not None, "a step that samples nothing has no tokens to give"
+        return TokenSource(self.tokens, {id(r): i for i, (r, _) in enumerate(self.sampling)})
+
+
 class ModelRunner:
-    """Runs steps eagerly, or pure decode steps from CUDA graphs when `graphs` is given (same
-    bits: see lockstep/engine/cuda_graphs.py)."""
+    """Launches steps eagerly, or pure decode steps from CUDA graphs when `graphs` is given
+    (same bits: see lockstep/engine/cuda_graphs.py)."""
 
     def __init__(
         self, decoder: Decoder, kv: KVStorage, graphs: DecodeGraphRunner | None = None
     ) -> None:
         self.decoder = decoder
+        self.ops = decoder.ops
         self.kv = kv
         self.graphs = graphs
         self.device = decoder.device
+
+    def launch(self, plan: list[ScheduledChunk], after: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue the forward, log-softmax and token choice of `plan` (which the scheduler
+        has already counted as computed). `after`: the launched step whose tokens this plan's
+        pending rows take. No host wait, the eager CUDA path's patch indices aside."""
+        source = after.token_source() if after is not None else None
+        logits, layout = self.forward(plan, source)
+        logprobs = self.ops.log_softmax(logits)
+        sampling = [
+            (part.chunk.request, part.sample_row) for part in layout if part.sample_row is not None
+        ]
+        step = LaunchedStep(layout, logprobs, sampling)
+        if not sampling:
+            return step
+        choices = [
+            RowSampling(
+                temperature=r.params.temperature, top_k=r.params.top_k, top_p=r.params.top_p,
+                min_p=r.params.min_p, seed=r.seed, position=r.num_tokens,
+            )
+            for r, _ in sampling
+        ]  # fmt: skip
+        row_ids = [row for _, row in sampling]
+        if row_ids == list(range(logits.shape[0])):  # decode steps: every row samples
+            picked, picked_lps = logits, logprobs
+        else:
+            rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
+            picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
+        step.tokens = choose_token_tensor(picked, choices)
+        chosen = picked_lps.gather(1, step.tokens[:, None])[:, 0]
+        # One transfer for tokens and their logprobs (float64 holds both exactly).
+        both = torch.stack((step.tokens.double(), chosen.double()))
+        if both.device.type == "cuda":
+            step._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            step._host.copy_(both, non_blocking=True)
+            step._ready = torch.cuda.Event()
+            step._ready.record()
+        else:
+            step._host = both
+        return step
 
     def build(
         self, plan: list[ScheduledChunk], source: TokenSource | None = None
@@ -96,22 +199,15 @@ class ModelRunner:
                 sample_row = len(logit_rows)
                 logit_rows.append(row0 + end - 1 - start)
             layout.append(ChunkLogits(chunk, prompt_positions, prompt_rows, sample_row))
-        i64 = torch.int64
-        batch = ForwardBatch(
-            token_ids=torch.tensor(tokens, dtype=i64),
-            positions=torch.tensor(positions, dtype=i64),
-            out_slots=torch.tensor(out_slots, dtype=i64),
-            meta=build_attention_meta(q_counts, q_starts, tables),
-            logit_rows=torch.tensor(logit_rows, dtype=i64),
-        )
+        meta = build_attention_meta(q_counts, q_starts, tables)
+        batch = ForwardBatch.from_lists(tokens, positions, out_slots, meta, logit_rows)
         return batch, layout, patches
 
-    def run(
+    def forward(
         self, plan: list[ScheduledChunk], source: TokenSource | None = None
     ) -> tuple[torch.Tensor, list[ChunkLogits]]:
-        """Launch one forward step; returns float32 logits [R, vocab] (on the model's device)
-        and which rows belong to which chunk. Never waits for the device unless a CPU tensor
-        must be read (the eager CUDA path's patch indices)."""
+        """Enqueue one forward pass; returns float32 logits [R, vocab] (on the model's device)
+        and which rows belong to which chunk."""
         batch, layout, patches = self.build(plan, source)
         if self.graphs is not None and self.graphs.can_run(batch):
             patch = (patches, source.tokens) if patches and source is not None else None
@@ -126,5 +222,4 @@ class ModelRunner:
                 torch.tensor(rows, dtype=torch.int64, device=dev),
                 source.tokens.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
             )
-        logits = self.decoder.forward(batch, self.kv)
-        return logits, layout
+        return self.decoder.forward(batch, self.kv), layout

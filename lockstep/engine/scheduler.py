@@ -37,6 +37,11 @@ class ScheduledChunk:
     start: int
     end: int
 
+    @property
+    def completes_prompt(self) -> bool:
+        """This chunk computes the last prompt position (again, after a preemption)."""
+        return self.start < len(self.request.prompt_ids) <= self.end
+
 
 class Scheduler:
     def __init__(
@@ -74,6 +79,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------- planning
     def schedule(self) -> list[ScheduledChunk]:
+        """Plan the next step and count its positions as computed: each planned request's
+        `num_computed` becomes its chunk's end (the caller launches the plan at once). The
+        scheduler is the only place `num_computed` moves forward."""
+        plan = self._plan()
+        for chunk in plan:
+            chunk.request.num_computed = chunk.end
+        return plan
+
+    def _plan(self) -> list[ScheduledChunk]:
         budget = self.max_batch_tokens
         plan: list[ScheduledChunk] = []
         # The running requests' slots are reserved one by one (evicting or preempting where

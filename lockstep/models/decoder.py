@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from lockstep.engine.forward_batch import ForwardBatch
 from lockstep.errors import ModelLoadError
+from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.spec import ModelSpec, expected_weight_names
-from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
+from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
@@ -102,6 +102,11 @@ class Decoder:
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        self.attention_inputs = [
+            AttentionInput(spec.num_heads, w.q_norm, w.k_norm, spec.rms_norm_eps,
+                           self.rope_cos, self.rope_sin)
+            for w in layers
+        ]  # fmt: skip
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
     @classmethod
@@ -182,12 +187,11 @@ class Decoder:
             else:
                 x, residual = ops.add_rms_norm(h, residual, w.input_norm, spec.rms_norm_eps)
             qkv = ops.linear(x, w.qkv, w.qkv_bias)
-            k_cache, v_cache = kv.k_cache(i), kv.v_cache(i)
+            layer_kv = LayerKV(kv.k_cache(i), kv.v_cache(i))
             q = ops.attention_input(
-                qkv, spec.num_heads, w.q_norm, w.k_norm, spec.rms_norm_eps, batch.positions,
-                self.rope_cos, self.rope_sin, k_cache, v_cache, batch.out_slots,
-            )  # fmt: skip
-            o = ops.attention(q, k_cache, v_cache, batch.meta, self.scale)
+                qkv, self.attention_inputs[i], batch.positions, batch.out_slots, layer_kv
+            )
+            o = ops.attention(q, layer_kv, batch.meta, self.scale)
             h = ops.linear(o.reshape(t, spec.q_size), w.o)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
             h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
@@ -199,22 +203,22 @@ class Decoder:
     def logits_for_sequence(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 of one cold full prefill of `token_ids`, in a scratch KV
         cache of exactly len(token_ids) slots. For tests and reference comparisons."""
+        return self.cold_prefill(token_ids)[0]
+
+    def cold_prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, ScratchKV]:
+        """One cold full prefill of `token_ids` in a private KV cache (slot j holds position
+        j): every position's logits [T, vocab] float32, and the cache it wrote."""
         n = len(token_ids)
-        kv = _ScratchKV(self.spec, n, self.dtype, self.device)
-        slots = torch.arange(n, dtype=torch.int64)
-        meta: AttentionMeta = build_attention_meta([n], [0], [slots])
-        batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.arange(n, dtype=torch.int64),
-            out_slots=slots,
-            meta=meta,
-            logit_rows=torch.arange(n, dtype=torch.int64),
-        ).to(self.device)
-        return self.forward(batch, kv)
+        kv = ScratchKV(self.spec, n, self.dtype, self.device)
+        positions = list(range(n))
+        meta: AttentionMeta = build_attention_meta([n], [0], [positions])
+        batch = ForwardBatch.from_lists(token_ids, positions, positions, meta, positions)
+        return self.forward(batch.to(self.device), kv), kv
 
 
-class _ScratchKV:
-    """A private KV cache for `logits_for_sequence` (the engine uses the shared KV pool)."""
+class ScratchKV:
+    """A private KV cache for `cold_prefill`, k and v [layers, n, Hkv, D] (the engine uses the
+    shared KV pool)."""
 
     def __init__(self, spec: ModelSpec, n: int, dtype: torch.dtype, device: torch.device):
         shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)

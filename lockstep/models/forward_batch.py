@@ -1,12 +1,14 @@
 """The per-step input of one forward pass: which tokens, where they sit, where their KV goes.
 
-Built by the model runner from the scheduler's plan and passed explicitly to the decoder (no
-module-level context). Rows of one sequence are contiguous and hold consecutive positions;
+Built by the engine's model runner from the scheduler's plan and passed explicitly to the
+decoder (no module-level context); it lives beside the decoder, which knows nothing of the
+engine's requests. Rows of one sequence are contiguous and hold consecutive positions;
 `meta` describes where each row's keys live in the KV pool (see `lockstep.ops.base`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,25 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] int64, KV slot each row's key and value are written to
     meta: AttentionMeta
     logit_rows: torch.Tensor  # [R] int64, rows whose logits the step needs
+
+    @classmethod
+    def from_lists(
+        cls,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        out_slots: Sequence[int],
+        meta: AttentionMeta,
+        logit_rows: Sequence[int],
+    ) -> ForwardBatch:
+        """A batch of CPU int64 tensors from the host lists a step is laid out in."""
+        i64 = torch.int64
+        return cls(
+            token_ids=torch.tensor(token_ids, dtype=i64),
+            positions=torch.tensor(positions, dtype=i64),
+            out_slots=torch.tensor(out_slots, dtype=i64),
+            meta=meta,
+            logit_rows=torch.tensor(logit_rows, dtype=i64),
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ Backends (see `lockstep.ops.get_ops`):
   * `gpu_fast`          - cuBLAS and torch SDPA;
   * `reference`         - float64 torch, for tests only.
 
-The contract every deterministic backend keeps (DESIGN.md, "How each part keeps the contract"):
+The contract every deterministic backend keeps (docs/design.md):
 each output row is computed by the same sequence of floating-point operations whatever the
 number of rows M in the call, the row's index in the call, the thread count, or (for
 attention) how the sequence was split into query chunks. Reductions run in one fixed order
@@ -30,10 +30,11 @@ consecutive absolute positions):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,28 @@ class AttentionMeta:
             max_q=self.max_q,
             max_kv=self.max_kv,
         )
+
+
+class LayerKV(NamedTuple):
+    """One layer's K and V caches, [S, Hkv, D] each (rows are KV slots)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionInput:
+    """What `Ops.attention_input` needs of one layer besides the step's rows: the query head
+    count, the per-head q/k RMSNorm weights [D] (Qwen3; None for models without them) and
+    their epsilon, and the RoPE tables cos, sin: float32 [max_position, D/2] indexed by
+    absolute position, computed once at load."""
+
+    num_heads: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def build_attention_meta(
@@ -127,32 +150,16 @@ class Ops(Protocol):
         ...
 
     def attention_input(
-        self,
-        qkv: torch.Tensor,
-        num_heads: int,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """From the fused projection rows qkv [T, (Hq + 2 Hkv) D] (q | k | v; Hq = num_heads,
-        Hkv and D those of the caches [S, Hkv, D]): per-head RMSNorm of q and k where the model
-        has one (Qwen3), RoPE at `positions`, k and v written to the caches at `slots`;
-        returns q [T, Hq, D]. Every value is computed per token."""
+        self, qkv: Tensor, layer: AttentionInput, positions: Tensor, slots: Tensor, kv: LayerKV
+    ) -> Tensor:
+        """From the fused projection rows qkv [T, (Hq + 2 Hkv) D] (q | k | v; Hq =
+        layer.num_heads, Hkv and D those of the caches kv [S, Hkv, D]): per-head RMSNorm of q
+        and k where the model has one (Qwen3), RoPE at `positions`, k and v written to the
+        caches at `slots`; returns q [T, Hq, D]. Every value is computed per token."""
         ...
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] (q's dtype).
         Keys are visited in blocks at fixed absolute positions, never relative to the query
@@ -190,28 +197,17 @@ class ComposedAttentionInput:
     of it into one kernel and has neither.)"""
 
     def attention_input(
-        self,
-        qkv: torch.Tensor,
-        num_heads: int,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        t, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
-        q, k, v = qkv.split([num_heads * d, hkv * d, hkv * d], dim=1)
-        q = q.reshape(t, num_heads, d)
+        self, qkv: Tensor, layer: AttentionInput, positions: Tensor, slots: Tensor, kv: LayerKV
+    ) -> Tensor:
+        t, hq, (hkv, d) = qkv.shape[0], layer.num_heads, kv.k.shape[1:]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+        q = q.reshape(t, hq, d)
         k = k.reshape(t, hkv, d)
         v = v.reshape(t, hkv, d)
-        if q_norm is not None and k_norm is not None:
-            q = self.rms_norm(q.reshape(-1, d), q_norm, eps).reshape(t, num_heads, d)
-            k = self.rms_norm(k.reshape(-1, d), k_norm, eps).reshape(t, hkv, d)
-        q = self.rope(q, positions, cos, sin)
-        k = self.rope(k, positions, cos, sin)
-        self.write_kv(k_cache, v_cache, k, v, slots)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self.rms_norm(q.reshape(-1, d), layer.q_norm, layer.eps).reshape(t, hq, d)
+            k = self.rms_norm(k.reshape(-1, d), layer.k_norm, layer.eps).reshape(t, hkv, d)
+        q = self.rope(q, positions, layer.cos, layer.sin)
+        k = self.rope(k, positions, layer.cos, layer.sin)
+        self.write_kv(kv.k, kv.v, k, v, slots)
         return q

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.cpu_build import load_extension
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
@@ -105,13 +105,9 @@ class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         return out.to(x.dtype)
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
+        k_cache, v_cache = kv
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"KV cache dtype {k_cache.dtype} is invalid: expected fp32 or bf16")
         out = self._ext.attention(

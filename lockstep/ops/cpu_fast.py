@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.torch_fast import TorchRowOps
 
 
@@ -31,13 +31,9 @@ class CpuFastOps(TorchRowOps):
         return F.linear(x, weight, bias)
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
+        k_cache, v_cache = kv
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
         cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()

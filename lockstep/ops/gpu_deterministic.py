@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, LayerKV
 
 try:
     from lockstep.ops.triton import activation, log_softmax, matmul, norm
@@ -59,33 +59,13 @@ class GpuDeterministicOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_mul(gate_up)
 
-    def attention_input(
-        self,
-        qkv: torch.Tensor,
-        num_heads: int,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """One fused kernel: q/k head norms, RoPE and the K/V cache writes."""
-        return _attention_input(
-            qkv, num_heads, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slots
-        )
+    # One fused kernel: q/k head norms, RoPE and the K/V cache writes.
+    attention_input = staticmethod(_attention_input)
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
+        k_cache, v_cache = kv
         return paged_attention(q, k_cache, v_cache, meta, scale, self.attention_config)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.torch_fast import TorchRowOps
 
 
@@ -28,16 +28,12 @@ class GpuFastOps(TorchRowOps):
         return F.linear(x, weight, bias)
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
         """Decode rows (one query) go through one padded SDPA call; each prefill or extend
         chunk through its own call with a causal mask offset by its cached prefix. A pure
         decode step (meta.max_q == 1) never syncs with the host, so CUDA graphs can hold it."""
+        k_cache, v_cache = kv
         out = torch.empty_like(q)
         if meta.max_q == 1 and q.shape[0] == meta.num_seqs:
             rows = torch.arange(meta.num_seqs, device=q.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 
 f64 = torch.float64
 
@@ -51,13 +51,9 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
+        k_cache, v_cache = kv
         q = q.to(f64)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]

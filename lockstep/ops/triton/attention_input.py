@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
+from lockstep.ops.base import AttentionInput, LayerKV
 from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
 
 
@@ -66,19 +68,12 @@ def _attention_input_kernel(
 
 
 def attention_input(
-    qkv: torch.Tensor,
-    num_heads: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
+    qkv: Tensor, layer: AttentionInput, positions: Tensor, slots: Tensor, kv: LayerKV
+) -> Tensor:
     """See `lockstep.ops.base.Ops.attention_input`."""
+    k_cache, v_cache = kv
+    num_heads, q_norm, k_norm = layer.num_heads, layer.q_norm, layer.k_norm
+    eps, cos, sin = layer.eps, layer.cos, layer.sin
     if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be [S, Hkv, D]"
