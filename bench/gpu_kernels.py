@@ -1,13 +1,14 @@
 """Benchmark the deterministic Triton kernels against cuBLAS and torch SDPA on one GPU.
 
-    python -m lockstep.bench.gpu_kernels [--sweep] [--out results.json]
+    python -m bench.gpu_kernels [--sweep] [--out results.json]    (from the repository root)
 
 Matmul: Qwen3-8B projection shapes at M in {1, 8, 32, 128, 512, 2048, 8192}, the table's
 config (and with --sweep, candidate configs) against cuBLAS F.linear, both timed as CUDA-graph
-replays, plus a bit check (float32 output) that row 0 is identical for every M and config. Attention: causal prefill of one 4k/16k/32k sequence
-against torch SDPA (flash), and decode at batch 1/32/128 over 1k/8k/32k contexts against the
-HBM floor (bytes of K and V read over the measured device copy bandwidth), plus a bit check that
-decode rows equal prefill rows. Prints a table and ONE JSON document on the last line.
+replays, plus a bit check (float32 output) that row 0 is identical for every M and config.
+Attention: causal prefill of one 4k/16k/32k sequence against torch SDPA (flash), and decode at
+batch 1/32/128 over 1k/8k/32k contexts against the HBM floor (bytes of K and V read over the
+measured device copy bandwidth), plus a bit check that decode rows equal prefill rows. Prints a
+table and ONE JSON document on the last line.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lockstep.ops.triton import matmul as mm
 from lockstep.ops.triton.attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
+    ExperimentalAttentionOptions,
     attention_path,
     needs_wide_offsets,
     paged_attention,
@@ -58,7 +60,6 @@ SWEEP_MM = {
         C(32, 32, 256, 4, 5, tma=True, split_programs=True),
         C(32, 64, 256, 4, 4, tma=True, split_programs=True),
         C(32, 64, 128, 4, 5, tma=True, split_programs=True),
-        # fourth session, mid-M misses
         C(32, 64, 128, 4, 6, tma=True),
         C(32, 128, 128, 4, 4, tma=True),
         C(32, 128, 64, 4, 6, tma=True),
@@ -88,8 +89,6 @@ SWEEP_MM = {
         C(128, 64, 64, 4, 4, tma=True, split_programs=True),
         C(128, 256, 64, 8, 3, tma=True),
         C(128, 256, 64, 8, 4, tma=True, persistent=True),
-        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
-        C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
         C(64, 256, 64, 8, 4, tma=True),
         C(256, 128, 64, 8, 3, tma=True),
         C(128, 128, 128, 8, 3, tma=True),
@@ -100,50 +99,53 @@ SWEEP_MM = {
         C(128, 128, 64, 8, 5, tma=True),
         C(128, 256, 64, 8, 3, tma=True),
         C(128, 256, 64, 8, 4, tma=True, persistent=True),
-        C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
-        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
         C(256, 128, 64, 8, 3, tma=True),
         C(128, 128, 64, 8, 4, tma=True, persistent=True, group_m=16),
     ],
 }
-# Since the eighth session the table (DEFAULT_CONFIG) reduces the row sum as a dot
-# (row_sum="mma") and runs decode tiles on 2 warps: "r128n64w8s3mma" and "r16n64w2s3mma"
-# below. The "sum" rows are the table before it (tl.sum; decode tiles on one warp).
-_SUM = {"row_sum": "sum", "num_warps_split": 1}
+# The table (DEFAULT_CONFIG) reduces the row sum as a dot and runs decode tiles on 2 warps:
+# "r128n64w8s3mma" and "r16n64w2s3mma" below. The "sum" rows are the tl.sum variant
+# (ExperimentalAttentionOptions.row_sum; decode tiles on one warp per 16 rows).
+_TL_SUM = ExperimentalAttentionOptions(row_sum="sum")
+_SUM = {"experimental": _TL_SUM, "num_warps_split": 1}
 SWEEP_ATTN_PREFILL = {
     "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3, **_SUM),
     "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4, **_SUM),
     "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3, **_SUM),
-    "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3, row_sum="mma"),
-    # Slot ids loaded in the block's own iteration (the table before the sixth session; in
-    # gpu_attention_prefill_slots_ahead_h200.json, run before the default changed, this
-    # schedule is "r128n64w8s3" and the table's is "r128n64w8s3ahead").
+    "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3),
+    # Slot ids loaded in the block's own iteration instead of a block ahead.
     "r128n64w8s3plain": AttentionConfig(
-        rows=128, num_warps=8, num_stages=3, slots_ahead=False, **_SUM
+        rows=128,
+        num_warps=8,
+        num_stages=3,
+        num_warps_split=1,
+        experimental=ExperimentalAttentionOptions(row_sum="sum", slots_ahead=False),
     ),
     # Other split sizes (other numerics): timing, and their own decode = prefill check.
     "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
     "r128n64w8s3sp128": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=128),
 }
-# Each decode config's bits are compared with the first prefill config of its row_sum and
+# Each decode config's bits are compared with the first prefill config of its row sum and
 # split size.
 SWEEP_ATTN_DECODE = {
     "r16n64w1s3": AttentionConfig(rows_split=16, num_stages_split=3, **_SUM),
-    # Slot ids ahead forced on at any grid size (the bits run's 84,000 programs are above
-    # the table's residency limit, so the table row runs without) and forced off.
+    # Slot ids ahead at any grid size (the bits run's programs are above the table's
+    # residency limit, so the table row runs without) and never.
     "r16n64w1s3ahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30, **_SUM),
-    "r16n64w1s3plain": AttentionConfig(slots_ahead_split=False, **_SUM),
-    "r16n64w1s4": AttentionConfig(rows_split=16, num_stages_split=4, **_SUM),
-    "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, row_sum="sum"),
-    "r16n64w4": AttentionConfig(  # the negative control: tl.sum on 16 rows x 4 warps
-        rows_split=16, num_warps_split=4, row_sum="sum", negative_control=True
+    "r16n64w1s3plain": AttentionConfig(
+        num_warps_split=1,
+        experimental=ExperimentalAttentionOptions(row_sum="sum", slots_ahead_split=False),
     ),
-    "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1, row_sum="mma"),
-    "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2, row_sum="mma"),
-    "r16n64w2s3mmaahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30, row_sum="mma"),
-    "r16n64w2s3mmaplain": AttentionConfig(slots_ahead_split=False, row_sum="mma"),
-    "r16n64w4s3mma": AttentionConfig(rows_split=16, num_warps_split=4, row_sum="mma"),
-    "r16n64w8s3mma": AttentionConfig(rows_split=16, num_warps_split=8, row_sum="mma"),
+    "r16n64w1s4": AttentionConfig(rows_split=16, num_stages_split=4, **_SUM),
+    "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, experimental=_TL_SUM),
+    "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1),
+    "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2),
+    "r16n64w2s3mmaahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30),
+    "r16n64w2s3mmaplain": AttentionConfig(
+        experimental=ExperimentalAttentionOptions(slots_ahead_split=False)
+    ),
+    "r16n64w4s3mma": AttentionConfig(rows_split=16, num_warps_split=4),
+    "r16n64w8s3mma": AttentionConfig(rows_split=16, num_warps_split=8),
     "r16n64w2s3sp256": AttentionConfig(rows_split=16, num_warps_split=2, split=256),
     "r16n64w2s3sp128": AttentionConfig(rows_split=16, num_warps_split=2, split=128),
 }
@@ -154,9 +156,9 @@ _FLUSH: list[torch.Tensor] = []
 
 def flush_l2() -> None:
     """Evict L2 by READING a buffer larger than it. Writing one (triton's do_bench zeroes a
-    256 MiB buffer) leaves L2 full of dirty lines whose write-back the next kernel pays: about
-    50 MB at the copy rate, ~11 us, which made every small-M matmul (ours and cuBLAS alike)
-    look ~11 us slower than in a real decode step (session 2, run 10)."""
+    256 MiB buffer) leaves L2 full of dirty lines whose write-back the next kernel pays (about
+    11 us on an H200), which would make every small-M matmul, ours and cuBLAS alike, look
+    slower than in a real decode step."""
     if not _FLUSH:
         _FLUSH.append(torch.ones(512 << 20, dtype=torch.int8, device="cuda"))
     _FLUSH[0].sum(dtype=torch.int32)
@@ -214,7 +216,7 @@ def graph_span_ms(fn, rep: int = 30) -> float:
     profiler's kernel list (`kernel_events`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
+    from bench.kernel_trace import charge_critical_path, kernel_events
 
     graph = capture_graph(fn)
     for _ in range(3):
@@ -340,8 +342,8 @@ def run_attention_bits(log) -> dict:
     runs = {f"prefill:{n}": (c, "prefill", meta) for n, c in SWEEP_ATTN_PREFILL.items()}
     runs |= {f"decode:{n}": (c, "split", dmeta) for n, c in SWEEP_ATTN_DECODE.items()}
     # The decode tiles with the splits folded in-kernel (the path a full GPU of programs
-    # takes): the table's config, with slot ids ahead forced on (this run's 16,800 programs
-    # are above the residency limit), and tl.sum's one-warp tiles.
+    # takes): the table's config, with slot ids ahead forced on (this run's programs are
+    # above the residency limit), and tl.sum's one-warp tiles.
     runs |= {f"fold:{n}": (SWEEP_ATTN_DECODE[n], "fold", dmeta)
              for n in ("r16n64w2s3mma", "r16n64w2s3mmaahead", "r16n64w1s3")}  # fmt: skip
     outs = {name: paged_attention(q, k, v, m, HD**-0.5, cfg, path, f32)
@@ -349,10 +351,10 @@ def run_attention_bits(log) -> dict:
     configs = {name: cfg for name, (cfg, _, _) in runs.items()}
     bases = {}
     for name, cfg in configs.items():
-        bases.setdefault((cfg.row_sum, cfg.split), name)
+        bases.setdefault((cfg.experimental.row_sum, cfg.split), name)
     result = {}
     for other, cfg in configs.items():
-        base = bases[(cfg.row_sum, cfg.split)]
+        base = bases[(cfg.experimental.row_sum, cfg.split)]
         if other == base:
             continue
         diff = int((outs[base] != outs[other]).any(dim=-1).sum())
@@ -417,14 +419,13 @@ def graph_launch_cost(log) -> dict:
 
 
 def run_decode(sweep: bool, bandwidth: float, log) -> list[dict]:
-    """Decode attention against its floor, timed two ways: graph replays (`graph_ms`, the
-    table up to the eighth session) and the kernels' span within a replay (`graph_span_ms`,
-    without the graph launch, which an engine's decode graph pays once per step).
-    Each cell on a cache of its own tokens, as an engine's cache holds them: the offset
-    width follows (`needs_wide_offsets`; 64-bit above 2**21 tokens at Hkv 8 / D 128, here only
-    batch 128 at 32k keys, which no engine on one H200 holds for 36 layers). Up to the eighth
-    session every cell ran on one 128 x 32k-token cache, so on 64-bit offsets; that timing is
-    kept as `graph_ms_wide` (the same bits:
+    """Decode attention against its floor, timed two ways: graph replays (`graph_ms`) and
+    the kernels' span within a replay (`graph_span_ms`, without the graph launch, which an
+    engine's decode graph pays once per step). Each cell on a cache of its own tokens, as an
+    engine's cache holds them: the offset width follows (`needs_wide_offsets`; 64-bit above
+    2**21 tokens at Hkv 8 / D 128, here only batch 128 at 32k keys, which no engine on one
+    H200 holds for 36 layers). `graph_ms_wide` times every cell on one 128 x 32k-token cache,
+    so on 64-bit offsets (the same bits:
     `test_attention_64_bit_gather_offsets_give_the_same_bits`)."""
     rows = []
     cfgs = SWEEP_ATTN_DECODE if sweep else {"table": DEFAULT_CONFIG}
@@ -493,13 +494,13 @@ def main(argv: list[str] | None = None) -> None:
 
     only = set(args.only.split(","))
     doc = {
-        "command": "python -m lockstep.bench.gpu_kernels " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m bench.gpu_kernels " + " ".join(argv or sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
-    # Bring the clocks up before the first timing (run 2 timed its first shape slow).
+    # Bring the clocks up before the first timing, or the first shape times slow.
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(150):
         a @ a

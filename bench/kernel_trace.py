@@ -4,7 +4,7 @@ With programmatic dependent launch a kernel starts (and waits) before the one ah
 ends, so kernel durations overlap and do not add up to the run's time. Charging each kernel
 only the time by which it pushed out the latest end seen so far does add up: the shares sum
 to the span from the first kernel's start to the last end. Used by scripts/graph_timeline.py
-(a decode step, kernel by kernel) and scripts/attn_decode_probe.py (split kernel vs merge).
+(a decode step, kernel by kernel) and `bench.gpu_kernels.graph_span_ms` (a replay's span).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CPU ops benchmark: deterministic C++ kernels against plain torch on SmolLM2-135M shapes.
 
-    python -m lockstep.bench.ops_cpu [--threads N] [--repeats R]
+    python -m bench.ops_cpu [--threads N] [--repeats R]    (from the repository root)
 
 Measures each linear of the model (fp32 and bf16 weights) at M = 1, 16, 512, 1500, attention
 at decode and prefill shapes, and a whole random-weight decoder step (decode at batch 1 and 16,
@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
+from lockstep.ops.base import AttentionMeta, LayerKV, Ops, build_attention_meta
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
 from lockstep.ops.cpu_fast import CpuFastOps
 
@@ -98,13 +98,12 @@ def bench_attention(ops: dict[str, Ops], repeats: int) -> list[dict]:
             slots = sum(counts) + sum(starts) + 16
             k_cache = torch.randn(slots, HKV, HEAD_DIM).to(cache_dtype)
             v_cache = torch.randn(slots, HKV, HEAD_DIM).to(cache_dtype)
+            kv = LayerKV(k_cache, v_cache)
             meta, _ = paged_batch(counts, starts, slots)
             q = torch.randn(sum(counts), HQ, HEAD_DIM)
             row = {"op": f"attention {label}", "cache": str(cache_dtype)[6:]}
             for name, backend in ops.items():
-                sec = best_time(
-                    partial(backend.attention, q, k_cache, v_cache, meta, HEAD_DIM**-0.5), repeats
-                )
+                sec = best_time(partial(backend.attention, q, kv, meta, HEAD_DIM**-0.5), repeats)
                 row[f"{name}_ms"] = sec * 1e3
             rows.append(row)
     return rows
@@ -148,7 +147,7 @@ class RandomDecoder:
             q = ops.rope(q.reshape(t, HQ, HEAD_DIM), positions, self.cos, self.sin)
             k = ops.rope(k.reshape(t, HKV, HEAD_DIM), positions, self.cos, self.sin)
             ops.write_kv(self.k_cache[i], self.v_cache[i], k, v.reshape(t, HKV, HEAD_DIM), slots)
-            a = ops.attention(q, self.k_cache[i], self.v_cache[i], meta, HEAD_DIM**-0.5)
+            a = ops.attention(q, LayerKV(self.k_cache[i], self.v_cache[i]), meta, HEAD_DIM**-0.5)
             hidden = ops.linear(a.reshape(t, HQ * HEAD_DIM), layer["o"])
             x, residual = ops.add_rms_norm(hidden, residual, self.norm, 1e-5)
             hidden = ops.linear(ops.silu_mul(ops.linear(x, layer["gate_up"])), layer["down"])

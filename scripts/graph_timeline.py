@@ -12,14 +12,14 @@ contributions add up to the replay's span. Kernels on other streams (prefetch) a
 Variants (each captured and timed in turn, logits compared bit for bit with the first):
   name:proj=BM-BN-BK-WARPS-STAGES[-s],...   proj one of qkv, o, gate_up, down: that
   projection's matmul config at M <= 16 (TMA; a trailing -s: one program per K split),
-  instead of the table's; attn_stages=N, attn_ahead=0|1, attn_ahead_per_sm=N: the decode
-  attention's num_stages_split, slots_ahead_split and slots_ahead_programs_per_sm;
-  merge_cols=N, merge_warps=N: the merge's column chunk and warps; attn_fold=X: the
-  decode path's fold_programs_per_sm (a number; a large one keeps multi-split decodes on
-  the split path). None of these changes a bit (the logits check says so again).
-  attn_row_sum=mma|sum, attn_warps=N: the row sum's reduction and the decode tile's warps;
-  row_sum is numerics (its logits differ), and with sum the config requires attn_warps=1
-  (AttentionConfig: tl.sum keeps the bits only on one warp per 16 rows).
+  instead of the table's; attn_stages=N, attn_ahead_per_sm=N: the decode attention's
+  num_stages_split and slots_ahead_programs_per_sm; merge_cols=N: the merge's column chunk;
+  attn_fold=X: the decode path's fold_programs_per_sm (a number; a large one keeps
+  multi-split decodes on the split path); attn_warps=N: the decode tile's warps. The
+  experimental kernel variants (ExperimentalAttentionOptions): attn_ahead=0|1 (the decode
+  tiles' slots_ahead_split), merge_warps=N, attn_row_sum=mma|sum. None of these changes a bit
+  (the logits check says so again) except attn_row_sum=sum, which is other numerics and needs
+  attn_warps=1 (tl.sum keeps the bits only on one warp per 16 rows).
 JSON on the last line.
 """
 
@@ -29,30 +29,37 @@ import argparse
 import datetime as dt
 import json
 import statistics
+import sys
 from dataclasses import replace
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench/
 
-from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
-from lockstep.config import EngineConfig
-from lockstep.engine.engine import Engine
-from lockstep.engine.sampling_params import SamplingParams
-from lockstep.ops.triton import matmul as mm
-from lockstep.ops.triton.attention import DEFAULT_CONFIG
+import torch  # noqa: E402
+
+from bench.kernel_trace import charge_critical_path, kernel_events  # noqa: E402
+from lockstep.config import EngineConfig  # noqa: E402
+from lockstep.engine.engine import Engine  # noqa: E402
+from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
+from lockstep.ops.triton import matmul as mm  # noqa: E402
+from lockstep.ops.triton.attention import DEFAULT_CONFIG  # noqa: E402
 
 LAYER_MATMULS = ("qkv", "o", "gate_up", "down")
-ATTENTION_KEYS = {
+ATTENTION_KEYS = {  # variant key: AttentionConfig field
     "attn_stages": "num_stages_split",
-    "attn_ahead": "slots_ahead_split",
     "attn_ahead_per_sm": "slots_ahead_programs_per_sm",
     "merge_cols": "merge_cols",
-    "merge_warps": "merge_warps",
     "attn_warps": "num_warps_split",
-    "attn_row_sum": "row_sum",
     "attn_fold": "fold_programs_per_sm",
+}
+EXPERIMENTAL_KEYS = {  # variant key: ExperimentalAttentionOptions field
+    "attn_ahead": "slots_ahead_split",
+    "merge_warps": "merge_warps",
+    "attn_row_sum": "row_sum",
 }
 WORD_VALUES = {"attn_row_sum": ("mma", "sum")}
 FLOAT_KEYS = {"attn_fold"}
+BOOL_KEYS = {"attn_ahead"}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -60,9 +67,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     opts = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in (*LAYER_MATMULS, *ATTENTION_KEYS) or not value:
+        if key not in (*LAYER_MATMULS, *ATTENTION_KEYS, *EXPERIMENTAL_KEYS) or not value:
             raise SystemExit(f"bad item {item!r} in {text!r}: want KEY=VALUE, KEY one of "
-                             f"{LAYER_MATMULS} or {tuple(ATTENTION_KEYS)}")  # fmt: skip
+                             f"{LAYER_MATMULS}, {tuple(ATTENTION_KEYS)} or "
+                             f"{tuple(EXPERIMENTAL_KEYS)}")  # fmt: skip
         if key in LAYER_MATMULS:
             parse_config(value)  # refuse a malformed config before any engine is built
         elif key in WORD_VALUES:
@@ -97,19 +105,26 @@ def parse_config(text: str) -> mm.MatmulConfig:
 _TABLE_PICK = mm.pick_config
 
 
+def _field_value(key: str, value: str) -> str | float | int | bool:
+    if key in WORD_VALUES:
+        return value
+    if key in FLOAT_KEYS:
+        return float(value)
+    return bool(int(value)) if key in BOOL_KEYS else int(value)
+
+
 def apply_variant(decoder, opts: dict) -> None:
-    """Route the named projections' small-M matmuls to the given configs (by weight shape)."""
+    """Route the named projections' small-M matmuls to the given configs (by weight shape),
+    and the decode attention to the table's config with the given fields."""
     w = decoder.layers[0]
     shapes = {name: tuple(getattr(w, name).shape) for name in LAYER_MATMULS}
     overrides = {shapes[p]: parse_config(c) for p, c in opts.items() if p in LAYER_MATMULS}
-    fields = {
-        ATTENTION_KEYS[k]: v if k in WORD_VALUES else float(v) if k in FLOAT_KEYS else int(v)
-        for k, v in opts.items()
-        if k in ATTENTION_KEYS
+    fields = {ATTENTION_KEYS[k]: _field_value(k, v) for k, v in opts.items() if k in ATTENTION_KEYS}
+    variants = {
+        EXPERIMENTAL_KEYS[k]: _field_value(k, v) for k, v in opts.items() if k in EXPERIMENTAL_KEYS
     }
-    if "slots_ahead_split" in fields:
-        fields["slots_ahead_split"] = bool(fields["slots_ahead_split"])
-    decoder.ops.attention_config = replace(DEFAULT_CONFIG, **fields)
+    experimental = replace(DEFAULT_CONFIG.experimental, **variants)
+    decoder.ops.attention_config = replace(DEFAULT_CONFIG, **fields, experimental=experimental)
 
     def pick(m: int, n: int, k: int) -> mm.MatmulConfig:
         if m <= 16 and (n, k) in overrides:

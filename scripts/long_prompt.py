@@ -1,4 +1,4 @@
-"""One very long prompt through the engine (issue: GPU). Prints a table line, then JSON.
+"""One very long prompt through the engine. Prints a table line, then JSON.
 
     python scripts/long_prompt.py --model random:qwen3-8b --tokens 131072
 

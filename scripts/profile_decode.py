@@ -1,11 +1,11 @@
-"""Where the time of one batch-1 decode step goes (GPU, CUDA graphs), for issue 5's floor target.
+"""Where the time of a decode step goes (GPU, CUDA graphs), against the weight-stream floor.
 
     python scripts/profile_decode.py --model random:qwen3-8b [--prompt-len 512] [--steps 48]
 
-Prints, for one request decoding after a prompt: the engine's wall time per token (host work
-included), the GPU time of the captured decode graph replayed alone (CUDA events), the memory
-floor (parameter bytes read per token over the measured copy bandwidth), and a per-kernel
-table of one eager decode forward (torch.profiler). JSON on the last line.
+Prints, for --batch requests decoding after a prompt: the engine's wall time per token (host
+work included), the GPU time of the captured decode graph replayed alone (CUDA events), the
+memory floor (parameter bytes read per token over the measured copy bandwidth), and a
+per-kernel table of one eager decode forward (torch.profiler). JSON on the last line.
 """
 
 from __future__ import annotations
@@ -14,14 +14,18 @@ import argparse
 import datetime as dt
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench/
 
-from lockstep.bench.gpu_kernels import copy_bandwidth
-from lockstep.config import EngineConfig
-from lockstep.engine.engine import Engine
-from lockstep.engine.sampling_params import SamplingParams
+import torch  # noqa: E402
+
+from bench.gpu_kernels import copy_bandwidth  # noqa: E402
+from lockstep.config import EngineConfig  # noqa: E402
+from lockstep.engine.engine import Engine  # noqa: E402
+from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def step_weight_bytes(engine: Engine) -> int:
@@ -95,9 +99,16 @@ def main() -> None:
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
                     help="launch each decode step before the previous one's tokens are read"
                     " (default: the engine's, on for CUDA)")  # fmt: skip
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch without programmatic dependent launch (the same bits): each "
+                    "kernel's eager time then excludes its wait for the one before")  # fmt: skip
     args = ap.parse_args()
-    # Room for every request's prompt and generation at once (a pool of 8,192 tokens held
-    # only ~15 of 32 512-token requests, so batch-32 profiles ran smaller, preempted batches).
+    if args.no_pdl:
+        from lockstep.ops.triton import launch
+
+        launch.pdl_enabled = lambda device: False  # before any kernel is launched or captured
+    # Room for every request's prompt and generation at once: a smaller pool would preempt
+    # requests and profile a smaller batch than asked for.
     kv_tokens = max(8192, args.batch * (args.prompt_len + args.steps + 64))
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
                                  dtype="bfloat16", kv_tokens=kv_tokens, max_model_len=4096,

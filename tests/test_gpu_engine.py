@@ -148,10 +148,10 @@ def test_cuda_graph_decode_equals_eager(monkeypatch) -> None:
     from lockstep.ops.triton import launch
 
     results = []
-    for graphs, pdl in ((True, "1"), (False, "0")):
-        monkeypatch.setenv("LOCKSTEP_PDL", pdl)
-        launch._ENABLED.clear()
-        assert launch.pdl_enabled(torch.device("cuda")) == (pdl == "1")
+    for graphs in (True, False):
+        if not graphs:  # every launch without PDL from here on
+            monkeypatch.setattr(launch, "pdl_enabled", lambda device: False)
+        assert launch.pdl_launch(torch.device("cuda"))["PDL"] == graphs
         engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda",
                                      dtype="bfloat16", kv_tokens=16384, max_model_len=4096,
                                      max_running=16, cuda_graphs=graphs))  # fmt: skip
@@ -175,7 +175,6 @@ def test_cuda_graph_decode_equals_eager(monkeypatch) -> None:
             assert engine.runner.graphs.num_graphs > 0
         del engine
         torch.cuda.empty_cache()
-    launch._ENABLED.clear()
     assert results[0] == results[1]
 
 

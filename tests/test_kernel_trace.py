@@ -1,10 +1,10 @@
-"""The critical-path shares that scripts/graph_timeline.py and attn_decode_probe.py report."""
+"""The critical-path shares that scripts/graph_timeline.py and bench.gpu_kernels report."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from lockstep.bench.kernel_trace import charge_critical_path, kernel_events
+from bench.kernel_trace import charge_critical_path, kernel_events
 
 
 def _event(name: str, start: float, dur: float, device: str = "CUDA", stream: int = 7):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import random
+from dataclasses import replace
 
 import torch
 
@@ -19,10 +20,15 @@ if not torch.cuda.is_available():
 import numpy as np
 import pytest
 
-from lockstep.ops.base import AttentionMeta, build_attention_meta
+from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, build_attention_meta
 from lockstep.ops.gpu_deterministic import GpuDeterministicOps
 from lockstep.ops.triton import matmul as mm
-from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
+from lockstep.ops.triton.attention import (
+    DEFAULT_CONFIG,
+    AttentionConfig,
+    ExperimentalAttentionOptions,
+    paged_attention,
+)
 
 GPU = torch.cuda.is_available()
 # Padding rows of a tile divide 0 by 0 and subtract -inf from -inf inside tl.where branches
@@ -58,7 +64,7 @@ if GPU:
     HKV, GROUP, HD, SEQ = 8, 4, 128, 1300
     ATTN_CFG = DEFAULT_CONFIG
     # 2 stages: 128-key blocks with the dot row sum need 233,472 bytes of shared memory at
-    # 3 (sm_90 has 232,448; run 65). Stages move loads, not bits.
+    # 3 (sm_90 has 232,448). Stages move loads, not bits.
     OTHER_BLOCK_CFG = AttentionConfig(block_n=128, split=DEFAULT_CONFIG.split, num_stages=2)
 else:
     HKV, GROUP, HD, SEQ = 2, 2, 16, 70
@@ -153,7 +159,6 @@ def test_matmul_tables_are_consistent() -> None:
                 cfg = mm.pick_config(m, n, k)
                 if cfg.split_programs:
                     assert mm.split_count(k) > 1, (m, n, k, cfg)
-                assert not (cfg.warp_specialize and not cfg.persistent), cfg
 
 
 # (N, K): K crosses split points, and its last split and last K block are ragged
@@ -290,6 +295,7 @@ def test_attention_input_matches_reference_and_is_per_token(
     slots = torch.tensor([3, 11, 0, 7, -1, 2, 9], dtype=torch.int64, device=DEV)
     real = (slots >= 0).cpu()
     guards = []
+    layer = AttentionInput(hq, qn, kn, 1e-6, cos, sin)
 
     def run(rows, positions=pos):
         # The caches are rows 1..12 of zeroed buffers: a write through slot -1 would land in
@@ -297,8 +303,7 @@ def test_attention_input_matches_reference_and_is_per_token(
         kbuf = torch.zeros(14, hkv, d, dtype=DTYPE, device=DEV)
         vbuf = torch.zeros_like(kbuf)
         kc, vc = kbuf[1:13], vbuf[1:13]
-        q = ops.attention_input(qkv[rows], hq, qn, kn, 1e-6, positions[rows], cos, sin, kc, vc,
-                                slots[rows])  # fmt: skip
+        q = ops.attention_input(qkv[rows], layer, positions[rows], slots[rows], LayerKV(kc, vc))
         guards.append(torch.cat((kbuf[[0, 13]], vbuf[[0, 13]])))
         return q, kc, vc
 
@@ -309,10 +314,9 @@ def test_attention_input_matches_reference_and_is_per_token(
     ref_vc = torch.zeros_like(ref_kc)
     ref_slots = torch.where(slots.cpu() >= 0, slots.cpu(), 10)
     cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
-    q_ref = ReferenceOps().attention_input(
-        qkv.cpu(), hq, cpu(qn), cpu(kn), 1e-6, pos.cpu(), cos.cpu(), sin.cpu(), ref_kc, ref_vc,
-        ref_slots,
-    )  # fmt: skip
+    layer_cpu = AttentionInput(hq, cpu(qn), cpu(kn), 1e-6, cos.cpu(), sin.cpu())
+    q_ref = ReferenceOps().attention_input(qkv.cpu(), layer_cpu, pos.cpu(), ref_slots,
+                                           LayerKV(ref_kc, ref_vc))  # fmt: skip
     used = slots[real.to(DEV)]
     assert rel_err(q, q_ref.to(DEV)) < TOL
     assert rel_err(kc[used], ref_kc[used.cpu()].to(DEV)) < TOL
@@ -623,7 +627,7 @@ class _LaunchSpy:
 def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`slots_ahead` / `slots_ahead_split` (both on in the production table) load the next
+    """`slots_ahead` / `slots_ahead_split` (both on in production) load the next
     key block's slot ids early: the same values reach the same arithmetic, so every row
     keeps its bits, on both paths, on or off, at every chunk start tried (blocks wholly
     visible, partly visible, a split's last). Splits of four key blocks (the production
@@ -633,10 +637,10 @@ def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
 
     spy = _LaunchSpy(attention._attn_fwd, ("WRITE_PARTIALS", "SLOTS_AHEAD"))
     monkeypatch.setattr(attention, "_attn_fwd", spy)
-    base = ATTN_CFG.__dict__ if GPU else {**ATTN_CFG.__dict__, "split": 4 * ATTN_CFG.block_n}
-    fields = ("slots_ahead", "slots_ahead_split")
-    ahead = AttentionConfig(**{**base, **dict.fromkeys(fields, True)})
-    plain = AttentionConfig(**{**base, **dict.fromkeys(fields, False)})
+    base = ATTN_CFG if GPU else replace(ATTN_CFG, split=4 * ATTN_CFG.block_n)
+    assert base.experimental.slots_ahead and base.experimental.slots_ahead_split  # production
+    no_ahead = ExperimentalAttentionOptions(slots_ahead=False, slots_ahead_split=False)
+    ahead, plain = base, replace(base, experimental=no_ahead)
     want = pool.run(0, SEQ, cfg=plain, path="prefill")
     assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), want)
     for p in range(0, SEQ, 1 if not GPU else 13):
@@ -644,7 +648,7 @@ def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
         for cfg in (ahead, plain):
             for path in ("prefill", "fold", "split"):
                 got = pool.run(p, n, cfg=cfg, path=path)
-                assert torch.equal(got, want[p : p + n]), (p, path, cfg.slots_ahead)
+                assert torch.equal(got, want[p : p + n]), (p, path, cfg.experimental)
     assert spy.seen == {(False, True), (True, True), (False, False), (True, False)}, spy.seen
 
 
@@ -659,13 +663,13 @@ def test_split_slots_ahead_only_while_every_program_is_resident(
     monkeypatch.setattr(attention, "num_sms", lambda device: 132)
     cuda = torch.device("cuda", 0)
     on = AttentionConfig()
-    assert on.slots_ahead_split and on.slots_ahead_programs_per_sm == 3
+    assert on.experimental.slots_ahead_split and on.slots_ahead_programs_per_sm == 3
     assert attention.split_slots_ahead(on, 3 * 132, cuda)
     assert not attention.split_slots_ahead(on, 3 * 132 + 1, cuda)
     wider = AttentionConfig(slots_ahead_programs_per_sm=8)
     assert attention.split_slots_ahead(wider, 8 * 132, cuda)
     assert not attention.split_slots_ahead(wider, 8 * 132 + 1, cuda)
-    off = AttentionConfig(slots_ahead_split=False)
+    off = AttentionConfig(experimental=ExperimentalAttentionOptions(slots_ahead_split=False))
     assert not attention.split_slots_ahead(off, 1, cuda)
 
 
@@ -752,16 +756,29 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     assert not torch.equal(other, full), "a different key block gave the same bits"
 
 
+# The tl.sum row sum (an experimental variant) with decode tiles on one warp per 16 rows.
+TL_SUM_CFG = replace(
+    ATTN_CFG, num_warps_split=1, experimental=ExperimentalAttentionOptions(row_sum="sum")
+)
+
+
+class _UncheckedAttentionConfig(AttentionConfig):
+    """An AttentionConfig without its checks, so that a negative control can build a
+    configuration the config refuses."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
 def test_attention_row_sum_by_tl_sum_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:
-    """`row_sum="sum"` (tl.sum, the table before the eighth session) with decode tiles on one
-    warp: accurate, decode (split path) rows equal its prefill's at every position tried, and
-    (control) the option is applied: its bits are not the dot row sum's."""
-    tl_sum = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum", "num_warps_split": 1})
-    want = pool.run(0, SEQ, cfg=tl_sum, path="prefill")
+    """`row_sum="sum"` (tl.sum) with decode tiles on one warp: accurate, decode (split path)
+    rows equal its prefill's at every position tried, and (control) the option is applied:
+    its bits are not the dot row sum's."""
+    want = pool.run(0, SEQ, cfg=TL_SUM_CFG, path="prefill")
     assert rel_err(want, pool.reference()) < TOL
     for p in range(0, SEQ, 1 if not GPU else 11):
-        assert torch.equal(pool.run(p, 1, cfg=tl_sum, path="split"), want[p : p + 1]), p
-    assert ATTN_CFG.row_sum == "mma"
+        assert torch.equal(pool.run(p, 1, cfg=TL_SUM_CFG, path="split"), want[p : p + 1]), p
+    assert ATTN_CFG.experimental.row_sum == "mma"
     assert not torch.equal(want, full), "row_sum='sum' gave the dot's bits: not applied"
 
 
@@ -772,7 +789,7 @@ def test_attention_decode_tiles_on_any_warp_count_match_prefill(
     """The row sum of p is a dot (the table's `row_sum="mma"`), so decode tiles whose warps
     split a key block (mma.sync, 16 rows) give the prefill tiles' bits (wgmma, 128 rows on 8
     warps)."""
-    assert ATTN_CFG.row_sum == "mma"
+    assert ATTN_CFG.experimental.row_sum == "mma"
     for warps in (1, 2, 4, 8):
         cfg = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": warps})
         for p in (0, 63, 64, 511, 512, 700, SEQ - 1):
@@ -786,12 +803,11 @@ def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool,
     """GPU: with `row_sum="sum"`, 16-row decode tiles on 4 warps split each key block across
     warps, so tl.sum reduces the row sum in another order than that option's prefill tiles:
     some rows differ, on both decode paths. This is why tl.sum needs decode tiles on one
-    warp (the config refuses others unless `negative_control`), and why the table's row sum
-    is a dot. Interpreter: a different split size differs."""
+    warp (the config refuses others), and why the table's row sum is a dot. Interpreter: a
+    different split size differs."""
     if GPU:
-        tl_sum = AttentionConfig(**{**ATTN_CFG.__dict__, "row_sum": "sum", "num_warps_split": 1})
-        want = pool.run(0, SEQ, cfg=tl_sum, path="prefill")
-        bad = AttentionConfig(**{**tl_sum.__dict__, "num_warps_split": 4, "negative_control": True})
+        want = pool.run(0, SEQ, cfg=TL_SUM_CFG, path="prefill")
+        bad = _UncheckedAttentionConfig(**{**TL_SUM_CFG.__dict__, "num_warps_split": 4})
     else:
         want = pool.run(0, SEQ, path="prefill")
         bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
@@ -801,24 +817,27 @@ def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool,
 
 def test_tl_sum_decode_tiles_must_keep_one_warp_per_16_rows() -> None:
     """The config refuses tl.sum decode tiles whose warps would split a key block (the
-    negative control's configuration) unless asked for one; the dot row sum takes any."""
+    negative control's configuration, built past the checks); the dot row sum takes any."""
+    tl_sum = ExperimentalAttentionOptions(row_sum="sum")
     with pytest.raises(ValueError, match="row_sum='sum'"):
-        AttentionConfig(row_sum="sum")  # the table's 2 decode warps
-    AttentionConfig(row_sum="sum", num_warps_split=1)
-    AttentionConfig(row_sum="sum", rows_split=64, num_warps_split=4)
-    AttentionConfig(row_sum="sum", num_warps_split=4, negative_control=True)
-    AttentionConfig(row_sum="mma", num_warps_split=8)
+        AttentionConfig(experimental=tl_sum)  # the table's 2 decode warps
+    AttentionConfig(num_warps_split=1, experimental=tl_sum)
+    AttentionConfig(rows_split=64, num_warps_split=4, experimental=tl_sum)
+    AttentionConfig(num_warps_split=8)
+    assert _UncheckedAttentionConfig(num_warps_split=4, experimental=tl_sum).num_warps_split == 4
+    with pytest.raises(ValueError, match="row_sum="):
+        ExperimentalAttentionOptions(row_sum="tl.sum")
 
 
 def test_gpu_kernels_sweep_names_the_table() -> None:
     """The bench's sweep rows named as the table are the table (the bits table compares
     every decode config with its row sum's first prefill config)."""
-    from lockstep.bench.gpu_kernels import SWEEP_ATTN_DECODE, SWEEP_ATTN_PREFILL
-    from lockstep.ops.triton.attention import DEFAULT_CONFIG
+    from bench.gpu_kernels import SWEEP_ATTN_DECODE, SWEEP_ATTN_PREFILL
 
     assert SWEEP_ATTN_DECODE["r16n64w2s3mma"] == DEFAULT_CONFIG
     assert SWEEP_ATTN_PREFILL["r128n64w8s3mma"] == DEFAULT_CONFIG
-    assert SWEEP_ATTN_PREFILL["r128n64w8s3"].row_sum == "sum"  # the "sum" rows' prefill base
+    # the "sum" rows' prefill base
+    assert SWEEP_ATTN_PREFILL["r128n64w8s3"].experimental.row_sum == "sum"
 
 
 @pytest.mark.gpu
@@ -826,7 +845,7 @@ def test_gpu_kernels_sweep_names_the_table() -> None:
 def test_graph_span_counts_the_kernels_not_the_launch() -> None:
     """The decode table's span column: each replay's kernels found among the flushes (two
     per replay here), and a span that the replay's own time bounds from above."""
-    from lockstep.bench.gpu_kernels import graph_ms, graph_span_ms
+    from bench.gpu_kernels import graph_ms, graph_span_ms
 
     a = torch.zeros(1 << 20, device="cuda")
     b, c = torch.empty_like(a), torch.empty_like(a)
@@ -897,7 +916,7 @@ def test_decode_cuda_graphs_match_eager(mode: str) -> None:
     from lockstep.config import EngineConfig
     from lockstep.engine.cuda_graphs import DecodeGraphRunner
     from lockstep.engine.engine import Engine
-    from lockstep.engine.forward_batch import ForwardBatch
+    from lockstep.models.forward_batch import ForwardBatch
 
     engine = Engine(
         EngineConfig(model="random:tiny", device="cuda", dtype="bfloat16", mode=mode,

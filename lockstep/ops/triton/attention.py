@@ -1,6 +1,6 @@
 """Paged causal attention for prefill, extend and decode: one kernel family, one set of bits.
 
-Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
+Why a query row's bits cannot depend on the schedule (docs/design.md, "Attention"):
 
     keys of a sequence, absolute positions:
     |<------ split 0 (SPLIT keys) ------>|<------ split 1 ------>|<-- split 2 ...
@@ -22,10 +22,9 @@ Why a query row's bits cannot depend on the schedule (DESIGN.md, "Attention"):
     row-local. The row sum of p over a key block is a tensor-core dot with ones
     (`row_sum_mma`): one MMA chain per row in k-step order, so prefill tiles (128 rows on 8
     warps, wgmma) and decode tiles (16 rows on 2 warps, mma.sync) give the same bits whatever
-    their warps (a GPU test over 1-8 decode warps). The alternative, `row_sum="sum"` (tl.sum),
-    reduces in an order fixed by the MMA layout: equal across the two paths only with decode
-    tiles on one warp (measured on an H200 with Triton 3.6; 4 warps differ, the negative
-    control), and measured slower since slot ids ahead (AttentionConfig).
+    their warps (a GPU test over 1-8 decode warps). tl.sum, the experimental alternative
+    (`ExperimentalAttentionOptions.row_sum`), reduces in an order fixed by the MMA layout, so
+    it keeps the two paths equal only with decode tiles on one warp per 16 rows.
   * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
     cannot contract the shared formulas differently.
 
@@ -59,58 +58,62 @@ LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
+class ExperimentalAttentionOptions:
+    """Kernel variants that only tests and benchmarks select. The defaults are the production
+    kernels, and no production config sets another value.
+
+    row_sum: how the row sum of p over a key block is reduced. "mma": a tensor-core dot with
+        ones (`row_sum_mma`), the same bits for every tile shape and warp count. "sum": tl.sum,
+        in the order of the MMA layout, so decode tiles must then run on one warp per 16 rows
+        (a warp holds whole key blocks of a row, the order of the prefill's wgmma tiles).
+        Part of the numerics: the two give different bits.
+    slots_ahead, slots_ahead_split: the unmasked key loop of the prefill tiles, and of the
+        decode tiles, loads the next block's slot ids before this block's arithmetic, so that
+        Triton double-buffers K/V and the next block's gather runs under this block's
+        arithmetic. The same values reach the same arithmetic: speed only.
+    merge_warps: warps of the split path's merge (`_attn_merge`). Speed only.
+    """
+
+    row_sum: str = "mma"
+    slots_ahead: bool = True
+    slots_ahead_split: bool = True
+    merge_warps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.row_sum not in ("mma", "sum"):
+            raise ValueError(f"row_sum={self.row_sum!r} must be 'mma' or 'sum'")
+        if self.merge_warps < 1 or self.merge_warps & (self.merge_warps - 1):
+            raise ValueError(f"merge_warps={self.merge_warps} must be a power of two")
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
-    """Tile configuration. block_n, split and row_sum are part of the numerics: changing them
-    changes bits. Stages and the path never do, and with the dot row sum (the table) neither
-    do a tile's rows and warps; with tl.sum decode tiles must keep one warp per 16 rows, the
-    prefill tiles' order (measured, docs/gpu.md; checked here, and by the GPU tests)."""
+    """Tile configuration. block_n and split are part of the numerics: changing them changes
+    bits. With the production row sum nothing else does (the tests check each): tile rows,
+    warps and stages, the path a call takes, the merge's shape, the workspace size.
+    `experimental` selects kernel variants for tests and benchmarks; production keeps its
+    defaults."""
 
     block_n: int = 64
     split: int = 512
     rows: int = 128  # query rows (position x head) per tile on the prefill path
-    # Decode tiles: 16 rows (query positions x q heads of one GQA group) on 2
-    # warps. With the dot row sum the warp count is speed only (below).
+    # Decode tiles: 16 rows (query positions x q heads of one GQA group) on 2 warps. With the
+    # dot row sum the warp count is speed only.
     rows_split: int = 16
     num_warps: int = 8
     num_warps_split: int = 2
-    # How the row sum of p over a key block is reduced. "mma": a tensor-core dot with ones
-    # (`row_sum_mma`), the same bits for every tile shape and warp count. "sum": tl.sum, in
-    # the order of the MMA layout, so decode tiles must then run on ONE warp (a warp holds
-    # whole key blocks of a row, the order of the prefill's wgmma tiles); 16 rows on 4 warps
-    # split the keys across warps and differ (the negative control). Measured on an H200
-    # (docs/gpu_notes.md, eighth session, run 64), "mma" with 2 decode warps against "sum"
-    # with 1: decode at batch 1, 1k / 8k / 32k keys 18.8 / 23.5 / 47.8 -> 16.4 / 21.7 / 46.2
-    # us, batch 32 and 128 within 0.2% or faster; prefill (run 56) 0.815x / 0.933x / 0.913x
-    # -> 0.808x / 0.905x / 0.893x of SDPA. 4 decode warps: batch 1 at 32k keys 81 us.
-    row_sum: str = "mma"
     num_stages: int = 3
     num_stages_split: int = 3
-    # Load the next key block's slot ids before this block's arithmetic (the unmasked loop):
-    # the same values, so the same bits. Triton 3.6 then double-buffers K/V, so the next
-    # block's gather runs under this block's arithmetic (offline compile for sm_90, the dot
-    # row sum on 2 warps: 71,680 bytes of shared memory per decode program instead of
-    # 39,168; tl.sum on 1 warp: 69,888 instead of 37,120). Measured on an H200
-    # (docs/gpu_notes.md, run 50): batch 1, 512 keys 22.1 -> 17.9 us, 8k 31.2 -> 25.8, but
-    # slower once programs outnumber what fits (batch 1 at 32k keys, 512 programs: 58.9 ->
-    # 66.0), so the split path applies it only while every program is resident
-    # (`split_slots_ahead`). The prefill path (`slots_ahead`; 128 rows on 8 warps, one
-    # program per SM either way): 4k / 16k / 32k tokens 0.99x / 1.06x / 1.03x of SDPA flash
-    # -> 0.81x / 0.93x / 0.91x (run 52).
-    slots_ahead: bool = True
-    slots_ahead_split: bool = True
-    # The split path's residency rule: ahead only while the launch's grid has at most this
-    # many programs per SM (227 KB of shared memory over 71,680 bytes each fit three). A CUDA
-    # graph's grid is sized by its context bucket, so at batch 32 and ~520 keys half of its
-    # 1,024 programs have no work and the rule declines; limits of 4 and 8 measured no faster
-    # there (graph 5.55 vs 5.54 ms per step; docs/gpu_notes.md, seventh session, run 56).
+    # Decode tiles load slot ids a block ahead (ExperimentalAttentionOptions.slots_ahead_split)
+    # only while the launch's grid has at most this many programs per SM (`split_slots_ahead`):
+    # their double buffers fit three per SM on sm_90, and a grid that does not fit at once runs
+    # slower with them on an H200. Speed only.
     slots_ahead_programs_per_sm: int = 3
-    # The split path's merge (`_attn_merge`): output columns per program, its warps, and the
-    # partials in flight (its loop's pipeline stages; a launch uses at most the wave's
-    # partials rounded up to a power of two: a deeper prologue only costs). Speed only: the
-    # fold is elementwise in the columns, and stages move loads, not folds
-    # (docs/gpu_notes.md, seventh session).
+    # The split path's merge (`_attn_merge`): output columns per program and the partials in
+    # flight (its loop's pipeline stages; a launch uses at most the wave's partials rounded up
+    # to a power of two: a deeper prologue only costs). Speed only: the fold is elementwise in
+    # the columns, and stages move loads, not folds.
     merge_cols: int = 32
-    merge_warps: int = 1
     merge_stages: int = 8
     # Calls whose longest chunk has at most split_path_max_q queries (decode, short extends)
     # run decode tiles (rows_split, num_warps_split) on one of two paths (`decode_path`):
@@ -118,34 +121,23 @@ class AttentionConfig:
     # prefill path (no workspace, no merge), when every sequence fits one split or the
     # programs number at least fold_programs_per_sm per SM; else "split", one program per
     # split, partials merged by `_attn_merge`, which spreads a long context over the SMs.
-    # Speed only. Measured on an H200 (docs/gpu_notes.md, eighth session, runs 70-71), fold
-    # against split: batch 32 (256 programs, 1.9 per SM) at 1k / 8k / 32k keys 42.5 / 271.2 /
-    # 1039.4 -> 40.3 / 252.8 / 970.1 us; batch 24 (1.45 per SM) even; batch 16 (0.97 per SM)
-    # slower from 1k keys (25.2 -> 28.8 us); batch 1-24 at 512 keys (one split) 2-8% faster.
+    # Speed only; the thresholds are where fold timed faster than split on an H200 (the
+    # decode table in docs/gpu.md names the path each cell takes).
     split_path_max_q: int = 4
     fold_programs_per_sm: float = 1.5
     workspace_bytes: int = 256 << 20
-    # Only for negative-control tests: skip the check that tl.sum's decode tiles keep one
-    # warp per 16 rows (the configuration that must differ).
-    negative_control: bool = False
-    # Multiply-add contraction; off so that the shared formulas cannot be contracted
-    # differently in the two kernels (only a benchmark switch).
-    fp_fusion: bool = False
+    experimental: ExperimentalAttentionOptions = ExperimentalAttentionOptions()
 
     def __post_init__(self) -> None:
-        if self.row_sum not in ("mma", "sum"):
-            raise ValueError(f"row_sum={self.row_sum!r} must be 'mma' or 'sum'")
         if self.slots_ahead_programs_per_sm < 1:
             raise ValueError(f"slots_ahead_programs_per_sm={self.slots_ahead_programs_per_sm} "
-                             "must be >= 1 (slots_ahead_split=False turns the option off)")  # fmt: skip
+                             "must be >= 1")  # fmt: skip
         if self.split % self.block_n:
             raise ValueError(f"split={self.split} must be a multiple of block_n={self.block_n}")
-        for name in ("merge_cols", "merge_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two")
+        if self.merge_cols < 1 or self.merge_cols & (self.merge_cols - 1):
+            raise ValueError(f"merge_cols={self.merge_cols} must be a power of two")
         one_warp_per_16_rows = self.num_warps_split * 16 == self.rows_split
-        if self.row_sum == "sum" and not one_warp_per_16_rows and not self.negative_control:
+        if self.experimental.row_sum == "sum" and not one_warp_per_16_rows:
             raise ValueError(
                 f"row_sum='sum' reduces in the MMA layout's order: decode tiles of "
                 f"{self.rows_split} rows keep the prefill's bits only on "
@@ -219,9 +211,9 @@ def _block_update(
 ):  # fmt: skip
     """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
     row sees entirely, where the causal and bounds masks are all-true: same bits, less work.
-    The K and V caches share one layout, so one gather offset per element serves both (when a
-    decode program was one warp, 64-bit offsets were ~40% of its instructions); they are
-    32-bit unless the cache holds 2**31 elements or more (WIDE)."""
+    The K and V caches share one layout, so one gather offset per element serves both; the
+    offsets are 32-bit (64-bit address arithmetic is a large share of a decode program's
+    instructions) unless the cache holds 2**31 elements or more (WIDE)."""
     offs_d = tl.arange(0, D)
     offs_j = j0 + tl.arange(0, BLOCK_N)
     if WIDE:
@@ -239,7 +231,7 @@ def _block_update(
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
     p = tl.exp2(s * qk_scale - m_use[:, None])
-    if not ROW_SUM_MMA:  # in the order of the MMA layout (AttentionConfig.row_sum)
+    if not ROW_SUM_MMA:  # in the order of the MMA layout (ExperimentalAttentionOptions)
         lsum = lsum * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
@@ -450,9 +442,8 @@ def _attn_merge(
     # The fold is sequential, its loads are not: Triton software-pipelines this loop (an
     # explicit tl.range with STAGES; without it a loop with no dot is not pipelined), so the
     # partials STAGES - 1 ahead are in flight as asynchronous copies while this one folds
-    # (offline compile for sm_90: cp.async with counted waits). Hand-written prefetch in
-    # registers waited on every load at the top of each iteration (seventh session, runs
-    # 57-58). Only loads move: the folds are the same in the same order.
+    # (on sm_90: cp.async with counted waits). Only loads move: the folds are the same in the
+    # same order.
     for w in tl.range(0, n_here, num_stages=STAGES):
         m, lsum, acc = _load_partial(w, ws_m, ws_l, ws_acc, R, row, valid, D, offs_d)
         m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
@@ -495,10 +486,10 @@ def needs_wide_offsets(cache: torch.Tensor) -> bool:
 
 
 def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.device) -> bool:
-    """Whether a split-path launch of `programs` programs loads slot ids a block ahead: the
-    config asks for it and they fit `slots_ahead_programs_per_sm` per SM (the interpreter
-    has no limit). Speed only: both variants give the same bits."""
-    if not config.slots_ahead_split:
+    """Whether a decode-tile launch of `programs` programs loads slot ids a block ahead:
+    `slots_ahead_split` is on (production) and they fit `slots_ahead_programs_per_sm` per SM
+    (the interpreter has no limit). Speed only: both variants give the same bits."""
+    if not config.experimental.slots_ahead_split:
         return False
     if not compiled_for_gpu(device):
         return True
@@ -530,10 +521,10 @@ def decode_path(config: AttentionConfig, programs: int, max_kv: int, device: tor
     return "fold" if programs >= config.fold_programs_per_sm * num_sms(device) else "split"
 
 
-def _launch_opts(num_warps: int, num_stages: int, fp_fusion: bool, device: torch.device) -> dict:
+def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict:
     opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device)}
-    if not interpreting():
-        opts["enable_fp_fusion"] = fp_fusion
+    if not interpreting():  # no multiply-add contraction (module docstring)
+        opts["enable_fp_fusion"] = False
     return opts
 
 
@@ -571,23 +562,22 @@ def paged_attention(
     n_tiles = triton.cdiv(meta.max_q * g, rows)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
     wide = needs_wide_offsets(k_cache)
-    fusion = config.fp_fusion
+    dot_row_sum = config.experimental.row_sum == "mma"
     strides = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0),
         out.stride(1),
     )  # fmt: skip
     if path == "prefill":
-        opts = _launch_opts(config.num_warps, config.num_stages, fusion, q.device)
+        opts = _launch_opts(config.num_warps, config.num_stages, q.device)
     else:  # decode tiles (fold and split paths)
-        opts = _launch_opts(config.num_warps_split, config.num_stages_split, fusion, q.device)
+        opts = _launch_opts(config.num_warps_split, config.num_stages_split, q.device)
     if path in ("prefill", "fold"):
-        ahead = config.slots_ahead if path == "prefill" else (
+        ahead = config.experimental.slots_ahead if path == "prefill" else (
             split_slots_ahead(config, n_tiles * b * hkv, q.device))  # fmt: skip
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
-            SLOTS_AHEAD=ahead, **opts,
+            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=dot_row_sum, SLOTS_AHEAD=ahead, **opts,
         )  # fmt: skip
         return out
     r = t * hq
@@ -616,7 +606,7 @@ def paged_attention(
         st_l = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
-    merge_opts = _launch_opts(config.merge_warps, 1, fusion, q.device)
+    merge_opts = _launch_opts(config.experimental.merge_warps, 1, q.device)
     # At most one stage per partial of a wave (a deeper prologue only costs), rounded up to
     # a power of two so that eager calls compile few variants.
     merge_stages = min(config.merge_stages, triton.next_power_of_2(wave))
@@ -626,7 +616,7 @@ def paged_attention(
         _attn_fwd[grid](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=config.row_sum == "mma",
+            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=dot_row_sum,
             SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **opts,
         )  # fmt: skip
         _attn_merge[merge_grid](

@@ -5,8 +5,8 @@ One program per (token, head), so every value depends on its own token's row onl
 are those of the composed path (`lockstep.ops.base.ComposedAttentionInput`): head RMSNorm,
 rounded to the activation dtype, then RoPE `x1*c - x2*s`, `x2*c + x1*s` from float32 tables,
 then exact copies into the caches; the per-head sum of squares is reduced as two half-head
-sums (fixed by head_dim alone). It replaced five launches per layer (two head norms, two
-RoPEs, one cache write), which mattered for small decode steps (docs/gpu.md).
+sums (fixed by head_dim alone). One launch per layer instead of five (two head norms, two
+RoPEs, one cache write): at small decode steps each launch costs more than its work.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ other libraries (torch) never signal early, so a PDL kernel after one of them si
 it to finish, as without PDL.
 
 PDL changes when a kernel starts, never what it computes: the bits are the same with it on or
-off (tests/test_gpu_engine.py compares), and `LOCKSTEP_PDL=0` switches it off (benchmarks).
-The Triton interpreter and GPUs before Hopper run without it.
+off (tests/test_gpu_engine.py compares). The Triton interpreter and GPUs before Hopper run
+without it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def pdl_enabled(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _ENABLED:
         major, _ = torch.cuda.get_device_capability(idx)
-        _ENABLED[idx] = major >= 9 and os.environ.get("LOCKSTEP_PDL", "1") != "0"
+        _ENABLED[idx] = major >= 9
     return _ENABLED[idx]
 
 

@@ -4,8 +4,8 @@ A row is cut into chunks of CHUNK logits at fixed offsets. Pass 1 (one program p
 chunk) reduces its chunk to (max, sum of exp(x - max)). Pass 2 (the same grid) folds the row's
 chunk partials into logsumexp with one fixed-shape reduction, every program of the row the
 same way, and writes its chunk's x - logsumexp. Nothing depends on the number of rows or a
-row's index. Two wide passes replaced one program per row walking the whole row (V = 151,936:
-~110 us for one row, latency-bound, in every decode step; docs/gpu_notes.md).
+row's index. Two wide passes, not one program walking a whole row: at V = 151,936 that one is
+latency-bound, and every decode step would wait for it (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ class MatmulConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False
-    warp_specialize: bool = False  # TMA kernels only: producer/consumer warps (Hopper)
     persistent: bool = False  # TMA kernel only: one program per SM walks the tiles
     split_programs: bool = False  # one program per K split, folded by the tile's last program
 
@@ -50,32 +49,25 @@ _INF = 1 << 62
 SPLIT_ALIGN = 256
 
 # (largest K, splits): THE NUMERICS of every matmul, keyed by the weight's K (never by M).
-# Changing a row here changes the bits of every model. Measured on an H200 (Triton 3.6, clean
-# L2, CUDA-graph replays; docs/gpu.md, bench/results/gpu_matmul_splits_h200.json): at K 4096
-# two splits gained nothing at small M and cost 7-14% at M >= 2048 (the split loop pipelines
-# worse); at K 12288 (Qwen3-8B down) two splits were faster at M 128 (34 vs 40 us), 2048 and
-# 8192 (299 vs 310 us, 1235 vs 1310 us) and equal elsewhere.
+# Changing a row here changes the bits of every model. One split up to K 8192, two above: the
+# split-count timings in docs/gpu.md (two splits only pay off at large K).
 SPLIT_TABLE: tuple[tuple[int, int], ...] = (
     (8192, 1),
     (_INF, 2),
 )
 
-# (largest M, largest N, largest K, config): the first row that fits is used. Chosen on an H200
-# (Triton 3.6) from CUDA-graph timings of lockstep/bench/gpu_kernels.py --sweep with a clean L2
-# (docs/gpu.md, bench/results/). Small M is bandwidth-bound: narrow N tiles for enough CTAs.
-# Mid M: 64-row tiles; at K > 8192 one program per split; at M 129-512 256x128 tiles for
-# N > 4096 at K <= 8192 and for N > 8192 (fourth session's mid-M sweep,
-# bench/results/gpu_matmul_midm_sweep_h200.json).
-# Large M: persistent 128x128 tiles walked in groups of 16 M-tiles (GROUP_M 16: lm_head
-# 1.14x -> 1.03x of cuBLAS at M 2048, qkv 1.11x -> 1.08x at M 8192; ..._largem_sweep_h200.json),
-# 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits) 128x256 tiles did best.
+# (largest M, largest N, largest K, config): the first row that fits is used. Chosen from
+# CUDA-graph timings of `python -m bench.gpu_kernels --sweep` with a clean L2 (the matmul
+# table in docs/gpu.md). Small M is bandwidth-bound: narrow N tiles for enough CTAs. Mid M:
+# 64-row tiles; at K > 8192 one program per split; at M 129-512 256x128 tiles for N > 4096 at
+# K <= 8192 and for N > 8192. Large M: persistent 128x128 tiles walked in groups of 16 M-tiles
+# (GROUP_M 16, for L2 reuse), 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits)
+# 128x256 tiles.
 _C = MatmulConfig
 TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
-    # 7 stages (was 5): Qwen3-8B o at M = 1 streams its weight from one program per SM, and
-    # 4 x 16 KB of weight in flight per SM fell short of the copy rate times the load latency;
-    # 6 x 16 KB does not (147,504 B of shared memory). Seventh session, runs 56-59: o 13.6-15.0
-    # -> 12.2-12.5 us per layer on the batch-1 decode graph's critical path (stages never
-    # change a bit: the logits compared equal).
+    # 7 stages: at M = 1 a projection like Qwen3-8B's o streams its weight from one program
+    # per SM, which needs 6 x 16 KB of weight in flight per SM to cover the copy rate times
+    # the load latency (147,504 B of shared memory). Stages never change a bit.
     (16, 4096, 8192, _C(16, 32, 256, 4, 7, tma=True)),
     (16, 8192, 8192, _C(16, 64, 256, 4, 4, tma=True)),
     (16, _INF, 8192, _C(16, 128, 128, 4, 4, tma=True)),
@@ -244,7 +236,7 @@ def _matmul_kernel(
 def _matmul_persistent_kernel(
     x_desc, w_desc, y_desc, bias, M, N, K, SPLIT_LEN, NUM_SPLITS, NUM_SMS,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p computes tiles p, p + NUM_SMS, ...; one flattened loop walks (tile, split)
     units, a tile's splits consecutively, folding each split sum into the tile's total in the
@@ -253,8 +245,7 @@ def _matmul_persistent_kernel(
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     my_tiles = tl.cdiv(num_tiles - tl.program_id(0), NUM_SMS)
     total = tl.zeros([BM, BN], tl.float32)
-    for unit in tl.range(0, my_tiles * NUM_SPLITS, flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+    for unit in tl.range(0, my_tiles * NUM_SPLITS, flatten=True):
         tile = tl.program_id(0) + (unit // NUM_SPLITS) * NUM_SMS
         split = unit % NUM_SPLITS
         pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
@@ -327,8 +318,6 @@ def matmul(
     cfg = config or pick_config(m, n, k)
     if SPLIT_ALIGN % cfg.bk:
         raise ValueError(f"BK {cfg.bk} must divide SPLIT_ALIGN {SPLIT_ALIGN}")
-    if cfg.warp_specialize and not cfg.persistent:
-        raise ValueError("warp_specialize is implemented for the persistent kernel only")
     split_len = split_length(k, split_count(k) if splits is None else splits)
     num_splits = triton.cdiv(k, split_len)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
@@ -346,8 +335,7 @@ def matmul(
             n_sms = num_sms(x.device)
             _matmul_persistent_kernel[(min(n_sms, tiles),)](
                 xa, wa, y_desc, b, m, n, k, split_len, num_splits, n_sms, HAS_BIAS=has_bias,
-                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-                WARP_SPECIALIZE=cfg.warp_specialize, **opts,
+                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
             )  # fmt: skip
             return y
     else:
