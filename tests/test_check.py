@@ -189,7 +189,7 @@ def fake_server() -> Iterator[Any]:
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         running.append((server, thread))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a hang guard, not a speed test
         while not server.started:
             assert time.monotonic() < deadline, "fake server did not start"
             time.sleep(0.01)

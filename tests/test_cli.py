@@ -119,3 +119,27 @@ def test_check_plot_without_matplotlib_says_what_to_install() -> None:
     out = _lockstep_without("matplotlib", "check", "--url", "http://127.0.0.1:9", "--plot",
                             "x.png")  # fmt: skip
     _one_line_error(out, "--plot", "lockstep[plot]")
+
+
+def test_every_module_but_the_kernels_imports_without_triton() -> None:
+    """triton is the optional GPU dependency: a CPU install must import every other module
+    (the backends defer theirs until asked for). The control: with triton blocked, a Triton
+    kernel module does fail to import, so the block is real."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['triton'] = None\n"
+        "import lockstep\n"
+        "names = [m.name for m in pkgutil.walk_packages(lockstep.__path__, 'lockstep.')]\n"
+        "skip = ('lockstep.ops.triton', 'lockstep.__main__')\n"
+        "for name in names:\n"
+        "    if not name.startswith(skip):\n"
+        "        importlib.import_module(name)\n"
+        "try:\n"
+        "    importlib.import_module('lockstep.ops.triton.norm')\n"
+        "except ImportError:\n"
+        "    print('blocked')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "blocked"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionMeta, LayerKV
+from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV
 
 try:
     from lockstep.ops.triton import activation, log_softmax, matmul, norm
@@ -59,8 +59,12 @@ class GpuDeterministicOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_mul(gate_up)
 
-    # One fused kernel: q/k head norms, RoPE and the K/V cache writes.
-    attention_input = staticmethod(_attention_input)
+    def attention_input(
+        self, qkv: torch.Tensor, layer: AttentionInput, positions: torch.Tensor,
+        slots: torch.Tensor, kv: LayerKV,
+    ) -> torch.Tensor:  # fmt: skip
+        """One fused kernel: q/k head norms, RoPE and the K/V cache writes."""
+        return _attention_input(qkv, layer, positions, slots, kv)
 
     def attention(
         self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
