@@ -29,6 +29,7 @@ from lockstep.server.async_engine import AsyncEngine, EngineFailure, RequestGrou
 from lockstep.server.http_errors import (
     MAX_BODY_BYTES,
     BodySizeLimit,
+    HeadAsGet,
     engine_failure_error,
     install_error_handlers,
 )
@@ -39,6 +40,7 @@ from lockstep.server.preparation import (
     check_fan_out,
     check_model,
     check_stream_options,
+    check_token_ids,
     max_tokens_for,
     model_card,
     prompts_of,
@@ -89,6 +91,7 @@ def build_app(engine: Any) -> FastAPI:
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(HeadAsGet)
     install_error_handlers(app, metrics)
 
     @app.get("/health")
@@ -209,6 +212,7 @@ def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResp
 async def _completions(served: Served, body: CompletionRequest, request: Request) -> Any:
     check_model(served, body.model)
     check_stream_options(body)
+    check_token_ids(served, body.stop_token_ids or [], "stop_token_ids")
     # Tokenizing a long text takes a while: off the event loop, so other requests stream on.
     prompts = await asyncio.to_thread(prompts_of, served, body.prompt)
     check_fan_out(len(prompts), body.n)
@@ -306,12 +310,16 @@ async def _completions(served: Served, body: CompletionRequest, request: Request
 async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -> Any:
     check_model(served, body.model)
     check_stream_options(body)
+    check_token_ids(served, body.stop_token_ids or [], "stop_token_ids")
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
+        raise APIError(
+            "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value"
+        )
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError(
             "max_tokens and max_completion_tokens are the same limit: send only one",
             param="max_tokens",
+            code="invalid_value",
         )
     ids = await asyncio.to_thread(chat_prompt, served, body.messages)
     limit_param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
@@ -397,7 +405,11 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
 async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
     check_model(served, body.model)
     if (body.prompt is None) == (body.messages is None):
-        raise APIError("send exactly one of prompt and messages", param="prompt")
+        raise APIError(
+            "send exactly one of prompt and messages",
+            param="prompt",
+            code="missing" if body.prompt is None else "invalid_value",
+        )
     if body.messages is not None:
         # The conversation as the model reads it, without a generation prompt after it.
         prompts = [await asyncio.to_thread(chat_prompt, served, body.messages, False)]

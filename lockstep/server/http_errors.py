@@ -1,8 +1,10 @@
 """Error handling of the HTTP API: every failure becomes an OpenAI-style error body.
 
-Client mistakes (bad JSON, wrong types, unknown or unsupported fields, oversized bodies) are
-4xx with `type: invalid_request_error` and, where one field is at fault, its name in `param`.
-A 5xx means a Lockstep bug.
+Client mistakes (bad JSON, wrong types, unknown or unsupported fields, oversized bodies, a
+method the route does not take) are 4xx with `type: invalid_request_error`, a `code` from
+docs/server.md's error table and, where one field is at fault, its name in `param`. A 405
+names the allowed methods in `Allow`; HEAD is allowed wherever GET is. A 5xx means a
+Lockstep bug.
 """
 
 from __future__ import annotations
@@ -59,10 +61,29 @@ class BodySizeLimit:
         return f"The request body is larger than {self.max_bytes} bytes."
 
 
+class HeadAsGet:
+    """Answers HEAD wherever GET is allowed: the routes see a GET, the client gets its status
+    and headers (`content-length` included) without the body. Plain ASGI, as above."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def send_without_body(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_without_body)
+
+
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def reply(error: APIError) -> JSONResponse:
+    def reply(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.http_errors.labels(str(error.status)).inc()
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -70,7 +91,7 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return reply(APIError(str(exc), param=_param_of(str(exc))))
+        return reply(APIError(str(exc), param=_param_of(str(exc)), code="invalid_value"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -78,8 +99,13 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:
+            # FastAPI's one 400: a body `json.loads` refused for a reason other than syntax
+            # (not UTF-8, nested too deep, an integer of more than 4300 digits).
+            return reply(_unreadable_body(str(exc.__cause__ or exc.detail)))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return reply(APIError(str(exc.detail), code=code, status=exc.status_code))
+        error = APIError(str(exc.detail), code=code, status=exc.status_code)
+        return reply(error, _with_head(exc.headers))
 
     @app.exception_handler(EngineFailure)
     async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
@@ -97,6 +123,22 @@ def engine_failure_error(exc: EngineFailure) -> APIError:
     if exc.unavailable:
         return APIError(str(exc), status=503, type="server_error", code="unavailable")
     return APIError(str(exc), status=500, type="server_error", code="engine_failure")
+
+
+def _with_head(headers: dict[str, str] | None) -> dict[str, str] | None:
+    """A 405's `Allow` lists the route's methods; `HeadAsGet` adds HEAD to every GET."""
+    if not headers or "Allow" not in headers:
+        return headers
+    allowed = {method.strip() for method in headers["Allow"].split(",")}
+    if "GET" in allowed:
+        allowed.add("HEAD")
+    return {**headers, "Allow": ", ".join(sorted(allowed))}
+
+
+def _unreadable_body(reason: str) -> APIError:
+    return APIError(
+        f"We could not parse the JSON body of your request: {reason}", code="invalid_json"
+    )
 
 
 def _param_of(message: str) -> str | None:
@@ -117,7 +159,7 @@ _UNION_FIELDS = {
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
-        return APIError("invalid request body")
+        return APIError("invalid request body", code="invalid_value")
     first = errors[0]
     kind = first.get("type", "")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -126,11 +168,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     branch = next((i for i, p in enumerate(loc) if p == "str" or "[" in p), None)
     param = ".".join(loc[:branch]) or None
     if kind == "json_invalid":
-        return APIError(
-            "We could not parse the JSON body of your request: "
-            + str(first.get("ctx", {}).get("error", "invalid JSON")),
-            code="invalid_json",
-        )
+        return _unreadable_body(str(first.get("ctx", {}).get("error", "invalid JSON")))
     if kind == "extra_forbidden":
         return APIError(
             f"Unrecognized request argument supplied: {param}",

@@ -1,8 +1,8 @@
 """Request preparation: from a validated request body to engine inputs, or a 4xx.
 
 Everything that can be refused is refused here, before the engine sees the request: unknown
-model, empty or out-of-vocabulary prompts, prompts that cannot fit the context with the
-requested completion, too many sequences in one request.
+model, empty or out-of-vocabulary prompts and stop token ids, prompts that cannot fit the
+context with the requested completion, too many sequences in one request.
 """
 
 from __future__ import annotations
@@ -64,18 +64,22 @@ def prompts_of(served: Served, prompt: Any, *, add_special_tokens: bool = True) 
             ids = served.tokenizer.encode(item, add_special_tokens=add_special_tokens)
         else:
             ids = list(item)
-            bad = [t for t in ids if t >= served.vocab_size]
-            if bad:
-                raise APIError(
-                    f"token id {bad[0]} is out of range: the vocabulary has"
-                    f" {served.vocab_size} tokens",
-                    param="prompt",
-                    code="invalid_value",
-                )
+            check_token_ids(served, ids, "prompt")
         if not ids:
-            raise APIError("The prompt is empty (no tokens).", param="prompt")
+            raise APIError("The prompt is empty (no tokens).", param="prompt", code="invalid_value")
         ids_list.append(ids)
     return ids_list
+
+
+def check_token_ids(served: Served, ids: list[int], param: str) -> None:
+    """Token ids the client wrote (the protocol has checked them >= 0) must be in the vocabulary."""
+    bad = [t for t in ids if t >= served.vocab_size]
+    if bad:
+        raise APIError(
+            f"token id {bad[0]} is out of range: the vocabulary has {served.vocab_size} tokens",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def chat_prompt(
@@ -92,7 +96,9 @@ def chat_prompt(
     # The template already spells out the special tokens.
     ids = served.tokenizer.encode(rendered, add_special_tokens=False)
     if not ids:
-        raise APIError("The messages render to an empty prompt.", param="messages")
+        raise APIError(
+            "The messages render to an empty prompt.", param="messages", code="invalid_value"
+        )
     return ids
 
 
@@ -102,6 +108,7 @@ def check_fan_out(num_prompts: int, n: int) -> None:
             f"{num_prompts} prompts x n={n} asks for {num_prompts * n} sequences: at most"
             f" {MAX_SEQUENCES_PER_REQUEST} per request",
             param="n" if n > 1 else "prompt",
+            code="invalid_value",
         )
 
 
@@ -140,7 +147,11 @@ def sampling_params(
 ) -> SamplingParams:
     seed = None if body.seed is None else body.seed + choice
     if seed is not None and seed >= 2**63:
-        raise APIError(f"seed + n - 1 must be below 2**63 (seed={body.seed})", param="seed")
+        raise APIError(
+            f"seed + n - 1 must be below 2**63 (seed={body.seed})",
+            param="seed",
+            code="invalid_value",
+        )
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
     return SamplingParams(
         max_tokens=max_tokens,
@@ -160,4 +171,8 @@ def sampling_params(
 
 def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> None:
     if body.stream_options is not None and not body.stream:
-        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        raise APIError(
+            "stream_options is only allowed when stream is true",
+            param="stream_options",
+            code="invalid_value",
+        )

@@ -8,6 +8,10 @@ Three kinds of field, each handled on purpose (STYLE.md: honour the API you clai
 - anything else: refused as an unrecognized argument (`extra="forbid"`).
 
 Models are strict, so `"temperature": "1"` or `"max_tokens": true` is a 400, not a coercion.
+Integers end below 2**63 (the engine holds them as 64-bit values) or within a tighter declared
+range; token ids are checked against the vocabulary in `preparation.py`. Before any field is
+validated, every string of a body, keys included, is checked to be valid Unicode (`_Body`), so
+no lone surrogate reaches the tokenizer or a JSON encoder.
 Response bodies are plain dicts built in `responses.py`.
 """
 
@@ -51,12 +55,52 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message,
+                "message": _encodable(self.message),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else _encodable(self.param),
                 "code": self.code,
             }
         }
+
+
+def _encodable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (lone surrogates) written as `\\udXXX` escapes:
+    messages quote client input, and an error body must always encode."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _check_text(data: dict | list) -> None:
+    """Refuses a string in a parsed JSON body (a key or a value, at any depth) that is not
+    valid Unicode, naming its path as pydantic would ("messages.0.content"). JSON can spell a
+    lone UTF-16 surrogate (`"\\ud800"`); UTF-8, the tokenizer and every JSON encoder cannot
+    take one. Iterative, since the depth is the client's; a path is built only for a container
+    or a non-ASCII string (`isascii` is O(1)), so a long list of token ids costs one pass."""
+    stack: list[tuple[tuple[str, ...], dict | list]] = [((), data)]
+    while stack:
+        path, container = stack.pop()
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for label, item in items:
+            if isinstance(label, str) and not label.isascii():
+                _check_string(path + (label,), label)
+            if isinstance(item, str):
+                if not item.isascii():
+                    _check_string(path + (str(label),), item)
+            elif isinstance(item, (dict, list)):
+                stack.append((path + (str(label),), item))
+
+
+def _check_string(path: tuple[str, ...], text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        param = ".".join(path)
+        raise APIError(
+            f"Invalid value for {param!r}: the text is not valid Unicode (a lone UTF-16"
+            f" surrogate, U+{ord(text[exc.start]):04X}, at character {exc.start}); send"
+            " UTF-8 text",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 def _is_neutral_response_format(value: Any) -> bool:
@@ -115,23 +159,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Body(_Strict):
+    """A whole request body: its text is checked once, here, before any field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_text(data)
+        return data
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 disables it (Lockstep extension)")
+    top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 disables it (Lockstep extension)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Lockstep extension")
     seed: int | None = Field(
         None, ge=0, lt=2**63, description="choice i of n is sampled with seed + i"
     )
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
         None, max_length=64, description="Lockstep extension"
     )
     n: int = Field(1, ge=1, le=16)
@@ -157,7 +212,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, lt=2**63)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -179,13 +234,13 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=2**63, description="deprecated alias")
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**63)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(_Body):
     """Teacher-forced logprobs of given text (Lockstep's `/v1/score`, see docs/server.md)."""
 
     model: str

@@ -1,0 +1,266 @@
+"""The server under hostile input: text that is not valid Unicode, absurd integers, methods a
+route does not take. Every such request gets a 4xx in OpenAI's error shape with the `code` that
+docs/server.md's error table documents, the kept-alive connection keeps working, and nothing
+reaches the engine.
+
+One real `lockstep serve` process (test_server.py's arguments) is started for the module and
+driven over raw HTTP. A lone UTF-16 surrogate arrives as a JSON escape (`\\ud800`, which
+`json.dumps` writes for it) or as its three UTF-8-style bytes, which Python's json reads as one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.responses import JSONResponse
+from test_server import REPO, SERVE_ARGS, ServerProcess, _bad_cases
+
+from lockstep.server.protocol import APIError
+
+TIMEOUT_S = 120  # a hang guard only
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess(SERVE_ARGS).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    """One client, so consecutive requests share a kept-alive connection."""
+    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT_S) as client:
+        yield client
+
+
+def _post(http: httpx.Client, path: str, body: object) -> httpx.Response:
+    """`body` as JSON bytes; a str or bytes body is sent as is."""
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return http.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def _documented_codes() -> set[str]:
+    """The `code` column of docs/server.md's error table."""
+    text = (REPO / "docs" / "server.md").read_text()
+    table = text.split("| case | status | `code` |", 1)[1].split("\n\n", 1)[0]
+    rows = table.strip().splitlines()[1:]  # after the |---| line
+    return {code for row in rows for code in re.findall(r"`([a-z_]+)`", row.split("|")[3])}
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# -- text that is not valid Unicode --------------------------------------------------------
+
+
+def _invalid_text_cases(model: str) -> list[tuple[str, dict | bytes, str]]:
+    """(path, body, the field the 400 must name); each body holds one lone surrogate."""
+    comp = {"model": model, "prompt": "hi", "max_tokens": 2}
+    chat = {"model": model, "messages": _user("hi"), "max_tokens": 2}
+    part = [{"type": "text", "text": "fine"}, {"type": "text", "text": "\udc00 low"}]
+    return [
+        ("/v1/completions", {**comp, "prompt": "hi \ud800"}, "prompt"),
+        ("/v1/completions", {**comp, "prompt": ["fine", "hi \udfff"]}, "prompt.1"),
+        # Python's json reads a surrogate written as UTF-8 bytes (ED A0 80) as one, too.
+        ("/v1/completions", b'{"model": "m", "prompt": "\xed\xa0\x80"}', "prompt"),
+        ("/v1/completions", {**comp, "stop": "\ud800"}, "stop"),
+        ("/v1/completions", {**comp, "stop": ["ok", "x\ud800"]}, "stop.1"),
+        ("/v1/completions", {"model": "\ud800", "prompt": "hi"}, "model"),
+        ("/v1/completions", {**comp, "user": "\ud800"}, "user"),
+        ("/v1/completions", {**comp, "x\ud800": 1}, "x\\ud800"),
+        ("/v1/chat/completions", {**chat, "messages": _user("hi \ud800")}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": part}]},
+            "messages.0.content.1.text",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [*_user("fine"), {"role": "assistant", "content": "\ud800"}]},
+            "messages.1.content",
+        ),
+        ("/v1/score", {"model": model, "prompt": "hi \ud800"}, "prompt"),
+        ("/v1/score", {"model": model, "messages": _user("\ud800")}, "messages.0.content"),
+    ]
+
+
+def test_invalid_unicode_is_a_400_naming_the_field(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    before = server.engine_stats()
+    for path, body, param in _invalid_text_cases(server.model):
+        response = _post(http, path, body)
+        assert response.status_code == 400, (path, body, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", (body, error)
+        assert error["param"] == param, (body, error)
+        assert error["code"] == "invalid_value", (body, error)
+        assert "Unicode" in error["message"], (body, error)
+        # The connection the error came on still serves the next request.
+        assert http.get("/v1/models").status_code == 200, body
+    assert server.engine_stats()["prompt_tokens_total"] == before["prompt_tokens_total"]
+    # A surrogate pair is one valid character, not invalid text.
+    pair = _post(
+        http, "/v1/completions", {"model": server.model, "prompt": "hi \U0001f600", "max_tokens": 1}
+    )
+    assert pair.status_code == 200, pair.text
+
+
+def test_error_bodies_with_unencodable_text_still_encode() -> None:
+    error = APIError("The model `\ud800` does not exist", param="x\ud800")
+    body = json.loads(JSONResponse(error.body(), status_code=404).body)
+    assert body["error"]["message"] == "The model `\\ud800` does not exist"
+    assert body["error"]["param"] == "x\\ud800"
+
+
+# -- methods: 405 with Allow, HEAD wherever GET -------------------------------------------
+
+
+def _allowed(response: httpx.Response) -> set[str]:
+    return {m.strip() for m in response.headers.get("allow", "").split(",") if m.strip()}
+
+
+def test_405_names_the_allowed_methods_and_head_answers(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    for method, path, allowed in [
+        ("GET", "/v1/completions", {"POST"}),
+        ("HEAD", "/v1/chat/completions", {"POST"}),
+        ("POST", "/health", {"GET", "HEAD"}),
+        ("DELETE", "/v1/models", {"GET", "HEAD"}),
+    ]:
+        response = http.request(method, path)
+        assert response.status_code == 405, (method, path, response.text)
+        assert _allowed(response) == allowed, (method, path, response.headers)
+        if method != "HEAD":
+            assert response.json()["error"]["code"] == "method_not_allowed"
+    for path in ("/health", "/v1/models", f"/v1/models/{server.model}", "/metrics", "/v1/engine"):
+        response = http.head(path)
+        assert response.status_code == 200, (path, response.status_code)
+        assert response.content == b"", path
+        assert int(response.headers["content-length"]) > 0, path  # what GET would send
+    assert http.head("/no/such/route").status_code == 404
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+# -- integers ------------------------------------------------------------------------------
+
+
+def _absurd_integer_cases(model: str) -> list[tuple[str, dict, str]]:
+    """(path, body, the field the 400 must name)."""
+    comp = {"model": model, "prompt": "hi", "max_tokens": 2}
+    chat = {"model": model, "messages": _user("hi"), "max_tokens": 2}
+    huge = 2**70
+    return [
+        ("/v1/completions", {**comp, "top_k": huge}, "top_k"),
+        ("/v1/completions", {**comp, "top_k": 2**63}, "top_k"),
+        ("/v1/chat/completions", {**chat, "top_k": huge}, "top_k"),
+        ("/v1/completions", {**comp, "stop_token_ids": [huge]}, "stop_token_ids.0"),
+        ("/v1/completions", {**comp, "stop_token_ids": [2, 10**9]}, "stop_token_ids"),
+        ("/v1/chat/completions", {**chat, "stop_token_ids": [huge]}, "stop_token_ids.0"),
+        ("/v1/completions", {**comp, "max_tokens": huge}, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_tokens": huge}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": model, "messages": _user("hi"), "max_completion_tokens": huge},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {**comp, "seed": huge}, "seed"),
+        ("/v1/completions", {**comp, "n": huge}, "n"),
+        ("/v1/completions", {**comp, "logprobs": huge}, "logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": huge}, "top_logprobs"),
+        ("/v1/completions", {**comp, "prompt": [1, huge]}, "prompt"),
+        ("/v1/score", {"model": model, "prompt": "hi", "top_logprobs": huge}, "top_logprobs"),
+        ("/v1/score", {"model": model, "prompt": [huge]}, "prompt"),
+    ]
+
+
+def test_absurd_integers_are_a_400_naming_the_field(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    before = server.engine_stats()
+    for path, body, param in _absurd_integer_cases(server.model):
+        response = _post(http, path, body)
+        assert response.status_code == 400, (path, body, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", (body, error)
+        assert error["param"] == param, (body, error)
+        assert error["code"] == "invalid_value", (body, error)
+    assert server.engine_stats()["prompt_tokens_total"] == before["prompt_tokens_total"]
+    # The largest accepted values still serve (top_k beyond the vocabulary disables it).
+    edge = {
+        "model": server.model,
+        "prompt": "hi",
+        "max_tokens": 1,
+        "top_k": 2**63 - 1,
+        "seed": 2**63 - 1,
+        "stop_token_ids": [0],
+    }
+    response = _post(http, "/v1/completions", edge)
+    assert response.status_code == 200, response.text
+
+
+# -- every 4xx has its documented code -----------------------------------------------------
+
+
+def _coded_cases(model: str) -> list[tuple[str, object, int, str]]:
+    """(path, body, status, code) for refusals beyond test_server.py's bad cases."""
+    comp = {"model": model, "prompt": "hi", "max_tokens": 2}
+    chat = {"model": model, "messages": _user("hi"), "max_tokens": 2}
+    return [
+        ("/v1/completions", b'{"model": "m", "prompt": "\xff"}', 400, "invalid_json"),
+        ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
+        ("/v1/completions", b'{"max_tokens": ' + b"9" * 5000 + b"}", 400, "invalid_json"),
+        ("/v1/completions", "{not json", 400, "invalid_json"),
+        ("/v1/completions", {**comp, "prompt": ""}, 400, "invalid_value"),
+        ("/v1/completions", {**comp, "temperature": 1e-6}, 400, "invalid_value"),
+        (
+            "/v1/completions",
+            {**comp, "stream_options": {"include_usage": True}},
+            400,
+            "invalid_value",
+        ),
+        ("/v1/completions", {**comp, "prompt": ["a"] * 17, "n": 16}, 400, "invalid_value"),
+        ("/v1/completions", {**comp, "seed": 2**63 - 1, "n": 2}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 2}, 400, "invalid_value"),
+        ("/v1/score", {"model": model}, 400, "missing"),
+        (
+            "/v1/score",
+            {"model": model, "prompt": "hi", "messages": _user("hi")},
+            400,
+            "invalid_value",
+        ),
+        ("/v1/completions", {**comp, "model": "gpt-4"}, 404, "model_not_found"),
+    ]
+
+
+def test_every_refusal_has_its_documented_code(server: ServerProcess, http: httpx.Client) -> None:
+    documented = _documented_codes()
+    assert {"invalid_json", "invalid_value", "missing", "model_not_found"} <= documented
+    before = server.engine_stats()
+    cases: list[tuple[str, object, int, str | None]]
+    cases = [(p, b, s, None) for p, b, s, _ in _bad_cases(server.model)]
+    cases += _coded_cases(server.model)
+    for path, body, status, code in cases:
+        response = _post(http, path, body)
+        assert response.status_code == status, (path, body, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", (body, error)
+        assert error["code"] in documented, (body, error)
+        if code is not None:
+            assert error["code"] == code, (body, error)
+    assert server.engine_stats()["prompt_tokens_total"] == before["prompt_tokens_total"]
+
+
+def test_server_healthy_and_kv_pool_free_after_hostile_input(server: ServerProcess) -> None:
+    """Last: everything above left the server serving and no KV slot in use."""
+    assert httpx.get(server.base_url + "/health", timeout=TIMEOUT_S).status_code == 200
+    stats = server.wait_idle()
+    assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
