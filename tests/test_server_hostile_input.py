@@ -90,17 +90,23 @@ def _invalid_text_cases(model: str) -> list[tuple[str, dict | bytes, str]]:
     ]
 
 
+def _refused_400(http: httpx.Client, path: str, body: dict, param: str) -> dict:
+    """POST `body`; it must be a 400 invalid_value naming `param`. Returns the error."""
+    response = _post(http, path, body)
+    assert response.status_code == 400, (path, body, response.text)
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error", (body, error)
+    assert error["param"] == param, (body, error)
+    assert error["code"] == "invalid_value", (body, error)
+    return error
+
+
 def test_invalid_unicode_is_a_400_naming_the_field(
     server: ServerProcess, http: httpx.Client
 ) -> None:
     before = server.engine_stats()
     for path, body, param in _invalid_text_cases(server.model):
-        response = _post(http, path, body)
-        assert response.status_code == 400, (path, body, response.text)
-        error = response.json()["error"]
-        assert error["type"] == "invalid_request_error", (body, error)
-        assert error["param"] == param, (body, error)
-        assert error["code"] == "invalid_value", (body, error)
+        error = _refused_400(http, path, body, param)
         assert "Unicode" in error["message"], (body, error)
         # The connection the error came on still serves the next request.
         assert http.get("/v1/models").status_code == 200, body
@@ -186,12 +192,7 @@ def test_absurd_integers_are_a_400_naming_the_field(
 ) -> None:
     before = server.engine_stats()
     for path, body, param in _absurd_integer_cases(server.model):
-        response = _post(http, path, body)
-        assert response.status_code == 400, (path, body, response.text)
-        error = response.json()["error"]
-        assert error["type"] == "invalid_request_error", (body, error)
-        assert error["param"] == param, (body, error)
-        assert error["code"] == "invalid_value", (body, error)
+        _refused_400(http, path, body, param)
     assert server.engine_stats()["prompt_tokens_total"] == before["prompt_tokens_total"]
     # The largest accepted values still serve (top_k beyond the vocabulary disables it).
     edge = {
