@@ -65,10 +65,21 @@ logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
 
+# Sequences that may wait for a running slot, per running slot, unless --max-waiting says: a
+# deep enough queue to keep the engine busy between arrivals, short enough that a client
+# refused with a 429 learns it at once instead of waiting without bound.
+DEFAULT_WAITING_PER_RUNNING = 4
 
-def build_app(engine: Any) -> FastAPI:
+
+def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
+    """The app over a loaded engine. `max_waiting`: sequences admitted beyond the engine's
+    `max_running` to wait for a running slot; more are refused with a 429 (default:
+    `DEFAULT_WAITING_PER_RUNNING` x max_running)."""
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, metrics)
+    max_running = engine.config.max_running
+    if max_waiting is None:
+        max_waiting = DEFAULT_WAITING_PER_RUNNING * max_running
+    async_engine = AsyncEngine(engine, metrics, capacity=max_running + max_waiting)
     fingerprint = json.dumps(engine.fingerprint(), sort_keys=True, default=str)
     served = Served(
         engine=async_engine,
@@ -210,12 +221,13 @@ def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResp
 
 
 async def _completions(served: Served, body: CompletionRequest, request: Request) -> Any:
+    served.engine.refuse_if_full()
     check_model(served, body.model)
     check_stream_options(body)
     check_token_ids(served, body.stop_token_ids or [], "stop_token_ids")
     # Tokenizing a long text takes a while: off the event loop, so other requests stream on.
     prompts = await asyncio.to_thread(prompts_of, served, body.prompt)
-    check_fan_out(len(prompts), body.n)
+    check_fan_out(served, len(prompts), body.n)
     choices: list[ChoiceState] = []
     requests = []
     for p_index, ids in enumerate(prompts):
@@ -308,6 +320,7 @@ async def _completions(served: Served, body: CompletionRequest, request: Request
 
 
 async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -> Any:
+    served.engine.refuse_if_full()
     check_model(served, body.model)
     check_stream_options(body)
     check_token_ids(served, body.stop_token_ids or [], "stop_token_ids")
@@ -321,6 +334,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
             param="max_tokens",
             code="invalid_value",
         )
+    check_fan_out(served, 1, body.n)
     ids = await asyncio.to_thread(chat_prompt, served, body.messages)
     limit_param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
     requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
@@ -403,6 +417,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
 
 
 async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
+    served.engine.refuse_if_full()
     check_model(served, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(
@@ -419,7 +434,7 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
             prompts_of, served, body.prompt, add_special_tokens=body.add_special_tokens
         )
         prompt_param = "prompt"
-    check_fan_out(len(prompts), 1)
+    check_fan_out(served, len(prompts), 1)
     # Scoring runs the prompt plus one (discarded) greedy token.
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=body.top_logprobs)
     for ids in prompts:

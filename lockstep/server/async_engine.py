@@ -45,13 +45,28 @@ class EngineFailure(Exception):
         self.unavailable = unavailable
 
 
+class Overloaded(Exception):
+    """More sequences than the server admits are in flight: the request is refused before
+    any work (a 429 with Retry-After), so a client or load balancer can go elsewhere."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class AsyncEngine:
     """Owns the engine and its thread. Create it, `start()` it inside the event loop,
-    `stop()` it on shutdown (after the HTTP server has drained its connections)."""
+    `stop()` it on shutdown (after the HTTP server has drained its connections).
 
-    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
+    Admission: at most `capacity` engine requests (sequences) are in flight at once, the
+    running ones and those waiting for a running slot; `RequestGroup.add` reserves its
+    sequences first and raises `Overloaded` beyond that. Counted on the event loop only."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, capacity: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.capacity = capacity
+        self.in_flight = 0
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -84,6 +99,25 @@ class AsyncEngine:
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns()}"
+
+    def reserve(self, n: int) -> None:
+        """Admit n more sequences, or raise `Overloaded` (event loop only)."""
+        if self.capacity is not None and self.in_flight + n > self.capacity:
+            raise Overloaded(
+                f"The server is at capacity ({self.in_flight} of {self.capacity} sequences in"
+                f" flight, {n} more asked for): retry later",
+                retry_after_s=1,
+            )
+        self.in_flight += n
+
+    def refuse_if_full(self) -> None:
+        """Raise `Overloaded` while no sequence can be admitted: the routes ask before any
+        work (tokenizing, templating), so a full server refuses at the cost of parsing."""
+        if self.capacity is not None and self.in_flight >= self.capacity:
+            self.reserve(1)
+
+    def release(self, n: int) -> None:
+        self.in_flight -= n
 
     # -- commands --------------------------------------------------------------------------
 
@@ -215,6 +249,7 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, StepOutput | EngineFailure]] = asyncio.Queue()
         self.request_ids: list[str] = []
         self._unfinished: set[int] = set()
+        self._reserved = 0  # sequences admitted by the engine's capacity, released on exit
 
     async def __aenter__(self) -> RequestGroup:
         return self
@@ -225,25 +260,36 @@ class RequestGroup:
     async def add(
         self, requests: list[tuple[list[int], SamplingParams]], namespace: str | None
     ) -> None:
-        """Add one engine request per (prompt, params), indexed in order; raises the engine's
-        `RequestError` (and adds none) if it refuses one."""
+        """Add one engine request per (prompt, params), indexed in order; raises `Overloaded`
+        beyond the server's capacity, or the engine's `RequestError` if it refuses one (and
+        adds none either way)."""
+        self._engine.reserve(len(requests))
+        self._reserved = len(requests)
         ids = [f"{self._prefix}-{i}" for i in range(len(requests))]
-        # Known before the await: a cancellation mid-add still aborts them in __aexit__
-        # (the abort commands queue behind the add command).
+        # Known before the await: a cancellation mid-add still aborts them (below; the abort
+        # commands queue behind the add command).
         self.request_ids = ids
         self._unfinished = set(range(len(ids)))
         try:
             await self._engine.add_requests(
                 self, [(rid, p, sp) for rid, (p, sp) in zip(ids, requests, strict=True)], namespace
             )
-        except Exception:  # refused: nothing was added. A cancellation keeps them to abort.
+        except Exception:  # refused: nothing was added
             self._unfinished.clear()
+            self.abort()
+            raise
+        except BaseException:  # cancelled: abort what the add command may still register
+            self.abort()
             raise
 
     def abort(self) -> None:
+        """Abort every unfinished request and give back the group's admitted sequences
+        (idempotent: called on exit, after a stream ends and by its background task)."""
         for index in sorted(self._unfinished):
             self._engine.abort(self.request_ids[index])
         self._unfinished.clear()
+        self._engine.release(self._reserved)
+        self._reserved = 0
 
     async def outputs(self) -> AsyncIterator[tuple[int, StepOutput]]:
         """Yield (choice index, output) until every request finished; records TTFT and

@@ -40,6 +40,13 @@ def add_serve_parser(subparsers: Any) -> None:
         help="seconds running requests get to finish after SIGTERM/SIGINT",
     )
     parser.add_argument(
+        "--max-waiting",
+        type=_non_negative_int,
+        default=None,
+        help="sequences that may wait for a running slot beyond --max-running; more are "
+        "refused with 429 and Retry-After (default: 4 x --max-running)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     add_engine_arguments(parser)
@@ -70,7 +77,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
     from lockstep.server.api import build_app
 
-    app = build_app(engine)
+    app = build_app(engine, max_waiting=args.max_waiting)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -84,6 +91,13 @@ def run_serve_command(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     server.run(sockets=[sock])
     return 0
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: expected an integer >= 0")
+    return value
 
 
 def _bind(host: str, port: int) -> socket.socket:

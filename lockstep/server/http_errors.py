@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.errors import RequestError
-from lockstep.server.async_engine import EngineFailure
+from lockstep.server.async_engine import EngineFailure, Overloaded
 from lockstep.server.metrics import ServerMetrics
 from lockstep.server.protocol import APIError
 
@@ -110,6 +110,11 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(EngineFailure)
     async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
         return reply(engine_failure_error(exc))
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+        error = APIError(str(exc), status=429, type="rate_limit_error", code="server_overloaded")
+        return reply(error, {"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -102,11 +102,16 @@ def chat_prompt(
     return ids
 
 
-def check_fan_out(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+def check_fan_out(served: Served, num_prompts: int, n: int) -> None:
+    """At most MAX_SEQUENCES_PER_REQUEST sequences, and never more than the server admits at
+    once (a request that could never be admitted is a 400, not a 429 to retry forever)."""
+    limit = MAX_SEQUENCES_PER_REQUEST
+    if served.engine.capacity is not None:
+        limit = min(limit, served.engine.capacity)
+    if num_prompts * n > limit:
         raise APIError(
             f"{num_prompts} prompts x n={n} asks for {num_prompts * n} sequences: at most"
-            f" {MAX_SEQUENCES_PER_REQUEST} per request",
+            f" {limit} per request",
             param="n" if n > 1 else "prompt",
             code="invalid_value",
         )
