@@ -50,7 +50,9 @@ from lockstep.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ScoreRequest,
+    TokenizeRequest,
 )
 from lockstep.server.responses import (
     ChoiceState,
@@ -162,7 +164,48 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     async def score(body: ScoreRequest, request: Request) -> Response | dict:
         return await _score(served, body, request)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await asyncio.to_thread(_tokenize, served, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(served, body.model)
+        check_token_ids(served, body.tokens, "tokens")
+        return {"prompt": await asyncio.to_thread(served.tokenizer.decode, body.tokens, False)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
     return app
+
+
+def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
+    """vLLM's `/tokenize` response: the ids the completion or chat route would send."""
+    if body.model is not None:
+        check_model(served, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(
+            "send exactly one of prompt and messages",
+            param="prompt",
+            code="missing" if body.prompt is None else "invalid_value",
+        )
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = served.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    else:
+        assert body.messages is not None
+        add_special = bool(body.add_special_tokens)
+        ids = chat_prompt(served, body.messages, body.add_generation_prompt, add_special)
+    strs = [served.tokenizer.token_str(t) for t in ids] if body.return_token_strs else None
+    return {
+        "count": len(ids),
+        "max_model_len": served.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
 
 
 def _version() -> str:

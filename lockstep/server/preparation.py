@@ -83,9 +83,14 @@ def check_token_ids(served: Served, ids: list[int], param: str) -> None:
 
 
 def chat_prompt(
-    served: Served, messages: list[ChatMessage], add_generation_prompt: bool = True
+    served: Served,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Applies the model's chat template; `developer` is OpenAI's newer name for `system`."""
+    """Applies the model's chat template; `developer` is OpenAI's newer name for `system`.
+    The template already spells out the special tokens: the tokenizer adds none of its own
+    unless asked (vLLM's `/tokenize` option)."""
     rendered = served.tokenizer.apply_chat_template(
         [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -93,8 +98,7 @@ def chat_prompt(
         ],
         add_generation_prompt=add_generation_prompt,
     )
-    # The template already spells out the special tokens.
-    ids = served.tokenizer.encode(rendered, add_special_tokens=False)
+    ids = served.tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
     if not ids:
         raise APIError(
             "The messages render to an empty prompt.", param="messages", code="invalid_value"

@@ -251,3 +251,23 @@ class ScoreRequest(_Body):
         True, description="for a text prompt: let the tokenizer add its special tokens"
     )
     cache_salt: str | None = Field(None, max_length=256)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a text prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = Field(
+        None, description="default: true for a prompt, false for messages (the template)"
+    )
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's `/detokenize`: token ids back to text."""
+
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]], Field(max_length=1 << 20)]
