@@ -121,6 +121,14 @@ def server() -> Iterator[ServerProcess]:
     proc.stop()
 
 
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    """One raw HTTP client, so consecutive requests share a kept-alive connection. The
+    other server test modules import `server` and `http` (a server of their own each)."""
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        yield client
+
+
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)

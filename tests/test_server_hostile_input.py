@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
-import pytest
+import test_server
 from fastapi.responses import JSONResponse
-from test_server import REPO, SERVE_ARGS, ServerProcess, _bad_cases
+from test_server import REPO, ServerProcess, _bad_cases
 
 from lockstep.server.protocol import APIError
 
 TIMEOUT_S = 120  # a hang guard only
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(SERVE_ARGS).start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    """One client, so consecutive requests share a kept-alive connection."""
-    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT_S) as client:
-        yield client
+# test_server.py's fixtures: a server of this module's own, and a kept-alive client.
+server, http = test_server.server, test_server.http
 
 
 def _post(http: httpx.Client, path: str, body: object) -> httpx.Response:

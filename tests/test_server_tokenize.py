@@ -5,28 +5,17 @@ back into the text, and bad input gets the usual 4xx."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server import SERVE_ARGS, ServerProcess
+import test_server
+from test_server import ServerProcess
 
 import lockstep
 
 TIMEOUT_S = 120  # a hang guard only
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(SERVE_ARGS).start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT_S) as client:
-        yield client
+# test_server.py's fixtures: a server of this module's own, and a kept-alive client.
+server, http = test_server.server, test_server.http
 
 
 def test_version(http: httpx.Client) -> None:

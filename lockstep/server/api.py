@@ -39,6 +39,7 @@ from lockstep.server.preparation import (
     chat_prompt,
     check_fan_out,
     check_model,
+    check_prompt_or_messages,
     check_stream_options,
     check_token_ids,
     max_tokens_for,
@@ -186,12 +187,7 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
     """vLLM's `/tokenize` response: the ids the completion or chat route would send."""
     if body.model is not None:
         check_model(served, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(
-            "send exactly one of prompt and messages",
-            param="prompt",
-            code="missing" if body.prompt is None else "invalid_value",
-        )
+    check_prompt_or_messages(body.prompt, body.messages)
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = served.tokenizer.encode(body.prompt, add_special_tokens=add_special)
@@ -462,12 +458,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
 async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
     served.engine.refuse_if_full()
     check_model(served, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(
-            "send exactly one of prompt and messages",
-            param="prompt",
-            code="missing" if body.prompt is None else "invalid_value",
-        )
+    check_prompt_or_messages(body.prompt, body.messages)
     if body.messages is not None:
         # The conversation as the model reads it, without a generation prompt after it.
         prompts = [await asyncio.to_thread(chat_prompt, served, body.messages, False)]

@@ -102,19 +102,21 @@ class AsyncEngine:
 
     def reserve(self, n: int) -> None:
         """Admit n more sequences, or raise `Overloaded` (event loop only)."""
+        self._refuse_beyond(n)
+        self.in_flight += n
+
+    def refuse_if_full(self) -> None:
+        """Raise `Overloaded` while no sequence can be admitted: the routes ask before any
+        work (tokenizing, templating), so a full server refuses at the cost of parsing."""
+        self._refuse_beyond(1)
+
+    def _refuse_beyond(self, n: int) -> None:
         if self.capacity is not None and self.in_flight + n > self.capacity:
             raise Overloaded(
                 f"The server is at capacity ({self.in_flight} of {self.capacity} sequences in"
                 f" flight, {n} more asked for): retry later",
                 retry_after_s=1,
             )
-        self.in_flight += n
-
-    def refuse_if_full(self) -> None:
-        """Raise `Overloaded` while no sequence can be admitted: the routes ask before any
-        work (tokenizing, templating), so a full server refuses at the cost of parsing."""
-        if self.capacity is not None and self.in_flight >= self.capacity:
-            self.reserve(1)
 
     def release(self, n: int) -> None:
         self.in_flight -= n

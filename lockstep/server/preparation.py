@@ -71,6 +71,16 @@ def prompts_of(served: Served, prompt: Any, *, add_special_tokens: bool = True) 
     return ids_list
 
 
+def check_prompt_or_messages(prompt: Any, messages: Any) -> None:
+    """Routes that take a text prompt or chat messages (`/v1/score`, `/tokenize`) take one."""
+    if (prompt is None) == (messages is None):
+        raise APIError(
+            "send exactly one of prompt and messages",
+            param="prompt",
+            code="missing" if prompt is None else "invalid_value",
+        )
+
+
 def check_token_ids(served: Served, ids: list[int], param: str) -> None:
     """Token ids the client wrote (the protocol has checked them >= 0) must be in the vocabulary."""
     bad = [t for t in ids if t >= served.vocab_size]
