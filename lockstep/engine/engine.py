@@ -11,11 +11,12 @@ a dedicated loop thread).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder
 from lockstep.models.resolver import resolve_model
+from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,9 @@ class Engine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generated_tokens_total = 0
+        self.weights_source = loaded.source
+        self.weight_updates = 0
+        self.weight_version = "default"  # SGLang's name for the weights being served
         logger.info(
             "engine ready: model=%s device=%s dtype=%s mode=%s kv_tokens=%d",
             self.model_name, self.device, config.resolved_dtype, config.mode, kv_tokens,
@@ -153,12 +158,29 @@ class Engine:
                 f"{self.pool.num_slots}: it could never run (raise kv_tokens)"
             )
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its own KV slots at once; it yields no further output."""
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        """Stop a request and free its own KV slots at once; it yields no further output from
+        `step`. Returns its closing output (no new token, the text still held back, finish
+        reason "abort"), or None when no such request is unfinished."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
         self._drop_dead_inflight()
+        if request is None:
+            return None
+        return StepOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text=request.text_output.push(None, final=True).text,
+            new_logprobs=[] if request.params.logprobs is not None else None,
+            finished=True,
+            finish_reason="abort",
+            prompt_tokens=len(request.prompt_ids),
+            cached_tokens=max(request.cached_tokens, 0),
+            completion_tokens=len(request.output_ids),
+            seed=request.seed,
+            prompt_logprobs=None if request.prompt_logprobs_sent else request.prompt_logprobs,
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -312,6 +334,47 @@ class Engine:
             return "length", None
         return None, None
 
+    # ----------------------------------------------------------------- weights
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        source: str = "in-process",
+        version: str | None = None,
+    ) -> None:
+        """Swap in new weights of the same architecture, in place, between steps: canonical
+        (name, tensor) pairs or a state dict (spec.py names). Refused with `RequestError`
+        while requests are unfinished (they would mix two models); a bad set of tensors is a
+        `ModelLoadError` and leaves the old weights serving. The prefix cache is flushed:
+        its KV was computed by the old weights. The same weights give the same bits as
+        before (loading is a copy, the kernels are unchanged)."""
+        if self.requests:
+            raise RequestError(
+                f"{len(self.requests)} request(s) are unfinished: finish or abort them before"
+                " updating the weights"
+            )
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        self.decoder.update_weights(pairs, source)
+        self._inflight = None
+        self.radix.flush()
+        self.weights_source = source
+        self.weight_updates += 1
+        self.weight_version = version if version is not None else str(self.weight_updates)
+        logger.info("weights updated from %s (version %s)", source, self.weight_version)
+
+    def update_weights_from_disk(self, model: str, version: str | None = None) -> None:
+        """`update_weights` from a checkpoint (a Hugging Face folder, a .gguf file or a
+        random preset) whose architecture equals the served one; a different architecture is
+        a `ModelLoadError` naming the first field that differs. The tokenizer stays."""
+        loaded = resolve_model(model, random_seed=self.config.random_seed)
+        mismatch = _spec_mismatch(self.decoder.spec, loaded.spec)
+        if mismatch:
+            raise ModelLoadError(
+                f"{loaded.source}: not the served architecture ({mismatch}); a weight update"
+                " needs a checkpoint of the same shape"
+            )
+        cpu = torch.device("cpu")
+        self.update_weights(loaded.iter_weights(self.dtype, cpu), loaded.source, version)
+
     # ----------------------------------------------------------------- cache and status
     def flush_cache(self) -> int:
         """Evict every cached prefix no running request holds; returns the tokens freed."""
@@ -346,6 +409,8 @@ class Engine:
             "device_name": _device_name(self.device),
             "model": self.model_name,
             "model_source": self.loaded.source,
+            "weights_source": self.weights_source,
+            "weight_version": self.weight_version,
         }
 
     def _kv_tokens_from_memory(self) -> int:
@@ -358,6 +423,15 @@ class Engine:
         available = _available_ram()
         tokens = int(available * self.config.kv_memory_fraction) // per_token
         return max(1, min(tokens, CPU_DEFAULT_KV_TOKEN_CAP))
+
+
+def _spec_mismatch(served: ModelSpec, new: ModelSpec) -> str | None:
+    """The first architecture field in which `new` differs from `served` (the context length
+    a checkpoint declares may differ: the served limit stays)."""
+    for f in dataclasses.fields(served):
+        if f.name != "max_position" and getattr(served, f.name) != getattr(new, f.name):
+            return f"{f.name}={getattr(new, f.name)!r}, served {getattr(served, f.name)!r}"
+    return None
 
 
 def _available_ram() -> int:

@@ -11,10 +11,11 @@ Everything runs through `Engine`; prompts may be strings or lists of token ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from lockstep.config import EngineConfig
@@ -109,6 +110,21 @@ class LLM:
                 )
             )
         return outputs
+
+    def update_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str,
+        version: str | None = None,
+    ) -> None:
+        """Serve new weights of the same architecture without reloading the engine: a state
+        dict or (name, tensor) pairs in Hugging Face names (e.g. a trainer's
+        `model.state_dict()`, any device and dtype), or a checkpoint path. Call it between
+        `generate` calls; the prefix cache is flushed. A bad checkpoint raises
+        `ModelLoadError` and the old weights keep serving."""
+        if isinstance(weights, str):
+            self.engine.update_weights_from_disk(weights, version)
+        else:
+            self.engine.update_weights(weights, version=version)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # leave control tokens (EOS, chat markers) out of text
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
     prompt_logprobs: int | None = None  # None: none; k >= 0: every prompt position plus top-k
     n: int = 1

@@ -23,7 +23,7 @@ class TextDelta:
 
 class TextOutput:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.pending = ""

@@ -16,8 +16,10 @@ the cache before attention, so prefix keys and new keys are read from one layout
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -25,7 +27,7 @@ import torch
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.forward_batch import ForwardBatch
-from lockstep.models.spec import ModelSpec, expected_weight_names
+from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
 
 if TYPE_CHECKING:
@@ -122,56 +124,47 @@ class Decoder:
         projections. Missing or unexpected tensors raise `ModelLoadError`."""
         device = torch.device(device)
         spec = loaded.spec
-        expected = set(expected_weight_names(spec))
-        got: dict[str, torch.Tensor] = {}
-        for name, tensor in _strict(loaded.iter_weights(dtype, device), expected, loaded.source):
-            got[name] = tensor
-        missing = sorted(expected - set(got))
-        if missing:
-            raise ModelLoadError(
-                f"{loaded.source}: {len(missing)} expected tensor(s) missing, first {missing[0]!r}"
-            )
-
-        def norm(name: str) -> torch.Tensor:
-            return got.pop(name).to(device=device, dtype=torch.float32)
-
-        def linear(*names: str) -> torch.Tensor:
-            parts = [got.pop(n).to(device=device, dtype=dtype) for n in names]
-            fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            return ops.prepare_linear_weight(fused.contiguous())
-
-        layers = []
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            bias = None
-            if spec.qkv_bias:
-                bias = torch.cat([got.pop(a + f"{x}_proj.bias") for x in "qkv"]).to(
-                    device=device, dtype=torch.float32
-                )
-            layers.append(
-                LayerWeights(
-                    input_norm=norm(p + "input_layernorm.weight"),
-                    qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    qkv_bias=bias,
-                    q_norm=norm(a + "q_norm.weight") if spec.qk_norm else None,
-                    k_norm=norm(a + "k_norm.weight") if spec.qk_norm else None,
-                    o=linear(a + "o_proj.weight"),
-                    post_norm=norm(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=linear(p + "mlp.down_proj.weight"),
-                )
-            )
-        embed = got.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
-        if spec.tie_word_embeddings:
-            lm_head = ops.prepare_linear_weight(embed.contiguous())
-        else:
-            lm_head = linear("lm_head.weight")
-        final_norm = norm("model.norm.weight")
+        got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
+        parts = {
+            target: _prepare(kind, [got[n] for n in names], ops, dtype, device)
+            for target, kind, names in _consume(weight_layout(spec), got)
+        }
+        layers = [
+            LayerWeights(**{f: parts.pop(f"layers.{i}.{f}", None) for f in _LAYER_FIELDS})
+            for i in range(spec.num_layers)
+        ]
         return cls(
-            spec, ops, dtype, device, embed, layers, final_norm, lm_head,
-            max_position or spec.max_position,
+            spec, ops, dtype, device, parts["embed"], layers, parts["final_norm"],
+            parts["lm_head"], max_position or spec.max_position,
         )  # fmt: skip
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Replace every weight, in place, from canonical (name, tensor) pairs (spec.py): the
+        tensors keep their storage, so captured CUDA graphs replay the new weights.
+
+        All or nothing: every tensor is read to the host and checked (names, shapes) before
+        any weight changes, so a bad checkpoint raises `ModelLoadError` with the old weights
+        intact. `lm_head.weight` of a model with tied embeddings is ignored (a trainer's
+        `state_dict()` lists it; the embedding is the head)."""
+        spec = self.spec
+        if spec.tie_word_embeddings:
+            weights = ((n, t) for n, t in weights if n != "lm_head.weight")
+        cpu = torch.device("cpu")
+        got = _collect(((n, t.detach()) for n, t in weights), spec, source, self.dtype, cpu)
+        with torch.no_grad():
+            for target, kind, names in _consume(weight_layout(spec), got):
+                new = _prepare(kind, [got[n] for n in names], self.ops, self.dtype, self.device)
+                self._tensor_at(target).copy_(new)
+
+    def _tensor_at(self, target: str) -> torch.Tensor:
+        """The live tensor a `weight_layout` target names ("layers.3.qkv", "embed", ...)."""
+        if target.startswith("layers."):
+            _, index, name = target.split(".")
+            tensor = getattr(self.layers[int(index)], name)
+        else:
+            tensor = getattr(self, target)
+        assert tensor is not None, target
+        return tensor
 
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """Run one step: write every row's K/V into `kv` at `batch.out_slots` and return the
@@ -232,14 +225,91 @@ class ScratchKV:
         return self.v[layer]
 
 
-def _strict(
-    weights: Iterator[tuple[str, torch.Tensor]], expected: set[str], source: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[str] = set()
+_LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerWeights))
+
+
+def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
+    """How canonical tensors become the decoder's: (target, kind, source names), in load
+    order. Kinds: "norm" (float32), "bias" (float32, concatenated), "embed" (as is) and
+    "linear" (rows concatenated, then `Ops.prepare_linear_weight`)."""
+    layout: list[tuple[str, str, list[str]]] = []
+    for i in range(spec.num_layers):
+        p, t = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        layout.append((t + "input_norm", "norm", [p + "input_layernorm.weight"]))
+        layout.append((t + "qkv", "linear", [a + f"{x}_proj.weight" for x in "qkv"]))
+        if spec.qkv_bias:
+            layout.append((t + "qkv_bias", "bias", [a + f"{x}_proj.bias" for x in "qkv"]))
+        if spec.qk_norm:
+            layout.append((t + "q_norm", "norm", [a + "q_norm.weight"]))
+            layout.append((t + "k_norm", "norm", [a + "k_norm.weight"]))
+        layout.append((t + "o", "linear", [a + "o_proj.weight"]))
+        layout.append((t + "post_norm", "norm", [p + "post_attention_layernorm.weight"]))
+        layout.append(
+            (t + "gate_up", "linear", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        )
+        layout.append((t + "down", "linear", [p + "mlp.down_proj.weight"]))
+    layout.append(("embed", "embed", ["model.embed_tokens.weight"]))
+    head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    layout.append(("lm_head", "linear", [head]))
+    layout.append(("final_norm", "norm", ["model.norm.weight"]))
+    return layout
+
+
+def _prepare(
+    kind: str, parts: list[torch.Tensor], ops: Ops, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if kind in ("norm", "bias"):
+        return torch.cat(parts).to(device=device, dtype=torch.float32)
+    fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    fused = fused.to(device=device, dtype=dtype)
+    return fused if kind == "embed" else ops.prepare_linear_weight(fused.contiguous())
+
+
+def _consume(
+    layout: list[tuple[str, str, list[str]]], got: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, str, list[str]]]:
+    """Yield the layout's entries, dropping each source tensor from `got` after its last use
+    (so a load holds one copy of the model, not two)."""
+    uses = Counter(n for _, _, names in layout for n in names)
+    for entry in layout:
+        yield entry
+        for name in entry[2]:
+            uses[name] -= 1
+            if not uses[name]:
+                del got[name]
+
+
+def _collect(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    spec: ModelSpec,
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every expected tensor, by canonical name, checked: no unexpected, duplicate, missing
+    or wrongly shaped tensor (`ModelLoadError` names the first). With `device`, each tensor
+    is copied there (norms and biases as float32, the rest as `dtype`) as it arrives."""
+    expected = set(expected_weight_names(spec))
+    got: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name not in expected:
             raise ModelLoadError(f"{source}: unexpected tensor {name!r} for this architecture")
-        if name in seen:
+        if name in got:
             raise ModelLoadError(f"{source}: tensor {name!r} appears twice")
-        seen.add(name)
-        yield name, tensor
+        shape = expected_weight_shape(spec, name)
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(
+                f"{source}: tensor {name!r} has shape {list(tensor.shape)}, expected"
+                f" {list(shape)} for this model"
+            )
+        if device is not None:
+            keep = torch.float32 if name.endswith(("norm.weight", ".bias")) else dtype
+            tensor = tensor.to(device=device, dtype=keep, copy=True)
+        got[name] = tensor
+    missing = [n for n in expected_weight_names(spec) if n not in got]
+    if missing:
+        raise ModelLoadError(
+            f"{source}: {len(missing)} expected tensor(s) missing, first {missing[0]!r}"
+        )
+    return got

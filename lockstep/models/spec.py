@@ -95,3 +95,28 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
+
+
+def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
+    """The shape of canonical tensor `name` (one of `expected_weight_names(spec)`)."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (spec.vocab_size, h)
+    if name.endswith(".bias"):
+        return (q,) if leaf == "q_proj" else (kv,)
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+        "norm": (h,),
+        "q_norm": (spec.head_dim,),
+        "k_norm": (spec.head_dim,),
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (spec.intermediate_size, h),
+        "up_proj": (spec.intermediate_size, h),
+        "down_proj": (h, spec.intermediate_size),
+    }
+    return shapes[leaf]

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: the app and its routes.
+"""The HTTP API: the app and its OpenAI-compatible routes (SGLang's native ones: native_api.py).
 
 `build_app(engine)` wraps an already-loaded engine (loading happens in `cli.py`, before the
 port opens, so a bad model is a start-up error and not a failing first request). Every client
@@ -20,20 +20,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.server.async_engine import AsyncEngine, EngineFailure, RequestGroup
+from lockstep.server.async_engine import AsyncEngine, RequestGroup
+from lockstep.server.delivery import run_to_end, streaming
 from lockstep.server.http_errors import (
     MAX_BODY_BYTES,
     BodySizeLimit,
     HeadAsGet,
-    engine_failure_error,
     install_error_handlers,
 )
 from lockstep.server.metrics import ServerMetrics
+from lockstep.server.native_api import add_native_routes
 from lockstep.server.preparation import (
     Served,
     chat_prompt,
@@ -66,8 +66,6 @@ from lockstep.server.responses import (
 
 logger = logging.getLogger(__name__)
 
-_DISCONNECT_POLL_S = 0.25
-
 # Sequences that may wait for a running slot, per running slot, unless --max-waiting says: a
 # deep enough queue to keep the engine busy between arrivals, short enough that a client
 # refused with a 429 learns it at once instead of waiting without bound.
@@ -83,7 +81,6 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     if max_waiting is None:
         max_waiting = DEFAULT_WAITING_PER_RUNNING * max_running
     async_engine = AsyncEngine(engine, metrics, capacity=max_running + max_waiting)
-    fingerprint = json.dumps(engine.fingerprint(), sort_keys=True, default=str)
     served = Served(
         engine=async_engine,
         model_name=engine.model_name,
@@ -91,8 +88,11 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         max_model_len=engine.max_model_len,
         vocab_size=engine.tokenizer.vocab_size,
         created=int(time.time()),
-        system_fingerprint="lockstep-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16],
+        system_fingerprint=_system_fingerprint(engine),
     )
+
+    def refresh_fingerprint() -> None:
+        served.system_fingerprint = _system_fingerprint(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -148,7 +148,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
             "last_engine_failure": async_engine.last_failure,
         }
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict[str, Any]:
         freed = await async_engine.call(lambda e: e.flush_cache())
         return {"flushed_tokens": freed}
@@ -180,7 +180,15 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
+    add_native_routes(app, served, refresh_fingerprint)
     return app
+
+
+def _system_fingerprint(engine: Any) -> str:
+    """OpenAI's `system_fingerprint`: a digest of what the results depend on (the weights
+    served included, so it changes with a weight update)."""
+    fingerprint = json.dumps(engine.fingerprint(), sort_keys=True, default=str)
+    return "lockstep-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
 
 def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
@@ -210,27 +218,6 @@ def _version() -> str:
     return __version__
 
 
-async def _run_to_end(group: RequestGroup, choices: list[ChoiceState], request: Request) -> bool:
-    """Feeds every output into its choice until all finish. Returns False if the client went
-    away first; the caller's `async with group` then aborts what is left."""
-
-    async def consume() -> None:
-        async for index, output in group.outputs():
-            choices[index].add(output)
-
-    task = asyncio.ensure_future(consume())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                task.result()
-                return True
-            if await request.is_disconnected():
-                return False
-    finally:
-        task.cancel()
-
-
 def _log_request(kind: str, group_id: str, user: str | None, prompts: list[list[int]]) -> None:
     logger.info(
         "%s %s user=%r prompts=%d prompt_tokens=%d",
@@ -239,23 +226,6 @@ def _log_request(kind: str, group_id: str, user: str | None, prompts: list[list[
         user,
         len(prompts),
         sum(len(p) for p in prompts),
-    )
-
-
-def _streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except EngineFailure as exc:
-            # The status line is long gone: report in-band, as OpenAI's streams do.
-            yield sse(engine_failure_error(exc).body())
-        finally:
-            # Client gone (the stream is cancelled) or done: free whatever still runs.
-            group.abort()
-
-    return StreamingResponse(
-        body(), media_type="text/event-stream", background=BackgroundTask(group.abort)
     )
 
 
@@ -318,7 +288,7 @@ async def _completions(served: Served, body: CompletionRequest, request: Request
 
     if not body.stream:
         async with group:
-            if not await _run_to_end(group, choices, request):
+            if not await run_to_end(group, choices, request):
                 return Response(status_code=499)
         out = []
         for i, c in enumerate(choices):
@@ -355,7 +325,7 @@ async def _completions(served: Served, body: CompletionRequest, request: Request
             yield sse(envelope([], usage=usage(choices)))
         yield sse("[DONE]")
 
-    return _streaming(chunks(), group)
+    return streaming(chunks(), group)
 
 
 async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -> Any:
@@ -396,7 +366,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
 
     if not body.stream:
         async with group:
-            if not await _run_to_end(group, choices, request):
+            if not await run_to_end(group, choices, request):
                 return Response(status_code=499)
         out = []
         for i, c in enumerate(choices):
@@ -452,7 +422,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
             yield sse(envelope("chat.completion.chunk", [], usage=usage(choices)))
         yield sse("[DONE]")
 
-    return _streaming(chunks(), group)
+    return streaming(chunks(), group)
 
 
 async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
@@ -479,7 +449,7 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
     group = RequestGroup(served.engine, group_id)
     await group.add([(ids, params) for ids in prompts], body.cache_salt)
     async with group:
-        if not await _run_to_end(group, choices, request):
+        if not await run_to_end(group, choices, request):
             return Response(status_code=499)
     tok = served.tokenizer
     prompt_tokens = sum(len(ids) for ids in prompts)

@@ -76,6 +76,8 @@ class AsyncEngine:
         self._routes: dict[str, tuple[RequestGroup, int]] = {}
         self._ids = itertools.count()
         self.last_failure: str | None = None  # the last engine step error, for /v1/engine
+        self._admission_open = asyncio.Event()  # cleared while a weight update drains
+        self._admission_open.set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -168,6 +170,43 @@ class AsyncEngine:
                 raise
 
         await self.call(register)
+
+    def finish_aborted(self, request_ids: list[str] | None = None) -> None:
+        """Abort requests (None: every request in flight) and hand each its closing output
+        (finish reason "abort", the text and counts so far), queued behind the outputs it
+        already produced, so its handler answers with what was generated (SGLang's
+        `/abort_request`). Fire and forget, like `abort`."""
+
+        def command() -> None:
+            ids = list(self._routes) if request_ids is None else request_ids
+            for request_id in ids:
+                route = self._routes.pop(request_id, None)
+                if route is None:
+                    continue
+                try:
+                    output = self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("aborting %s failed", request_id)
+                    continue
+                if output is not None:
+                    assert self._loop is not None
+                    group, index = route
+                    self._loop.call_soon_threadsafe(group.queue.put_nowait, (index, output))
+
+        self._post(command)
+
+    # -- admission pause (weight updates) --------------------------------------------------
+
+    def pause_admission(self) -> None:
+        """New request groups wait in `RequestGroup.add` until `resume_admission` (event
+        loop only); those already admitted run on."""
+        self._admission_open.clear()
+
+    def resume_admission(self) -> None:
+        self._admission_open.set()
+
+    async def wait_for_admission(self) -> None:
+        await self._admission_open.wait()
 
     def abort(self, request_id: str) -> None:
         """Fire and forget: the engine frees the request's KV slots at its next command turn."""
@@ -264,7 +303,8 @@ class RequestGroup:
     ) -> None:
         """Add one engine request per (prompt, params), indexed in order; raises `Overloaded`
         beyond the server's capacity, or the engine's `RequestError` if it refuses one (and
-        adds none either way)."""
+        adds none either way). While a weight update pauses admission, it waits first."""
+        await self._engine.wait_for_admission()
         self._engine.reserve(len(requests))
         self._reserved = len(requests)
         ids = [f"{self._prefix}-{i}" for i in range(len(requests))]

@@ -10,7 +10,7 @@ Three kinds of field, each handled on purpose (STYLE.md: honour the API you clai
 Models are strict, so `"temperature": "1"` or `"max_tokens": true` is a 400, not a coercion.
 Integers end below 2**63 (the engine holds them as 64-bit values) or within a tighter declared
 range; token ids are checked against the vocabulary in `preparation.py`. Before any field is
-validated, every string of a body, keys included, is checked to be valid Unicode (`_Body`), so
+validated, every string of a body, keys included, is checked to be valid Unicode (`RequestBody`), so
 no lone surrogate reaches the tokenizer or a JSON encoder.
 Response bodies are plain dicts built in `responses.py`.
 """
@@ -135,31 +135,33 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
-def _strip_neutral_unsupported(data: Any) -> Any:
+def strip_neutral_unsupported(
+    data: Any, unsupported: dict[str, Any] = UNSUPPORTED_FIELDS, prefix: str = ""
+) -> Any:
     """Refuse a non-neutral unsupported field; drop the neutral ones so `extra="forbid"`
-    still catches genuinely unknown names."""
+    still catches genuinely unknown names. `prefix` makes `param` the field's path."""
     if not isinstance(data, dict):
         return data
     kept = {}
     for key, value in data.items():
-        neutral = UNSUPPORTED_FIELDS.get(key)
+        neutral = unsupported.get(key)
         if neutral is None:
             kept[key] = value
         elif not neutral(value):
             raise APIError(
-                f"{key}={value!r} is not supported by Lockstep; leave it out"
+                f"{prefix}{key}={value!r} is not supported by Lockstep; leave it out"
                 " (or send its neutral value)",
-                param=key,
+                param=prefix + key,
                 code="unsupported_parameter",
             )
     return kept
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _Body(_Strict):
+class RequestBody(StrictModel):
     """A whole request body: its text is checked once, here, before any field."""
 
     @model_validator(mode="before")
@@ -170,11 +172,11 @@ class _Body(_Strict):
         return data
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -207,7 +209,7 @@ class _SamplingFields(_Body):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _strip_neutral_unsupported(data)
+        return strip_neutral_unsupported(data)
 
 
 class CompletionRequest(_SamplingFields):
@@ -217,12 +219,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
-class TextContentPart(_Strict):
+class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
 
@@ -240,7 +242,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class ScoreRequest(_Body):
+class ScoreRequest(RequestBody):
     """Teacher-forced logprobs of given text (Lockstep's `/v1/score`, see docs/server.md)."""
 
     model: str
@@ -253,7 +255,7 @@ class ScoreRequest(_Body):
     cache_salt: str | None = Field(None, max_length=256)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """vLLM's `/tokenize`: a text prompt, or chat messages through the chat template."""
 
     model: str | None = None
@@ -266,7 +268,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """vLLM's `/detokenize`: token ids back to text."""
 
     model: str | None = None

@@ -1,0 +1,444 @@
+"""SGLang's native HTTP API, the one RL frameworks drive their rollout engine through.
+
+    POST /generate                  token ids or text in; text, output_ids, meta_info out
+    POST /abort_request             finish one request (by rid) or all, with what they have
+    POST /update_weights_from_disk  new weights of the same architecture, no restart
+    GET  /get_model_info, /get_server_info, /health_generate
+
+Shapes follow SGLang's (docs/server.md, "SGLang-native API"): a logprob entry is
+`[logprob, token_id, text or null]`; `input_token_logprobs` covers prompt positions
+`logprob_start_len..` and its first entry's logprob is null; `finish_reason` is an object
+(`{"type": "length", "length": n}`, `{"type": "stop", "matched": id or string}`,
+`{"type": "abort", ...}`); streams repeat the whole output so far in every event.
+
+By the engine's contract a sampled token's logprob equals, bit for bit, the logprob that
+scoring the same tokens gives: `output_token_logprobs` of a rollout and `input_token_logprobs`
+of the rollout sent back are the same floats (the "true on-policy" check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from lockstep.engine.outputs import StepOutput, TokenLogprob
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.errors import ModelLoadError, RequestError
+from lockstep.server.async_engine import AsyncEngine, Overloaded, RequestGroup
+from lockstep.server.delivery import run_to_end, streaming
+from lockstep.server.native_protocol import (
+    AbortRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+    UpdateWeightsFromDiskRequest,
+)
+from lockstep.server.preparation import Served, check_fan_out, check_token_ids, max_tokens_for
+from lockstep.server.protocol import APIError
+from lockstep.server.responses import json_logprob, sse
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+_DRAIN_POLL_S = 0.02
+
+
+@dataclass
+class _Item:
+    """One engine request of a `/generate` call and everything it produced."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: NativeSamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cached_tokens: int = 0
+
+    def add(self, output: StepOutput) -> None:
+        self.text += output.new_text
+        self.output_ids.extend(output.new_token_ids)
+        self.output_logprobs.extend(output.new_token_logprobs)
+        self.output_top.extend(output.new_logprobs or ())
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        self.cached_tokens = output.cached_tokens
+        if output.finished:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+
+    @property
+    def scores_only(self) -> bool:
+        """max_new_tokens=0: the engine samples one token (it must compute a last position)
+        and the response leaves it out."""
+        return self.params.max_new_tokens == 0
+
+
+def add_native_routes(
+    app: FastAPI, served: Served, refresh_fingerprint: Callable[[], None]
+) -> None:
+    """Register SGLang's native routes on `app`. `refresh_fingerprint` recomputes the served
+    system fingerprint after a weight update."""
+    engine: AsyncEngine = served.engine
+    active: dict[str, tuple[RequestGroup, list[int]]] = {}  # rid -> its group and indices
+    update_lock = asyncio.Lock()
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateRequest, request: Request) -> Response | dict | list:
+        engine.refuse_if_full()
+        items, batched = await _prepare(served, body, active)
+        group = RequestGroup(engine, engine.new_request_id("generate"))
+        requests = [(item.prompt_ids, _sampling_params(item, j)) for item, j in items]
+        await group.add(requests, body.extra_key or body.cache_salt)
+        flat = [item for item, _ in items]
+        for index, item in enumerate(flat):
+            active.setdefault(item.rid, (group, []))[1].append(index)
+        started = time.perf_counter()
+        logger.info("generate %s prompts=%d", group.request_ids[0], len(flat))
+
+        def forget() -> None:
+            for item in flat:
+                if item.rid in active and active[item.rid][0] is group:
+                    del active[item.rid]
+
+        def render(index: int) -> dict[str, Any]:
+            return _render(served, flat[index], started, body.return_text_in_logprobs)
+
+        if not body.stream:
+            try:
+                async with group:
+                    if not await run_to_end(group, flat, request):
+                        return Response(status_code=499)
+            finally:
+                forget()
+            outputs = [render(i) for i in range(len(flat))]
+            return outputs if batched else outputs[0]
+
+        async def chunks() -> AsyncIterator[str]:
+            try:
+                async for index, output in group.outputs():
+                    flat[index].add(output)
+                    event = render(index)
+                    if batched:
+                        event["index"] = index
+                    yield sse(event)
+                yield sse("[DONE]")
+            finally:
+                forget()
+
+        return streaming(chunks(), group)
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> dict[str, Any]:
+        if body.abort_all:
+            engine.finish_aborted(None)
+            return {"aborted": "all"}
+        entry = active.get(body.rid)
+        if entry is None:
+            return {"aborted": []}  # finished already, or never known: nothing to do (SGLang)
+        group, indices = entry
+        engine.finish_aborted([group.request_ids[i] for i in indices])
+        return {"aborted": [body.rid]}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        core = engine.engine
+        return {
+            "model_path": core.weights_source,
+            "tokenizer_path": core.loaded.source,
+            "served_model_name": served.model_name,
+            "is_generation": True,
+            "model_type": core.decoder.spec.family,
+            "preferred_sampling_params": None,
+            "weight_version": core.weight_version,
+            "max_model_len": served.max_model_len,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        def snapshot(e: Any) -> dict[str, Any]:
+            return {"stats": e.stats(), "config": e.config, "fingerprint": e.fingerprint()}
+
+        snap = await engine.call(snapshot)
+        config, stats = snap["config"], snap["stats"]
+        from lockstep import __version__
+
+        return {
+            "version": __version__,
+            "served_model_name": served.model_name,
+            "model_path": snap["fingerprint"]["weights_source"],
+            "weight_version": snap["fingerprint"]["weight_version"],
+            "context_length": served.max_model_len,
+            "max_total_num_tokens": stats["kv_total"],
+            "max_running_requests": config.max_running,
+            "max_prefill_tokens": config.max_batch_tokens,
+            "chunked_prefill_size": config.chunk_size,
+            "disable_radix_cache": not config.enable_prefix_cache,
+            "mode": config.mode,
+            "device": config.resolved_device,
+            "dtype": config.resolved_dtype,
+            "engine_config": dataclasses.asdict(config),
+            "fingerprint": snap["fingerprint"],
+            "internal_states": [
+                {"num_running_reqs": stats["num_running"], "num_waiting_reqs": stats["num_waiting"]}
+            ],
+        }
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """A one-token generation through the engine (SGLang's deep health check)."""
+        group = RequestGroup(engine, engine.new_request_id("health"))
+        try:
+            async with group:
+                await group.add([([0], SamplingParams(max_tokens=1, temperature=0.0))], None)
+                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                    async for _ in group.outputs():
+                        pass
+        except Overloaded:
+            return JSONResponse({"status": "ok", "detail": "at capacity"})  # busy, serving
+        except TimeoutError:
+            error = APIError(
+                f"a one-token generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:g} s",
+                status=503,
+                type="server_error",
+                code="engine_unhealthy",
+            )
+            return JSONResponse(error.body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/update_weights_from_disk", response_model=None)
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> Response:
+        _check_update_options(body)
+        async with update_lock:
+            engine.pause_admission()
+            try:
+                if body.abort_all_requests:
+                    engine.finish_aborted(None)
+                while engine.in_flight:  # requests in flight finish on the old weights
+                    await asyncio.sleep(_DRAIN_POLL_S)
+                path, version = body.model_path, body.weight_version
+                try:
+                    await engine.call(lambda e: e.update_weights_from_disk(path, version))
+                except (ModelLoadError, RequestError) as exc:
+                    logger.warning("weight update refused: %s", exc)
+                    return JSONResponse(
+                        {"success": False, "message": str(exc), "num_paused_requests": 0},
+                        status_code=400,
+                    )
+                refresh_fingerprint()
+            finally:
+                engine.resume_admission()
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Succeeded to update model weights from {path}.",
+                "num_paused_requests": 0,
+                "weight_version": engine.engine.weight_version,
+            }
+        )
+
+
+def _check_update_options(body: UpdateWeightsFromDiskRequest) -> None:
+    if body.load_format not in (None, "auto"):
+        raise APIError(
+            f"load_format={body.load_format!r} is not supported: the format is detected"
+            " (a Hugging Face folder, a .gguf file or a random: preset); send null or 'auto'",
+            param="load_format",
+            code="unsupported_parameter",
+        )
+    if not body.flush_cache:
+        raise APIError(
+            "flush_cache=false is refused: the prefix cache holds KV the old weights computed,"
+            " which the new weights would read as theirs",
+            param="flush_cache",
+            code="invalid_value",
+        )
+    for name in ("is_async", "keep_pause"):
+        if getattr(body, name):
+            raise APIError(
+                f"{name}=true is not supported by Lockstep; leave it out",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _per_item(value: Any, count: int, name: str, default: Any) -> list[Any]:
+    """A per-request field given once for all, or as a list with one per prompt."""
+    if value is None:
+        return [default] * count
+    if isinstance(value, list):
+        if len(value) != count:
+            raise APIError(
+                f"{name} has {len(value)} entries for {count} prompt(s): expected one per prompt",
+                param=name,
+                code="invalid_value",
+            )
+        return [default if v is None else v for v in value]
+    return [value] * count
+
+
+async def _prepare(
+    served: Served, body: GenerateRequest, active: dict[str, Any]
+) -> tuple[list[tuple[_Item, int]], bool]:
+    """The engine requests of a `/generate` body, one per prompt and sample (each with its
+    sample index), and whether the response is a list; every mistake is a 400 first."""
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(
+            "send exactly one of text and input_ids",
+            param="text" if body.input_ids is None else "input_ids",
+            code="missing" if body.text is None else "invalid_value",
+        )
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        prompts = await asyncio.to_thread(lambda: [served.tokenizer.encode(t) for t in texts])
+        prompt_param, batched = "text", isinstance(body.text, list)
+        if any(not ids for ids in prompts):
+            raise APIError("The text is empty (no tokens).", param="text", code="invalid_value")
+    else:
+        assert body.input_ids is not None
+        batched = isinstance(body.input_ids[0], list)
+        prompts = body.input_ids if batched else [body.input_ids]  # type: ignore[assignment]
+        prompt_param = "input_ids"
+        for ids in prompts:
+            check_token_ids(served, ids, "input_ids")
+    count = len(prompts)
+    params = _per_item(body.sampling_params, count, "sampling_params", NativeSamplingParams())
+    return_logprob = _per_item(body.return_logprob, count, "return_logprob", False)
+    starts = _per_item(body.logprob_start_len, count, "logprob_start_len", -1)
+    tops = _per_item(body.top_logprobs_num, count, "top_logprobs_num", 0)
+    rids = _rids(body.rid, count, batched)
+    check_fan_out(served, count, max(p.n for p in params))
+    items: list[tuple[_Item, int]] = []
+    for i, ids in enumerate(prompts):
+        p = params[i]
+        max_tokens_for(served, max(p.max_new_tokens, 1), len(ids), prompt_param,
+                       "sampling_params.max_new_tokens")  # fmt: skip
+        check_token_ids(served, list(p.stop_token_ids or ()), "sampling_params.stop_token_ids")
+        if not -1 <= starts[i] < len(ids):
+            raise APIError(
+                f"logprob_start_len={starts[i]} is out of range for a prompt of {len(ids)}"
+                f" tokens: expected -1 (output logprobs only) to {len(ids) - 1}",
+                param="logprob_start_len",
+                code="invalid_value",
+            )
+        if not 0 <= tops[i] <= 20:
+            raise APIError(
+                f"top_logprobs_num={tops[i]} is out of range: expected 0 to 20",
+                param="top_logprobs_num",
+                code="invalid_value",
+            )
+        for j in range(p.n):
+            rid = rids[i] if p.n == 1 else f"{rids[i]}_{j}"
+            if rid in active:
+                raise APIError(f"rid {rid!r} is already in use", param="rid", code="invalid_value")
+            item = _Item(rid, list(ids), p, return_logprob[i], starts[i], tops[i])
+            items.append((item, j))
+    if len({item.rid for item, _ in items}) < len(items):
+        raise APIError("rid values must be distinct", param="rid", code="invalid_value")
+    return items, batched or len(items) > 1
+
+
+def _rids(rid: str | list[str] | None, count: int, batched: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(rid, list):
+        return _per_item(rid, count, "rid", None)
+    return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
+
+
+def _sampling_params(item: _Item, sample: int) -> SamplingParams:
+    p = item.params
+    seed = None if p.sampling_seed is None else p.sampling_seed + sample
+    if seed is not None and seed >= 2**63:
+        raise APIError(
+            f"sampling_seed + n - 1 must be below 2**63 (sampling_seed={p.sampling_seed})",
+            param="sampling_params.sampling_seed",
+            code="invalid_value",
+        )
+    stop = () if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
+    wants_top = item.return_logprob and item.top_logprobs_num > 0
+    wants_input = item.return_logprob and item.logprob_start_len >= 0
+    try:
+        return SamplingParams(
+            max_tokens=max(p.max_new_tokens, 1),
+            temperature=p.temperature,
+            top_k=max(p.top_k, 0),
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=tuple(p.stop_token_ids or ()),
+            ignore_eos=p.ignore_eos,
+            include_stop_str_in_output=p.no_stop_trim,
+            skip_special_tokens=p.skip_special_tokens,
+            logprobs=item.top_logprobs_num if wants_top else None,
+            prompt_logprobs=item.top_logprobs_num if wants_input else None,
+        )
+    except RequestError as exc:
+        raise APIError(str(exc), param="sampling_params", code="invalid_value") from None
+
+
+def _render(served: Served, item: _Item, started: float, with_text: bool) -> dict[str, Any]:
+    """One output object as SGLang shapes it (the whole output so far while streaming)."""
+    tok = served.tokenizer
+    ids, text, lps, top = item.output_ids, item.text, item.output_logprobs, item.output_top
+    if item.scores_only:
+        ids, text, lps, top = [], "", [], []
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": _finish_reason(item, len(ids)),
+        "prompt_tokens": len(item.prompt_ids),
+        "completion_tokens": len(ids),
+        "cached_tokens": item.cached_tokens,
+        "weight_version": served.engine.engine.weight_version,
+        "e2e_latency": time.perf_counter() - started,
+    }
+
+    def entry(logprob: float | None, token_id: int) -> list[Any]:
+        text_of = tok.decode([token_id], False) if with_text else None
+        return [None if logprob is None else json_logprob(logprob), token_id, text_of]
+
+    def alternatives(e: TokenLogprob | None) -> list[list[Any]] | None:
+        return None if e is None else [entry(lp, t) for t, lp in e.top]
+
+    if item.return_logprob:
+        start = item.logprob_start_len
+        prompt: list[TokenLogprob | None] = []
+        if start >= 0:
+            prompt = list(item.prompt_logprobs or [None] * len(item.prompt_ids))[start:]
+            prompt[0] = None  # SGLang's shape: the first returned position has no logprob
+        meta["input_token_logprobs"] = [
+            entry(None if e is None else e.logprob, t)
+            for e, t in zip(prompt, item.prompt_ids[max(start, 0) :], strict=False)
+        ]
+        meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(lps, ids, strict=True)]
+        if item.top_logprobs_num:
+            meta["input_top_logprobs"] = [alternatives(e) for e in prompt]
+            meta["output_top_logprobs"] = [alternatives(e) for e in top]
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def _finish_reason(item: _Item, completion_tokens: int) -> dict[str, Any] | None:
+    if item.finish_reason is None:
+        return None
+    if item.scores_only or item.finish_reason == "length":
+        return {"type": "length", "length": completion_tokens}
+    if item.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted before it finished"}
+    matched = item.stop_reason if item.stop_reason is not None else item.output_ids[-1]
+    return {"type": "stop", "matched": matched}

@@ -1,0 +1,149 @@
+"""Request bodies of SGLang's native API (`/generate` and its companions, docs/server.md).
+
+The fields are SGLang's, with its names and defaults, held to the same three kinds as the
+OpenAI bodies (protocol.py): implemented fields are declared; SGLang fields Lockstep does not
+implement are accepted only at their neutral value and otherwise refused with a 400 naming
+them (`UNSUPPORTED_*`); anything else is refused as unrecognized. Strict types, strings
+checked to be valid Unicode, integers below 2**63.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from lockstep.server.protocol import RequestBody, StrictModel, TokenIds, strip_neutral_unsupported
+
+Int64 = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _false(value: Any) -> bool:
+    return value is None or value is False
+
+
+# SGLang sampling fields with no Lockstep implementation, each with its neutral value's test.
+UNSUPPORTED_SAMPLING: dict[str, Any] = {
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "min_new_tokens": lambda v: v is None or v == 0,
+    "regex": _none,
+    "json_schema": _none,
+    "ebnf": _none,
+    "structural_tag": _none,
+    "logit_bias": lambda v: v is None or v == {},
+    "custom_params": _none,
+    "stream_interval": lambda v: v is None or v == 1,
+    "sampling_seed_list": _none,
+}
+
+# SGLang request fields with no Lockstep implementation (multimodal inputs, LoRA, hidden
+# states, disaggregation, routing), each with its neutral value's test.
+UNSUPPORTED_GENERATE: dict[str, Any] = {
+    "input_embeds": _none,
+    "image_data": _none,
+    "video_data": _none,
+    "audio_data": _none,
+    "modalities": _none,
+    "token_ids_logprob": _none,
+    "return_hidden_states": _false,
+    "return_routed_experts": _false,
+    "return_entropy": _false,
+    "session_params": _none,
+    "lora_path": _none,
+    "lora_id": _none,
+    "custom_logit_processor": _none,
+    "bootstrap_host": _none,
+    "bootstrap_port": _none,
+    "bootstrap_room": _none,
+    "data_parallel_rank": _none,
+    "routed_dp_rank": _none,
+    "priority": _none,
+    "background": _false,
+}
+
+
+class NativeSamplingParams(StrictModel):
+    """SGLang's `sampling_params` object."""
+
+    max_new_tokens: int = Field(128, ge=0, lt=2**63, description="0: score the input only")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, lt=2**63, description="-1 (or 0) disables it")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[Int64] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(
+        True, description="accepted for compatibility: the fast tokenizers decode the same"
+    )
+    no_stop_trim: bool = Field(False, description="keep the matched stop string in the text")
+    n: int = Field(1, ge=1, le=16, description="sample i of n uses sampling_seed + i")
+    sampling_seed: Int64 | None = Field(None, description="the per-request seed")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return strip_neutral_unsupported(data, UNSUPPORTED_SAMPLING, "sampling_params.")
+
+
+PerItem = Annotated[list[Any], Field(min_length=1)]
+
+
+class GenerateRequest(RequestBody):
+    """SGLang's `POST /generate`: one prompt or a batch, as `text` or `input_ids`; each
+    per-request field is one value for all, or a list with one per prompt."""
+
+    text: str | Annotated[list[str], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: (
+        NativeSamplingParams | Annotated[list[NativeSamplingParams], Field(min_length=1)] | None
+    ) = None
+    rid: str | Annotated[list[str], Field(min_length=1)] | None = None
+    return_logprob: bool | Annotated[list[bool], Field(min_length=1)] | None = None
+    logprob_start_len: int | Annotated[list[int], Field(min_length=1)] | None = None
+    top_logprobs_num: int | Annotated[list[int], Field(min_length=1)] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+    extra_key: str | None = Field(
+        None,
+        max_length=256,
+        description="requests share prefix-cache entries only with the same key",
+    )
+    cache_salt: str | None = Field(None, max_length=256, description="the same as extra_key")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return strip_neutral_unsupported(data, UNSUPPORTED_GENERATE)
+
+
+class AbortRequest(RequestBody):
+    """SGLang's `POST /abort_request`."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class UpdateWeightsFromDiskRequest(RequestBody):
+    """SGLang's `POST /update_weights_from_disk`."""
+
+    model_path: str = Field(min_length=1, max_length=4096)
+    load_format: str | None = Field(None, description="None or 'auto': the format is detected")
+    abort_all_requests: bool = Field(
+        False, description="abort requests in flight instead of letting them finish first"
+    )
+    weight_version: str | None = Field(None, max_length=256)
+    flush_cache: bool = Field(True, description="must be true: the cached KV is the old model's")
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = Field(0, ge=0, lt=2**63)
