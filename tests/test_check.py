@@ -497,10 +497,30 @@ def test_serve_that_cannot_start_is_exit_2(capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.slow
-def test_lockstep_fast_mode_fails_batch(tmp_path: Path) -> None:
+def test_lockstep_passes_every_scenario_through_generate(tmp_path: Path) -> None:
+    """`--api sglang`: the same scenarios through SGLang's native /generate (generation, and
+    teacher forcing with max_new_tokens 0), the API RL frameworks drive."""
+    out = tmp_path / "out.json"
+    scenarios = "batch,prefix,radix,score,sampling,long"
+    argv = ["--serve", *E2E, "--api", "sglang", "--scenarios", scenarios, *HANG_GUARD]
+    assert run_cli([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    _no_budget_cut(doc)
+    results = by_name(doc)
+    for name, r in results.items():
+        assert r["status"] == PASS, (name, r)
+    for name in ("batch", "prefix", "radix", "score", "sampling"):
+        assert results[name]["positions_compared"] > 0, name
+    assert results["radix"]["cached_tokens"] > 0
+    assert any("POST /generate" in n for n in results["score"]["notes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_lockstep_fast_mode_fails_batch(tmp_path: Path, api: str) -> None:
     """Negative control: plain torch float32 matmuls are not batch-invariant on the CPU."""
     out = tmp_path / "out.json"
-    argv = ["--serve", *E2E, "--mode", "fast", "--scenarios", "batch", *HANG_GUARD]
+    argv = ["--serve", *E2E, "--mode", "fast", "--scenarios", "batch", "--api", api, *HANG_GUARD]
     assert run_cli([*argv, "--json", str(out)]) == 1
     batch = by_name(json.loads(out.read_text()))["batch"]
     assert batch["status"] == FAIL and "runs differ" in batch["reason"]

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_hf import save_tiny  # noqa: E402
+
 from lockstep.engine.llm import LLM  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
 from lockstep.models.decoder import Decoder  # noqa: E402
-from lockstep.models.presets import CHATML_TEMPLATE, byte_tokenizer  # noqa: E402
 from lockstep.models.resolver import default_model_path, resolve_model  # noqa: E402
 from lockstep.ops import get_ops  # noqa: E402
 
@@ -130,55 +130,9 @@ def test_capital_of_france(llm):
 # ----------------------------------------------------------------------------- (b)
 
 
-def _tiny_config(family: str):
-    # head_dim 64 (the CPU kernels take 64 or 128); Qwen3's is explicit and != hidden / heads.
-    common = dict(
-        vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )  # fmt: skip
-    if family == "llama":
-        rope = {
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-        }  # fmt: skip
-        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
-    if family == "qwen2":
-        return transformers.Qwen2Config(
-            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-            tie_word_embeddings=True,
-        )  # fmt: skip
-    return transformers.Qwen3Config(
-        **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        tie_word_embeddings=False,
-    )  # fmt: skip
-
-
-def _save_tiny(family: str, folder: Path):
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[family])
-    model = transformers.AutoModelForCausalLM.from_config(
-        _tiny_config(family), dtype=torch.float32
-    ).eval()
-    # Weights that make every part visible: O(1) activations, norms that are not all ones.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-            else:
-                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
-    byte_tokenizer(300, add_bos=False).backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": None, "eos_token": "<|eos|>", "chat_template": CHATML_TEMPLATE})
-    )
-    return model
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tiny_random_models_match_transformers(tmp_path, family):
-    model = _save_tiny(family, tmp_path / family)
+    model = save_tiny(family, tmp_path / family)
     loaded = resolve_model(str(tmp_path / family))
     assert loaded.spec.family == family
     assert (loaded.spec.rope_scaling is not None) == (family == "llama")

@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
+from lockstep.check.client import APIS
 from lockstep.check.report import render_table, write_json, write_plot
 from lockstep.check.runner import CheckReport, CheckSetupError, run_checks
 from lockstep.check.scenarios import SCENARIOS, ScenarioSettings
@@ -103,6 +104,12 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_scenario_list,
         default=list(SCENARIOS),
         help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
+    )
+    p.add_argument(
+        "--api",
+        choices=APIS,
+        default="openai",
+        help="drive the OpenAI routes (/v1/completions, /v1/score) or SGLang's native /generate",
     )
     p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight")
     p.add_argument(
@@ -226,6 +233,7 @@ def run_check_command(args: argparse.Namespace) -> int:
                 request_timeout_s=args.request_timeout_s,
                 api_key=args.api_key,
                 extra_body=args.extra_body,
+                api=args.api,
                 show_progress=not args.no_progress and sys.stderr.isatty(),
                 console=err,
             )

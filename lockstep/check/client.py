@@ -1,7 +1,8 @@
-"""Async HTTP client for the OpenAI-compatible endpoints that `lockstep check` drives.
+"""Async HTTP client for the endpoints that `lockstep check` drives.
 
 Only what the harness needs: completions with logprobs, scoring, models, health, cache flush
-and engine info. Responses are parsed into `Completion`s that hold the values exactly as the
+and engine info, through the OpenAI-compatible routes (`api="openai"`) or SGLang's native
+`/generate` (`api="sglang"`: generation and teacher-forced scoring both go through it). Responses are parsed into `Completion`s that hold the values exactly as the
 server returned them (floats straight from JSON, token ids as given), so that the comparisons
 downstream are bitwise on what went over the wire.
 
@@ -19,6 +20,8 @@ from typing import Any
 import httpx
 
 Prompt = str | list[int]
+APIS = ("openai", "sglang")
+_SGLANG_FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
 
 
 class ServerFault(Exception):
@@ -101,6 +104,31 @@ def parse_completion(body: dict[str, Any]) -> Completion:
     )
 
 
+def parse_generate(body: Any, prompt: Prompt, echo: bool) -> Completion:
+    """Parse a SGLang `/generate` answer (one output object) into a `Completion`; with
+    `echo`, the prompt's logprobs (asked from position 0) come before the output's."""
+    try:
+        meta = body["meta_info"]
+        out = [list(e) for e in meta["output_token_logprobs"]]
+        ids = [int(i) for i in body["output_ids"]]
+    except (KeyError, TypeError) as e:
+        raise ValueError(
+            f"/generate response lacks output_ids or logprobs: {str(body)[:200]}"
+        ) from e
+    entries = ([list(e) for e in meta.get("input_token_logprobs") or ()] if echo else []) + out
+    finish = meta.get("finish_reason")
+    return Completion(
+        token_ids=tuple(ids),
+        tokens=tuple(str(e[2]) if e[2] is not None else "" for e in entries),
+        logprobs=tuple(e[0] for e in entries),
+        text=str(body.get("text", "")),
+        finish_reason=_SGLANG_FINISH.get(finish.get("type")) if isinstance(finish, dict) else None,
+        prompt_tokens=meta.get("prompt_tokens"),
+        cached_tokens=meta.get("cached_tokens"),
+        prompt_token_ids=tuple(prompt) if isinstance(prompt, list) else None,
+    )
+
+
 def _ids(value: Any) -> tuple[int, ...] | None:
     return tuple(int(i) for i in value) if isinstance(value, list) else None
 
@@ -141,7 +169,11 @@ class CheckClient:
         timeout_s: float = 120.0,
         api_key: str | None = None,
         extra_body: dict[str, Any] | None = None,
+        api: str = "openai",
     ) -> None:
+        if api not in APIS:
+            raise ValueError(f"api={api!r}: expected one of {', '.join(APIS)}")
+        self.api = api
         self.base_url = normalize_base_url(base_url)
         self.extra_body = dict(extra_body or {})
         self.requests_sent = 0
@@ -200,6 +232,8 @@ class CheckClient:
         seed: int | None = None,
         echo: bool = False,
     ) -> Completion:
+        if self.api == "sglang":
+            return await self._generate(prompt, max_tokens, temperature, seed, echo)
         body: dict[str, Any] = {
             "model": model,
             "prompt": prompt,
@@ -233,9 +267,35 @@ class CheckClient:
         except ValueError as e:
             raise ServerFault(str(e)) from e
 
+    async def _generate(
+        self, prompt: Prompt, max_tokens: int, temperature: float, seed: int | None, echo: bool
+    ) -> Completion:
+        """SGLang's `/generate` (max_tokens 0: score the prompt, generate nothing)."""
+        sampling: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": temperature}
+        if seed is not None:
+            sampling["sampling_seed"] = seed
+        body: dict[str, Any] = {
+            "input_ids" if isinstance(prompt, list) else "text": prompt,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "logprob_start_len": 0 if echo else -1,
+            "return_text_in_logprobs": True,
+            **self.extra_body,
+        }
+        data = await self._request("POST", "/generate", body)
+        try:
+            return parse_generate(data, prompt, echo)
+        except ValueError as e:
+            raise ServerFault(str(e)) from e
+
     async def score(self, model: str, prompt: Prompt) -> Scored | None:
-        """Teacher-forced logprobs from POST /v1/score; None when the server has no such
-        endpoint (404 or 405)."""
+        """Teacher-forced logprobs from POST /v1/score (SGLang: `/generate` with
+        max_new_tokens 0 and the prompt's logprobs from position 0); None when the server has
+        no such endpoint (404 or 405)."""
+        if self.api == "sglang":
+            out = await self._generate(prompt, 0, 0.0, None, echo=True)
+            ids = out.prompt_token_ids
+            return Scored(token_ids=ids, logprobs=out.logprobs)
         try:
             data = await self._request("POST", "/v1/score", {"model": model, "prompt": prompt})
         except RequestRefused as e:

@@ -74,6 +74,7 @@ async def run_checks(
     request_timeout_s: float = 300.0,
     api_key: str | None = None,
     extra_body: dict[str, Any] | None = None,
+    api: str = "openai",
     show_progress: bool = True,
     console: Console | None = None,
 ) -> CheckReport:
@@ -91,6 +92,7 @@ async def run_checks(
         timeout_s=request_timeout_s,
         api_key=api_key,
         extra_body=extra_body,
+        api=api,
     ) as client:
         model, card = await _pick_model(client, model)
         engine_info = await _engine_info(client)

@@ -312,6 +312,8 @@ async def scenario_score(ctx: ScenarioContext, result: ScenarioResult) -> None:
             keys = tuple(scored.token_ids[-n:]) if n else ()
         ctx.compare(result, gen, _with(gen, keys, lps))
         result.add_cached(gen.cached_tokens)
+    if method == SCORE_ENDPOINT and ctx.client.api == "sglang":
+        method = "POST /generate (max_new_tokens 0, logprob_start_len 0)"
     result.note(f"teacher forcing through {method}")
 
 

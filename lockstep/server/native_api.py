@@ -56,6 +56,7 @@ class _Item:
     """One engine request of a `/generate` call and everything it produced."""
 
     rid: str
+    base_rid: str  # the prompt's rid (the same as `rid` unless n > 1)
     prompt_ids: list[int]
     params: NativeSamplingParams
     return_logprob: bool
@@ -107,14 +108,16 @@ def add_native_routes(
         await group.add(requests, body.extra_key or body.cache_salt)
         flat = [item for item, _ in items]
         for index, item in enumerate(flat):
-            active.setdefault(item.rid, (group, []))[1].append(index)
+            for rid in {item.rid, item.base_rid}:  # a sample, and the prompt's n samples
+                active.setdefault(rid, (group, []))[1].append(index)
         started = time.perf_counter()
         logger.info("generate %s prompts=%d", group.request_ids[0], len(flat))
 
         def forget() -> None:
             for item in flat:
-                if item.rid in active and active[item.rid][0] is group:
-                    del active[item.rid]
+                for rid in (item.rid, item.base_rid):
+                    if rid in active and active[rid][0] is group:
+                        del active[rid]
 
         def render(index: int) -> dict[str, Any]:
             return _render(served, flat[index], started, body.return_text_in_logprobs)
@@ -344,9 +347,9 @@ async def _prepare(
             )
         for j in range(p.n):
             rid = rids[i] if p.n == 1 else f"{rids[i]}_{j}"
-            if rid in active:
+            if rid in active or rids[i] in active:
                 raise APIError(f"rid {rid!r} is already in use", param="rid", code="invalid_value")
-            item = _Item(rid, list(ids), p, return_logprob[i], starts[i], tops[i])
+            item = _Item(rid, rids[i], list(ids), p, return_logprob[i], starts[i], tops[i])
             items.append((item, j))
     if len({item.rid for item, _ in items}) < len(items):
         raise APIError("rid values must be distinct", param="rid", code="invalid_value")

@@ -197,6 +197,9 @@ class _SamplingFields(RequestBody):
     user: str | None = Field(None, max_length=256, description="recorded in the request log")
     ignore_eos: bool = Field(False, description="Lockstep extension: do not stop at EOS")
     include_stop_str_in_output: bool = Field(False, description="Lockstep extension")
+    skip_special_tokens: bool = Field(
+        True, description="vLLM extension: leave control tokens out of the text"
+    )
     cache_salt: str | None = Field(
         None,
         max_length=256,
