@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -642,6 +643,7 @@ class _FaultyEngine:
         self.model_name = "faulty"
         self.tokenizer = _ByteTokenizer()
         self.max_model_len = 64
+        self.pool = types.SimpleNamespace(num_slots=4096)
         self.fail_after = -1  # steps until step() raises; -1: never
         self.requests: dict[str, tuple[list[int], Any, list[int]]] = {}
 

@@ -247,6 +247,27 @@ def test_every_refusal_has_its_documented_code(server: ServerProcess, http: http
     assert server.engine_stats()["prompt_tokens_total"] == before["prompt_tokens_total"]
 
 
+def test_error_messages_clip_what_they_quote(server: ServerProcess, http: httpx.Client) -> None:
+    """A megabyte field name, value or model name is refused with a short body that still
+    says what was wrong; the control, the same mistake at a normal size, quotes it whole."""
+    huge = "x" * (1 << 20)
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    cases = [
+        ({**comp, huge: 1}, "unknown_parameter", "Unrecognized request argument"),
+        ({**comp, "logit_bias": {huge: 1}}, "unsupported_parameter", "logit_bias="),
+        ({**comp, "model": huge}, "model_not_found", "does not exist"),
+    ]
+    for body, code, words in cases:
+        response = _post(http, "/v1/completions", body)
+        assert response.status_code in (400, 404), response.text[:300]
+        assert len(response.content) < 4096, len(response.content)
+        error = response.json()["error"]
+        assert error["code"] == code and words in error["message"], error
+        assert "more characters" in error["message"]
+    control = _post(http, "/v1/completions", {**comp, "no_such_field": 1}).json()["error"]
+    assert control["message"] == "Unrecognized request argument supplied: no_such_field"
+
+
 def test_server_healthy_and_kv_pool_free_after_hostile_input(server: ServerProcess) -> None:
     """Last: everything above left the server serving and no KV slot in use."""
     assert httpx.get(server.base_url + "/health", timeout=TIMEOUT_S).status_code == 200

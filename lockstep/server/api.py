@@ -89,6 +89,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         vocab_size=engine.tokenizer.vocab_size,
         created=int(time.time()),
         system_fingerprint=_system_fingerprint(engine),
+        kv_tokens=engine.pool.num_slots,
     )
 
     def refresh_fingerprint() -> None:

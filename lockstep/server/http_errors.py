@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lockstep.errors import RequestError
 from lockstep.server.async_engine import EngineFailure, Overloaded
 from lockstep.server.metrics import ServerMetrics
-from lockstep.server.protocol import APIError
+from lockstep.server.protocol import APIError, clip
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return _unreadable_body(str(first.get("ctx", {}).get("error", "invalid JSON")))
     if kind == "extra_forbidden":
         return APIError(
-            f"Unrecognized request argument supplied: {param}",
+            f"Unrecognized request argument supplied: {clip(param or '')}",
             param=param,
             code="unknown_parameter",
         )

@@ -42,7 +42,7 @@ from lockstep.server.native_protocol import (
     UpdateWeightsFromDiskRequest,
 )
 from lockstep.server.preparation import Served, check_fan_out, check_token_ids, max_tokens_for
-from lockstep.server.protocol import APIError
+from lockstep.server.protocol import APIError, clip
 from lockstep.server.responses import json_logprob, sse
 
 logger = logging.getLogger(__name__)
@@ -348,7 +348,9 @@ async def _prepare(
         for j in range(p.n):
             rid = rids[i] if p.n == 1 else f"{rids[i]}_{j}"
             if rid in active or rids[i] in active:
-                raise APIError(f"rid {rid!r} is already in use", param="rid", code="invalid_value")
+                raise APIError(
+                    f"rid {clip(repr(rid))} is already in use", param="rid", code="invalid_value"
+                )
             item = _Item(rid, rids[i], list(ids), p, return_logprob[i], starts[i], tops[i])
             items.append((item, j))
     if len({item.rid for item, _ in items}) < len(items):

@@ -12,7 +12,13 @@ from typing import Any
 
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine
-from lockstep.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from lockstep.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    clip,
+)
 
 # One HTTP request may fan out to at most this many engine requests (prompts x n): a bigger
 # batch belongs in several requests, and a single one must not flood the scheduler's queue.
@@ -30,12 +36,13 @@ class Served:
     vocab_size: int
     created: int
     system_fingerprint: str
+    kv_tokens: int  # the KV pool's slots: a sequence never holds more
 
 
 def check_model(served: Served, model: str) -> None:
     if model != served.model_name:
         raise APIError(
-            f"The model `{model}` does not exist; this server serves `{served.model_name}`.",
+            f"The model `{clip(model)}` does not exist; this server serves `{served.model_name}`.",
             param="model",
             code="model_not_found",
             status=404,
@@ -134,7 +141,9 @@ def check_fan_out(served: Served, num_prompts: int, n: int) -> None:
 def max_tokens_for(
     served: Served, requested: int | None, prompt_len: int, prompt_param: str, param: str
 ) -> int:
-    """Refuses what cannot fit the context before any work; None means "up to the context"."""
+    """Refuses what cannot fit the context before any work; None means "as many as fit":
+    up to the context limit, and within the KV pool (a sequence of n tokens holds n - 1
+    slots: the last token's KV is never needed)."""
     limit = served.max_model_len
     if prompt_len >= limit:
         raise APIError(
@@ -144,7 +153,15 @@ def max_tokens_for(
             code="context_length_exceeded",
         )
     if requested is None:
-        return limit - prompt_len
+        fit = min(limit - prompt_len, served.kv_tokens + 1 - prompt_len)
+        if fit < 1:
+            raise APIError(
+                f"The prompt has {prompt_len} tokens but the KV pool holds {served.kv_tokens}"
+                " tokens: it can never run on this server.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        return fit
     if prompt_len + requested > limit:
         raise APIError(
             f"This model's maximum context length is {limit} tokens, but you requested"

@@ -55,12 +55,25 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": _encodable(self.message),
+                "message": _encodable(clip(self.message, MAX_MESSAGE_CHARS)),
                 "type": self.type,
-                "param": None if self.param is None else _encodable(self.param),
+                "param": None if self.param is None else _encodable(clip(self.param)),
                 "code": self.code,
             }
         }
+
+
+# Messages quote client input (a field name, a value): a megabyte-long key must not come back
+# as a megabyte-long error.
+MAX_MESSAGE_CHARS = 2000
+MAX_QUOTED_CHARS = 200
+
+
+def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`text`, or its first `limit` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _encodable(text: str) -> str:
@@ -149,7 +162,7 @@ def strip_neutral_unsupported(
             kept[key] = value
         elif not neutral(value):
             raise APIError(
-                f"{prefix}{key}={value!r} is not supported by Lockstep; leave it out"
+                f"{prefix}{key}={clip(repr(value))} is not supported by Lockstep; leave it out"
                 " (or send its neutral value)",
                 param=prefix + key,
                 code="unsupported_parameter",
