@@ -105,6 +105,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
+    app.state.async_engine = async_engine  # for the shutdown's grace deadline (cli.py)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(HeadAsGet)
     install_error_handlers(app, metrics)

@@ -70,6 +70,7 @@ class AsyncEngine:
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
+        self._shedding = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # request_id -> (group, choice index); touched only on the engine thread.
@@ -97,7 +98,19 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopping
+            and not self._shedding
+        )
+
+    def shed(self, reason: str) -> None:
+        """Fail every request in flight as unavailable (a 503, or an error event ending a
+        stream) and refuse new ones: the end of a shutdown's grace period, so that each
+        client gets an answer before the connections close. Callable from any thread."""
+        self._shedding = True
+        self._post(lambda: self._abort_all(reason, unavailable=True))
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns()}"

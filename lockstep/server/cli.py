@@ -6,15 +6,20 @@ never with a half-started server. `--port 0` picks a free port; the line
 `Lockstep serving <model> on http://<host>:<port>` on stderr names it.
 
 SIGTERM or SIGINT stops accepting connections and lets running requests finish for up to
-`--shutdown-timeout` seconds; whatever still runs then is aborted and its slots freed.
+`--shutdown-timeout` seconds; whatever still runs then is aborted and its slots freed. The
+process then exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
@@ -22,6 +27,10 @@ from lockstep.config import EngineConfig
 from lockstep.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger("lockstep.server")
+
+# Seconds between the end of the grace period (requests still running are answered 503) and
+# uvicorn's own deadline: enough for those answers to be written and the connections closed.
+SHED_MARGIN_S = 5.0
 
 
 def add_serve_parser(subparsers: Any) -> None:
@@ -78,11 +87,20 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from lockstep.server.api import build_app
 
     app = build_app(engine, max_waiting=args.max_waiting)
-    server = uvicorn.Server(
+    grace = args.shutdown_timeout
+
+    def end_of_grace() -> None:
+        app.state.async_engine.shed(
+            f"the server is shutting down: the request did not finish within {grace:g} s"
+        )
+
+    server = _server_class(grace, end_of_grace)(
         uvicorn.Config(
             app,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            # uvicorn's own deadline comes after ours, so that it never has to cancel a
+            # handler (a traceback and a bare 500) to stop.
+            timeout_graceful_shutdown=grace + SHED_MARGIN_S,
             access_log=args.log_level == "debug",
         )
     )
@@ -91,6 +109,39 @@ def run_serve_command(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     server.run(sockets=[sock])
     return 0
+
+
+def _server_class(grace_s: float, end_of_grace: Callable[[], None]) -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that:
+        - `grace_s` after the first SIGTERM or SIGINT, `end_of_grace` runs (it answers what
+          still runs with a 503, or an error event and [DONE] on a stream);
+        - the shutdown a signal asked for ends the process with status 0 (uvicorn re-raises
+          the signal once it has shut down, which reads as a crash to process supervisors)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                timer = threading.Timer(grace_s, end_of_grace)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _non_negative_int(text: str) -> int:

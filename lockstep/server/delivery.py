@@ -55,8 +55,10 @@ def streaming(chunks: AsyncIterator[str], group: RequestGroup) -> StreamingRespo
             async for chunk in chunks:
                 yield chunk
         except EngineFailure as exc:
-            # The status line is long gone: report in-band, as OpenAI's streams do.
+            # The status line is long gone: report in-band, as OpenAI's streams do, and end
+            # the stream the way every stream ends.
             yield sse(engine_failure_error(exc).body())
+            yield sse("[DONE]")
         finally:
             # Client gone (the stream is cancelled) or done: free whatever still runs.
             group.abort()
