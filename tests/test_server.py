@@ -628,6 +628,9 @@ class _ByteTokenizer:
     def token_str(self, token_id: int) -> str:
         return self.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import test_server
@@ -266,6 +267,30 @@ def test_error_messages_clip_what_they_quote(server: ServerProcess, http: httpx.
         assert "more characters" in error["message"]
     control = _post(http, "/v1/completions", {**comp, "no_such_field": 1}).json()["error"]
     assert control["message"] == "Unrecognized request argument supplied: no_such_field"
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    """Text longer than any that fits the context is a 400 at once, without tokenizing it,
+    on every route that takes text; nothing reaches the engine."""
+    before = server.engine_stats()["prompt_tokens_total"]
+    big = "word " * (5 << 20)  # 25 MB
+    comp = {"model": server.model, "max_tokens": 2}
+    bodies = [
+        ("/v1/completions", {**comp, "prompt": big}, "prompt"),
+        ("/v1/chat/completions", {**comp, "messages": _user(big)}, "messages"),
+        ("/v1/score", {"model": server.model, "prompt": big}, "prompt"),
+        ("/generate", {"text": big}, "text"),
+    ]
+    for path, body, param in bodies:
+        started = time.monotonic()
+        response = _post(http, path, body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param, error
+        assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+        assert time.monotonic() - started < 5.0  # parsing 25 MB of JSON, not tokenizing it
+    assert server.engine_stats()["prompt_tokens_total"] == before
 
 
 def test_server_healthy_and_kv_pool_free_after_hostile_input(server: ServerProcess) -> None:

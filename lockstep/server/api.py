@@ -46,6 +46,7 @@ from lockstep.server.preparation import (
     model_card,
     prompts_of,
     sampling_params,
+    text_bound,
 )
 from lockstep.server.protocol import (
     APIError,
@@ -90,6 +91,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         created=int(time.time()),
         system_fingerprint=_system_fingerprint(engine),
         kv_tokens=engine.pool.num_slots,
+        max_text_chars=text_bound(engine.tokenizer, engine.max_model_len),
     )
 
     def refresh_fingerprint() -> None:

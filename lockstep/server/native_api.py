@@ -41,7 +41,13 @@ from lockstep.server.native_protocol import (
     NativeSamplingParams,
     UpdateWeightsFromDiskRequest,
 )
-from lockstep.server.preparation import Served, check_fan_out, check_token_ids, max_tokens_for
+from lockstep.server.preparation import (
+    Served,
+    check_fan_out,
+    check_text_length,
+    check_token_ids,
+    max_tokens_for,
+)
 from lockstep.server.protocol import APIError, clip
 from lockstep.server.responses import json_logprob, sse
 
@@ -308,6 +314,8 @@ async def _prepare(
         )
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
+        for text in texts:
+            check_text_length(served, text, "text")
         prompts = await asyncio.to_thread(lambda: [served.tokenizer.encode(t) for t in texts])
         prompt_param, batched = "text", isinstance(body.text, list)
         if any(not ids for ids in prompts):

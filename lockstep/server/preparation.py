@@ -37,6 +37,32 @@ class Served:
     created: int
     system_fingerprint: str
     kv_tokens: int  # the KV pool's slots: a sequence never holds more
+    max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
+
+
+# A tokenizer's normalizer can shorten text before it is split (NFC composes a letter and its
+# combining accent into one character): the bound on tokens per character allows for it.
+NORMALIZATION_SLACK = 4
+
+
+def text_bound(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a text can have and still fit `max_model_len` tokens: a token
+    stands for at most `longest` bytes, so C characters (>= C bytes) are at least
+    C / longest tokens, within the normalizer's slack."""
+    longest = max(len(tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size))
+    return max_model_len * max(longest, 1) * NORMALIZATION_SLACK
+
+
+def check_text_length(served: Served, text: str, param: str) -> None:
+    """Refuse text that cannot fit the context before tokenizing it (a 30 MB prompt costs
+    its tokenization otherwise, on every request)."""
+    if served.max_text_chars and len(text) > served.max_text_chars:
+        raise APIError(
+            f"The {param} has {len(text)} characters: more tokens than this model's maximum"
+            f" context length of {served.max_model_len} tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_model(served: Served, model: str) -> None:
@@ -68,6 +94,7 @@ def prompts_of(served: Served, prompt: Any, *, add_special_tokens: bool = True) 
     ids_list = []
     for item in prompt:
         if isinstance(item, str):
+            check_text_length(served, item, "prompt")
             ids = served.tokenizer.encode(item, add_special_tokens=add_special_tokens)
         else:
             ids = list(item)
@@ -108,6 +135,7 @@ def chat_prompt(
     """Applies the model's chat template; `developer` is OpenAI's newer name for `system`.
     The template already spells out the special tokens: the tokenizer adds none of its own
     unless asked (vLLM's `/tokenize` option)."""
+    check_text_length(served, "".join(m.text() for m in messages), "messages")
     rendered = served.tokenizer.apply_chat_template(
         [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
