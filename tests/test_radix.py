@@ -76,8 +76,8 @@ def tree_logprobs(cache: RadixCache) -> dict[tuple[str | None, tuple[int, ...]],
                 for i in range(len(child.key)):
                     k = int(rows.num_top[i])
                     if k >= 0:
-                        top = tuple(zip(rows.top_ids[i, :k].tolist(),
-                                        rows.top_logprobs[i, :k].tolist(), strict=True))  # fmt: skip
+                        ids, lps = rows.top_ids[i, :k].tolist(), rows.top_logprobs[i, :k].tolist()
+                        top = tuple(zip(ids, lps, strict=True))
                         out[(ns, prefix + child.key[: i + 1])] = (k, float(rows.logprob[i]), top)
                 stack.append((child, prefix + child.key))
     return out
