@@ -41,11 +41,15 @@ Ownership in `insert(tokens, slots)`:
     disabled    num_existing = num_cached = 0: the tree takes nothing, you keep every slot
 
 After insert you own exactly `duplicate_slots` and `slots[num_cached:]`; the tree's slots for
-tokens[:num_cached] are `InsertResult.cached_slots`. Stored logprobs passed to insert cover the
-last positions of `tokens`; on the cached prefix each position keeps whichever row holds more
-alternatives (by the contract the values agree). A finished request frees both parts it
+tokens[:num_cached] are `InsertResult.cached_slots`. A finished request frees both parts it
 owns and unlocks its old node; an unfinished one (chunked prefill) frees `duplicate_slots`,
 continues on `cached_slots + slots[num_cached:]`, locks the new node and unlocks the old.
+
+Logprobs in `insert(tokens, slots, logprobs=...)` are the rows the caller computed for the last
+len(logprobs) positions of exactly these tokens. New positions take them as they are; on the
+cached prefix each position keeps whichever row holds more alternatives (by the contract the
+values agree). `check_integrity` checks every stored row against its token where alternatives
+exist (`StoredLogprobs.problems`).
 
 Scored match (`match_prefix_with_logprobs`), for a request that must return the logprob of
 every position from `first` on: the logprob of token M comes from the logits of position M-1,
@@ -57,6 +61,10 @@ one position is computed):
     stored lp     -  y   y   y   y   y  |               first = 1: every one of 1..5 stored
     KV reused    [t0 .. t4]  M = 5      | computed from position 5 (its logits give lp of t6)
     from tree    lp 1..5
+
+A position whose row holds fewer alternatives than asked (or none) ends the match before it,
+so a match never serves fewer alternatives than asked; the returned rows are copies, safe to
+read after later splits and evictions.
 
 Cost: match and insert compare tokens with tuple slices (C speed), so a 32k-token prompt costs
 one Python step per tree node on its path, not per token. Eviction scans the tree's leaves.
