@@ -1,6 +1,7 @@
-"""RadixCache: unit tests per operation and split case, namespaces, disabled mode, corruption
-controls, and a hypothesis state machine that runs the engine's request life cycle (match,
-lock, allocate, chunked insert, finish or abort) against a naive per-prefix reference model.
+"""RadixCache: unit tests per operation and split case, namespaces, disabled mode, stored
+logprobs and the scored match, corruption controls, and a hypothesis state machine that runs
+the engine's request life cycle (match, scored match, lock, allocate, chunked insert with
+logprobs, finish or abort) against a naive per-prefix reference model.
 
 LOCKSTEP_LONG_TESTS=1 runs the state machine on many more, non-derandomized examples.
 """
@@ -23,6 +24,8 @@ from hypothesis.stateful import (
 )
 
 from lockstep.cache import CacheIntegrityError, KVPool, Node, RadixCache
+from lockstep.cache.stored_logprobs import MAX_STORED_TOP, StoredLogprobs
+from lockstep.engine.outputs import TokenLogprob
 
 LONG = os.environ.get("LOCKSTEP_LONG_TESTS") == "1"
 
@@ -49,6 +52,51 @@ def tree_contents(cache: RadixCache) -> dict[tuple[str | None, tuple[int, ...]],
 
 def edges(node: Node) -> list[tuple[int, ...]]:
     return sorted(c.key for c in node.children.values())
+
+
+def depth(node: Node) -> int:
+    """Where `node` ends: the tokens on its path from the root."""
+    n = 0
+    while node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
+
+
+def tree_logprobs(cache: RadixCache) -> dict[tuple[str | None, tuple[int, ...]], tuple]:
+    """Every cached prefix whose last position holds a stored logprob: (alternatives stored,
+    logprob, alternatives)."""
+    out: dict[tuple[str | None, tuple[int, ...]], tuple] = {}
+    for ns, root in cache._roots.items():
+        stack: list[tuple[Node, tuple[int, ...]]] = [(root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            for child in node.children.values():
+                rows = child.logprobs
+                for i in range(len(child.key)):
+                    k = int(rows.num_top[i])
+                    if k >= 0:
+                        ids, lps = rows.top_ids[i, :k].tolist(), rows.top_logprobs[i, :k].tolist()
+                        top = tuple(zip(ids, lps, strict=True))
+                        out[(ns, prefix + child.key[: i + 1])] = (k, float(rows.logprob[i]), top)
+                stack.append((child, prefix + child.key))
+    return out
+
+
+def synthetic_row(prefix: tuple[int, ...], k: int) -> TokenLogprob:
+    """A stored row for the last token of `prefix` that is a pure function of the prefix (as
+    real logprobs are) and consistent with its token for check_integrity: the token (a small
+    id) is less likely than its k alternatives (ids 100..), which are sorted."""
+    code = sum((i + 1) * (t + 7) for i, t in enumerate(prefix)) % 997
+    top = tuple((100 + j, -0.5 - j / 4) for j in range(k))
+    return TokenLogprob(prefix[-1], -1.0 - code / 8, top)
+
+
+def synthetic(tokens: tuple[int, ...], start: int, ks: list[int]) -> StoredLogprobs:
+    """Rows for positions start..start+len(ks)-1 of `tokens`; k = -1 stores nothing."""
+    return StoredLogprobs.from_rows(
+        [None if k < 0 else synthetic_row(tokens[: start + i + 1], k) for i, k in enumerate(ks)]
+    )
 
 
 # ---- match and insert --------------------------------------------------------------------
@@ -375,6 +423,98 @@ def test_disabled_cache_takes_nothing_through_the_same_calls():
     cache.check_integrity(in_use=0)
 
 
+# ---- stored logprobs and the scored match -------------------------------------------------
+
+
+def test_stored_logprobs_round_trip_cap_and_refuse_what_float32_cannot_hold():
+    rows = [None, synthetic_row((1, 2), 0), synthetic_row((1, 2, 3), 3)]
+    stored = StoredLogprobs.from_rows(rows)
+    assert stored.num_top.tolist() == [-1, 0, 3] and stored.width == 3
+    assert list(stored.slice(1, 3).rows(0)) == [(r.logprob, ()) for r in rows[1:]]
+    assert list(stored.slice(2, 3).rows(3)) == [(rows[2].logprob, rows[2].top)]
+    with pytest.raises(ValueError, match="holds fewer"):
+        list(stored.slice(1, 3).rows(1))
+    many = TokenLogprob(5, -30.0, tuple((100 + j, -1.0 - j) for j in range(MAX_STORED_TOP + 5)))
+    assert StoredLogprobs.from_rows([many]).num_top.tolist() == [MAX_STORED_TOP]
+    with pytest.raises(ValueError, match="not a float32 value"):
+        StoredLogprobs.from_rows([TokenLogprob(5, 0.1, ())])  # 0.1 is no float32 value
+    assert stored.problems([0, 2, 3]) == []
+
+
+def test_scored_match_reuses_kv_only_up_to_the_first_position_it_cannot_serve():
+    pool = make_pool()
+    cache = RadixCache(pool)
+    tokens = (1, 2, 3, 4, 5, 6)
+    slots = pool.alloc(6)
+    # Stored: positions 1..3 with 2 alternatives, position 4 with none stored, 5 with 0.
+    cache.insert(tokens, slots, logprobs=synthetic(tokens, 1, [2, 2, 2, -1, 0]))
+
+    def scored(query, first=1, num_top=0):
+        m = cache.match_prefix_with_logprobs(query, None, first=first, num_top=num_top)
+        assert m.slots.tolist() == slots[: m.length].tolist() and depth(m.node) == m.length
+        want = [synthetic_row(tuple(query[: p + 1]), num_top) for p in range(first, m.length + 1)]
+        assert list(m.logprobs.rows(num_top)) == [(r.logprob, r.top) for r in want]
+        return m.length
+
+    # The logprob of token 4 is missing: reuse KV 0..2, serve 1..3, compute from position 3.
+    assert scored(tokens) == 3
+    assert scored(tokens, num_top=2) == 3 and scored(tokens, num_top=3) == 0
+    assert scored(tokens[:4]) == 3  # at most len - 1: the last position is computed
+    assert scored((1, 2, 3, 9)) == 2  # diverges at 3: the logprob of 9 is computed
+    # Positions before `first` are already known (a preempted request): only KV matters.
+    assert scored(tokens, first=5) == 5 and scored(tokens, first=6) == 5
+    assert scored(tokens, first=4) == 3
+    assert cache.match_prefix_with_logprobs((7, 8), None, first=1, num_top=0).length == 0
+    # Every match split its edge exactly at its length; the books still balance.
+    cache.check_integrity(in_use=0)
+    assert cache.match_prefix(tokens).slots.tolist() == slots.tolist()
+
+
+def test_insert_merges_more_alternatives_into_the_cached_prefix_and_splits_keep_rows():
+    pool = make_pool()
+    cache = RadixCache(pool)
+    tokens = (1, 2, 3, 4, 5)
+    a = pool.alloc(5)
+    cache.insert(tokens, a, logprobs=synthetic(tokens, 0, [-1, 1, 1, -1, -1]))
+    # A request that computed positions 2..4 with 3 alternatives, on the tree's own slots.
+    cache.insert(tokens, a, logprobs=synthetic(tokens, 2, [3, 0, 3]))
+    got = tree_logprobs(cache)
+    assert {p: v[0] for (_, p), v in got.items()} == {(1, 2): 1, (1, 2, 3): 3, (1, 2, 3, 4): 0,
+                                                      (1, 2, 3, 4, 5): 3}  # fmt: skip
+    for (_, prefix), (k, value, top) in got.items():
+        assert (value, top) == (synthetic_row(prefix, k).logprob, synthetic_row(prefix, k).top)
+    cache.match_prefix((1, 2, 3, 9))  # splits after 3 tokens: rows go with their tokens
+    assert tree_logprobs(cache) == got
+    cache.check_integrity(in_use=0)
+    with pytest.raises(ValueError, match="position 0"):
+        cache.insert((7, 8), pool.alloc(2), logprobs=synthetic((7, 8), 0, [0, 0]))
+    with pytest.raises(ValueError, match="3 logprob rows for 2 tokens"):
+        cache.insert((7, 8), pool.alloc(2), logprobs=synthetic((7, 8, 9), 0, [-1, 0, 0]))
+
+
+def test_stored_logprobs_stay_in_their_namespace_and_go_with_eviction():
+    pool = make_pool()
+    cache = RadixCache(pool)
+    tokens = (1, 2, 3)
+    cache.insert(tokens, pool.alloc(3), "a", synthetic(tokens, 1, [0, 0]))
+    cache.insert(tokens, pool.alloc(3), None)
+    assert cache.match_prefix_with_logprobs(tokens, "a", first=1, num_top=0).length == 2
+    assert cache.match_prefix_with_logprobs(tokens, None, first=1, num_top=0).length == 0
+    assert cache.match_prefix_with_logprobs(tokens, "b", first=1, num_top=0).length == 0
+    cache.flush()
+    assert tree_logprobs(cache) == {}
+    cache.insert(tokens, pool.alloc(3), "a")  # the same tokens again: no stale rows come back
+    assert cache.match_prefix_with_logprobs(tokens, "a", first=1, num_top=0).length == 0
+    cache.check_integrity(in_use=0)
+
+
+def test_disabled_cache_scored_match_finds_nothing():
+    pool = make_pool(8)
+    cache = RadixCache(pool, enabled=False)
+    m = cache.match_prefix_with_logprobs((1, 2, 3), None, first=1, num_top=0)
+    assert m.length == 0 and len(m.logprobs) == 0
+
+
 # ---- negative controls: check_integrity must catch corruption ----------------------------
 
 
@@ -432,6 +572,42 @@ def test_integrity_catches_a_slot_owned_twice_and_bad_structure():
         cache.check_integrity(in_use=1)
 
 
+def scored_cache() -> tuple[RadixCache, Node]:
+    pool = make_pool()
+    cache = RadixCache(pool)
+    tokens = (1, 2, 3, 4, 5)
+    node = cache.insert(tokens, pool.alloc(5), logprobs=synthetic(tokens, 1, [2, 2, 0, 2])).node
+    cache.check_integrity(in_use=0)
+    return cache, node
+
+
+def test_integrity_catches_stored_logprobs_out_of_step_with_their_tokens():
+    cache, node = scored_cache()
+    node.logprobs = node.logprobs.slice(0, 4)  # a split that forgot to cut the rows
+    with pytest.raises(CacheIntegrityError, match="for 5 tokens"):
+        cache.check_integrity(in_use=0)
+    cache, node = scored_cache()
+    node.logprobs = StoredLogprobs.cat([synthetic((1,), 0, [1]), node.logprobs.slice(1, 5)])
+    with pytest.raises(CacheIntegrityError, match="position 0"):
+        cache.check_integrity(in_use=0)
+    # Off by one: position 2's row is the row of the token before. Its alternatives are
+    # sorted and distinct, but token 3 with that logprob would have to be among them.
+    cache, node = scored_cache()
+    rows = node.logprobs
+    shifted = StoredLogprobs.from_rows([None, None, TokenLogprob(2, -0.25, ((100, -0.5),))])
+    node.logprobs = StoredLogprobs.cat([rows.slice(0, 2), shifted.slice(2, 3), rows.slice(3, 5)])
+    with pytest.raises(CacheIntegrityError, match="not among them"):
+        cache.check_integrity(in_use=0)
+    cache, node = scored_cache()
+    node.logprobs.top_logprobs[1, 0] = -2.0  # sorted no more
+    with pytest.raises(CacheIntegrityError, match="out of order"):
+        cache.check_integrity(in_use=0)
+    cache, node = scored_cache()
+    node.logprobs.top_ids[1, 1] = 2  # the token itself, with a value other than its logprob
+    with pytest.raises(CacheIntegrityError, match="differs from its logprob"):
+        cache.check_integrity(in_use=0)
+
+
 def test_integrity_catches_a_wrong_in_use_count():
     pool, cache, _ = corrupted_cache()
     pool.alloc(2)
@@ -449,6 +625,9 @@ Key = tuple[str | None, tuple[int, ...]]
 token_lists = st.lists(st.integers(0, 2), min_size=1, max_size=8)
 namespaces = st.sampled_from(NAMESPACES)
 picks = st.integers(0, 1_000)
+# Alternatives stored per position a caller computed (-1: that logprob was not computed); the
+# caller's rows cover the last positions of what it inserts.
+computed = st.lists(st.integers(-1, 3), max_size=8)
 
 
 @dataclass
@@ -465,8 +644,10 @@ class Request:
 
 class RadixMachine(RuleBasedStateMachine):
     """The reference model is a dict from (namespace, prefix) to the slot of the prefix's last
-    token, plus the logical time each prefix was last touched; it predicts match lengths, slots,
-    inserts and duplicates exactly. Eviction choices are read back from the tree and checked:
+    token, one to the alternatives stored with its logprob (whose values are a pure function
+    of the prefix, as the contract makes real ones), plus the logical time each prefix was last
+    touched; it predicts match lengths, scored matches, slots, stored logprobs, inserts and
+    duplicates exactly. Eviction choices are read back from the tree and checked:
     only unlocked content, at least the ask (or everything evictable), LRU order, slots freed."""
 
     cache_class: type[RadixCache] = RadixCache
@@ -476,6 +657,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.pool = make_pool(POOL_SLOTS)
         self.cache = self.cache_class(self.pool)
         self.model: dict[Key, int] = {}
+        self.stored: dict[Key, int] = {}
         self.touched: dict[Key, int] = {}
         self.clock = 0
         self.requests: list[Request] = []
@@ -521,6 +703,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert all(self.model[k] == v for k, v in remaining.items()), "eviction moved slots"
         assert set(remaining) <= set(self.model), "eviction added content"
         assert len(removed) == freed
+        self.stored = {k: v for k, v in self.stored.items() if k in remaining}
         assert not removed & locked, f"locked content evicted: {sorted(removed & locked)}"
         freed_slots = torch.tensor([self.model[k] for k in removed], dtype=torch.int64)
         assert not bool(self.pool.is_allocated(freed_slots).any()), "evicted slots not freed"
@@ -539,15 +722,25 @@ class RadixMachine(RuleBasedStateMachine):
             self.evict(n - self.pool.num_free)
         return self.pool.num_free >= n
 
-    def insert(self, req_ns: str | None, tokens: tuple[int, ...], slots: torch.Tensor):
+    def insert(
+        self, req_ns: str | None, tokens: tuple[int, ...], slots: torch.Tensor, ks: list[int]
+    ):
+        ks = list(ks[-len(tokens) :]) if ks else []
+        start = len(tokens) - len(ks)
+        if start == 0 and ks:
+            ks[0] = -1  # position 0 has no logprob
         existing = self.longest(req_ns, tokens)
         expected_dups = [
             s
             for i, s in enumerate(slots[:existing].tolist())
             if s != self.model[(req_ns, tokens[: i + 1])]
         ]
-        res = self.cache.insert(tokens, slots, req_ns)
+        res = self.cache.insert(tokens, slots, req_ns, synthetic(tokens, start, ks))
         assert (res.num_existing, res.num_cached) == (existing, len(tokens))
+        for i, k in enumerate(ks, start):
+            key = (req_ns, tokens[: i + 1])
+            if k > self.stored.get(key, -1):  # the tree keeps the row with more alternatives
+                self.stored[key] = k
         assert res.duplicate_slots.tolist() == expected_dups
         for i in range(existing, len(tokens)):
             self.model[(req_ns, tokens[: i + 1])] = int(slots[i])
@@ -564,6 +757,31 @@ class RadixMachine(RuleBasedStateMachine):
     def match(self, ns, tokens):
         self.expect_match(ns, tuple(tokens))
 
+    @rule(
+        ns=namespaces,
+        tokens=token_lists,
+        pick=picks,
+        first=st.integers(1, 4),
+        num_top=st.integers(0, 3),
+    )
+    def scored_match(self, ns, tokens, pick, first, num_top):
+        tokens = tuple(tokens)
+        if self.stored and pick % 3:
+            # Mostly a query that extends a cached prefix holding a stored logprob.
+            ns, prefix = sorted(self.stored, key=repr)[pick % len(self.stored)]
+            tokens = prefix + tokens
+        held = self.longest(ns, tokens)
+        short = first
+        while short < held and self.stored.get((ns, tokens[: short + 1]), -1) >= num_top:
+            short += 1
+        want = max(0, min(len(tokens) - 1, held, short - 1))
+        m = self.cache.match_prefix_with_logprobs(tokens, ns, first=first, num_top=num_top)
+        assert m.length == want, f"scored match {tokens} from {first} k={num_top} in {ns!r}"
+        assert m.slots.tolist() == [self.model[(ns, tokens[: i + 1])] for i in range(want)]
+        rows = [synthetic_row(tokens[: p + 1], num_top) for p in range(first, want + 1)]
+        assert list(m.logprobs.rows(num_top)) == [(r.logprob, r.top) for r in rows]
+        self.touch(ns, tokens[:want])
+
     @precondition(lambda self: len(self.requests) < 4)
     @rule(ns=namespaces, tokens=token_lists)
     def start_request(self, ns, tokens):
@@ -579,23 +797,23 @@ class RadixMachine(RuleBasedStateMachine):
         self.requests[-1].slots = torch.cat([m.slots, self.pool.alloc(need)])
 
     @precondition(lambda self: self.requests)
-    @rule(pick=picks, cut=picks)
-    def checkpoint_request(self, pick, cut):
+    @rule(pick=picks, cut=picks, ks=computed)
+    def checkpoint_request(self, pick, cut, ks):
         """Chunked prefill: cache what was computed so far and continue on the tree's slots."""
         req = self.requests[pick % len(self.requests)]
         k = len(req.tokens) if req.locked_len == len(req.tokens) else req.locked_len + 1
         k += cut % (len(req.tokens) - k + 1)
-        res = self.insert(req.namespace, req.tokens[:k], req.slots[:k])
+        res = self.insert(req.namespace, req.tokens[:k], req.slots[:k], ks)
         req.slots = torch.cat([res.cached_slots, req.slots[k:]])
         self.cache.lock(res.node)
         self.cache.unlock(req.node)
         req.node, req.locked_len = res.node, k
 
     @precondition(lambda self: self.requests)
-    @rule(pick=picks)
-    def finish_request(self, pick):
+    @rule(pick=picks, ks=computed)
+    def finish_request(self, pick, ks):
         req = self.requests.pop(pick % len(self.requests))
-        self.insert(req.namespace, req.tokens, req.slots)
+        self.insert(req.namespace, req.tokens, req.slots, ks)
         self.cache.unlock(req.node)
 
     @precondition(lambda self: self.requests)
@@ -605,12 +823,12 @@ class RadixMachine(RuleBasedStateMachine):
         self.pool.free(req.slots[req.locked_len :])
         self.cache.unlock(req.node)
 
-    @rule(ns=namespaces, tokens=token_lists)
-    def insert_fresh(self, ns, tokens):
+    @rule(ns=namespaces, tokens=token_lists, ks=computed)
+    def insert_fresh(self, ns, tokens, ks):
         """A caller that skipped the match: every cached position comes back as a duplicate."""
         tokens = tuple(tokens)
         if self.make_room(len(tokens)):
-            self.insert(ns, tokens, self.pool.alloc(len(tokens)))
+            self.insert(ns, tokens, self.pool.alloc(len(tokens)), ks)
 
     @rule(n=st.integers(0, POOL_SLOTS))
     def evict_some(self, n):
@@ -629,6 +847,11 @@ class RadixMachine(RuleBasedStateMachine):
     def books_balance(self):
         self.cache.check_integrity(self.in_use)
         assert tree_contents(self.cache) == self.model
+        want = {}
+        for key, k in self.stored.items():
+            row = synthetic_row(key[1], k)
+            want[key] = (k, row.logprob, row.top)
+        assert tree_logprobs(self.cache) == want
         assert self.cache.num_cached_tokens == len(self.model)
         assert self.cache.num_locked_tokens == len(self.locked())
 
@@ -672,6 +895,32 @@ class LocksDoNothing(RadixCache):
         self._path_to_root(node)
 
 
+class SplitDropsLogprobs(RadixCache):
+    """The upper half of a split edge forgets its stored logprobs."""
+
+    def _split(self, node: Node, n: int) -> Node:
+        upper = super()._split(node, n)
+        upper.logprobs = StoredLogprobs.empty(n)
+        return upper
+
+
+class StoresOnePositionLate(RadixCache):
+    """The caller's rows land one position after the tokens they belong to."""
+
+    def insert(self, tokens, slots, namespace=None, logprobs=None):
+        if logprobs is not None and len(logprobs) > 1:
+            logprobs = StoredLogprobs.cat([StoredLogprobs.empty(1), logprobs.slice(0, -1)])
+        return super().insert(tokens, slots, namespace, logprobs)
+
+
+class MergeKeepsTheTreesRows(RadixCache):
+    """Rows for positions already cached are ignored, even where they hold more."""
+
+    @staticmethod
+    def _merge_logprobs(nodes, logprobs, covered_from) -> None:
+        return None
+
+
 class MatchLeavesStaleTimes(RadixCache):
     """Matched nodes get the oldest time instead of the newest: only the LRU check sees it."""
 
@@ -691,6 +940,9 @@ class MatchLeavesStaleTimes(RadixCache):
         (SplitForgetsLocks, (AssertionError, CacheIntegrityError, ValueError)),
         (LocksDoNothing, (AssertionError, CacheIntegrityError, ValueError)),
         (MatchLeavesStaleTimes, AssertionError),
+        (SplitDropsLogprobs, AssertionError),
+        (StoresOnePositionLate, AssertionError),
+        (MergeKeepsTheTreesRows, AssertionError),
     ],
 )
 def test_state_machine_catches_mutants(mutant, caught):

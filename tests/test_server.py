@@ -394,9 +394,10 @@ def test_score_of_chat_messages(server: ServerProcess) -> None:
     data = first.json()["data"][0]
     assert data["logprobs"][0] is None
     assert all(lp <= 0.0 for lp in data["logprobs"][1:])
-    # Scoring needs every position's logits, so it recomputes rather than hitting the prefix
-    # cache: the same bits again, after the conversation was cached by the first call.
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The first call cached the conversation's KV and logprobs: the second reuses all but the
+    # last position (computed for the token after it) and returns the same bits.
+    n = len(data["token_ids"])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
     assert again["data"][0]["logprobs"] == data["logprobs"]
 
 

@@ -21,6 +21,14 @@ Contracts
   the same calls evict the same entries.
 - Disabled (`enabled=False`): match finds nothing and insert takes nothing, through the same
   calls and result types, so the engine has one code path.
+- Stored logprobs (`stored_logprobs.py`): beside the slot of each cached position p, a node
+  may hold the logprob of key token p given the tokens before it (read from the logits of
+  position p-1) and its top alternatives, wherever some request computed them: prompt
+  positions of requests that asked for prompt logprobs, and sampled tokens. Like the KV, it is
+  a pure function of the token path 0..p, so it is keyed by the path and travels with it:
+  split with the edge, evicted with the node, never shared across namespaces. Position 0 has
+  none. Positions whose logprob was never computed store nothing; `insert` adds what the
+  caller computed and never discards what the tree holds.
 
 Ownership in `insert(tokens, slots)`:
 
@@ -37,6 +45,27 @@ tokens[:num_cached] are `InsertResult.cached_slots`. A finished request frees bo
 owns and unlocks its old node; an unfinished one (chunked prefill) frees `duplicate_slots`,
 continues on `cached_slots + slots[num_cached:]`, locks the new node and unlocks the old.
 
+Logprobs in `insert(tokens, slots, logprobs=...)` are the rows the caller computed for the last
+len(logprobs) positions of exactly these tokens. New positions take them as they are; on the
+cached prefix each position keeps whichever row holds more alternatives (by the contract the
+values agree). `check_integrity` checks every stored row against its token where alternatives
+exist (`StoredLogprobs.problems`).
+
+Scored match (`match_prefix_with_logprobs`), for a request that must return the logprob of
+every position from `first` on: the logprob of token M comes from the logits of position M-1,
+so reusing the KV of positions 0..M-1 and computing from M is exact only if positions first..M
+are served from the tree. The match is the largest such M (at most len(tokens)-1, so at least
+one position is computed):
+
+    tokens       t0  t1  t2  t3  t4  t5 | t6  t7        the tree holds t0..t5 (L = 6)
+    stored lp     -  y   y   y   y   y  |               first = 1: every one of 1..5 stored
+    KV reused    [t0 .. t4]  M = 5      | computed from position 5 (its logits give lp of t6)
+    from tree    lp 1..5
+
+A position whose row holds fewer alternatives than asked (or none) ends the match before it,
+so a match never serves fewer alternatives than asked; the returned rows are copies, safe to
+read after later splits and evictions.
+
 Cost: match and insert compare tokens with tuple slices (C speed), so a 32k-token prompt costs
 one Python step per tree node on its path, not per token. Eviction scans the tree's leaves.
 """
@@ -50,6 +79,7 @@ from typing import NamedTuple
 import torch
 
 from lockstep.cache.kv_pool import CacheIntegrityError, KVPool
+from lockstep.cache.stored_logprobs import StoredLogprobs
 
 __all__ = ["CacheIntegrityError", "InsertResult", "Node", "PrefixMatch", "RadixCache"]
 
@@ -71,6 +101,7 @@ class Node:
     __slots__ = (
         "key",
         "slots",
+        "logprobs",
         "parent",
         "children",
         "lock_ref",
@@ -83,6 +114,7 @@ class Node:
         self,
         key: tuple[int, ...],
         slots: torch.Tensor,
+        logprobs: StoredLogprobs,
         parent: Node | None,
         namespace: str | None,
         node_id: int,
@@ -90,6 +122,7 @@ class Node:
     ) -> None:
         self.key = key
         self.slots = slots
+        self.logprobs = logprobs  # one row per key token: its stored logprob, if any
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.lock_ref = 0
@@ -106,11 +139,14 @@ class Node:
 
 
 class PrefixMatch(NamedTuple):
-    """The longest cached prefix of a query."""
+    """The longest cached prefix of a query (for a scored match: the longest usable one)."""
 
     length: int  # tokens matched
     slots: torch.Tensor  # int64 [length]: the tree's slots for tokens[:length]
     node: Node  # ends exactly at tokens[:length] (a root when length == 0)
+    # Scored match only: a copy of the stored logprobs of positions first..length, cut to the
+    # alternatives asked for (empty when length < first). None from `match_prefix`.
+    logprobs: StoredLogprobs | None = None
 
 
 class InsertResult(NamedTuple):
@@ -166,17 +202,59 @@ class RadixCache:
         if not self.enabled:
             return PrefixMatch(0, _no_slots(), self._default_root)
         key = _as_key(tokens)
-        node, length, parts = self._walk(key, namespace)
-        return PrefixMatch(length, _cat(parts), node)
+        root, path = self._descend(key, namespace)
+        node, length, nodes = self._cut(root, path, sum(n for _, n in path))
+        return PrefixMatch(length, _cat([n.slots for n in nodes]), node)
+
+    def match_prefix_with_logprobs(
+        self, tokens: Sequence[int], namespace: str | None, *, first: int, num_top: int
+    ) -> PrefixMatch:
+        """The longest prefix whose KV a request may reuse when it must return the logprob
+        (with `num_top` alternatives) of every position from `first` (>= 1) on: the largest
+        M <= len(tokens) - 1 such that the tree holds tokens[:M] and every position first..M
+        has a stored logprob with at least `num_top` alternatives (module docstring, "Scored
+        match"). The result's `logprobs` are those of positions first..M; `node` ends at M.
+        Marks the nodes of tokens[:M] recently used and splits an edge only at M.
+        """
+        if first < 1 or num_top < 0:
+            raise ValueError(f"match_prefix_with_logprobs: first={first}, num_top={num_top}")
+        if not self.enabled:
+            return PrefixMatch(0, _no_slots(), self._default_root, StoredLogprobs.empty(0))
+        key = _as_key(tokens)
+        root, path = self._descend(key, namespace)
+        # The first position at or after `first` that the tree cannot serve.
+        short, at = None, 0
+        for node, n in path:
+            if at + n > first:
+                offset = node.logprobs.first_short(max(first - at, 0), num_top)
+                if offset < n:
+                    short = at + offset
+                    break
+            at += n
+        held = at if short is None else sum(n for _, n in path)
+        if short is None:
+            short = max(held, first)
+        length = max(0, min(len(key) - 1, held, short - 1))
+        logprobs = self._stored(path, first, length + 1, num_top)
+        node, length, nodes = self._cut(root, path, length)
+        return PrefixMatch(length, _cat([n.slots for n in nodes]), node, logprobs)
 
     def insert(
-        self, tokens: Sequence[int], slots: torch.Tensor, namespace: str | None = None
+        self,
+        tokens: Sequence[int],
+        slots: torch.Tensor,
+        namespace: str | None = None,
+        logprobs: StoredLogprobs | None = None,
     ) -> InsertResult:
-        """Cache `tokens` whose KV lives in `slots` (one per token; int64 on the CPU).
+        """Cache `tokens` whose KV lives in `slots` (one per token; int64 on the CPU), and
+        `logprobs`, the stored logprobs of the last len(logprobs) positions of `tokens` (the
+        ones the caller computed; None: none).
 
         The tree keeps its own slots for the prefix already cached and takes `slots` for the
-        rest; the caller frees `duplicate_slots`. Raises ValueError, before taking anything,
-        if a slot to take is already owned by the tree, not allocated, or named twice.
+        rest; the caller frees `duplicate_slots`. On the cached prefix, a position takes the
+        caller's logprob row where it holds more alternatives than the tree's. Raises
+        ValueError, before taking anything, if a slot to take is already owned by the tree,
+        not allocated, or named twice, or if `logprobs` do not fit `tokens`.
         """
         key = _as_key(tokens)
         if (
@@ -190,10 +268,20 @@ class RadixCache:
                 f"got {type(slots).__name__} {getattr(slots, 'dtype', '')} "
                 f"{tuple(getattr(slots, 'shape', ()))} {getattr(slots, 'device', '')}"
             )
+        if logprobs is None:
+            logprobs = StoredLogprobs.empty(0)
+        covered_from = len(key) - len(logprobs)
+        if covered_from < 0:
+            raise ValueError(
+                f"RadixCache.insert: {len(logprobs)} logprob rows for {len(key)} tokens"
+            )
+        if covered_from == 0 and len(logprobs) and int(logprobs.num_top[0]) != -1:
+            raise ValueError("RadixCache.insert: a logprob for position 0, which has none")
         if not self.enabled:
             return InsertResult(0, 0, self._default_root, _no_slots(), _no_slots())
-        node, num_existing, parts = self._walk(key, namespace)
-        existing = _cat(parts)
+        root, path = self._descend(key, namespace)
+        node, num_existing, nodes = self._cut(root, path, sum(n for _, n in path))
+        existing = _cat([n.slots for n in nodes])
         theirs = slots[:num_existing]
         duplicates = theirs[theirs != existing]
         if duplicates.numel() and bool(self._owned[duplicates].any()):
@@ -202,21 +290,30 @@ class RadixCache:
                 f"tree owns at other positions: {duplicates[self._owned[duplicates]].tolist()[:8]}"
             )
         new = slots[num_existing:]
+        if new.numel():
+            if bool(self._owned[new].any()):
+                raise ValueError(
+                    "RadixCache.insert: slots to cache are already owned by the tree: "
+                    f"{new[self._owned[new]].tolist()[:8]}"
+                )
+            if not bool(self.pool.is_allocated(new).all()):
+                raise ValueError("RadixCache.insert: slots to cache include slots free in the pool")
+            if torch.unique(new).numel() != new.numel():
+                raise ValueError("RadixCache.insert: slots to cache name a slot more than once")
+        self._merge_logprobs(nodes, logprobs, covered_from)
         if new.numel() == 0:
             return InsertResult(num_existing, len(key), node, existing, duplicates)
-        if bool(self._owned[new].any()):
-            raise ValueError(
-                "RadixCache.insert: slots to cache are already owned by the tree: "
-                f"{new[self._owned[new]].tolist()[:8]}"
+        if covered_from <= num_existing:
+            leaf_logprobs = logprobs.slice(num_existing - covered_from, len(logprobs))
+        else:
+            leaf_logprobs = StoredLogprobs.cat(
+                [StoredLogprobs.empty(covered_from - num_existing), logprobs]
             )
-        if not bool(self.pool.is_allocated(new).all()):
-            raise ValueError("RadixCache.insert: slots to cache include slots free in the pool")
-        if torch.unique(new).numel() != new.numel():
-            raise ValueError("RadixCache.insert: slots to cache name a slot more than once")
         # clone(): the caller's tensor is often a view of its slot table, which it will reuse.
         leaf = Node(
             key[num_existing:],
             new.clone(),
+            leaf_logprobs,
             node,
             node.namespace,
             self._new_node_id(),
@@ -289,7 +386,9 @@ class RadixCache:
     # ---- integrity -----------------------------------------------------------------------
 
     def check_integrity(self, in_use: int) -> None:
-        """Verify the books balance and the tree is well formed; raises CacheIntegrityError.
+        """Verify the books balance and the tree is well formed, stored logprobs included
+        (one row per key token, none at position 0, each row consistent with its token:
+        `StoredLogprobs.problems`); raises CacheIntegrityError.
 
         `in_use` is the number of pool slots held outside the tree (by running requests).
         """
@@ -303,6 +402,7 @@ class RadixCache:
             )
         cached = locked = 0
         all_slots: list[torch.Tensor] = []
+        scored: list[Node] = []
         for ns, root in self._roots.items():
             if root.key or root.slots.numel() or root.parent is not None or root.namespace != ns:
                 problems.append(f"root of namespace {ns!r} is malformed: {root!r}")
@@ -328,6 +428,13 @@ class RadixCache:
                     f"node holds slots {n.slots.dtype} {tuple(n.slots.shape)} for "
                     f"{len(n.key)} tokens: {n!r}"
                 )
+            if not isinstance(n.logprobs, StoredLogprobs) or len(n.logprobs) != len(n.key):
+                problems.append(f"node holds stored logprobs {n.logprobs!r} for {len(n.key)} "
+                                f"tokens: {n!r}")  # fmt: skip
+            else:
+                if n.parent.parent is None and int(n.logprobs.num_top[0]) != -1:
+                    problems.append(f"a logprob stored for position 0: {n!r}")
+                scored.append(n)
             cached += len(n.key)
             locked += len(n.key) if n.lock_ref > 0 else 0
             all_slots.append(n.slots)
@@ -354,6 +461,7 @@ class RadixCache:
         num_marked = int(self._owned.sum())
         if num_marked != slots.numel():
             problems.append(f"ownership mask marks {num_marked}, tree holds {slots.numel()}")
+        problems += _logprob_problems(scored)
         if problems:
             raise CacheIntegrityError("RadixCache: " + "; ".join(problems))
 
@@ -362,7 +470,10 @@ class RadixCache:
     def _root(self, namespace: str | None) -> Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = Node((), _no_slots(), None, namespace, self._new_node_id(), self._clock)
+            root = Node(
+                (), _no_slots(), StoredLogprobs.empty(0), None, namespace, self._new_node_id(),
+                self._clock,
+            )  # fmt: skip
             self._roots[namespace] = root
         return root
 
@@ -370,28 +481,72 @@ class RadixCache:
         self._next_node_id += 1
         return self._next_node_id
 
-    def _walk(
+    def _descend(
         self, key: tuple[int, ...], namespace: str | None
-    ) -> tuple[Node, int, list[torch.Tensor]]:
-        """Follow `key` down from its namespace root, splitting the last edge where the match
-        ends inside it; touch every node on the way. Returns (end node, length, slot parts)."""
-        self._clock += 1
-        node = self._root(namespace)
-        node.last_access = self._clock
-        pos = 0
-        parts: list[torch.Tensor] = []
+    ) -> tuple[Node, list[tuple[Node, int]]]:
+        """Follow `key` down from its namespace root without changing anything. Returns the
+        root and the path: each node with how many of its key tokens match (all but maybe
+        the last node's)."""
+        root = self._root(namespace)
+        node, pos = root, 0
+        path: list[tuple[Node, int]] = []
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
                 break
             n = _common_prefix_len(child.key, key, pos)
+            path.append((child, n))
             if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = self._clock
-            parts.append(child.slots)
+                break
             pos += n
             node = child
-        return node, pos, parts
+        return root, path
+
+    def _cut(
+        self, root: Node, path: list[tuple[Node, int]], length: int
+    ) -> tuple[Node, int, list[Node]]:
+        """Take the first `length` tokens of a `_descend` path: split the edge where they end
+        inside one and touch every node on the way. Returns (end node, length, nodes)."""
+        self._clock += 1
+        root.last_access = self._clock
+        node, pos = root, 0
+        nodes: list[Node] = []
+        for child, n in path:
+            if pos == length:
+                break
+            take = min(n, length - pos)
+            if take < len(child.key):
+                child = self._split(child, take)
+            child.last_access = self._clock
+            nodes.append(child)
+            pos += take
+            node = child
+        return node, pos, nodes
+
+    @staticmethod
+    def _stored(path: list[tuple[Node, int]], start: int, end: int, num_top: int) -> StoredLogprobs:
+        """Copy of the stored logprobs of positions start..end-1 along a `_descend` path (which
+        must hold them), cut to `num_top` alternative columns."""
+        parts, at = [], 0
+        for node, n in path:
+            lo, hi = max(start, at), min(end, at + n)
+            if lo < hi:
+                parts.append(node.logprobs.slice(lo - at, hi - at, num_top))
+            at += n
+        return StoredLogprobs.cat(parts) if parts else StoredLogprobs.empty(0, num_top)
+
+    @staticmethod
+    def _merge_logprobs(nodes: list[Node], logprobs: StoredLogprobs, covered_from: int) -> None:
+        """Give the cached nodes along an insert's path the caller's rows where they hold
+        more (positions covered_from.. of the path)."""
+        at = 0
+        for node in nodes:
+            lo = max(covered_from, at)
+            hi = at + len(node.key)
+            if lo < hi:
+                rows = logprobs.slice(lo - covered_from, hi - covered_from)
+                node.logprobs = node.logprobs.merged(rows, lo - at)
+            at = hi
 
     def _split(self, node: Node, n: int) -> Node:
         """Cut `node`'s edge after n tokens. The new node is the upper half, so existing handles
@@ -402,6 +557,7 @@ class RadixCache:
         upper = Node(
             node.key[:n],
             node.slots[:n].clone(),
+            node.logprobs.slice(0, n),
             parent,
             node.namespace,
             self._new_node_id(),
@@ -412,6 +568,7 @@ class RadixCache:
         parent.children[node.key[0]] = upper
         node.key = node.key[n:]
         node.slots = node.slots[n:].clone()
+        node.logprobs = node.logprobs.slice(n, len(node.logprobs))
         node.parent = upper
         return upper
 
@@ -446,6 +603,20 @@ class RadixCache:
             f"RadixCache(enabled={self.enabled}, cached={self._num_cached}, "
             f"locked={self._num_locked}, namespaces={len(self._roots)}, pool={self.pool!r})"
         )
+
+
+def _logprob_problems(nodes: list[Node]) -> list[str]:
+    """Every node's stored logprobs checked against its tokens, in one vectorized pass over
+    all of them; on a failure, the first node at fault and its own findings."""
+    if not nodes or not StoredLogprobs.cat([n.logprobs for n in nodes]).problems(
+        [t for n in nodes for t in n.key]
+    ):
+        return []
+    for n in nodes:
+        found = n.logprobs.problems(n.key)
+        if found:
+            return [f"stored logprobs of {n!r}: " + "; ".join(found)]
+    return ["stored logprobs: a problem in the whole that no single node shows"]
 
 
 def _as_key(tokens: Sequence[int]) -> tuple[int, ...]:

@@ -297,6 +297,7 @@ class Engine:
         params = request.params
         token = chosen.token_id
         request.output_ids.append(token)
+        request.output_logprobs.append(chosen)
         self.generated_tokens_total += 1
         finish, stop_reason = self._finish_reason(request, token)
         # The text of an EOS or stop token is not part of the output (as in vLLM).

@@ -92,7 +92,8 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], top_logprobs: int = 0, use_tqdm: bool = True
     ) -> list[ScoreOutput]:
         """Teacher-forced logprob of every position of each prompt. By the engine's contract
-        these equal, bit for bit, the logprobs the same tokens got when generated."""
+        these equal, bit for bit, the logprobs the same tokens got when generated; positions
+        whose logprobs the prefix cache holds are served from it, with the same bits."""
         prompt_list = _as_prompt_list(prompts)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_logprobs)
         token_lists = [self._encode(p) for p in prompt_list]

@@ -7,6 +7,12 @@ Token layout of a request (P prompt tokens, G generated so far):
     prefix    : slots[:prefix_len] belong to the radix cache (locked via `prefix_node`);
                 slots[prefix_len:num_computed] are the request's own (counted as "in use").
 
+Logprobs by position (p predicts all_ids[p] from the logits of position p-1):
+    prompt_logprobs[p]  for 1 <= p < prompt_logprobs_next (requests that asked for them)
+    output_logprobs[g]  for the generated token at position P + g (always known)
+These are what the request gives the radix cache with its KV (`computed_logprobs`), and a
+scored prefix hit fills prompt_logprobs from the cache (`take_cached_logprobs`).
+
 A step computes positions num_computed .. end-1. When end == num_tokens, the logits of the
 last row choose the next token. With overlapped decode (Engine.step) a token may be `pending`:
 chosen on the device by a launched step, not yet appended to output_ids; it counts in
@@ -23,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from lockstep.cache.stored_logprobs import StoredLogprobs
 from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
 
@@ -90,6 +97,7 @@ class Request:
     cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_next: int = 1  # next prompt position whose logprob is still owed
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output_ids
     num_preemptions: int = 0
     prompt_counted: bool = False  # prompt/cached tokens added to the engine's totals
     text_output: Any = None  # TextOutput: detokenization and stop strings
@@ -119,5 +127,34 @@ class Request:
         return len(self.slots) - self.prefix_len
 
     @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None
+    def owes_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some are not known yet."""
+        return self.prompt_logprobs is not None and self.prompt_logprobs_next < len(self.prompt_ids)
+
+    def computed_logprobs(self, start: int, end: int) -> StoredLogprobs:
+        """The logprobs known for positions start..end-1 (end <= len(all_ids)), as the radix
+        cache stores them: prompt positions the request scored, every generated token."""
+        p = len(self.prompt_ids)
+        known = self.prompt_logprobs if self.prompt_logprobs is not None else []
+        prompt_end = min(end, p)
+        scored_end = min(prompt_end, len(known))
+        parts = []
+        if start < scored_end:
+            parts.append(StoredLogprobs.from_rows(known[start:scored_end]))
+        if max(start, scored_end) < prompt_end:
+            parts.append(StoredLogprobs.empty(prompt_end - max(start, scored_end)))
+        if end > p:
+            parts.append(
+                StoredLogprobs.from_rows(self.output_logprobs[max(start, p) - p : end - p])
+            )
+        return StoredLogprobs.cat(parts)
+
+    def take_cached_logprobs(self, stored: StoredLogprobs) -> None:
+        """Append prompt logprobs served by the radix cache for positions prompt_logprobs_next
+        onwards (one row each, each holding the alternatives this request asks for)."""
+        assert self.prompt_logprobs is not None and self.params.prompt_logprobs is not None
+        first = self.prompt_logprobs_next
+        assert len(self.prompt_logprobs) == first and first + len(stored) <= len(self.prompt_ids)
+        for p, (value, top) in enumerate(stored.rows(self.params.prompt_logprobs), first):
+            self.prompt_logprobs.append(TokenLogprob(self.prompt_ids[p], value, top))
+        self.prompt_logprobs_next = first + len(stored)

@@ -9,6 +9,11 @@ When the pool runs dry it first evicts unlocked radix leaves (LRU), then preempt
 running requests: their computed KV goes into the radix cache and they wait again. Position
 invariance makes the recomputation bit-identical, so preemption never changes an output.
 
+A request that still owes prompt logprobs matches with `match_prefix_with_logprobs`: it reuses
+the KV of positions 0..M-1 only where the cache also holds the logprobs of positions up to M,
+which it takes at admission; it computes from position M, whose logits give the next one.
+`cached_tokens` is M, the positions whose KV it reused.
+
 Slot ownership (see `Request`): the radix cache owns `slots[:prefix_len]` (locked through
 `prefix_node`), the request owns the rest. `in_use` = sum of requests' own slots, and
 `free + cached + in_use == total` is checked by `check_integrity`.
@@ -144,16 +149,24 @@ class Scheduler:
             return None
         if best.cached_tokens < 0:
             best.cached_tokens = match.length
+        if match.logprobs is not None:
+            best.take_cached_logprobs(match.logprobs)
         self.waiting.remove(best)
         best.status = Status.RUNNING
         self.running.append(best)
         return self._allocate(best, n)
 
     def _match(self, request: Request) -> PrefixMatch:
-        # At least one token must be computed to produce logits; a request that wants prompt
-        # logprobs computes every position (logits are not cached, only KV).
-        limit = 0 if request.wants_prompt_logprobs else request.num_tokens - 1
-        return self.radix.match_prefix(request.all_ids[:limit], request.namespace)
+        # At least one token must be computed to produce logits. A request still owing prompt
+        # logprobs reuses KV only where the cache also holds the logprobs it owes.
+        if request.owes_prompt_logprobs:
+            return self.radix.match_prefix_with_logprobs(
+                request.prompt_ids,
+                request.namespace,
+                first=request.prompt_logprobs_next,
+                num_top=request.params.prompt_logprobs or 0,
+            )
+        return self.radix.match_prefix(request.all_ids[: request.num_tokens - 1], request.namespace)
 
     def _reserve(
         self, n: int, keep: Request, planned: list[ScheduledChunk], may_preempt: bool = True
@@ -183,9 +196,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- releasing KV
     def cache_prefix(self, request: Request) -> None:
-        """Hand the request's computed KV to the radix cache (so others can reuse it) and keep
-        it locked for the request. Where the tree already held the same tokens, the request's
-        duplicate slots are freed and it adopts the tree's: by the contract their bits agree."""
+        """Hand the request's computed KV, and the logprobs it knows for those positions, to
+        the radix cache (so others can reuse them) and keep it locked for the request. Where
+        the tree already held the same tokens, the request's duplicate slots are freed and it
+        adopts the tree's: by the contract their bits agree."""
         upto = request.num_computed
         if not self.radix.enabled or upto <= request.prefix_len:
             return
@@ -193,6 +207,7 @@ class Scheduler:
             request.all_ids[:upto],
             torch.tensor(request.slots.ids[:upto], dtype=torch.int64),
             request.namespace,
+            request.computed_logprobs(request.prefix_len, upto),
         )
         if result.duplicate_slots.numel():
             self.pool.free(result.duplicate_slots)
