@@ -19,11 +19,16 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16",
     "kv_tokens": "KV pool size in tokens (default: a fraction of free memory)",
-    "kv_memory_fraction": "fraction of free memory for the KV pool when --kv-tokens is absent",
+    "kv_memory_fraction": "share of memory for the KV pool when --kv-tokens is absent (default: "
+    "0.9 of the GPU memory left after the weights, the step's workspace and the CUDA graphs; "
+    "0.3 of available RAM on the CPU, at most 65536 tokens)",
     "max_model_len": "context limit in tokens (default: the model's)",
-    "max_batch_tokens": "tokens per forward step, prefill and decode together",
-    "chunk_size": "most prompt tokens one request prefills per step",
-    "max_running": "most requests running at once",
+    "max_batch_tokens": "tokens per forward step, prefill and decode together (default: 8192 "
+    "on CUDA, 1024 on the CPU)",
+    "chunk_size": "most prompt tokens one request prefills per step (default: 4096 on CUDA, 512 "
+    "on the CPU, at most --max-batch-tokens)",
+    "max_running": "most requests running at once (default: 256 on CUDA, 64 on the CPU, at most "
+    "--max-batch-tokens)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
     "num_threads": "CPU threads (default: torch's)",

@@ -10,7 +10,6 @@ slots return to the pool at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -79,7 +78,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     `max_running` to wait for a running slot; more are refused with a 429 (default:
     `DEFAULT_WAITING_PER_RUNNING` x max_running)."""
     metrics = ServerMetrics()
-    max_running = engine.config.max_running
+    max_running = engine.config.resolved_max_running
     if max_waiting is None:
         max_waiting = DEFAULT_WAITING_PER_RUNNING * max_running
     async_engine = AsyncEngine(engine, metrics, capacity=max_running + max_waiting)
@@ -134,7 +133,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
             return {"stats": e.stats(), "fingerprint": e.fingerprint(), "config": e.config}
 
         snap = await async_engine.call(snapshot)
-        config = dataclasses.asdict(snap["config"])
+        config = snap["config"].resolved_options()
         return {
             "model": served.model_name,
             "max_model_len": served.max_model_len,
