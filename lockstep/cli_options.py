@@ -75,6 +75,24 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def engine_flags(options: dict[str, Any]) -> list[str]:
+    """The command-line words that set `options` (those that differ from their defaults),
+    for a result file to record the command that made it."""
+    words: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = options.get(f.name, f.default)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in _NEGATED:
+            words.append(_NEGATED[f.name])
+        elif isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words += [flag, str(value)]
+    return words
+
+
 def _arg_type(f: dataclasses.Field) -> Any:
     text = str(f.type)
     if "float" in text:

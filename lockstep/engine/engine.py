@@ -29,7 +29,7 @@ from lockstep.engine.cuda_graphs import (
     graph_batch_buckets,
     graph_context_buckets,
 )
-from lockstep.engine.model_runner import LaunchedStep, ModelRunner
+from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
 from lockstep.engine.sampler import warm_up as warm_up_sampler
@@ -96,6 +96,7 @@ class Engine:
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         self.requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None  # a step launched ahead (overlap_decode)
+        self._last_layout: list[ChunkLogits] = []  # the last completed step's chunks
         self.steps_launched_ahead = 0
         self._arrival = itertools.count()
         self.prompt_tokens_total = 0
@@ -187,10 +188,16 @@ class Engine:
             self._inflight = self._launch(launched)
             self.steps_launched_ahead += 1
         outputs = self._complete(launched)
+        self._last_layout = launched.layout
         self._drop_dead_inflight()
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return outputs
+
+    def last_step_shape(self) -> StepShape:
+        """What the step completed by the last `step()` computed: its prefill rows and its
+        decode rows (for benchmarks; empty before the first step)."""
+        return StepShape.of(self._last_layout)
 
     def _drop_dead_inflight(self) -> None:
         """Forget a step launched ahead once every request in it stopped or was aborted
