@@ -183,6 +183,7 @@ class Engine:
         launched = self._inflight or self._launch(None)
         self._inflight = None
         if launched is None:
+            self._last_layout = []
             return []
         if self.config.use_overlap_decode and self._can_launch_ahead(launched):
             self._inflight = self._launch(launched)
