@@ -19,11 +19,16 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16",
     "kv_tokens": "KV pool size in tokens (default: a fraction of free memory)",
-    "kv_memory_fraction": "fraction of free memory for the KV pool when --kv-tokens is absent",
+    "kv_memory_fraction": "share of memory for the KV pool when --kv-tokens is absent (default: "
+    "0.9 of the GPU memory left after the weights, the step's workspace and the CUDA graphs; "
+    "0.3 of available RAM on the CPU, at most 65536 tokens)",
     "max_model_len": "context limit in tokens (default: the model's)",
-    "max_batch_tokens": "tokens per forward step, prefill and decode together",
-    "chunk_size": "most prompt tokens one request prefills per step",
-    "max_running": "most requests running at once",
+    "max_batch_tokens": "tokens per forward step, prefill and decode together (default: 8192 "
+    "on CUDA, 1024 on the CPU)",
+    "chunk_size": "most prompt tokens one request prefills per step (default: 4096 on CUDA, 512 "
+    "on the CPU, at most --max-batch-tokens)",
+    "max_running": "most requests running at once (default: 256 on CUDA, 64 on the CPU, at most "
+    "--max-batch-tokens)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
     "num_threads": "CPU threads (default: torch's)",
@@ -68,6 +73,24 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         for f in dataclasses.fields(EngineConfig)
         if hasattr(args, f.name)
     }
+
+
+def engine_flags(options: dict[str, Any]) -> list[str]:
+    """The command-line words that set `options` (those that differ from their defaults),
+    for a result file to record the command that made it."""
+    words: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = options.get(f.name, f.default)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in _NEGATED:
+            words.append(_NEGATED[f.name])
+        elif isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words += [flag, str(value)]
+    return words
 
 
 def _arg_type(f: dataclasses.Field) -> Any:

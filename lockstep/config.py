@@ -4,6 +4,10 @@ Every invalid value or combination is refused in `__post_init__` with a `ConfigE
 one-line message names the option, the value given and what is accepted. Derived values are
 properties; the config is never mutated after construction. `EngineConfig.from_options`
 filters user options through `dataclasses.fields` so that an unknown option is an error too.
+
+Options whose default depends on the device (the KV pool's share of memory, the step budget,
+the chunk size, the running cap, overlapped decode) are None unless given and are read through
+properties (`resolved_max_running`, `use_overlap_decode`, ...): `DEVICE_DEFAULTS` below.
 """
 
 from __future__ import annotations
@@ -20,17 +24,44 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
+class DeviceDefaults:
+    """What an option left unset (None) means on one device type."""
+
+    kv_memory_fraction: float
+    max_batch_tokens: int
+    chunk_size: int
+    max_running: int
+
+
+# The CPU serves a few sequences at a time: a modest pool (a share of available RAM, capped
+# at CPU_DEFAULT_KV_TOKEN_CAP tokens in lockstep/engine/memory.py) and small steps. A GPU
+# server runs batches of hundreds (the RL-scale workload: 256 requests of 1k in / 1k out at
+# once): prefill steps of 8k tokens, and 90% of the device memory left after the weights,
+# the largest step's workspace and the CUDA graphs goes to the KV pool (the other 10% is
+# headroom for what that estimate leaves out; lockstep/engine/memory.py). The same in every
+# mode, so that both modes get the same capacity.
+DEVICE_DEFAULTS = {
+    "cpu": DeviceDefaults(kv_memory_fraction=0.3, max_batch_tokens=1024, chunk_size=512,
+                          max_running=64),
+    "cuda": DeviceDefaults(kv_memory_fraction=0.9, max_batch_tokens=8192, chunk_size=4096,
+                           max_running=256),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct, GGUF)
     mode: str = "deterministic"
     device: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     kv_tokens: int | None = None  # KV pool size in tokens; None: from kv_memory_fraction
-    kv_memory_fraction: float = 0.3  # of free device memory (CUDA) or of total RAM (CPU)
+    # The four below: None means the device's default (`DEVICE_DEFAULTS`, resolved by the
+    # `resolved_*` properties).
+    kv_memory_fraction: float | None = None  # share of the memory left for the KV pool
     max_model_len: int | None = None  # context limit; None: the model's own
-    max_batch_tokens: int = 1024  # tokens per forward step, prefill and decode together
-    chunk_size: int = 512  # most prompt tokens one request prefills in one step
-    max_running: int = 64  # most requests running (holding KV) at once
+    max_batch_tokens: int | None = None  # tokens per forward step, prefill and decode together
+    chunk_size: int | None = None  # most prompt tokens one request prefills in one step
+    max_running: int | None = None  # most requests running (holding KV) at once
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
     num_threads: int | None = None  # CPU threads; None: torch's default
@@ -48,18 +79,17 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         if self.kv_tokens is not None:
             _positive_int("kv_tokens", self.kv_tokens)
-        if not (
+        if self.kv_memory_fraction is not None and not (
             isinstance(self.kv_memory_fraction, (int, float))
+            and not isinstance(self.kv_memory_fraction, bool)
             and 0 < self.kv_memory_fraction <= 0.95
         ):
             raise ConfigError(
                 f"kv_memory_fraction={self.kv_memory_fraction!r} is invalid: expected a number in (0, 0.95]"
             )
-        if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len)
-        _positive_int("max_batch_tokens", self.max_batch_tokens)
-        _positive_int("chunk_size", self.chunk_size)
-        _positive_int("max_running", self.max_running)
+        for name in ("max_model_len", "max_batch_tokens", "chunk_size", "max_running"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
@@ -71,14 +101,21 @@ class EngineConfig:
             raise ConfigError(
                 f"random_seed={self.random_seed!r} is invalid: expected an integer >= 0"
             )
-        if self.chunk_size > self.max_batch_tokens:
+        # The combination is checked as resolved. A default never conflicts with a value given
+        # (chunk_size and max_running default to at most max_batch_tokens), so only values
+        # given can be refused here.
+        budget = self.resolved_max_batch_tokens
+        budget_text = f"max_batch_tokens={budget}" + (
+            "" if self.max_batch_tokens is not None else f" (the {self._defaults_name} default)"
+        )
+        if self.resolved_chunk_size > budget:
             raise ConfigError(
-                f"chunk_size={self.chunk_size} is invalid with max_batch_tokens={self.max_batch_tokens}:"
+                f"chunk_size={self.chunk_size} is invalid with {budget_text}:"
                 " expected chunk_size <= max_batch_tokens"
             )
-        if self.max_running > self.max_batch_tokens:
+        if self.resolved_max_running > budget:
             raise ConfigError(
-                f"max_running={self.max_running} is invalid with max_batch_tokens={self.max_batch_tokens}:"
+                f"max_running={self.max_running} is invalid with {budget_text}:"
                 " every running request needs a token of the step budget to decode,"
                 " expected max_running <= max_batch_tokens"
             )
@@ -107,6 +144,55 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device == "cuda" else "float32"
+
+    @property
+    def _defaults(self) -> DeviceDefaults:
+        return DEVICE_DEFAULTS[self.resolved_device]
+
+    @property
+    def _defaults_name(self) -> str:
+        return "CUDA" if self.resolved_device == "cuda" else "CPU"
+
+    @property
+    def resolved_kv_memory_fraction(self) -> float:
+        """Share of the memory left for the KV pool when kv_tokens is not given (how the rest
+        is computed: lockstep/engine/memory.py)."""
+        if self.kv_memory_fraction is not None:
+            return float(self.kv_memory_fraction)
+        return self._defaults.kv_memory_fraction
+
+    @property
+    def resolved_max_batch_tokens(self) -> int:
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return self._defaults.max_batch_tokens
+
+    @property
+    def resolved_chunk_size(self) -> int:
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return min(self._defaults.chunk_size, self.resolved_max_batch_tokens)
+
+    @property
+    def resolved_max_running(self) -> int:
+        if self.max_running is not None:
+            return self.max_running
+        return min(self._defaults.max_running, self.resolved_max_batch_tokens)
+
+    def resolved_options(self) -> dict[str, Any]:
+        """Every field, with the device-dependent defaults (None) replaced by what they
+        resolve to; kv_tokens stays None when the pool is sized from memory."""
+        options = dataclasses.asdict(self)
+        options.update(
+            device=self.resolved_device,
+            dtype=self.resolved_dtype,
+            kv_memory_fraction=self.resolved_kv_memory_fraction,
+            max_batch_tokens=self.resolved_max_batch_tokens,
+            chunk_size=self.resolved_chunk_size,
+            max_running=self.resolved_max_running,
+            overlap_decode=self.use_overlap_decode,
+        )
+        return options
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -231,6 +231,19 @@ def test_stop_strings(client: openai.OpenAI, server: ServerProcess) -> None:
     assert stopped.message.content == free[: free.index("5")]
 
 
+def test_max_completion_tokens_is_max_tokens_on_both_routes(server: ServerProcess) -> None:
+    """Load generators written for vLLM send both limits with one value, on completions
+    too: accepted, and the limit holds (different values are refused: _bad_cases)."""
+    base = {"model": server.model, "temperature": 0, "ignore_eos": True}
+    routes = (("/v1/completions", {"prompt": "Once upon a time"}),
+              ("/v1/chat/completions", {"messages": _user("Tell me a story.")}))  # fmt: skip
+    for path, prompt in routes:
+        for limits in ({"max_completion_tokens": 3}, {"max_tokens": 3, "max_completion_tokens": 3}):
+            response = _post(server, path, {**base, **prompt, **limits})
+            assert response.status_code == 200, (path, limits, response.text)
+            assert response.json()["usage"]["completion_tokens"] == 3, (path, limits)
+
+
 # -- logprobs, seeds, cache, score -------------------------------------------------------
 
 
@@ -476,7 +489,8 @@ def _bad_cases(model: str) -> list[tuple[str, object, int, str | None]]:
             400,
             "max_completion_tokens",
         ),
-        ("/v1/chat/completions", {**chat, "max_completion_tokens": 2}, 400, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 3}, 400, "max_tokens"),
+        ("/v1/completions", {**comp, "max_completion_tokens": 3}, 400, "max_tokens"),
         ("/v1/score", {"model": model}, 400, "prompt"),
         ("/v1/score", {"model": model, "prompt": "hi", "top_logprobs": 99}, 400, "top_logprobs"),
         ("/v1/score", {"model": model, "prompt": LONG_PROMPT}, 400, "prompt"),

@@ -218,7 +218,7 @@ def _coded_cases(model: str) -> list[tuple[str, object, int, str]]:
         ("/v1/completions", {**comp, "prompt": ["a"] * 17, "n": 16}, 400, "invalid_value"),
         ("/v1/completions", {**comp, "seed": 2**63 - 1, "n": 2}, 400, "invalid_value"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "invalid_value"),
-        ("/v1/chat/completions", {**chat, "max_completion_tokens": 2}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 3}, 400, "invalid_value"),
         ("/v1/score", {"model": model}, 400, "missing"),
         (
             "/v1/score",

@@ -1,12 +1,15 @@
-"""`lockstep bench decode`: end-to-end prefill/decode throughput, deterministic vs fast."""
+"""`lockstep bench decode` (prefill/decode throughput, deterministic vs fast) and `lockstep
+bench throughput` (offline end-to-end throughput of a whole workload, with a bitwise spot
+check)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
-from lockstep.cli_options import add_engine_arguments, engine_options_from_args
+from lockstep.cli_options import add_engine_arguments, engine_flags, engine_options_from_args
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -27,6 +30,114 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="keep the k most likely tokens (needs --temperature; 0: off)")  # fmt: skip
     add_engine_arguments(decode)
     decode.set_defaults(func=run_bench_decode)
+    _add_throughput_parser(kinds)
+
+
+def _add_throughput_parser(kinds: argparse._SubParsersAction) -> None:
+    tput = kinds.add_parser(
+        "throughput", help="end-to-end throughput of a whole workload, then a bitwise spot check"
+    )
+    tput.add_argument("--num-prompts", type=int, default=None,
+                      help="requests (default 256; with --prompts-file: every line)")  # fmt: skip
+    tput.add_argument("--input-len", default=None,
+                      help="prompt tokens of random prompts: N or a range a:b (default 1024)")  # fmt: skip
+    tput.add_argument("--output-len", default="1024",
+                      help="most tokens each request generates: N or a range a:b")  # fmt: skip
+    tput.add_argument("--prompts-file", type=Path, default=None,
+                      help="JSONL prompts ({\"prompt\": text} or {\"prompt_token_ids\": [...]}, "
+                      "optional \"output_len\") instead of random tokens")  # fmt: skip
+    tput.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                      help="generate --output-len tokens whatever is sampled (default: on for "
+                      "random prompts, off for --prompts-file)")  # fmt: skip
+    tput.add_argument("--temperature", type=float, default=0.0,
+                      help="sample at this temperature (default 0: greedy)")  # fmt: skip
+    tput.add_argument("--top-p", type=float, default=1.0,
+                      help="nucleus filter for sampled tokens (needs --temperature)")  # fmt: skip
+    tput.add_argument("--top-k", type=int, default=0,
+                      help="keep the k most likely tokens (needs --temperature; 0: off)")  # fmt: skip
+    tput.add_argument("--seed", type=int, default=0,
+                      help="draws the lengths, the random prompts and request i's sampling "
+                      "seed (seed + i)")  # fmt: skip
+    tput.add_argument("--spot-check", type=int, default=3,
+                      help="requests re-run alone afterwards, compared bit for bit (0: off); "
+                      "a difference exits with status 1")  # fmt: skip
+    tput.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                      help="first run requests of the same lengths, untimed (kernel "
+                      "compilation, CUDA-graph capture)")  # fmt: skip
+    tput.add_argument("--context-band", type=int, default=256,
+                      help="width of the context bands of the decode step times")  # fmt: skip
+    tput.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    tput.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="no progress bar on stderr")  # fmt: skip
+    add_engine_arguments(tput)
+    tput.set_defaults(func=run_bench_throughput)
+
+
+_THROUGHPUT_OPTIONS = ("num_prompts", "input_len", "output_len", "prompts_file", "ignore_eos",
+                       "temperature", "top_p", "top_k", "seed", "spot_check", "warmup",
+                       "context_band")  # fmt: skip
+
+
+def run_bench_throughput(args: argparse.Namespace) -> int:
+    """Exit status 0, or 1 when the spot check found a difference."""
+    from lockstep.bench import throughput, workload
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+    from lockstep.errors import ConfigError
+
+    options = engine_options_from_args(args)
+    output_len = workload.LengthRange.parse(args.output_len, "--output-len")
+    if args.prompts_file is not None and args.input_len is not None:
+        raise ConfigError("--input-len is for random prompts: a --prompts-file brings its own "
+                          "prompts (leave --input-len out)")  # fmt: skip
+    input_len = workload.LengthRange.parse(args.input_len or "1024", "--input-len")
+    engine = Engine(EngineConfig.from_options(**options))
+    if args.prompts_file is None:
+        num_prompts = 256 if args.num_prompts is None else args.num_prompts
+        requests = workload.random_requests(
+            num_prompts, input_len, output_len, engine.decoder.spec.vocab_size, args.seed
+        )
+        ignore_eos = True if args.ignore_eos is None else args.ignore_eos
+    else:
+        requests = workload.file_requests(
+            args.prompts_file, engine.tokenizer, args.num_prompts, output_len, args.seed
+        )
+        ignore_eos = bool(args.ignore_eos)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    params = throughput.request_params(requests, sampling, ignore_eos, args.seed)
+    run, check, warm_s = throughput.bench_throughput(
+        engine, requests, params, warmup=args.warmup, spot_checks=args.spot_check,
+        context_band=args.context_band, seed=args.seed, progress=args.progress,
+    )  # fmt: skip
+    figures = throughput.summary(run, len(requests))
+    throughput.print_report(figures, engine.pool.num_slots, check)
+    bench_options = {k: getattr(args, k) for k in _THROUGHPUT_OPTIONS} | {
+        "num_prompts": len(requests),
+        "input_len": None if args.prompts_file else str(input_len),
+        "prompts_file": None if args.prompts_file is None else str(args.prompts_file),
+        "ignore_eos": ignore_eos,
+    }
+    doc = throughput.document(bench_options, engine, figures, check, warm_s)
+    doc["command"] = _command("lockstep bench throughput", args, options)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc))
+    return 0 if check.passed else 1
+
+
+def _command(prefix: str, args: argparse.Namespace, engine_options: dict[str, Any]) -> str:
+    """The command line that repeats this run: the benchmark's options as given (defaults
+    included) and the engine options that differ from their defaults."""
+    words = [prefix]
+    for name in _THROUGHPUT_OPTIONS:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            words += [flag, str(value)]
+    return " ".join(words + engine_flags(engine_options))
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:

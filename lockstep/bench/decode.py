@@ -55,7 +55,7 @@ def run_decode_bench(
     vocab = engine.decoder.spec.vocab_size
     # Steps until the last prompt is prefilled, at most: each step's budget, less one token
     # per decoding request, goes to prompts. A request decodes from its first token on.
-    per_step = max(1, engine.config.max_batch_tokens - batch)
+    per_step = max(1, engine.config.resolved_max_batch_tokens - batch)
     prefill_steps = -(-batch * prompt_len // per_step) + 1
     choice = {"temperature": 0.0, **(sampling or {})}
     if not choice["temperature"] and (choice.get("top_p", 1.0) < 1.0 or choice.get("top_k", 0)):
@@ -135,12 +135,12 @@ def bench_modes(
     results: list[DecodeResult] = []
     overlap = None
     for mode in modes:
-        opts = dict(options, mode=mode)
-        opts["max_running"] = max(max(batches), 1)
+        opts = dict(options, mode=mode, max_running=max(max(batches), 1))
+        given = EngineConfig.from_options(**dict(opts, max_running=None))  # device defaults
         # Room for the whole batch's decode tokens plus prompt tokens in every step.
-        opts["max_batch_tokens"] = max(opts.get("max_batch_tokens", 1024), prompt_len,
+        opts["max_batch_tokens"] = max(given.resolved_max_batch_tokens, prompt_len,
                                        2 * max(batches))  # fmt: skip
-        opts["chunk_size"] = min(opts.get("chunk_size", 512), opts["max_batch_tokens"])
+        opts["chunk_size"] = min(given.resolved_chunk_size, opts["max_batch_tokens"])
         engine = Engine(EngineConfig.from_options(**opts))
         overlap = engine.config.use_overlap_decode  # the same for every mode (device only)
         for b in batches:

@@ -45,6 +45,26 @@ from lockstep.ops.base import AttentionMeta
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_CONTEXT_BUCKETS = (2048, 8192, 32768, 131072)
+# Past the table's last batch bucket, one bucket every this many sequences, so a large
+# max_running pads a step by at most this many rows.
+BATCH_BUCKET_STEP = 256
+
+
+def graph_batch_buckets(
+    max_batch: int, table: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+) -> list[int]:
+    """The batch buckets of a runner for up to `max_batch` sequences: the table's below it,
+    one every BATCH_BUCKET_STEP past the table's end, and `max_batch` itself."""
+    beyond = range(max(table) + BATCH_BUCKET_STEP, max_batch, BATCH_BUCKET_STEP)
+    return sorted({b for b in table if b < max_batch} | set(beyond) | {max_batch})
+
+
+def graph_context_buckets(
+    max_context: int, table: tuple[int, ...] = DEFAULT_CONTEXT_BUCKETS
+) -> list[int]:
+    """The context buckets of a runner for up to `max_context` keys: the table's below it
+    and `max_context` itself."""
+    return sorted({c for c in table if c < max_context} | {max_context})
 
 
 @dataclass
@@ -76,10 +96,8 @@ class DecodeGraphRunner:
         self.decoder = decoder
         self.kv = kv
         self.device = decoder.device
-        self.batch_buckets = sorted({b for b in batch_buckets if b < max_batch} | {max_batch})
-        self.context_buckets = sorted(
-            {c for c in context_buckets if c < max_context} | {max_context}
-        )
+        self.batch_buckets = graph_batch_buckets(max_batch, batch_buckets)
+        self.context_buckets = graph_context_buckets(max_context, context_buckets)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._staging = _Staging(self.device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -25,8 +24,13 @@ import lockstep
 from lockstep.cache.kv_pool import KVPool
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
-from lockstep.engine.cuda_graphs import DecodeGraphRunner
-from lockstep.engine.model_runner import LaunchedStep, ModelRunner
+from lockstep.engine import memory
+from lockstep.engine.cuda_graphs import (
+    DecodeGraphRunner,
+    graph_batch_buckets,
+    graph_context_buckets,
+)
+from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
 from lockstep.engine.sampler import warm_up as warm_up_sampler
@@ -40,10 +44,6 @@ from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
 
 logger = logging.getLogger(__name__)
-
-# Without an explicit kv_tokens the CPU pool is capped: a CPU serves few long sequences, and a
-# pool sized from RAM alone would zero gigabytes at start-up for nothing.
-CPU_DEFAULT_KV_TOKEN_CAP = 65536
 
 
 def _live(request: Request) -> bool:
@@ -72,7 +72,11 @@ class Engine:
                 f"{self.ops.name} backend: supported head_dim values are {head_dims}"
             )
         self.decoder = Decoder.load(loaded, self.ops, self.dtype, self.device, self.max_model_len)
-        kv_tokens = config.kv_tokens or self._kv_tokens_from_memory()
+        # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
+        self.kv_budget = None if config.kv_tokens else self._kv_budget()
+        kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
+        if self.kv_budget is not None:
+            logger.info("%s", self.kv_budget.describe())
         self.pool = KVPool(
             kv_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
         )
@@ -80,20 +84,21 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool,
             self.radix,
-            max_batch_tokens=config.max_batch_tokens,
-            chunk_size=config.chunk_size,
-            max_running=config.max_running,
+            max_batch_tokens=config.resolved_max_batch_tokens,
+            chunk_size=config.resolved_chunk_size,
+            max_running=config.resolved_max_running,
         )
         graphs = None
         if config.use_cuda_graphs:
             graphs = DecodeGraphRunner(
-                self.decoder, self.pool, max_batch=config.max_running,
+                self.decoder, self.pool, max_batch=config.resolved_max_running,
                 max_context=self.max_model_len,
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         self.requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None  # a step launched ahead (overlap_decode)
+        self._last_layout: list[ChunkLogits] = []  # the last completed step's chunks
         self.steps_launched_ahead = 0
         self._arrival = itertools.count()
         self.prompt_tokens_total = 0
@@ -200,15 +205,22 @@ class Engine:
         launched = self._inflight or self._launch(None)
         self._inflight = None
         if launched is None:
+            self._last_layout = []
             return []
         if self.config.use_overlap_decode and self._can_launch_ahead(launched):
             self._inflight = self._launch(launched)
             self.steps_launched_ahead += 1
         outputs = self._complete(launched)
+        self._last_layout = launched.layout
         self._drop_dead_inflight()
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return outputs
+
+    def last_step_shape(self) -> StepShape:
+        """What the step completed by the last `step()` computed: its prefill rows and its
+        decode rows (for benchmarks; empty before the first step)."""
+        return StepShape.of(self._last_layout)
 
     def _drop_dead_inflight(self) -> None:
         """Forget a step launched ahead once every request in it stopped or was aborted
@@ -237,9 +249,9 @@ class Engine:
         top logprobs would wait for the step launched ahead as well)."""
         scheduler = self.scheduler
         running = scheduler.running
-        if not running or len(running) > self.config.max_batch_tokens:
+        if not running or len(running) > scheduler.max_batch_tokens:
             return False
-        if scheduler.waiting and len(running) < self.config.max_running:
+        if scheduler.waiting and len(running) < scheduler.max_running:
             return False  # the next schedule would admit
         if launched.tokens is None or scheduler.pool.num_free < len(running):
             return False
@@ -414,16 +426,27 @@ class Engine:
             "weight_version": self.weight_version,
         }
 
-    def _kv_tokens_from_memory(self) -> int:
-        spec = self.decoder.spec
+    def _kv_budget(self) -> memory.KVBudget:
+        """Size the KV pool from memory (lockstep/engine/memory.py): on CUDA what is free after
+        the weights less the largest step's workspace and the CUDA graphs, on the CPU a share
+        of the available RAM."""
+        spec, config = self.decoder.spec, self.config
         per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                            self.dtype)  # fmt: skip
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * self.config.kv_memory_fraction) // per_token)
-        available = _available_ram()
-        tokens = int(available * self.config.kv_memory_fraction) // per_token
-        return max(1, min(tokens, CPU_DEFAULT_KV_TOKEN_CAP))
+        fraction = config.resolved_kv_memory_fraction
+        if self.device.type != "cuda":
+            return memory.cpu_kv_budget(memory.available_ram(), per_token, fraction)
+        max_running = config.resolved_max_running
+        buckets = None
+        if config.use_cuda_graphs:
+            buckets = (graph_batch_buckets(max_running), graph_context_buckets(self.max_model_len))
+        reserved = memory.step_workspace(
+            spec, self.decoder.act_dtype.itemsize, config.resolved_max_batch_tokens, max_running,
+            buckets,
+        )  # fmt: skip
+        torch.cuda.empty_cache()  # blocks cached while loading the weights are free memory
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return memory.cuda_kv_budget(free, per_token, reserved, fraction)
 
 
 def _spec_mismatch(served: ModelSpec, new: ModelSpec) -> str | None:
@@ -433,17 +456,6 @@ def _spec_mismatch(served: ModelSpec, new: ModelSpec) -> str | None:
         if f.name != "max_position" and getattr(served, f.name) != getattr(new, f.name):
             return f"{f.name}={getattr(new, f.name)!r}, served {getattr(served, f.name)!r}"
     return None
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _device_name(device: torch.device) -> str:

@@ -52,6 +52,30 @@ class ChunkLogits:
     sample_row: int | None
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed, counted from its chunks (for benchmarks). A decode row adds
+    one generated token to a sequence whose prompt is computed; every other row is a prefill
+    row: prompt chunks, and positions recomputed after a preemption. `decode_keys`: the keys
+    the decode rows attend to, summed (a row at position p attends to p + 1)."""
+
+    prefill_rows: int = 0
+    decode_rows: int = 0
+    decode_keys: int = 0
+
+    @classmethod
+    def of(cls, layout: list[ChunkLogits]) -> StepShape:
+        prefill = decode = keys = 0
+        for part in layout:
+            chunk = part.chunk
+            if chunk.end - chunk.start == 1 and chunk.start >= len(chunk.request.prompt_ids):
+                decode += 1
+                keys += chunk.end
+            else:
+                prefill += chunk.end - chunk.start
+        return cls(prefill, decode, keys)
+
+
 @dataclass
 class LaunchedStep:
     """A step enqueued on the device whose results the host has not read yet.

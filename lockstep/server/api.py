@@ -10,7 +10,6 @@ slots return to the pool at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -45,6 +44,7 @@ from lockstep.server.preparation import (
     max_tokens_for,
     model_card,
     prompts_of,
+    requested_max_tokens,
     sampling_params,
     text_bound,
 )
@@ -78,7 +78,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     `max_running` to wait for a running slot; more are refused with a 429 (default:
     `DEFAULT_WAITING_PER_RUNNING` x max_running)."""
     metrics = ServerMetrics()
-    max_running = engine.config.max_running
+    max_running = engine.config.resolved_max_running
     if max_waiting is None:
         max_waiting = DEFAULT_WAITING_PER_RUNNING * max_running
     async_engine = AsyncEngine(engine, metrics, capacity=max_running + max_waiting)
@@ -138,7 +138,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
             return {"stats": e.stats(), "fingerprint": e.fingerprint(), "config": e.config}
 
         snap = await async_engine.call(snapshot)
-        config = dataclasses.asdict(snap["config"])
+        config = snap["config"].resolved_options()
         return {
             "model": served.model_name,
             "max_model_len": served.max_model_len,
@@ -243,8 +243,9 @@ async def _completions(served: Served, body: CompletionRequest, request: Request
     check_fan_out(served, len(prompts), body.n)
     choices: list[ChoiceState] = []
     requests = []
+    requested, limit_param = requested_max_tokens(body)
     for p_index, ids in enumerate(prompts):
-        max_tokens = max_tokens_for(served, body.max_tokens, len(ids), "prompt", "max_tokens")
+        max_tokens = max_tokens_for(served, requested, len(ids), "prompt", limit_param)
         for i in range(body.n):
             params = sampling_params(
                 body,
@@ -341,16 +342,9 @@ async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -
         raise APIError(
             "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value"
         )
-    if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise APIError(
-            "max_tokens and max_completion_tokens are the same limit: send only one",
-            param="max_tokens",
-            code="invalid_value",
-        )
+    requested, limit_param = requested_max_tokens(body)
     check_fan_out(served, 1, body.n)
     ids = await asyncio.to_thread(chat_prompt, served, body.messages)
-    limit_param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-    requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     max_tokens = max_tokens_for(served, requested, len(ids), "messages", limit_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requests = [

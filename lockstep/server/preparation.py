@@ -166,6 +166,23 @@ def check_fan_out(served: Served, num_prompts: int, n: int) -> None:
         )
 
 
+def requested_max_tokens(body: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
+    """The completion's token limit as asked, and the field that asked it. `max_tokens` and
+    `max_completion_tokens` are one limit: either may be sent, or both with the same value
+    (as load generators written for vLLM do, on both routes); two values are refused."""
+    given, alias = body.max_tokens, body.max_completion_tokens
+    if alias is None:
+        return given, "max_tokens"
+    if "max_tokens" in body.model_fields_set and given is not None and given != alias:
+        raise APIError(
+            f"max_tokens={given} and max_completion_tokens={alias} are the same limit: send"
+            " one, or the same value in both",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    return alias, "max_completion_tokens"
+
+
 def max_tokens_for(
     served: Served, requested: int | None, prompt_len: int, prompt_param: str, param: str
 ) -> int:

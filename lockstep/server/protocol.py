@@ -231,6 +231,9 @@ class _SamplingFields(RequestBody):
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, lt=2**63)
+    max_completion_tokens: int | None = Field(
+        None, ge=1, lt=2**63, description="Lockstep extension: the same limit as max_tokens"
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 

@@ -1,0 +1,170 @@
+"""How memory is divided at start-up: weights, the largest step's workspace, CUDA graphs, KV.
+
+The KV pool is sized once, after the weights are on the device and before the first step;
+`kv_tokens`, when given, replaces all of this. On CUDA (`cuda_kv_budget`):
+
+    free device memory after the weights (cudaMemGetInfo, torch's cache emptied)
+    |<--------- reserved --------->|<------------------ the rest ------------------>|
+    | step workspace, CUDA graphs, |<-- kv_memory_fraction (0.9): the KV pool -->|  |
+    | fixed slack                  |                    headroom (1 - fraction) -->|  |
+
+  step workspace, the largest step (max_batch_tokens rows, every one of which may need its
+  logits: prompt logprobs and /v1/score score every position):
+    activations  rows x (4 hidden + qkv + 2 q + 3 intermediate) x activation bytes
+    logits       rows x vocab x (activation bytes + 4 + 4): the LM head's output, its float32
+                 copy and the float32 log-softmax
+    sampler      max_running rows x vocab x SAMPLER_BYTES_PER_LOGIT: the picked rows and the
+                 float64 scores, noise, masks and top-p sort of sampled rows
+  CUDA graphs, every (batch bucket, context bucket) the runner may capture, each holding
+    static logits B x vocab x (activation bytes + 4) and its static inputs (B x C slot ids)
+  slack: the split-attention workspace (at most 256 MiB, docs/gpu.md) and the cuBLAS,
+    Triton and allocator overheads: WORKSPACE_SLACK_BYTES
+
+The headroom covers what the estimate leaves out (allocator fragmentation, the fast mode's
+gathered keys); the estimate does not depend on the mode, so both modes get the same pool.
+
+On the CPU (`cpu_kv_budget`): kv_memory_fraction (0.3) of the available RAM, capped at
+CPU_DEFAULT_KV_TOKEN_CAP tokens: a CPU serves few long sequences, and a pool sized from RAM
+alone would zero gigabytes at start-up for nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lockstep.errors import ConfigError
+from lockstep.models.spec import ModelSpec
+
+CPU_DEFAULT_KV_TOKEN_CAP = 65536
+# Bytes per vocabulary entry of a row the sampler works on: index_select copies of the logits
+# and log-softmax rows (4 + 4), then for sampled rows float64 scores, Gumbel noise, the noisy
+# scores and their -inf fill (4 x 8), the keep mask (1), and top-p's masked, sorted, unit and
+# cumulative rows (4 x 8); rounded up.
+SAMPLER_BYTES_PER_LOGIT = 88
+WORKSPACE_SLACK_BYTES = 1 << 30
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class StepWorkspace:
+    """Bytes reserved beside the KV pool on CUDA, by what they are for."""
+
+    activations: int
+    logits: int
+    sampler: int
+    graphs: int
+    slack: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.logits + self.sampler + self.graphs + self.slack
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How the KV pool's size was chosen: from `available_bytes` (free device memory after
+    the weights, or available RAM), less `reserved`, times `fraction`, in tokens of
+    `bytes_per_token`; `capped`: the CPU's token cap applied."""
+
+    device: str
+    available_bytes: int
+    reserved: StepWorkspace | None
+    fraction: float
+    bytes_per_token: int
+    kv_tokens: int
+    capped: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.reserved is not None:
+            out["reserved"]["total"] = self.reserved.total
+        return out
+
+    def describe(self) -> str:
+        """One line: where the pool's memory came from."""
+        kv = self.kv_tokens * self.bytes_per_token / GIB
+        if self.reserved is None:
+            cap = f", capped at {CPU_DEFAULT_KV_TOKEN_CAP} tokens" if self.capped else ""
+            return (f"KV pool {self.kv_tokens} tokens ({kv:.2f} GiB): {self.fraction:g} of "
+                    f"{self.available_bytes / GIB:.2f} GiB available RAM{cap}")  # fmt: skip
+        r = self.reserved
+        return (
+            f"KV pool {self.kv_tokens} tokens ({kv:.2f} GiB): {self.fraction:g} of "
+            f"{self.available_bytes / GIB:.2f} GiB free after the weights less "
+            f"{r.total / GIB:.2f} GiB reserved (activations {r.activations / GIB:.2f}, logits "
+            f"{r.logits / GIB:.2f}, sampler {r.sampler / GIB:.2f}, CUDA graphs "
+            f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f})"
+        )
+
+
+def step_workspace(
+    spec: ModelSpec,
+    activation_bytes: int,
+    max_batch_tokens: int,
+    max_running: int,
+    graph_buckets: tuple[Sequence[int], Sequence[int]] | None,
+) -> StepWorkspace:
+    """The reservation beside the KV pool (module docstring). `graph_buckets`: the decode
+    graphs' (batch buckets, context buckets), None without CUDA graphs."""
+    per_row = (
+        4 * spec.hidden_size
+        + spec.q_size
+        + 2 * spec.kv_size
+        + 2 * spec.q_size
+        + 3 * spec.intermediate_size
+    )
+    vocab = spec.vocab_size
+    graphs = 0
+    if graph_buckets is not None:
+        batches, contexts = graph_buckets
+        for b in batches:
+            for c in contexts:
+                static_inputs = 6 * b * 8 + (4 * b + 2 + b * c) * 4
+                graphs += b * vocab * (activation_bytes + 4) + static_inputs
+    return StepWorkspace(
+        activations=max_batch_tokens * per_row * activation_bytes,
+        logits=max_batch_tokens * vocab * (activation_bytes + 4 + 4),
+        sampler=max_running * vocab * SAMPLER_BYTES_PER_LOGIT,
+        graphs=graphs,
+        slack=WORKSPACE_SLACK_BYTES,
+    )
+
+
+def cuda_kv_budget(
+    free_bytes: int, bytes_per_token: int, reserved: StepWorkspace, fraction: float
+) -> KVBudget:
+    """The KV pool from the device memory free after the weights. Raises `ConfigError` when
+    the reservation leaves no room for a pool."""
+    usable = free_bytes - reserved.total
+    tokens = int(max(usable, 0) * fraction) // bytes_per_token
+    if tokens < 1:
+        raise ConfigError(
+            f"kv_tokens: no device memory is left for the KV pool: {free_bytes / GIB:.2f} GiB "
+            f"free after the weights, {reserved.total / GIB:.2f} GiB needed by the largest "
+            "step and the CUDA graphs; lower --max-batch-tokens or --max-running, or give "
+            "--kv-tokens"
+        )
+    return KVBudget("cuda", free_bytes, reserved, fraction, bytes_per_token, tokens)
+
+
+def cpu_kv_budget(available_bytes: int, bytes_per_token: int, fraction: float) -> KVBudget:
+    """The KV pool from the available RAM, capped at CPU_DEFAULT_KV_TOKEN_CAP tokens."""
+    tokens = int(available_bytes * fraction) // bytes_per_token
+    capped = tokens > CPU_DEFAULT_KV_TOKEN_CAP
+    tokens = max(1, min(tokens, CPU_DEFAULT_KV_TOKEN_CAP))
+    return KVBudget("cpu", available_bytes, None, fraction, bytes_per_token, tokens, capped)
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo, else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,132 @@
+"""Device-dependent defaults and how the KV pool is sized (lockstep/config.py,
+lockstep/engine/memory.py). The CUDA defaults are resolved from a config that names the
+device; nothing here needs or imitates a GPU beyond that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep.cache.kv_pool import KVPool
+from lockstep.config import EngineConfig
+from lockstep.engine import memory
+from lockstep.engine.cuda_graphs import graph_batch_buckets, graph_context_buckets
+from lockstep.errors import ConfigError
+from lockstep.models.presets import PRESETS
+
+GIB = 1 << 30
+
+
+def test_cpu_keeps_modest_defaults() -> None:
+    c = EngineConfig(device="cpu")
+    assert (c.resolved_max_running, c.resolved_max_batch_tokens, c.resolved_chunk_size) == (
+        64, 1024, 512,
+    )  # fmt: skip
+    assert c.resolved_kv_memory_fraction == 0.3
+    assert not c.use_overlap_decode
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_cuda_defaults_run_batches_of_hundreds_in_every_mode(mode: str) -> None:
+    c = EngineConfig(device="cuda", mode=mode)
+    assert (c.resolved_max_running, c.resolved_max_batch_tokens, c.resolved_chunk_size) == (
+        256, 8192, 4096,
+    )  # fmt: skip
+    assert c.resolved_kv_memory_fraction == 0.9
+    assert c.use_overlap_decode and c.use_cuda_graphs
+    resolved = c.resolved_options()
+    assert resolved["max_running"] == 256 and resolved["device"] == "cuda"
+    assert resolved["dtype"] == "bfloat16" and resolved["kv_tokens"] is None
+
+
+def test_given_values_win_and_defaults_fit_them() -> None:
+    c = EngineConfig(device="cuda", max_batch_tokens=100)
+    # The defaults never exceed a budget the user gave: no refusal for an option not given.
+    assert (c.resolved_max_running, c.resolved_chunk_size) == (100, 100)
+    c = EngineConfig(device="cpu", max_running=8, chunk_size=64, kv_memory_fraction=0.5)
+    assert (c.resolved_max_running, c.resolved_chunk_size) == (8, 64)
+    assert c.resolved_kv_memory_fraction == 0.5
+
+
+def test_a_given_value_against_a_default_is_refused_naming_the_default() -> None:
+    with pytest.raises(ConfigError, match=r"chunk_size=2048 .* max_batch_tokens=1024 \(the CPU"):
+        EngineConfig(device="cpu", chunk_size=2048)
+    with pytest.raises(ConfigError, match=r"max_running=300 .* max_batch_tokens=200:"):
+        EngineConfig(device="cuda", max_running=300, max_batch_tokens=200)
+    EngineConfig(device="cuda", chunk_size=2048)  # within the CUDA default of 8192
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="max_running"):
+            EngineConfig(max_running=bad)
+    with pytest.raises(ConfigError, match="kv_memory_fraction"):
+        EngineConfig(kv_memory_fraction=0.99)
+
+
+def test_graph_buckets_cover_every_batch_up_to_max_running() -> None:
+    assert graph_batch_buckets(256)[-1] == 256 and graph_batch_buckets(3) == [1, 2, 3]
+    buckets = graph_batch_buckets(1000)
+    assert buckets[-1] == 1000 and 768 in buckets
+    assert max(b - a for a, b in zip(buckets, buckets[1:], strict=False)) <= 256
+    assert graph_context_buckets(40960) == [2048, 8192, 32768, 40960]
+
+
+def _qwen3_8b_reservation() -> tuple[memory.StepWorkspace, int]:
+    spec = PRESETS["qwen3-8b"].spec
+    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                       torch.bfloat16)  # fmt: skip
+    c = EngineConfig(device="cuda")
+    buckets = (graph_batch_buckets(c.resolved_max_running),
+               graph_context_buckets(spec.max_position))  # fmt: skip
+    reserved = memory.step_workspace(
+        spec, 2, c.resolved_max_batch_tokens, c.resolved_max_running, buckets
+    )
+    return reserved, per_token
+
+
+def test_cuda_reservation_counts_the_largest_step_and_every_graph() -> None:
+    reserved, _ = _qwen3_8b_reservation()
+    vocab = 151936
+    # Every row of an 8192-token step may need logits: bf16 out, float32 copy, log-softmax.
+    assert reserved.logits == 8192 * vocab * (2 + 4 + 4)
+    assert reserved.sampler == 256 * vocab * memory.SAMPLER_BYTES_PER_LOGIT
+    # Static logits of all 12 batch buckets (1..256, sum 847) in each of 4 context buckets.
+    assert reserved.graphs > 847 * 4 * vocab * (2 + 4)
+    assert reserved.total == (reserved.activations + reserved.logits + reserved.sampler
+                              + reserved.graphs + reserved.slack)  # fmt: skip
+    no_graphs = memory.step_workspace(PRESETS["qwen3-8b"].spec, 2, 8192, 256, None)
+    assert no_graphs.graphs == 0 and no_graphs.logits == reserved.logits
+
+
+def test_cuda_pool_holds_the_rl_workload_on_an_h200_sized_memory() -> None:
+    """Qwen3-8B's bf16 weights (16.4 GB) leave about 123 GiB free on an H200: the default
+    pool must hold 256 requests of 1k + 1k tokens and 64 of 8k + 1k at once."""
+    reserved, per_token = _qwen3_8b_reservation()
+    free = 123 * GIB
+    budget = memory.cuda_kv_budget(free, per_token, reserved, 0.9)
+    assert budget.kv_tokens == int((free - reserved.total) * 0.9) // per_token
+    assert budget.kv_tokens >= max(256 * 2048, 64 * 9216)
+    assert budget.kv_tokens * per_token + reserved.total < free
+    assert "reserved" in budget.describe() and budget.as_dict()["reserved"]["total"]
+
+
+def test_cuda_pool_without_room_is_a_clear_error() -> None:
+    reserved, per_token = _qwen3_8b_reservation()
+    with pytest.raises(ConfigError, match="--max-batch-tokens or --max-running, or give"):
+        memory.cuda_kv_budget(reserved.total - 1, per_token, reserved, 0.9)
+
+
+def test_cpu_pool_is_a_share_of_ram_capped() -> None:
+    small = memory.cpu_kv_budget(10 * 1024 * 1024, 1024, 0.3)
+    assert small.kv_tokens == int(10 * 1024 * 1024 * 0.3) // 1024 and not small.capped
+    large = memory.cpu_kv_budget(64 * GIB, 1024, 0.3)
+    assert large.kv_tokens == memory.CPU_DEFAULT_KV_TOKEN_CAP and large.capped
+
+
+def test_engine_sizes_its_cpu_pool_from_ram_and_reports_how() -> None:
+    from lockstep.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="random:tiny", device="cpu"))
+    assert engine.kv_budget is not None and engine.kv_budget.device == "cpu"
+    assert engine.pool.num_slots == engine.kv_budget.kv_tokens <= memory.CPU_DEFAULT_KV_TOKEN_CAP
+    assert engine.scheduler.max_running == 64 and engine.scheduler.max_batch_tokens == 1024
+    given = Engine(EngineConfig(model="random:tiny", device="cpu", kv_tokens=300))
+    assert given.kv_budget is None and given.pool.num_slots == 300
