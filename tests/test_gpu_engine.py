@@ -24,7 +24,7 @@ MODELS = ["random:smollm2-135m", "random:qwen3-8b"]
 CASES = int(os.environ.get("LOCKSTEP_GPU_CASES", "60"))
 
 
-def _engine(model: str, mode: str = "deterministic"):
+def _engine(model: str, mode: str = "deterministic", **options):
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
 
@@ -37,6 +37,7 @@ def _engine(model: str, mode: str = "deterministic"):
             kv_tokens=32768,
             max_model_len=8192,
             cuda_graphs=False,
+            **options,
         )  # fmt: skip
     )
 
@@ -105,6 +106,26 @@ print(json.dumps(bits(tokens)))
 tokens[0] = (tokens[0] + 1) % e.decoder.spec.vocab_size  # the control: another first token
 print(json.dumps(bits(tokens)))
 """
+
+
+def test_scored_prefix_hits_of_every_length_equal_a_cold_prefill(engine) -> None:
+    """Prompt logprobs served from the prefix cache (tests/test_prompt_logprob_cache.py on the
+    GPU): after a donor that scored or generated from prompt[:h], scoring the prompt reuses
+    h - 1 positions and returns a cold prefill's bits, chosen and top-2, for every h."""
+    from test_prompt_logprob_cache import Cold, check_hit
+
+    cold = Cold.__new__(Cold)  # the reference: the same model, no prefix cache
+    cold.engine, cold._memo = _engine(engine.config.model, enable_prefix_cache=False), {}
+    rng = random.Random(21)
+    prompt = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(150)]
+    for h in range(1, len(prompt) + 1):
+        donor = "score" if h % 2 else "generate"
+        problems, cached = check_hit(engine, cold, prompt, h, donor, 2, rng)
+        assert not problems, f"h={h} ({donor}): " + "; ".join(problems[:4])
+        assert cached == h - 1, f"h={h}: cached_tokens={cached}"
+    engine.check_integrity()
+    del cold
+    torch.cuda.empty_cache()
 
 
 def test_restart_in_a_second_process(engine) -> None:
