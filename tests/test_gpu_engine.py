@@ -172,7 +172,7 @@ def test_cuda_graph_decode_equals_eager(monkeypatch) -> None:
     for graphs in (True, False):
         if not graphs:  # every launch without PDL from here on
             monkeypatch.setattr(launch, "pdl_enabled", lambda device: False)
-        assert launch.pdl_launch(torch.device("cuda"))["PDL"] == graphs
+        assert launch.pdl_launch(torch.device("cuda"), 1)["PDL"] == graphs
         engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda",
                                      dtype="bfloat16", kv_tokens=16384, max_model_len=4096,
                                      max_running=16, cuda_graphs=graphs))  # fmt: skip
@@ -224,7 +224,8 @@ def test_weight_update_under_cuda_graphs_equals_a_fresh_engine() -> None:
     on_a = run(llm)
     assert llm.engine.runner.graphs.num_graphs > 0
     assert on_a != on_b
-    weights_b = resolve_model(model, random_seed=1).iter_weights(torch.bfloat16, "cpu")
+    # A preset's values depend on the device that draws them: B as the fresh engine drew it.
+    weights_b = resolve_model(model, random_seed=1).iter_weights(torch.bfloat16, "cuda")
     llm.update_weights(weights_b)
     assert run(llm) == on_b
     llm.update_weights(model)  # from the preset again: the engine's own seed, weights A

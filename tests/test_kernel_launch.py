@@ -101,4 +101,15 @@ def test_the_check_sees_a_kernel_that_skips_the_wait() -> None:
 
 
 def test_pdl_is_off_without_cuda_and_under_the_interpreter() -> None:
-    assert launch.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    assert launch.pdl_launch(torch.device("cpu"), 1) == {"PDL": False}
+
+
+def test_pdl_only_for_calls_of_few_rows(monkeypatch) -> None:
+    """Where PDL is available, calls of up to PDL_MAX_ROWS rows use it and bigger ones do
+    not (their kernels are long: an early launch only holds SM resources)."""
+    monkeypatch.setattr(launch, "pdl_enabled", lambda device: True)
+    cuda = torch.device("cuda")
+    assert launch.pdl_launch(cuda, 1) == {"PDL": True, "launch_pdl": True}
+    assert launch.pdl_launch(cuda, launch.PDL_MAX_ROWS)["PDL"] is True
+    assert launch.pdl_launch(cuda, launch.PDL_MAX_ROWS + 1) == {"PDL": False}
+    assert launch.pdl_launch(cuda, 8192) == {"PDL": False}

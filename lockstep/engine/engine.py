@@ -385,8 +385,9 @@ class Engine:
                 f"{loaded.source}: not the served architecture ({mismatch}); a weight update"
                 " needs a checkpoint of the same shape"
             )
-        cpu = torch.device("cpu")
-        self.update_weights(loaded.iter_weights(self.dtype, cpu), loaded.source, version)
+        # Produced on the engine's device, as at load (a random preset's values depend on the
+        # device that draws them), and moved to the host one tensor at a time.
+        self.update_weights(loaded.iter_weights(self.dtype, self.device), loaded.source, version)
 
     # ----------------------------------------------------------------- cache and status
     def flush_cache(self) -> int:

@@ -38,6 +38,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             y.stride(0),
             BLOCK=block,
             num_warps=4,
-            **pdl_launch(gate_up.device),
+            **pdl_launch(gate_up.device, m),
         )
     return y

@@ -521,8 +521,8 @@ def decode_path(config: AttentionConfig, programs: int, max_kv: int, device: tor
     return "fold" if programs >= config.fold_programs_per_sm * num_sms(device) else "split"
 
 
-def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict:
-    opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device)}
+def _launch_opts(num_warps: int, num_stages: int, device: torch.device, tokens: int) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device, tokens)}
     if not interpreting():  # no multiply-add contraction (module docstring)
         opts["enable_fp_fusion"] = False
     return opts
@@ -568,9 +568,9 @@ def paged_attention(
         out.stride(1),
     )  # fmt: skip
     if path == "prefill":
-        opts = _launch_opts(config.num_warps, config.num_stages, q.device)
+        opts = _launch_opts(config.num_warps, config.num_stages, q.device, q.shape[0])
     else:  # decode tiles (fold and split paths)
-        opts = _launch_opts(config.num_warps_split, config.num_stages_split, q.device)
+        opts = _launch_opts(config.num_warps_split, config.num_stages_split, q.device, q.shape[0])
     if path in ("prefill", "fold"):
         ahead = config.experimental.slots_ahead if path == "prefill" else (
             split_slots_ahead(config, n_tiles * b * hkv, q.device))  # fmt: skip
@@ -606,7 +606,7 @@ def paged_attention(
         st_l = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
-    merge_opts = _launch_opts(config.experimental.merge_warps, 1, q.device)
+    merge_opts = _launch_opts(config.experimental.merge_warps, 1, q.device, q.shape[0])
     # At most one stage per partial of a wave (a deeper prologue only costs), rounded up to
     # a power of two so that eager calls compile few variants.
     merge_stages = min(config.merge_stages, triton.next_power_of_2(wave))

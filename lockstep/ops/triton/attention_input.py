@@ -114,6 +114,6 @@ def attention_input(
             q_norm if has_norm else qkv, k_norm if has_norm else qkv,
             qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), cos.stride(0), float(eps), hq, hkv,
-            HALF=half, HAS_NORM=has_norm, num_warps=1, **pdl_launch(qkv.device),
+            HALF=half, HAS_NORM=has_norm, num_warps=1, **pdl_launch(qkv.device, t),
         )  # fmt: skip
     return q

@@ -71,10 +71,10 @@ def log_softmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
             c,
             CHUNK=chunk,
             num_warps=8,
-            **pdl_launch(logits.device),
+            **pdl_launch(logits.device, r),
         )
         _chunk_output[(r, c)](
             logits, y, part_m, part_s, v, logits.stride(0), y.stride(0), c, CHUNK=chunk,
-            C_POW2=max(16, triton.next_power_of_2(c)), num_warps=8, **pdl_launch(logits.device),
+            C_POW2=max(16, triton.next_power_of_2(c)), num_warps=8, **pdl_launch(logits.device, r),
         )  # fmt: skip
     return y

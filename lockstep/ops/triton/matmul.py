@@ -323,7 +323,7 @@ def matmul(
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     has_bias = bias is not None
     b = bias if has_bias else y
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(x.device)}
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(x.device, m)}
     tma = cfg.tma and not interpreting() and x.dtype != torch.float32
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -52,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
             x, x, weight, y, y, x.shape[1], x.stride(0), 0, y.stride(0), 0, float(eps),
-            HAS_RES=False, BLOCK=block, num_warps=_warps(block), **pdl_launch(x.device),
+            HAS_RES=False, BLOCK=block, num_warps=_warps(block), **pdl_launch(x.device, x.shape[0]),
         )  # fmt: skip
     return y
 
@@ -72,6 +72,6 @@ def add_rms_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, y, res_out, x.shape[1], x.stride(0), residual.stride(0),
             y.stride(0), res_out.stride(0), float(eps), HAS_RES=True, BLOCK=block,
-            num_warps=_warps(block), **pdl_launch(x.device),
+            num_warps=_warps(block), **pdl_launch(x.device, x.shape[0]),
         )  # fmt: skip
     return y, res_out

@@ -115,11 +115,11 @@ def _units_kernel(x, coef, out, n, TERMS: tl.constexpr, UNIT_SCALE: tl.constexpr
     tl.store(out + offs, (total * scale * UNIT_SCALE).to(tl.int64), mask=mask)
 
 
-def _opts(device: torch.device) -> dict:
+def _opts(device: torch.device, rows: int) -> dict:
     """Launch options: contraction off (a * b + c stays two roundings, as in the reference);
     the interpreter takes no compiler options and computes each operation in numpy, which
     never contracts."""
-    opts = {"num_warps": 4, **pdl_launch(device)}
+    opts = {"num_warps": 4, **pdl_launch(device, rows)}
     if not interpreting():
         opts["enable_fp_fusion"] = False
     return opts
@@ -137,7 +137,7 @@ def probability_units(x: torch.Tensor, unit_bits: int) -> torch.Tensor:
     if xc.numel():
         _units_kernel[(triton.cdiv(xc.numel(), BLOCK),)](
             xc, float64_constants(x.device), out, xc.numel(), TERMS=LOG_TERMS,
-            UNIT_SCALE=float(2**unit_bits), BLOCK=BLOCK, **_opts(x.device),
+            UNIT_SCALE=float(2**unit_bits), BLOCK=BLOCK, **_opts(x.device, xc.shape[0] if xc.dim() else 1),
         )  # fmt: skip
     return out
 
@@ -156,6 +156,6 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.
     if r and n:
         _gumbel_kernel[(r, triton.cdiv(n, BLOCK))](
             seeds.contiguous(), positions.contiguous(), float64_constants(seeds.device), out, n,
-            TERMS=LOG_TERMS, BLOCK=BLOCK, **_opts(seeds.device),
+            TERMS=LOG_TERMS, BLOCK=BLOCK, **_opts(seeds.device, r),
         )  # fmt: skip
     return out
