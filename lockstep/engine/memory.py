@@ -4,9 +4,9 @@ The KV pool is sized once, after the weights are on the device and before the fi
 `kv_tokens`, when given, replaces all of this. On CUDA (`cuda_kv_budget`):
 
     free device memory after the weights (cudaMemGetInfo, torch's cache emptied)
-    |<--------- reserved --------->|<------------------ the rest ------------------>|
-    | step workspace, CUDA graphs, |<-- kv_memory_fraction (0.9): the KV pool -->|  |
-    | fixed slack                  |                    headroom (1 - fraction) -->|  |
+    |<------------- reserved ------------->|<-------------- the rest --------------->|
+    | step workspace, CUDA graphs, slack   | KV pool: kv_memory_fraction (0.9) | room |
+                                             room: headroom, 1 - kv_memory_fraction
 
   step workspace, the largest step (max_batch_tokens rows, every one of which may need its
   logits: prompt logprobs and /v1/score score every position):
@@ -20,8 +20,11 @@ The KV pool is sized once, after the weights are on the device and before the fi
   slack: the split-attention workspace (at most 256 MiB, docs/gpu.md) and the cuBLAS,
     Triton and allocator overheads: WORKSPACE_SLACK_BYTES
 
-The headroom covers what the estimate leaves out (allocator fragmentation, the fast mode's
-gathered keys); the estimate does not depend on the mode, so both modes get the same pool.
+The headroom covers what the estimate leaves out (allocator fragmentation, library
+workspaces). The estimate does not depend on the mode, so both modes get the same pool; the
+fast mode (the yardstick) also gathers a decode step's keys and values into copies of
+[batch, kv heads, context bucket, head dim] per layer, inside its CUDA graphs too, which only
+the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
 
 On the CPU (`cpu_kv_budget`): kv_memory_fraction (0.3) of the available RAM, capped at
 CPU_DEFAULT_KV_TOKEN_CAP tokens: a CPU serves few long sequences, and a pool sized from RAM
