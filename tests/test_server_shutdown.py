@@ -1,7 +1,7 @@
 """A shutdown that outlasts its grace period: `lockstep serve --shutdown-timeout 1` gets
-SIGTERM while a plain and a streaming request run that need far longer. The plain one is
-answered with a JSON 503 (`code: unavailable`), the stream ends with an error event and
-`[DONE]`, the process exits with status 0 and logs no traceback. (test_server.py checks the
+SIGTERM while ten requests run (five plain, five streaming) that need far longer. Each plain
+one is answered with a JSON 503 (`code: unavailable`), each stream ends with an error event
+and `[DONE]`, the process exits with status 0 and logs no traceback. (test_server.py checks the
 other side: a request that fits the grace period completes.)"""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import signal
 import threading
 import time
-from typing import Any
 
 import httpx
 from test_server import ServerProcess
@@ -23,23 +22,22 @@ ARGS = ["--model", MODEL, "--device", "cpu", "--kv-tokens", "4096", "--max-model
 def test_requests_past_the_grace_period_get_an_answer_and_the_exit_is_clean() -> None:
     server = ServerProcess(ARGS).start()
     body = {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}
-    results: dict[str, Any] = {}
-    streamed: list[str] = []
+    plain: list[httpx.Response] = []
+    streams: list[tuple[int, list[str]]] = []
 
-    def plain() -> None:
-        results["plain"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+    def send_plain() -> None:
+        plain.append(httpx.post(server.base_url + "/v1/completions", json=body, timeout=120))
 
-    def stream() -> None:
+    def send_stream() -> None:
         with httpx.stream("POST", server.base_url + "/v1/completions",
                           json={**body, "stream": True}, timeout=120) as resp:  # fmt: skip
-            results["stream_status"] = resp.status_code
-            streamed.extend(line for line in resp.iter_lines() if line)
+            streams.append((resp.status_code, [line for line in resp.iter_lines() if line]))
 
-    threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    threads = [threading.Thread(target=f) for f in [send_plain, send_stream] * 5]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while server.engine_stats()["num_running"] < 2:
+    while server.engine_stats()["num_running"] < len(threads):
         assert time.monotonic() < deadline, "the requests never started"
         time.sleep(0.05)
     assert server.proc is not None
@@ -48,14 +46,15 @@ def test_requests_past_the_grace_period_get_an_answer_and_the_exit_is_clean() ->
         t.join(120)
     code = server.proc.wait(60)
     log = "".join(server.log)
-    plain_resp = results["plain"]
-    assert plain_resp.status_code == 503, plain_resp.text
-    error = plain_resp.json()["error"]
-    assert error["code"] == "unavailable" and "shutting down" in error["message"]
-    assert results["stream_status"] == 200
-    assert streamed[-1] == "data: [DONE]"
-    event = json.loads(streamed[-2][len("data: ") :])
-    assert event["error"]["code"] == "unavailable", event
-    assert any('"choices"' in line for line in streamed[:-2])  # it did stream tokens first
+    assert len(plain) == 5 and len(streams) == 5
+    for resp in plain:
+        assert resp.status_code == 503, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "unavailable" and "shutting down" in error["message"]
+    for status, lines in streams:
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-2:]
+        event = json.loads(lines[-2][len("data: ") :])
+        assert event["error"]["code"] == "unavailable", event
+        assert any('"choices"' in line for line in lines[:-2])  # it did stream tokens first
     assert code == 0, log[-2000:]
     assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
