@@ -55,8 +55,9 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     requested, limit_param = requested_max_tokens(body)
     check_fan_out(served, 1, body.n)
     options = chat_options(body)
-    bounded = dataclasses.replace(options, bounded=body.truncate_prompt_tokens is None)
-    ids = await asyncio.to_thread(chat_prompt, served, body.messages, bounded)
+    # A prompt to be truncated may be longer than the context before it is.
+    rendering = dataclasses.replace(options, bounded=body.truncate_prompt_tokens is None)
+    ids = await asyncio.to_thread(chat_prompt, served, body.messages, rendering)
     ids = truncate_prompt(served, ids, body.truncate_prompt_tokens, requested)
     max_tokens = max_tokens_for(served, requested, len(ids), "messages", limit_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
