@@ -95,8 +95,7 @@ async def completions(served: Served, body: CompletionRequest, request: Request)
         bounded=body.truncate_prompt_tokens is None,
     )
     prompts = [
-        truncate_prompt(served, ids, body.truncate_prompt_tokens, body.max_tokens)
-        for ids in prompts
+        truncate_prompt(served, ids, body.truncate_prompt_tokens, requested) for ids in prompts
     ]
     check_fan_out(served, len(prompts), body.n)
     prompt_k = _engine_prompt_logprobs(body)
