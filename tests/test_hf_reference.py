@@ -4,7 +4,8 @@
     logprobs within 1e-3, the same greedy continuations, and Paris.
 (b) Tiny random Llama, Qwen2 and Qwen3 models built in transformers and saved as folders:
     resolve_model + Decoder give the same float32 logits within 1e-5.
-(c) Tokenization and chat-template rendering equal transformers' for the default GGUF.
+(c) Tokenization and chat-template rendering (continue_final_message too) equal
+    transformers' for the default GGUF.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lockstep.engine.llm import LLM  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
 from lockstep.models.decoder import Decoder  # noqa: E402
 from lockstep.models.resolver import default_model_path, resolve_model  # noqa: E402
+from lockstep.models.tokenizer import Tokenizer  # noqa: E402
 from lockstep.ops import get_ops  # noqa: E402
 
 LONG_TEXT = " ".join(
@@ -192,3 +194,31 @@ def test_chat_template_matches_transformers(llm, hf_tokenizer, messages, add_gen
         llm.tokenizer.encode(ours, add_special_tokens=False)
         == hf_tokenizer(expected, add_special_tokens=False).input_ids
     )
+
+
+# A template that strips each message's content, so the cut must allow for the stripping too.
+_TRIMMING_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}"
+
+
+@pytest.mark.parametrize("content", ["The capital is", "  spaced out  ", "ends in a line\n"])
+@pytest.mark.parametrize("template", ["model", "trimming"])
+def test_continue_final_message_cuts_where_transformers_does(hf_tokenizer, content, template):
+    """The prompt ends inside the final message, exactly where transformers ends it."""
+    ours = resolve_model(None).tokenizer
+    if template == "trimming":
+        ours = Tokenizer(
+            ours.backend, bos_token_id=ours.bos_token_id, eos_token_ids=ours.eos_token_ids,
+            add_bos=ours.add_bos, chat_template=_TRIMMING_TEMPLATE,
+        )  # fmt: skip
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend)
+    reference.chat_template = ours.chat_template
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    expected = reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    got = ours.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert got == expected
+    whole = ours.apply_chat_template(messages, add_generation_prompt=False)
+    assert whole.startswith(got) and len(whole) > len(got)  # the end of turn is gone

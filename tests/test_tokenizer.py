@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockstep.errors import ModelLoadError, RequestError
-from lockstep.models.chat_template import render_chat_template
+from lockstep.models.chat_template import render_chat_template, template_names
 from lockstep.models.resolver import resolve_model
 from lockstep.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -98,6 +98,22 @@ def test_template_features_match_transformers_environment():
         )
         == "x"
     )  # lstrip_blocks strips the indentation before a block tag
+
+
+def test_template_names_are_what_it_reads():
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{{ m.role }}{{ m['content'] }}"
+        "{% for call in m.tool_calls or [] %}{{ call.function.name }}{% endfor %}"
+        "{{ m.get('name', '') }}{% endfor %}"
+        "{% if enable_thinking is defined %}{{ raise_exception('no') }}{% endif %}"
+    )
+    names = template_names(template)
+    # Variables from the caller; the environment's own functions (namespace, raise_exception)
+    # are not among them.
+    assert names.variables == {"messages", "enable_thinking"}
+    assert {"role", "content", "tool_calls", "function", "name"} <= names.fields
+    assert "tool_call_id" not in names.fields
+    assert "name" in template_names("{{ messages[0].get('name') }}").fields
 
 
 def test_template_errors(byte_tok):

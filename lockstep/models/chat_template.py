@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -56,9 +57,8 @@ class _GenerationBlock(Extension):
         return caller()
 
 
-@lru_cache(maxsize=8)
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile once per distinct template text; a syntax error is a ModelLoadError."""
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -67,12 +67,54 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=8)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile once per distinct template text; a syntax error is a ModelLoadError."""
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ModelLoadError(
             f"the model's chat template does not compile: {exc.message} (line {exc.lineno})"
         ) from None
+
+
+class TemplateNames(NamedTuple):
+    """What a template can read. `variables`: the names it takes from its caller (besides
+    the environment's own functions), e.g. `messages`, `add_generation_prompt` and options
+    such as Qwen3's `enable_thinking`. `fields`: every attribute or constant key it looks up
+    on any value (`message.tool_calls`, `message['name']`): a message field that is not
+    among them cannot reach the prompt."""
+
+    variables: frozenset[str]
+    fields: frozenset[str]
+
+
+@lru_cache(maxsize=8)
+def template_names(template: str) -> TemplateNames:
+    """The names `template` reads, from its syntax tree (a static over-approximation: a name
+    in a branch the messages never take still counts)."""
+    env = _environment()
+    tree = env.parse(template)
+    variables = jinja2.meta.find_undeclared_variables(tree) - set(env.globals)
+    fields = {node.attr for node in tree.find_all(nodes.Getattr)}
+    fields |= {
+        node.arg.value
+        for node in tree.find_all(nodes.Getitem)
+        if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str)
+    }
+    fields |= {  # message.get('name')
+        node.args[0].value
+        for node in tree.find_all(nodes.Call)
+        if isinstance(node.node, nodes.Getattr)
+        and node.node.attr == "get"
+        and node.args
+        and isinstance(node.args[0], nodes.Const)
+        and isinstance(node.args[0].value, str)
+    }
+    return TemplateNames(frozenset(variables), frozenset(fields))
 
 
 def render_chat_template(

@@ -112,19 +112,39 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, rendered with the model's own template."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **template_kwargs: object,
+    ) -> str:
+        """The prompt text for `messages`, rendered with the model's own template.
+
+        `continue_final_message` (transformers' option of that name): the text ends right
+        after the last message's content, with no end-of-turn marker and no generation
+        prompt, so the model carries on that message. `template_kwargs` are further
+        variables the template reads (Qwen3's `enable_thinking`)."""
         if self.chat_template is None:
             raise RequestError(
                 "this model has no chat template; send a plain completion prompt instead"
             )
-        return render_chat_template(
+        if continue_final_message and add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt exclude each other"
+            )
+        if continue_final_message:
+            messages = _tag_final_message(messages)
+        text = render_chat_template(
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **template_kwargs,
         )
+        return _cut_at_tag(text) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat prompt. No BOS is added: the template writes it
@@ -162,6 +182,42 @@ class Tokenizer:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+# What `continue_final_message` appends to the final message so that it can find where that
+# message ends in the rendered text (transformers' marker, so both cut at the same place).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict]) -> list[dict]:
+    """A copy of `messages` whose last message's text (its last text part, for a list) ends
+    with _CONTINUE_TAG."""
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG
+    elif isinstance(content, list) and any(isinstance(p, dict) and "text" in p for p in content):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        last = max(i for i, p in enumerate(parts) if isinstance(p, dict) and "text" in p)
+        parts[last]["text"] += _CONTINUE_TAG
+        final["content"] = parts
+    else:
+        raise RequestError("continue_final_message needs text in the final message to continue")
+    return [*messages[:-1], final]
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """The rendered text before the marker; a template that strips a message's trailing
+    space also strips the marker's, and then the text before it is stripped the same way."""
+    if _CONTINUE_TAG.strip() not in rendered:
+        raise RequestError(
+            "continue_final_message: the final message does not appear in the prompt the chat"
+            " template renders (the template changes or drops its text)"
+        )
+    at = rendered.rindex(_CONTINUE_TAG.strip())
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 class IncrementalDetokenizer:

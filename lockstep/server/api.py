@@ -1,4 +1,5 @@
-"""The HTTP API: the app and its OpenAI-compatible routes (SGLang's native ones: native_api.py).
+"""The HTTP API: the app and its routes. The completion routes live in completions.py and
+chat_completions.py, SGLang's native ones in native_api.py.
 
 `build_app(engine)` wraps an already-loaded engine (loading happens in `cli.py`, before the
 port opens, so a bad model is a start-up error and not a failing first request). Every client
@@ -21,10 +22,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine, RequestGroup
-from lockstep.server.delivery import run_to_end, streaming
+from lockstep.server.chat_completions import chat_completions
+from lockstep.server.chat_prompt import ChatOptions, chat_prompt
+from lockstep.server.completions import completions
+from lockstep.server.delivery import run_to_end
 from lockstep.server.http_errors import (
     MAX_BODY_BYTES,
     BodySizeLimit,
@@ -35,35 +38,24 @@ from lockstep.server.metrics import ServerMetrics
 from lockstep.server.native_api import add_native_routes
 from lockstep.server.preparation import (
     Served,
-    chat_prompt,
     check_fan_out,
     check_model,
     check_prompt_or_messages,
-    check_stream_options,
     check_token_ids,
+    log_request,
     max_tokens_for,
     model_card,
     prompts_of,
-    requested_max_tokens,
-    sampling_params,
     text_bound,
 )
 from lockstep.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ScoreRequest,
     TokenizeRequest,
 )
-from lockstep.server.responses import (
-    ChoiceState,
-    chat_logprobs,
-    completion_logprobs,
-    score_entry,
-    sse,
-    usage,
-)
+from lockstep.server.responses import ChoiceState, score_entry
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +150,12 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         return {"flushed_tokens": freed}
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response | dict:
-        return await _completions(served, body, request)
+    async def completion_route(body: CompletionRequest, request: Request) -> Response | dict:
+        return await completions(served, body, request)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | dict:
-        return await _chat(served, body, request)
+    async def chat_route(body: ChatCompletionRequest, request: Request) -> Response | dict:
+        return await chat_completions(served, body, request)
 
     @app.post("/v1/score", response_model=None)
     async def score(body: ScoreRequest, request: Request) -> Response | dict:
@@ -206,7 +198,10 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
     else:
         assert body.messages is not None
         add_special = bool(body.add_special_tokens)
-        ids = chat_prompt(served, body.messages, body.add_generation_prompt, add_special)
+        options = ChatOptions(
+            add_generation_prompt=body.add_generation_prompt, add_special_tokens=add_special
+        )
+        ids = chat_prompt(served, body.messages, options)
     strs = [served.tokenizer.token_str(t) for t in ids] if body.return_token_strs else None
     return {
         "count": len(ids),
@@ -222,214 +217,14 @@ def _version() -> str:
     return __version__
 
 
-def _log_request(kind: str, group_id: str, user: str | None, prompts: list[list[int]]) -> None:
-    logger.info(
-        "%s %s user=%r prompts=%d prompt_tokens=%d",
-        kind,
-        group_id,
-        user,
-        len(prompts),
-        sum(len(p) for p in prompts),
-    )
-
-
-async def _completions(served: Served, body: CompletionRequest, request: Request) -> Any:
-    served.engine.refuse_if_full()
-    check_model(served, body.model)
-    check_stream_options(body)
-    check_token_ids(served, body.stop_token_ids or [], "stop_token_ids")
-    # Tokenizing a long text takes a while: off the event loop, so other requests stream on.
-    prompts = await asyncio.to_thread(prompts_of, served, body.prompt)
-    check_fan_out(served, len(prompts), body.n)
-    choices: list[ChoiceState] = []
-    requests = []
-    requested, limit_param = requested_max_tokens(body)
-    for p_index, ids in enumerate(prompts):
-        max_tokens = max_tokens_for(served, requested, len(ids), "prompt", limit_param)
-        for i in range(body.n):
-            params = sampling_params(
-                body,
-                max_tokens=max_tokens,
-                choice=i,
-                logprobs=body.logprobs,
-                prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-            )
-            requests.append((ids, params))
-            choices.append(ChoiceState(prompt_index=p_index, prompt_ids=ids))
-    group_id = served.engine.new_request_id("cmpl")
-    _log_request("completion", group_id, body.user, prompts)
-    group = RequestGroup(served.engine, group_id)
-    await group.add(requests, body.cache_salt)
-    created = int(time.time())
-    tok = served.tokenizer
-
-    def choice_body(
-        index: int,
-        c: ChoiceState,
-        text: str,
-        new_ids: list[int],
-        lps: list[TokenLogprob],
-        first: bool,
-        offset: int,
-    ) -> dict[str, Any]:
-        """A choice (or a stream's delta of it); `offset` is where `text` starts in the
-        choice's whole text, for `text_offset`."""
-        out_text, ids, entries = text, list(new_ids), list(lps)
-        if first and body.echo:
-            out_text = tok.decode(c.prompt_ids) + out_text
-            ids = c.prompt_ids + ids
-            entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
-        result: dict[str, Any] = {"index": index, "text": out_text, "logprobs": None}
-        if body.logprobs is not None:
-            result["logprobs"] = completion_logprobs(tok, ids, entries, offset)
-        if body.return_token_ids:
-            result["token_ids"] = list(new_ids)
-            if first:
-                result["prompt_token_ids"] = c.prompt_ids
-        return result
-
-    def envelope(choice_list: list[dict], **extra: Any) -> dict[str, Any]:
-        return _envelope("text_completion", group_id, created, served, choice_list, **extra)
-
-    if not body.stream:
-        async with group:
-            if not await run_to_end(group, choices, request):
-                return Response(status_code=499)
-        out = []
-        for i, c in enumerate(choices):
-            item = choice_body(i, c, c.text, c.token_ids, c.logprobs, True, 0)
-            item["finish_reason"] = c.finish_reason
-            item["stop_reason"] = c.stop_reason
-            out.append(item)
-        return envelope(out, usage=usage(choices))
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    async def chunks() -> AsyncIterator[str]:
-        async for index, output in group.outputs():
-            c = choices[index]
-            c.add(output)
-            first = not c.started
-            c.started = True
-            echoed = len(tok.decode(c.prompt_ids)) if body.echo else 0
-            offset = 0 if first else echoed + len(c.text) - len(output.new_text)
-            item = choice_body(
-                index,
-                c,
-                output.new_text,
-                output.new_token_ids,
-                output.new_logprobs or [],
-                first,
-                offset,
-            )
-            item["finish_reason"] = output.finish_reason if output.finished else None
-            # A token whose text is held back (half a UTF-8 character) still sends its chunk:
-            # its logprobs and token id belong to this position.
-            yield sse(envelope([item], **({"usage": None} if include_usage else {})))
-        if include_usage:
-            yield sse(envelope([], usage=usage(choices)))
-        yield sse("[DONE]")
-
-    return streaming(chunks(), group)
-
-
-async def _chat(served: Served, body: ChatCompletionRequest, request: Request) -> Any:
-    served.engine.refuse_if_full()
-    check_model(served, body.model)
-    check_stream_options(body)
-    check_token_ids(served, body.stop_token_ids or [], "stop_token_ids")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(
-            "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value"
-        )
-    requested, limit_param = requested_max_tokens(body)
-    check_fan_out(served, 1, body.n)
-    ids = await asyncio.to_thread(chat_prompt, served, body.messages)
-    max_tokens = max_tokens_for(served, requested, len(ids), "messages", limit_param)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    requests = [
-        (ids, sampling_params(body, max_tokens=max_tokens, choice=i, logprobs=logprobs))
-        for i in range(body.n)
-    ]
-    choices = [ChoiceState(prompt_index=0, prompt_ids=ids) for _ in range(body.n)]
-    group_id = served.engine.new_request_id("chatcmpl")
-    _log_request("chat", group_id, body.user, [ids])
-    group = RequestGroup(served.engine, group_id)
-    await group.add(requests, body.cache_salt)
-    created = int(time.time())
-    tok = served.tokenizer
-
-    def envelope(obj: str, choice_list: list[dict], **extra: Any) -> dict[str, Any]:
-        return _envelope(obj, group_id, created, served, choice_list, **extra)
-
-    if not body.stream:
-        async with group:
-            if not await run_to_end(group, choices, request):
-                return Response(status_code=499)
-        out = []
-        for i, c in enumerate(choices):
-            item: dict[str, Any] = {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": chat_logprobs(tok, c.logprobs) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            if body.return_token_ids:
-                item["token_ids"] = c.token_ids
-                item["prompt_token_ids"] = c.prompt_ids
-            out.append(item)
-        return envelope("chat.completion", out, usage=usage(choices))
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    usage_field = {"usage": None} if include_usage else {}
-
-    async def chunks() -> AsyncIterator[str]:
-        for i in range(body.n):
-            opening = {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            yield sse(envelope("chat.completion.chunk", [opening], **usage_field))
-        async for index, output in group.outputs():
-            choices[index].add(output)
-            if output.new_text or output.new_token_ids:
-                item = {
-                    "index": index,
-                    "delta": {"content": output.new_text},
-                    "logprobs": chat_logprobs(tok, output.new_logprobs or [])
-                    if body.logprobs
-                    else None,
-                    "finish_reason": None,
-                }
-                if body.return_token_ids:
-                    item["token_ids"] = output.new_token_ids
-                yield sse(envelope("chat.completion.chunk", [item], **usage_field))
-            if output.finished:
-                final = {
-                    "index": index,
-                    "delta": {},
-                    "logprobs": None,
-                    "finish_reason": output.finish_reason,
-                    "stop_reason": output.stop_reason,
-                }
-                yield sse(envelope("chat.completion.chunk", [final], **usage_field))
-        if include_usage:
-            yield sse(envelope("chat.completion.chunk", [], usage=usage(choices)))
-        yield sse("[DONE]")
-
-    return streaming(chunks(), group)
-
-
 async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
     served.engine.refuse_if_full()
     check_model(served, body.model)
     check_prompt_or_messages(body.prompt, body.messages)
     if body.messages is not None:
         # The conversation as the model reads it, without a generation prompt after it.
-        prompts = [await asyncio.to_thread(chat_prompt, served, body.messages, False)]
+        no_prompt = ChatOptions(add_generation_prompt=False)
+        prompts = [await asyncio.to_thread(chat_prompt, served, body.messages, no_prompt)]
         prompt_param = "messages"
     else:
         prompts = await asyncio.to_thread(
@@ -443,7 +238,7 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
         max_tokens_for(served, 1, len(ids), prompt_param, prompt_param)
     choices = [ChoiceState(prompt_index=i, prompt_ids=ids) for i, ids in enumerate(prompts)]
     group_id = served.engine.new_request_id("score")
-    _log_request("score", group_id, None, prompts)
+    log_request("score", group_id, None, prompts)
     group = RequestGroup(served.engine, group_id)
     await group.add([(ids, params) for ids in prompts], body.cache_salt)
     async with group:
@@ -462,19 +257,4 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
             "total_tokens": prompt_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)},
         },
-    }
-
-
-def _envelope(
-    obj: str, group_id: str, created: int, served: Served, choices: list[dict], **extra: Any
-) -> dict[str, Any]:
-    """The fields every completion and chat completion body (or chunk) carries."""
-    return {
-        "id": group_id,
-        "object": obj,
-        "created": created,
-        "model": served.model_name,
-        "system_fingerprint": served.system_fingerprint,
-        "choices": choices,
-        **extra,
     }

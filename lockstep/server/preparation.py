@@ -8,6 +8,7 @@ context with the requested completion, too many sequences in one request.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from lockstep.engine.sampling_params import SamplingParams
@@ -15,10 +16,11 @@ from lockstep.server.async_engine import AsyncEngine
 from lockstep.server.protocol import (
     APIError,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     clip,
 )
+
+logger = logging.getLogger(__name__)
 
 # One HTTP request may fan out to at most this many engine requests (prompts x n): a bigger
 # batch belongs in several requests, and a single one must not flood the scheduler's queue.
@@ -85,8 +87,12 @@ def model_card(served: Served) -> dict[str, Any]:
     }
 
 
-def prompts_of(served: Served, prompt: Any, *, add_special_tokens: bool = True) -> list[list[int]]:
-    """A prompt in any of OpenAI's four shapes, as token-id lists (ids checked in range)."""
+def prompts_of(
+    served: Served, prompt: Any, *, add_special_tokens: bool = True, bounded: bool = True
+) -> list[list[int]]:
+    """A prompt in any of OpenAI's four shapes, as token-id lists (ids checked in range).
+    `bounded`: refuse text too long for the context before tokenizing it (off when the
+    prompt is to be truncated)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and isinstance(prompt[0], int):
@@ -94,7 +100,8 @@ def prompts_of(served: Served, prompt: Any, *, add_special_tokens: bool = True) 
     ids_list = []
     for item in prompt:
         if isinstance(item, str):
-            check_text_length(served, item, "prompt")
+            if bounded:
+                check_text_length(served, item, "prompt")
             ids = served.tokenizer.encode(item, add_special_tokens=add_special_tokens)
         else:
             ids = list(item)
@@ -126,29 +133,25 @@ def check_token_ids(served: Served, ids: list[int], param: str) -> None:
         )
 
 
-def chat_prompt(
-    served: Served,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    add_special_tokens: bool = False,
+def truncate_prompt(
+    served: Served, ids: list[int], keep: int | None, max_tokens: int | None
 ) -> list[int]:
-    """Applies the model's chat template; `developer` is OpenAI's newer name for `system`.
-    The template already spells out the special tokens: the tokenizer adds none of its own
-    unless asked (vLLM's `/tokenize` option)."""
-    check_text_length(served, "".join(m.text() for m in messages), "messages")
-    rendered = served.tokenizer.apply_chat_template(
-        [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ],
-        add_generation_prompt=add_generation_prompt,
-    )
-    ids = served.tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
-    if not ids:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` prompt ids (-1: as many as leave room
+    for `max_tokens`, or for one token when it is unset or 0). A `keep` beyond that room is
+    refused whatever the prompt's length, as in vLLM; 0 would leave no prompt."""
+    if keep is None:
+        return ids
+    room = served.max_model_len - max(max_tokens or 1, 1)
+    if keep == -1:
+        keep = room
+    if keep == 0 or keep > room:
         raise APIError(
-            "The messages render to an empty prompt.", param="messages", code="invalid_value"
+            f"truncate_prompt_tokens={keep} is out of range: expected -1 or 1 to {room}"
+            f" (max_model_len {served.max_model_len} minus the tokens to generate)",
+            param="truncate_prompt_tokens",
+            code="invalid_value",
         )
-    return ids
+    return ids[-keep:]
 
 
 def check_fan_out(served: Served, num_prompts: int, n: int) -> None:
@@ -251,10 +254,53 @@ def sampling_params(
     )
 
 
-def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.stream_options is not None and not body.stream:
+@dataclasses.dataclass(frozen=True)
+class StreamUsage:
+    """Which usage a stream carries: a last chunk with the whole request's (`final`), and
+    each chunk its own choice's so far (`continuous`, vLLM's `continuous_usage_stats`)."""
+
+    final: bool = False
+    continuous: bool = False
+
+
+def stream_usage(body: CompletionRequest | ChatCompletionRequest) -> StreamUsage:
+    """The usage a stream asks for, or a 400 for options that contradict each other or need
+    a stream. As in vLLM, `continuous_usage_stats` implies `include_usage` unless that is
+    false, which asks for no usage at all and is refused here."""
+    options = body.stream_options
+    if options is not None and not body.stream:
         raise APIError(
             "stream_options is only allowed when stream is true",
             param="stream_options",
             code="invalid_value",
         )
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(
+            "prompt_logprobs are not available when streaming: send stream=false",
+            param="prompt_logprobs",
+            code="invalid_value",
+        )
+    if options is None:
+        return StreamUsage()
+    if options.continuous_usage_stats and options.include_usage is False:
+        raise APIError(
+            "stream_options.continuous_usage_stats needs include_usage (false asks for no usage)",
+            param="stream_options.continuous_usage_stats",
+            code="invalid_value",
+        )
+    final = (
+        options.continuous_usage_stats if options.include_usage is None else options.include_usage
+    )
+    return StreamUsage(final=final, continuous=options.continuous_usage_stats)
+
+
+def log_request(kind: str, group_id: str, user: str | None, prompts: list[list[int]]) -> None:
+    """One log line per admitted request: what it is, whose (`user`), how big."""
+    logger.info(
+        "%s %s user=%r prompts=%d prompt_tokens=%d",
+        kind,
+        group_id,
+        user,
+        len(prompts),
+        sum(len(p) for p in prompts),
+    )

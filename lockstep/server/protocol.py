@@ -3,8 +3,9 @@
 Three kinds of field, each handled on purpose (STYLE.md: honour the API you claim):
 
 - implemented fields, declared below with their ranges (the OpenAPI schema shows them);
-- OpenAI fields Lockstep does not implement (`UNSUPPORTED_FIELDS`): accepted only at their
-  neutral value (e.g. `presence_penalty: 0`), otherwise refused with a 400 naming the field;
+- OpenAI and vLLM fields Lockstep does not implement (`unsupported_fields.py`): accepted
+  only at their neutral value (e.g. `presence_penalty: 0`), otherwise refused with a 400
+  naming the field;
 - anything else: refused as an unrecognized argument (`extra="forbid"`).
 
 Models are strict, so `"temperature": "1"` or `"max_tokens": true` is a 400, not a coercion.
@@ -20,6 +21,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lockstep.server.unsupported_fields import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    MESSAGE_UNSUPPORTED,
+    STREAM_OPTIONS_UNSUPPORTED,
+    Neutral,
+)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = (
@@ -116,41 +125,7 @@ def _check_string(path: tuple[str, ...], text: str) -> None:
         ) from None
 
 
-def _is_neutral_response_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
-# OpenAI fields with no Lockstep implementation, each with the test for its neutral value.
-UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "repetition_penalty": lambda v: v is None or v == 1,
-    "logit_bias": lambda v: v is None or v == {},
-    "best_of": lambda v: v is None or v == 1,
-    "suffix": lambda v: v is None or v == "",
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
-    "parallel_tool_calls": lambda v: v is None,
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "response_format": _is_neutral_response_format,
-    "modalities": lambda v: v is None or v == ["text"],
-    "audio": lambda v: v is None,
-    "prediction": lambda v: v is None,
-    "reasoning_effort": lambda v: v is None,
-    "web_search_options": lambda v: v is None,
-    "service_tier": lambda v: v is None or v == "auto",
-    "store": lambda v: v is None or v is False,
-    "metadata": lambda v: v is None or v == {},
-    "verbosity": lambda v: v is None,
-    "prompt_cache_key": lambda v: v is None,
-    "safety_identifier": lambda v: v is None,
-}
-
-
-def strip_neutral_unsupported(
-    data: Any, unsupported: dict[str, Any] = UNSUPPORTED_FIELDS, prefix: str = ""
-) -> Any:
+def strip_neutral_unsupported(data: Any, unsupported: dict[str, Neutral], prefix: str = "") -> Any:
     """Refuse a non-neutral unsupported field; drop the neutral ones so `extra="forbid"`
     still catches genuinely unknown names. `prefix` makes `param` the field's path."""
     if not isinstance(data, dict):
@@ -163,7 +138,7 @@ def strip_neutral_unsupported(
         elif not neutral(value):
             raise APIError(
                 f"{prefix}{key}={clip(repr(value))} is not supported by Lockstep; leave it out"
-                " (or send its neutral value)",
+                " (or send its neutral value: docs/server.md lists them)",
                 param=prefix + key,
                 code="unsupported_parameter",
             )
@@ -186,7 +161,17 @@ class RequestBody(StrictModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = Field(
+        None, description="a last chunk with the usage (default: continuous_usage_stats)"
+    )
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM extension: every chunk carries its choice's usage so far"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return strip_neutral_unsupported(data, STREAM_OPTIONS_UNSUPPORTED, "stream_options.")
 
 
 class _SamplingFields(RequestBody):
@@ -195,47 +180,68 @@ class _SamplingFields(RequestBody):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 disables it (Lockstep extension)")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Lockstep extension")
+    top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 disables it (vLLM extension)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension")
     seed: int | None = Field(
         None, ge=0, lt=2**63, description="choice i of n is sampled with seed + i"
     )
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
-        None, max_length=64, description="Lockstep extension"
+        None, max_length=64, description="vLLM extension"
     )
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="recorded in the request log")
-    ignore_eos: bool = Field(False, description="Lockstep extension: do not stop at EOS")
-    include_stop_str_in_output: bool = Field(False, description="Lockstep extension")
+    ignore_eos: bool = Field(False, description="vLLM extension: do not stop at EOS")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension")
     skip_special_tokens: bool = Field(
         True, description="vLLM extension: leave control tokens out of the text"
+    )
+    spaces_between_special_tokens: bool = Field(
+        True, description="vLLM extension; the fast tokenizers decode the same either way"
     )
     cache_salt: str | None = Field(
         None,
         max_length=256,
-        description="Lockstep extension: requests share prefix-cache entries only with the same salt",
+        description="vLLM extension: requests share prefix-cache entries only with the same salt",
     )
     return_token_ids: bool = Field(
-        False, description="Lockstep extension: add prompt_token_ids and token_ids to choices"
+        False, description="vLLM extension: add prompt_token_ids and token_ids to choices"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported(cls, data: Any) -> Any:
-        return strip_neutral_unsupported(data)
+    return_tokens_as_token_ids: bool = Field(
+        False, description='vLLM extension: logprob tokens written as "token_id:N"'
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM extension: the logprob of every prompt token, with this many"
+        " alternatives",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        lt=2**63,
+        description="vLLM extension: keep the last k prompt tokens (-1: as many as fit)",
+    )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, lt=2**63)
+    max_tokens: int | None = Field(16, ge=0, lt=2**63, description="0: with echo, scoring only")
     max_completion_tokens: int | None = Field(
         None, ge=1, lt=2**63, description="Lockstep extension: the same limit as max_tokens"
     )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=16, description="accepted when equal to n")
+    add_special_tokens: bool = Field(True, description="vLLM extension: the tokenizer's BOS")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return strip_neutral_unsupported(data, COMPLETION_UNSUPPORTED)
 
 
 class TextContentPart(StrictModel):
@@ -243,22 +249,81 @@ class TextContentPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str | dict[str, Any] = Field(
+        description="JSON text, as OpenAI writes it, or the object itself"
+    )
+
+
+class ToolCall(StrictModel):
+    """A tool call an assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    """One message; which fields fit which role is checked where the prompt is rendered
+    (`chat_prompt.py`), so that the error can name the message."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = Field(None, description="passed to the chat template")
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages")
+    tool_call_id: str | None = Field(None, description="tool messages")
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+def _neutral_message_fields(data: Any) -> Any:
+    """Drops the neutral assistant fields a client echoing a reply back sends (`refusal:
+    null`), refusing the others with their path (`messages.2.refusal`)."""
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        return data
+    messages = [
+        strip_neutral_unsupported(m, MESSAGE_UNSUPPORTED, f"messages.{i}.")
+        for i, m in enumerate(data["messages"])
+    ]
+    return {**data, "messages": messages}
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
     max_tokens: int | None = Field(None, ge=1, lt=2**63, description="deprecated alias")
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**63)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = Field(
+        False, description="vLLM extension: the reply starts with the final message it continues"
+    )
+    add_generation_prompt: bool = Field(True, description="vLLM extension")
+    continue_final_message: bool = Field(
+        False, description="vLLM extension: the model carries on the final message"
+    )
+    add_special_tokens: bool = Field(
+        False, description="vLLM extension: the tokenizer's BOS on top of the template's"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: further variables for the chat template"
+    )
+    documents: list[dict[str, str]] | None = Field(
+        None, description="vLLM extension: the template's `documents` (RAG)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _neutral_message_fields(strip_neutral_unsupported(data, CHAT_UNSUPPORTED))
 
 
 class ScoreRequest(RequestBody):
@@ -266,12 +331,17 @@ class ScoreRequest(RequestBody):
 
     model: str
     prompt: Prompt | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Messages | None = None
     top_logprobs: int = Field(0, ge=0, le=20)
     add_special_tokens: bool = Field(
         True, description="for a text prompt: let the tokenizer add its special tokens"
     )
     cache_salt: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _neutral_message_fields(data)
 
 
 class TokenizeRequest(RequestBody):
@@ -279,12 +349,17 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool | None = Field(
         None, description="default: true for a prompt, false for messages (the template)"
     )
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _neutral_message_fields(data)
 
 
 class DetokenizeRequest(RequestBody):

@@ -25,10 +25,13 @@ def json_logprob(value: float) -> float:
 
 @dataclass
 class ChoiceState:
-    """One choice: the prompt it was given and everything its engine request produced."""
+    """One choice: the prompt it was given and everything its engine request produced.
+    `scores_only`: the request ran one token only to score its prompt (`max_tokens: 0`);
+    that token is no part of the choice, which ends with finish reason "length"."""
 
     prompt_index: int
     prompt_ids: list[int]
+    scores_only: bool = False
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -40,19 +43,24 @@ class ChoiceState:
     seed: int | None = None
     started: bool = False  # whether a stream already sent its opening chunk
 
-    def add(self, output: StepOutput) -> None:
-        self.text += output.new_text
-        self.token_ids.extend(output.new_token_ids)
-        if output.new_logprobs:
-            self.logprobs.extend(output.new_logprobs)
+    def add(self, output: StepOutput) -> tuple[str, list[int], list[TokenLogprob]]:
+        """Takes in one output; returns what it adds to the choice (text, token ids and their
+        logprobs)."""
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         self.prompt_tokens = output.prompt_tokens
         self.cached_tokens = output.cached_tokens
         self.seed = output.seed
         if output.finished:
-            self.finish_reason = output.finish_reason
-            self.stop_reason = output.stop_reason
+            self.finish_reason = "length" if self.scores_only else output.finish_reason
+            self.stop_reason = None if self.scores_only else output.stop_reason
+        if self.scores_only:
+            return "", [], []
+        self.text += output.new_text
+        self.token_ids.extend(output.new_token_ids)
+        if output.new_logprobs:
+            self.logprobs.extend(output.new_logprobs)
+        return output.new_text, list(output.new_token_ids), list(output.new_logprobs or ())
 
 
 def usage(choices: list[ChoiceState]) -> dict[str, Any]:
@@ -71,18 +79,28 @@ def usage(choices: list[ChoiceState]) -> dict[str, Any]:
     }
 
 
+def token_label(tokenizer: Any, token_id: int, as_token_id: bool) -> str:
+    """A token as logprobs show it: its text, or vLLM's `token_id:N` with
+    `return_tokens_as_token_ids` (for tokens whose text alone does not identify them)."""
+    return f"token_id:{token_id}" if as_token_id else tokenizer.token_str(token_id)
+
+
 def completion_logprobs(
     tokenizer: Any,
     token_ids: list[int],
     entries: list[TokenLogprob | None],
     text_offset: int,
+    *,
+    num_top: int | None = None,
+    as_token_ids: bool = False,
 ) -> dict[str, Any]:
     """The legacy completions `logprobs` object; `entries[i]` is None where no logprob exists
-    (position 0 of an echoed prompt)."""
+    (position 0 of an echoed prompt). `num_top`: alternatives shown per position (default:
+    all an entry has; an echoed prompt may carry more, for `prompt_logprobs`)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries, strict=True):
         text = tokenizer.token_str(token_id)
-        tokens.append(text)
+        tokens.append(token_label(tokenizer, token_id, as_token_ids))
         offsets.append(text_offset)
         text_offset += len(text)
         if entry is None:
@@ -90,7 +108,12 @@ def completion_logprobs(
             top_logprobs.append(None)
         else:
             token_logprobs.append(json_logprob(entry.logprob))
-            top_logprobs.append({tokenizer.token_str(t): json_logprob(lp) for t, lp in entry.top})
+            top_logprobs.append(
+                {
+                    token_label(tokenizer, t, as_token_ids): json_logprob(lp)
+                    for t, lp in entry.top[:num_top]
+                }
+            )
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -99,23 +122,66 @@ def completion_logprobs(
     }
 
 
-def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    text = tokenizer.token_str(token_id)
+def _token_entry(tokenizer: Any, token_id: int, logprob: float, as_token_id: bool) -> dict:
     # A byte-level token may hold part of a UTF-8 sequence: its raw bytes, not its display text.
+    text = tokenizer.token_str(token_id)
     raw = tokenizer.token_bytes(token_id) if hasattr(tokenizer, "token_bytes") else text.encode()
-    return {"token": text, "logprob": json_logprob(logprob), "bytes": list(raw)}
+    label = token_label(tokenizer, token_id, as_token_id)
+    return {"token": label, "logprob": json_logprob(logprob), "bytes": list(raw)}
 
 
-def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(
+    tokenizer: Any, entries: list[TokenLogprob], as_token_ids: bool = False
+) -> dict[str, Any]:
+    """Chat's `logprobs`; with `as_token_ids` each `token` is `token_id:N` and `bytes` stay
+    the token's own, as in vLLM."""
     return {
         "content": [
             {
-                **_token_entry(tokenizer, e.token_id, e.logprob),
-                "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in e.top],
+                **_token_entry(tokenizer, e.token_id, e.logprob, as_token_ids),
+                "top_logprobs": [_token_entry(tokenizer, t, lp, as_token_ids) for t, lp in e.top],
             }
             for e in entries
         ],
         "refusal": None,
+    }
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Any, entries: list[TokenLogprob | None], num_top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position (null at position 0) a map from token id
+    to `{"logprob", "rank", "decoded_token"}`, the prompt token first, then the `num_top`
+    most likely tokens ranked 1..num_top (the prompt token, when among them, keeps its
+    first place with their rank). Lockstep does not count the vocabulary: a prompt token
+    outside the alternatives has rank null."""
+
+    def item(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        decoded = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": decoded}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        top = entry.top[:num_top]
+        ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+        position = {
+            str(entry.token_id): item(entry.token_id, entry.logprob, ranks.get(entry.token_id))
+        }
+        for token_id, logprob in top:
+            position.setdefault(str(token_id), item(token_id, logprob, ranks[token_id]))
+        out.append(position)
+    return out
+
+
+def chunk_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """vLLM's per-chunk usage (`continuous_usage_stats`): one choice's counts so far."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -140,6 +206,27 @@ def score_entry(
             for e in entries
         ]
     return data
+
+
+def envelope(
+    obj: str,
+    group_id: str,
+    created: int,
+    model: str,
+    system_fingerprint: str,
+    choices: list[dict],
+    **extra: Any,
+) -> dict[str, Any]:
+    """The fields every completion and chat completion body (or chunk) carries."""
+    return {
+        "id": group_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": system_fingerprint,
+        "choices": choices,
+        **extra,
+    }
 
 
 def sse(payload: dict[str, Any] | str) -> str:
