@@ -19,10 +19,14 @@ from lockstep.models.presets import (
     CHATML_TEMPLATE,
     PRESETS,
     byte_tokenizer,
-    weight_shape,
 )
 from lockstep.models.resolver import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from lockstep.models.spec import ModelSpec, RopeScaling, expected_weight_names
+from lockstep.models.spec import (
+    ModelSpec,
+    RopeScaling,
+    expected_weight_names,
+    expected_weight_shape,
+)
 from lockstep.models.tokenizer import byte_level_alphabet
 
 TINY = PRESETS["tiny"].spec
@@ -45,7 +49,7 @@ def _reference_weights(spec: ModelSpec, seed: int = 7) -> dict[str, np.ndarray]:
     """A Hugging Face-layout state dict with non-trivial norms."""
     rng = np.random.default_rng(seed)
     return {
-        name: rng.standard_normal(weight_shape(spec, name)).astype(np.float32) * 0.5
+        name: rng.standard_normal(expected_weight_shape(spec, name)).astype(np.float32) * 0.5
         for name in expected_weight_names(spec)
     }
 
@@ -538,9 +542,9 @@ def test_presets_have_real_shapes(preset):
     spec = loaded.spec
     assert loaded.name == f"random:{preset}" and loaded.source == preset
     assert loaded.weight_names() == expected_weight_names(spec)
-    total = sum(int(np.prod(weight_shape(spec, n))) for n in loaded.weight_names())
+    total = sum(int(np.prod(expected_weight_shape(spec, n))) for n in loaded.weight_names())
     extras = sum(
-        int(np.prod(weight_shape(spec, n)))
+        int(np.prod(expected_weight_shape(spec, n)))
         for n in loaded.weight_names()
         if n.endswith(".bias") or "q_norm" in n or "k_norm" in n
     )
