@@ -123,7 +123,7 @@ def test_prefix_hit_at_every_offset(tiny: Engine) -> None:
 
 
 def test_prefix_hit_at_every_offset_moe(moe: Engine) -> None:
-    _prefix_hit_at_every_offset(moe, 100)
+    _prefix_hit_at_every_offset(moe, 80)  # every offset modulo the CPU's 32-key block, twice
 
 
 def _generation_logprobs_equal_scoring(engine: Engine) -> None:
