@@ -2,8 +2,8 @@
 
 (a) The default GGUF, loaded by transformers from the same file: identical weights, prompt
     logprobs within 1e-3, the same greedy continuations, and Paris.
-(b) Tiny random Llama, Qwen2 and Qwen3 models built in transformers and saved as folders:
-    resolve_model + Decoder give the same float32 logits within 1e-5.
+(b) Tiny random Llama, Qwen2, Qwen3 and Qwen3-MoE models built in transformers and saved as
+    folders: resolve_model + Decoder give the same float32 logits within 1e-5.
 (c) Tokenization and chat-template rendering (continue_final_message too) equal
     transformers' for the default GGUF.
 """
@@ -132,13 +132,7 @@ def test_capital_of_france(llm):
 # ----------------------------------------------------------------------------- (b)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_tiny_random_models_match_transformers(tmp_path, family):
-    model = save_tiny(family, tmp_path / family)
-    loaded = resolve_model(str(tmp_path / family))
-    assert loaded.spec.family == family
-    assert (loaded.spec.rope_scaling is not None) == (family == "llama")
-    decoder = Decoder.load(loaded, get_ops("cpu", "deterministic"), torch.float32, "cpu")
+def _assert_logits_match(model, decoder, label: str) -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (150,), generator=generator).tolist()
     ours = decoder.logits_for_sequence(ids)
@@ -150,8 +144,40 @@ def test_tiny_random_models_match_transformers(tmp_path, family):
     # an error that grows with the position (~1e-5 rad at 150); Lockstep's tables are float64.
     # Hence 1e-5 over the first 64 positions and a looser bound over the rest.
     early, late = delta[:64].max().item(), delta.max().item()
-    assert early < 1e-5, f"{family}: max |delta logit| over positions 0-63 = {early:.2e}"
-    assert late < 3e-5, f"{family}: max |delta logit| over positions 0-149 = {late:.2e}"
+    assert early < 1e-5, f"{label}: max |delta logit| over positions 0-63 = {early:.2e}"
+    assert late < 3e-5, f"{label}: max |delta logit| over positions 0-149 = {late:.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tiny_random_models_match_transformers(tmp_path, family):
+    model = save_tiny(family, tmp_path / family)
+    loaded = resolve_model(str(tmp_path / family))
+    assert loaded.spec.family == family
+    assert (loaded.spec.rope_scaling is not None) == (family == "llama")
+    decoder = Decoder.load(loaded, get_ops("cpu", "deterministic"), torch.float32, "cpu")
+    _assert_logits_match(model, decoder, family)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False}],
+    ids=["step1-mlp_only2-renormalized", "step2-not_renormalized"],
+)
+def test_tiny_qwen3_moe_matches_transformers(tmp_path, overrides):
+    """8 experts, top 2, dense and sparse layers as transformers places them, with and without
+    norm_topk_prob."""
+    model = save_tiny("qwen3_moe", tmp_path / "moe", **overrides)
+    loaded = resolve_model(str(tmp_path / "moe"))
+    moe = loaded.spec.moe
+    assert loaded.spec.family == "qwen3_moe" and moe is not None
+    hf_sparse = tuple(
+        i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")
+    )
+    assert moe.sparse_layers == hf_sparse and 0 < len(hf_sparse) < 4  # both kinds of layer
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 2, 40)
+    assert moe.renormalize == model.config.norm_topk_prob
+    decoder = Decoder.load(loaded, get_ops("cpu", "deterministic"), torch.float32, "cpu")
+    _assert_logits_match(model, decoder, f"qwen3_moe {overrides}")
 
 
 # ----------------------------------------------------------------------------- (c)

@@ -15,14 +15,19 @@ from safetensors.torch import save_file
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.gguf_loader import GGUFFile, _unpermute_rows, llama3_rope_divisors
+from lockstep.models.moe import hf_moe_spec
 from lockstep.models.presets import (
     CHATML_TEMPLATE,
     PRESETS,
     byte_tokenizer,
-    weight_shape,
 )
 from lockstep.models.resolver import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from lockstep.models.spec import ModelSpec, RopeScaling, expected_weight_names
+from lockstep.models.spec import (
+    ModelSpec,
+    RopeScaling,
+    expected_weight_names,
+    expected_weight_shape,
+)
 from lockstep.models.tokenizer import byte_level_alphabet
 
 TINY = PRESETS["tiny"].spec
@@ -45,7 +50,7 @@ def _reference_weights(spec: ModelSpec, seed: int = 7) -> dict[str, np.ndarray]:
     """A Hugging Face-layout state dict with non-trivial norms."""
     rng = np.random.default_rng(seed)
     return {
-        name: rng.standard_normal(weight_shape(spec, name)).astype(np.float32) * 0.5
+        name: rng.standard_normal(expected_weight_shape(spec, name)).astype(np.float32) * 0.5
         for name in expected_weight_names(spec)
     }
 
@@ -364,8 +369,17 @@ def write_hf_folder(
         "max_position_embeddings": spec.max_position,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "hidden_act": "silu",
-        **(config_extra or {}),
     }
+    if spec.moe is not None:  # as Qwen3-MoE configs write it (dense layers by mlp_only_layers)
+        config.update(
+            num_experts=spec.moe.num_experts,
+            num_experts_per_tok=spec.moe.top_k,
+            moe_intermediate_size=spec.moe.intermediate_size,
+            norm_topk_prob=spec.moe.renormalize,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(spec.num_layers) if not spec.is_sparse(i)],
+        )
+    config.update(config_extra or {})
     (folder / "config.json").write_text(json.dumps(config))
     weights = dict(resolve_model(f"random:{preset}", 5).iter_weights(torch.float32, "cpu"))
     weights = {n: t.to(torch.bfloat16) for n, t in weights.items()}
@@ -392,7 +406,7 @@ def write_hf_folder(
     return weights
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("shards", [1, 3])
 def test_hf_folder_round_trip(tmp_path, preset, shards):
     folder = tmp_path / "my-model"
@@ -470,6 +484,65 @@ def test_hf_folder_unsupported_configs(tmp_path, config_extra, expected):
     assert expected in _one_line(exc)
 
 
+@pytest.mark.parametrize(
+    "config_extra, expected",
+    [
+        ({"shared_expert_intermediate_size": 512}, "shared_expert_intermediate_size=512 (a shared "
+         "expert) is not supported"),
+        ({"n_shared_experts": 1}, "n_shared_experts=1 (a shared expert) is not supported"),
+        ({"n_group": 8, "topk_group": 4}, "n_group=8 (grouped top-k routing) is not supported"),
+        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid' (a router scoring function)"),
+        ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc' (a top-k method other than greedy)"),
+        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 (a routed scaling factor)"),
+        # DeepSeek's own config is refused for its first unsupported feature, not its name.
+        ({"model_type": "deepseek_v3", "n_shared_experts": 1}, "n_shared_experts=1"),
+        ({"num_experts_per_tok": 9}, "inconsistent experts: num_experts_per_tok=9 must be"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step=0; a qwen3_moe config needs"),
+    ],
+)  # fmt: skip
+def test_hf_folder_unsupported_moe_features_are_refused_in_one_line(
+    tmp_path, config_extra, expected
+):
+    folder = tmp_path / "m"
+    write_hf_folder(folder, "tiny-qwen3-moe", config_extra=config_extra)
+    with pytest.raises(ModelLoadError) as exc:
+        resolve_model(str(folder))
+    assert expected in _one_line(exc)
+
+
+def test_hf_folder_moe_layers_and_expert_count_keys(tmp_path):
+    """transformers 5 saves num_experts as num_local_experts; decoder_sparse_step and
+    mlp_only_layers place the sparse layers as transformers does."""
+    folder = tmp_path / "m"
+    write_hf_folder(folder, "tiny-qwen3-moe")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_local_experts"] = config.pop("num_experts")
+    (folder / "config.json").write_text(json.dumps(config))
+    assert resolve_model(str(folder)).spec == PRESETS["tiny-qwen3-moe"].spec
+    spec = PRESETS["tiny-qwen3-moe"].spec
+    config = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    for extra, sparse in (
+        ({}, (0, 1, 2, 3, 4, 5)),
+        ({"decoder_sparse_step": 2}, (1, 3, 5)),
+        ({"decoder_sparse_step": 2, "mlp_only_layers": [3]}, (1, 5)),
+        ({"mlp_only_layers": [0, 4]}, (1, 2, 3, 5)),
+    ):
+        assert hf_moe_spec({**config, **extra}, 6, "c").sparse_layers == sparse, extra
+    del config["moe_intermediate_size"]
+    with pytest.raises(ModelLoadError, match="required key moe_intermediate_size is missing"):
+        hf_moe_spec(config, spec.num_layers, "c")
+
+
+def test_hf_folder_moe_shared_expert_tensor_is_refused(tmp_path):
+    folder = tmp_path / "m"
+    extra = {"model.layers.0.mlp.shared_expert.gate_proj.weight": torch.ones(64, 128)}
+    write_hf_folder(folder, "tiny-qwen3-moe", extra_tensors=extra)
+    with pytest.raises(ModelLoadError) as exc:
+        resolve_model(str(folder))
+    assert "1 unexpected tensors (e.g. model.layers.0.mlp.shared_expert.gate_proj" in _one_line(exc)
+
+
 def test_hf_folder_config_without_required_key(tmp_path):
     folder = tmp_path / "m"
     write_hf_folder(folder, "tiny")
@@ -538,9 +611,9 @@ def test_presets_have_real_shapes(preset):
     spec = loaded.spec
     assert loaded.name == f"random:{preset}" and loaded.source == preset
     assert loaded.weight_names() == expected_weight_names(spec)
-    total = sum(int(np.prod(weight_shape(spec, n))) for n in loaded.weight_names())
+    total = sum(int(np.prod(expected_weight_shape(spec, n))) for n in loaded.weight_names())
     extras = sum(
-        int(np.prod(weight_shape(spec, n)))
+        int(np.prod(expected_weight_shape(spec, n)))
         for n in loaded.weight_names()
         if n.endswith(".bias") or "q_norm" in n or "k_norm" in n
     )
@@ -551,6 +624,8 @@ def test_presets_have_real_shapes(preset):
 def test_named_preset_shapes():
     qwen3 = PRESETS["qwen3-8b"].spec
     assert round(qwen3.num_parameters / 1e9, 2) == 8.19 and qwen3.qk_norm
+    qwen3_moe = PRESETS["qwen3-30b-a3b"].spec
+    assert round(qwen3_moe.num_parameters / 1e9, 2) == 30.53 and qwen3_moe.qk_norm
     llama3 = PRESETS["llama3-8b"].spec
     assert llama3.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
     assert round(llama3.num_parameters / 1e9, 2) == 8.03

@@ -272,6 +272,51 @@ def test_silu_mul(ops: GpuDeterministicOps) -> None:
     assert torch.equal(ops.silu_mul(gu[4:5]), ops.silu_mul(gu)[4:5])
 
 
+def test_moe_matches_reference_and_ignores_each_experts_load(ops: GpuDeterministicOps) -> None:
+    """`GpuDeterministicOps.moe` (Triton linears per expert over every row, sort routing)
+    against the float64 reference, and a token's output bits beside 0 to ~100 near copies of
+    itself (each of its experts loaded with them) equal to its output alone. Negative control
+    (interpreter only, where the stock linear is torch's CPU GEMM, M-dependent on this
+    project's machines): `GpuFastOps.moe` changes the token's bits."""
+    from lockstep.ops.gpu_fast import GpuFastOps
+    from lockstep.ops.moe import MoeLayer, prepare_expert_weights
+    from lockstep.ops.reference import ReferenceOps
+
+    experts, top_k, h, inter = (8, 2, 1024, 512) if GPU else (4, 2, 32, 48)
+    raw = {
+        "router": randn(experts, h, seed=30, scale=h**-0.5),
+        "gate_up": randn(experts, 2 * inter, h, seed=31, scale=h**-0.5),
+        "down": randn(experts, h, inter, seed=32, scale=inter**-0.5),
+    }
+
+    def layer(backend) -> MoeLayer:
+        prep = backend.prepare_linear_weight
+        return MoeLayer(prep(raw["router"]), prepare_expert_weights(prep, raw["gate_up"]),
+                        prepare_expert_weights(prep, raw["down"]), top_k, True)  # fmt: skip
+
+    x = randn(40, h, seed=33)
+    out = ops.moe(x, layer(ops))
+    assert out.dtype == DTYPE and out.shape == (40, h)
+    assert rel_err(out, ReferenceOps().moe(x, layer(ReferenceOps()))) < TOL
+    probe = x[7:8]
+    loads = [1, 2, 5, 17, 100] if GPU else [1, 2, 5, 17]
+
+    def changed_loads(backend) -> list[int]:
+        prepared = layer(backend)
+        alone = backend.moe(probe, prepared)
+        changed = []
+        for load in loads:
+            mates = probe + 1e-3 * randn(load - 1, h, seed=34 + load)
+            batch = torch.cat([x[:3], mates, probe, x[10:13]])
+            if not torch.equal(backend.moe(batch, prepared)[3 + load - 1 :][:1], alone):
+                changed.append(load)
+        return changed
+
+    assert changed_loads(ops) == []
+    if not GPU:
+        assert changed_loads(GpuFastOps()), "the stock MoE kept its bits: the check is blind"
+
+
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_attention_input_matches_reference_and_is_per_token(
     ops: GpuDeterministicOps, with_norm: bool

@@ -5,7 +5,9 @@ length, any partition into forward passes including one-token decode steps, rand
 in every pass at random row offsets) and compares every position's logits and K/V entries
 bitwise with one cold full prefill. Further tests cover decode versus teacher-forced scoring,
 prefix hits at every offset, and a restart in a second process. The negative control runs the
-same property in fast mode (plain torch, float32) and requires it to fail.
+same property in fast mode (plain torch, float32) and requires it to fail. The tiny
+mixture-of-experts preset runs the same suite, with a control in which only its MoE op is
+the stock one.
 
 Case counts: LOCKSTEP_LONG_TESTS=1 multiplies them (thousands of cases).
 """
@@ -31,6 +33,8 @@ from lockstep.engine.sampling_params import SamplingParams
 LONG = os.environ.get("LOCKSTEP_LONG_TESTS") == "1"
 TINY_CASES = 2000 if LONG else 200
 DEFAULT_CASES = 400 if LONG else 40
+MOE_CASES = 400 if LONG else 40
+MOE = "random:tiny-qwen3-moe"
 
 _SETTINGS = dict(
     deadline=None,
@@ -53,6 +57,11 @@ def tiny() -> Engine:
 @pytest.fixture(scope="module")
 def default_model() -> Engine:
     return _engine(None)
+
+
+@pytest.fixture(scope="module")
+def moe() -> Engine:
+    return _engine(MOE)
 
 
 def _check_case(engine: Engine, seed: int, max_len: int, max_mates: int) -> None:
@@ -79,6 +88,13 @@ def test_any_schedule_matches_cold_prefill_default_model(default_model: Engine, 
     _check_case(default_model, seed, max_len=48, max_mates=2)
 
 
+@settings(max_examples=MOE_CASES, **_SETTINGS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_any_schedule_matches_cold_prefill_moe(moe: Engine, seed: int) -> None:
+    """Batch-mates load the experts differently in every pass; a token's bits stay."""
+    _check_case(moe, seed, max_len=100, max_mates=4)
+
+
 @pytest.mark.parametrize("model", ["random:tiny-qwen2", "random:tiny-qwen3"])
 def test_other_families_keep_the_contract(model: str) -> None:
     engine = _engine(model)
@@ -86,30 +102,35 @@ def test_other_families_keep_the_contract(model: str) -> None:
         _check_case(engine, seed, max_len=100, max_mates=3)
 
 
-def test_prefix_hit_at_every_offset(tiny: Engine) -> None:
-    """Cache hits of every length 1..n-1 (so every offset modulo the key block and split)."""
+def _prefix_hit_at_every_offset(engine: Engine, n: int) -> None:
     rng = random.Random(7)
-    n = 150
-    tokens = [rng.randrange(tiny.decoder.spec.vocab_size) for _ in range(n)]
-    ref = reference(tiny, tokens)
+    tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+    ref = reference(engine, tokens)
     from invariance_harness import Plan
 
     for prefix in range(1, n):
         rest = n - prefix
-        got = compute(tiny, tokens, Plan(prefix, [rest], [[rng.randint(1, 9)]]), rng)
+        got = compute(engine, tokens, Plan(prefix, [rest], [[rng.randint(1, 9)]]), rng)
         problems = mismatches(ref, got)
         assert not problems, f"prefix={prefix}: " + "; ".join(problems)
-        tiny.flush_cache()
-    tiny.check_integrity()
+        engine.flush_cache()
+    engine.check_integrity()
 
 
-def test_generation_logprobs_equal_scoring(default_model: Engine) -> None:
-    """Decode one token at a time vs a prefill of the whole text: the logprob each generated
-    token got equals, bit for bit, its teacher-forced score, greedy and sampled."""
+def test_prefix_hit_at_every_offset(tiny: Engine) -> None:
+    """Cache hits of every length 1..n-1 (so every offset modulo the key block and split)."""
+    _prefix_hit_at_every_offset(tiny, 150)
+
+
+def test_prefix_hit_at_every_offset_moe(moe: Engine) -> None:
+    _prefix_hit_at_every_offset(moe, 80)  # every offset modulo the CPU's 32-key block, twice
+
+
+def _generation_logprobs_equal_scoring(engine: Engine) -> None:
     from lockstep.engine.llm import LLM
 
     llm = LLM.__new__(LLM)  # reuse the module's engine instead of loading the model again
-    llm.engine, llm.tokenizer, llm._counter = default_model, default_model.tokenizer, 0
+    llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
     prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
     for temperature in (0.0, 1.0):
         params = SamplingParams(max_tokens=20, temperature=temperature, seed=11, ignore_eos=True)
@@ -118,7 +139,17 @@ def test_generation_logprobs_equal_scoring(default_model: Engine) -> None:
         for out, score in zip(outs, scores, strict=True):
             tail = score.logprobs[len(out.prompt_token_ids) :]
             assert tail == out.logprobs, (temperature, out.text)
-    default_model.check_integrity()
+    engine.check_integrity()
+
+
+def test_generation_logprobs_equal_scoring(default_model: Engine) -> None:
+    """Decode one token at a time vs a prefill of the whole text: the logprob each generated
+    token got equals, bit for bit, its teacher-forced score, greedy and sampled."""
+    _generation_logprobs_equal_scoring(default_model)
+
+
+def test_generation_logprobs_equal_scoring_moe(moe: Engine) -> None:
+    _generation_logprobs_equal_scoring(moe)
 
 
 def test_negative_control_fast_mode_decode_differs_from_scoring() -> None:
@@ -168,9 +199,7 @@ def test_restart_in_a_second_process(tiny: Engine) -> None:
     assert ours != perturbed, "the comparison did not see a changed input: it is blind"
 
 
-def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
-    """The same property in fast mode (plain torch, float32) must fail: the suite can fail."""
-    engine = _engine(None, mode="fast")
+def _batch_invariance_failures(engine: Engine) -> int:
     failures = 0
     for seed in range(12):
         rng = random.Random(seed)
@@ -181,7 +210,31 @@ def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
         plan.mates_per_step = [[rng.randint(4, 24) for _ in range(3)] for _ in plan.chunks]
         got = compute(engine, tokens, plan, rng)
         failures += bool(mismatches(ref, got))
+    return failures
+
+
+def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
+    """The same property in fast mode (plain torch, float32) must fail: the suite can fail."""
+    failures = _batch_invariance_failures(_engine(None, mode="fast"))
     assert failures > 0, "fast mode kept batch invariance on every case: the check is blind"
+
+
+def test_negative_control_moe_fast_mode_and_stock_moe_break_batch_invariance() -> None:
+    """On the MoE preset the property fails in fast mode, and also when everything is
+    deterministic but the MoE op (transformers' loop of torch GEMMs over each expert's
+    tokens): the suite sees the experts' arithmetic, not only attention's and the dense
+    linears'."""
+    assert _batch_invariance_failures(_engine(MOE, mode="fast")) > 0
+    from lockstep.ops.cpu_deterministic import CpuDeterministicOps
+    from lockstep.ops.cpu_fast import CpuFastOps
+
+    class StockMoe(CpuDeterministicOps):
+        def moe(self, x, layer):
+            return CpuFastOps.moe(CpuFastOps(), x, layer)  # det weights: K is already 16-aligned
+
+    engine = _engine(MOE)
+    engine.decoder.ops = StockMoe()
+    assert _batch_invariance_failures(engine) > 0, "stock MoE passed: the check is blind"
 
 
 @settings(max_examples=40 if LONG else 8, **_SETTINGS)

@@ -28,7 +28,8 @@ def _run(llm: LLM) -> list[tuple[list[int], list[float], list]]:
     return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # qwen2: tied embeddings
+# qwen2: tied embeddings; qwen3_moe: a state dict with transformers' fused expert tensors.
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3_moe"])
 def test_update_from_state_dict_and_back_from_disk(tmp_path: Path, family: str) -> None:
     save_tiny(family, tmp_path / "a", seed=1)
     model_b = save_tiny(family, tmp_path / "b", seed=2)
@@ -37,7 +38,10 @@ def test_update_from_state_dict_and_back_from_disk(tmp_path: Path, family: str) 
     on_b_fresh = _run(_llm(tmp_path / "b"))
     assert on_b_fresh != on_a  # the control: the two weight sets are told apart
     # A trainer's state dict (its names, float32, lm_head listed even when tied).
-    llm.update_weights(model_b.state_dict(), version="step-1")
+    state = model_b.state_dict()
+    if family == "qwen3_moe":
+        assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    llm.update_weights(state, version="step-1")
     assert _run(llm) == on_b_fresh
     assert llm.engine.weight_version == "step-1"
     llm.update_weights(str(tmp_path / "a"))
@@ -76,3 +80,15 @@ def test_update_is_refused_while_requests_are_unfinished(tmp_path: Path) -> None
     llm.engine.abort_request("running")
     llm.update_weights({k: v.to(torch.bfloat16) for k, v in model_a.state_dict().items()})
     assert not llm.engine.has_unfinished()
+
+
+def test_moe_fused_experts_of_the_wrong_shape_are_refused(tmp_path: Path) -> None:
+    model = save_tiny("qwen3_moe", tmp_path / "a", seed=1)
+    llm = _llm(tmp_path / "a")
+    on_a = _run(llm)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    state = {k: v + 1.0 for k, v in model.state_dict().items()}
+    state[name] = state[name][:, :-2]  # [E, 2I - 2, H]: each gate and up one row short
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.gate_proj\.weight' has shape"):
+        llm.update_weights(state)
+    assert _run(llm) == on_a

@@ -12,7 +12,7 @@ import torch
 from lockstep.models.presets import CHATML_TEMPLATE, byte_tokenizer
 
 
-def _tiny_config(family: str) -> Any:
+def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
     import transformers
 
     # head_dim 64 (the CPU kernels take 64 or 128); Qwen3's is explicit and != hidden / heads.
@@ -32,20 +32,33 @@ def _tiny_config(family: str) -> Any:
             **common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             tie_word_embeddings=True,
         )  # fmt: skip
-    return transformers.Qwen3Config(
-        **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        tie_word_embeddings=False,
+    qwen3 = dict(
+        common, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
     )  # fmt: skip
+    if family == "qwen3_moe":
+        # 8 experts, top 2, over 4 layers of which `decoder_sparse_step` and `mlp_only_layers`
+        # make some dense; an expert width (40) that is not a multiple of the CPU's 16 lanes.
+        moe = dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+            num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[2],
+        )  # fmt: skip
+        return transformers.Qwen3MoeConfig(**{**qwen3, **moe, **overrides})
+    return transformers.Qwen3Config(**qwen3)
 
 
-def save_tiny(family: str, folder: Path, seed: int | None = None) -> Any:
+def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
-    `folder`; returns the transformers model. `seed`: the weights (default: per family)."""
+    `folder`; returns the transformers model. `seed`: the weights (default: per family);
+    `config_overrides`: config keys (qwen3_moe only, e.g. decoder_sparse_step=2)."""
     import transformers
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[family] if seed is None else seed)
+    if config_overrides and family != "qwen3_moe":
+        raise ValueError(f"config overrides are for qwen3_moe, not {family}")
+    default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4}[family]
+    torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        _tiny_config(family), dtype=torch.float32
+        _tiny_config(family, config_overrides), dtype=torch.float32
     ).eval()
     # Weights that make every part visible: O(1) activations, norms that are not all ones.
     with torch.no_grad():

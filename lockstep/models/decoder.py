@@ -1,13 +1,15 @@
-"""The one decoder for the Llama, Qwen2 and Qwen3 families.
+"""The one decoder for the Llama, Qwen2, Qwen3 and Qwen3-MoE families.
 
-A pre-norm transformer with rotary embeddings, grouped-query attention and a SwiGLU MLP. All
-arithmetic goes through an `Ops` backend (lockstep.ops), so the same model code runs the
+A pre-norm transformer with rotary embeddings, grouped-query attention and a SwiGLU MLP, or in
+the sparse layers of a mixture-of-experts model a router and routed SwiGLU experts (`Ops.moe`).
+All arithmetic goes through an `Ops` backend (lockstep.ops), so the same model code runs the
 deterministic CPU kernels, the Triton kernels, the fast yardstick and the float64 reference.
 
 Weights are loaded strictly: every tensor the loader yields must be expected and every expected
 tensor must arrive, else `ModelLoadError`. q/k/v are fused into one projection and gate/up into
 another at load time (fewer, larger matmuls); fusing concatenates rows, so each output element's
-reduction is unchanged.
+reduction is unchanged. A sparse layer's experts are stacked into one gate_up [E, 2I, K] and one
+down [E, H, I] tensor (lockstep.ops.moe, "Weights").
 
 Position invariance: every op here is row-local (its row's bits depend only on that row) except
 attention, whose rows depend only on the keys 0..p of their own sequence. New K/V are written to
@@ -27,8 +29,10 @@ import torch
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.forward_batch import ForwardBatch
+from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
+from lockstep.ops.moe import MoeLayer, prepare_expert_weights
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
@@ -49,8 +53,11 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # prepared linear weight, rows gate | up
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # dense layers: prepared linear weight, rows gate | up
+    down: torch.Tensor | None
+    router: torch.Tensor | None  # sparse layers: prepared linear weight [E, H]
+    experts_gate_up: torch.Tensor | None  # sparse layers: [E, 2I, K'] (lockstep.ops.moe)
+    experts_down: torch.Tensor | None  # sparse layers: [E, H, I']
 
 
 def rope_tables(spec: ModelSpec, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +116,12 @@ class Decoder:
                            self.rope_cos, self.rope_sin)
             for w in layers
         ]  # fmt: skip
+        self.moe_layers = [
+            None if w.router is None or spec.moe is None
+            else MoeLayer(w.router, w.experts_gate_up, w.experts_down, spec.moe.top_k,
+                          spec.moe.renormalize)
+            for w in layers
+        ]  # fmt: skip
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
     @classmethod
@@ -126,7 +139,7 @@ class Decoder:
         spec = loaded.spec
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
         parts = {
-            target: _prepare(kind, [got[n] for n in names], ops, dtype, device)
+            target: _prepare(spec, kind, [got[n] for n in names], ops, dtype, device)
             for target, kind, names in _consume(weight_layout(spec), got)
         }
         layers = [
@@ -145,15 +158,20 @@ class Decoder:
         All or nothing: every tensor is read to the host and checked (names, shapes) before
         any weight changes, so a bad checkpoint raises `ModelLoadError` with the old weights
         intact. `lm_head.weight` of a model with tied embeddings is ignored (a trainer's
-        `state_dict()` lists it; the embedding is the head)."""
+        `state_dict()` lists it; the embedding is the head). transformers' fused expert
+        tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, what its MoE models'
+        `state_dict()` holds) are taken as the per-expert tensors they contain."""
         spec = self.spec
         if spec.tie_word_embeddings:
             weights = ((n, t) for n, t in weights if n != "lm_head.weight")
+        if spec.moe is not None:
+            weights = split_fused_experts(weights)
         cpu = torch.device("cpu")
         got = _collect(((n, t.detach()) for n, t in weights), spec, source, self.dtype, cpu)
         with torch.no_grad():
             for target, kind, names in _consume(weight_layout(spec), got):
-                new = _prepare(kind, [got[n] for n in names], self.ops, self.dtype, self.device)
+                parts = [got[n] for n in names]
+                new = _prepare(spec, kind, parts, self.ops, self.dtype, self.device)
                 self._tensor_at(target).copy_(new)
 
     def _tensor_at(self, target: str) -> torch.Tensor:
@@ -187,7 +205,12 @@ class Decoder:
             o = ops.attention(q, layer_kv, batch.meta, self.scale)
             h = ops.linear(o.reshape(t, spec.q_size), w.o)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
-            h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
+            moe = self.moe_layers[i]
+            if moe is not None:
+                h = ops.moe(x, moe)
+            else:
+                assert w.gate_up is not None and w.down is not None
+                h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
         assert residual is not None
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
@@ -230,8 +253,10 @@ _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerWeights))
 
 def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
     """How canonical tensors become the decoder's: (target, kind, source names), in load
-    order. Kinds: "norm" (float32), "bias" (float32, concatenated), "embed" (as is) and
-    "linear" (rows concatenated, then `Ops.prepare_linear_weight`)."""
+    order. Kinds: "norm" (float32), "bias" (float32, concatenated), "embed" (as is), "linear"
+    (rows concatenated, then `Ops.prepare_linear_weight`) and "experts" (the sources are
+    expert-major, the same number per expert: each expert's rows concatenated, then stacked
+    and prepared by `prepare_expert_weights`)."""
     layout: list[tuple[str, str, list[str]]] = []
     for i in range(spec.num_layers):
         p, t = f"model.layers.{i}.", f"layers.{i}."
@@ -245,10 +270,18 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
             layout.append((t + "k_norm", "norm", [a + "k_norm.weight"]))
         layout.append((t + "o", "linear", [a + "o_proj.weight"]))
         layout.append((t + "post_norm", "norm", [p + "post_attention_layernorm.weight"]))
-        layout.append(
-            (t + "gate_up", "linear", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-        )
-        layout.append((t + "down", "linear", [p + "mlp.down_proj.weight"]))
+        if spec.is_sparse(i):
+            assert spec.moe is not None
+            experts = [f"{p}mlp.experts.{e}." for e in range(spec.moe.num_experts)]
+            layout.append((t + "router", "linear", [p + "mlp.gate.weight"]))
+            gate_up = [e + f"{proj}_proj.weight" for e in experts for proj in ("gate", "up")]
+            layout.append((t + "experts_gate_up", "experts", gate_up))
+            down = [e + "down_proj.weight" for e in experts]
+            layout.append((t + "experts_down", "experts", down))
+        else:
+            gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            layout.append((t + "gate_up", "linear", gate_up))
+            layout.append((t + "down", "linear", [p + "mlp.down_proj.weight"]))
     layout.append(("embed", "embed", ["model.embed_tokens.weight"]))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     layout.append(("lm_head", "linear", [head]))
@@ -257,12 +290,22 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
 
 
 def _prepare(
-    kind: str, parts: list[torch.Tensor], ops: Ops, dtype: torch.dtype, device: torch.device
+    spec: ModelSpec,
+    kind: str,
+    parts: list[torch.Tensor],
+    ops: Ops,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
     fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     fused = fused.to(device=device, dtype=dtype)
+    if kind == "experts":
+        assert spec.moe is not None
+        # Expert-major sources, so the concatenated rows are expert e's rows at block e.
+        stacked = fused.view(spec.moe.num_experts, -1, fused.shape[1])
+        return prepare_expert_weights(ops.prepare_linear_weight, stacked)
     return fused if kind == "embed" else ops.prepare_linear_weight(fused.contiguous())
 
 

@@ -1,10 +1,11 @@
 """Loading a Hugging Face model folder: config.json, *.safetensors and tokenizer.json.
 
-Supported: model_type llama, qwen2 (q/k/v biases) and qwen3 (q/k RMSNorm, explicit
-head_dim). Tensor names in these checkpoints are already the canonical ones (spec.py); the
-loader lists exactly what the files hold, so the decoder's strict load sees any tensor this
-loader does not understand. The only tensors left out, each for a stated reason, are old
-checkpoints' rotary inv_freq buffers and an lm_head.weight stored beside tied embeddings.
+Supported: model_type llama, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm, explicit head_dim)
+and qwen3_moe (Qwen3 attention, routed experts: lockstep.models.moe). Tensor names in these
+checkpoints are already the canonical ones (spec.py); the loader lists exactly what the files
+hold, so the decoder's strict load sees any tensor this loader does not understand. The only
+tensors left out, each for a stated reason, are old checkpoints' rotary inv_freq buffers and
+an lm_head.weight stored beside tied embeddings.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 from safetensors import safe_open
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.spec import ModelSpec, RopeScaling
+from lockstep.models.moe import hf_moe_spec, refuse_unsupported_moe
+from lockstep.models.spec import MOE_FAMILIES, ModelSpec, RopeScaling
 from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -63,6 +65,8 @@ def _rope(config: dict[str, Any], folder: Path) -> tuple[float, RopeScaling | No
 def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
     where = f"{folder}/config.json"
     model_type = config.get("model_type")
+    # Before the model_type: "a shared expert" says more than "deepseek_v3 is not supported".
+    refuse_unsupported_moe(config, where)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{where}: model_type {model_type!r} is not supported; supported: "
@@ -79,18 +83,21 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
     for key, bad in refused.items():
         if bad:
             raise ModelLoadError(
-                f"{where}: {key}={config.get(key)!r} is not supported; supported: Llama/Qwen2/Qwen3 "
-                "dense models with silu MLPs, no o_proj/MLP bias, no sliding window, unquantized"
+                f"{where}: {key}={config.get(key)!r} is not supported; supported: Llama/Qwen2/Qwen3"
+                "/Qwen3-MoE models with silu MLPs, no o_proj/MLP bias, no sliding window, "
+                "unquantized"
             )
     theta, scaling = _rope(config, folder)
     try:
         heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        moe = hf_moe_spec(config, layers, where) if model_type in MOE_FAMILIES else None
         return ModelSpec(
             family=model_type,
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
@@ -99,8 +106,9 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
             max_position=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
+            moe=moe,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{where}: required key {exc.args[0]} is missing") from None

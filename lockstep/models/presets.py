@@ -25,7 +25,13 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.spec import ModelSpec, RopeScaling, expected_weight_names
+from lockstep.models.spec import (
+    ModelSpec,
+    MoeSpec,
+    RopeScaling,
+    expected_weight_names,
+    expected_weight_shape,
+)
 from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet
 
 
@@ -35,7 +41,7 @@ class Preset:
     add_bos: bool  # as the real model's tokenizer does
 
 
-def _tiny(family: str, **flags: bool) -> ModelSpec:
+def _tiny(family: str, **flags: object) -> ModelSpec:
     # head_dim 64, as real small models use (the CPU attention kernels take 32, 64 or 128);
     # num_heads * head_dim (256) differs from hidden_size (128), as in Qwen3, so a decoder that
     # confuses the two fails on the tiny models already.
@@ -50,6 +56,13 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(_tiny("llama"), add_bos=True),
     "tiny-qwen2": Preset(_tiny("qwen2", qkv_bias=True, tie=True), add_bos=False),
     "tiny-qwen3": Preset(_tiny("qwen3", qk_norm=True), add_bos=False),
+    # 8 experts, top 2, renormalized, both layers sparse: Qwen3-30B-A3B's structure, small.
+    "tiny-qwen3-moe": Preset(
+        _tiny("qwen3_moe", qk_norm=True, moe=MoeSpec(
+            num_experts=8, top_k=2, intermediate_size=64, renormalize=True, sparse_layers=(0, 1),
+        )),
+        add_bos=False,
+    ),
     "smollm2-135m": Preset(
         ModelSpec(
             family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -82,6 +95,16 @@ PRESETS: dict[str, Preset] = {
         ),
         add_bos=False,
     ),
+    "qwen3-30b-a3b": Preset(
+        ModelSpec(
+            family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+            num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=False, qk_norm=True,
+            moe=MoeSpec(num_experts=128, top_k=8, intermediate_size=768, renormalize=True,
+                        sparse_layers=tuple(range(48))),
+        ),
+        add_bos=False,
+    ),
     "llama3-8b": Preset(
         ModelSpec(
             family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -104,31 +127,6 @@ CHATML_TEMPLATE = (
 )
 
 
-def weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
-    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
-    leaf = name.split(".")[-2] + "." + name.split(".")[-1]
-    shapes = {
-        "embed_tokens.weight": (v, h),
-        "lm_head.weight": (v, h),
-        "norm.weight": (h,),
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "q_proj.weight": (spec.q_size, h),
-        "k_proj.weight": (spec.kv_size, h),
-        "v_proj.weight": (spec.kv_size, h),
-        "o_proj.weight": (h, spec.q_size),
-        "q_proj.bias": (spec.q_size,),
-        "k_proj.bias": (spec.kv_size,),
-        "v_proj.bias": (spec.kv_size,),
-        "q_norm.weight": (spec.head_dim,),
-        "k_norm.weight": (spec.head_dim,),
-        "gate_proj.weight": (i, h),
-        "up_proj.weight": (i, h),
-        "down_proj.weight": (h, i),
-    }
-    return shapes[leaf]
-
-
 def _tensor_seed(random_seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{random_seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
@@ -146,7 +144,7 @@ class RandomWeights:
         return list(self._names)
 
     def tensor(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        shape = weight_shape(self._spec, name)
+        shape = expected_weight_shape(self._spec, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device=device)
         generator = torch.Generator(device=device)

@@ -1,8 +1,10 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3) is the same pre-norm decoder with rotary
-embeddings, grouped-query attention and a SwiGLU MLP; they differ only in the flags below.
-Loaders produce a `ModelSpec` plus a state dict in the canonical (Hugging Face Llama) naming:
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE) is the same pre-norm decoder with
+rotary embeddings, grouped-query attention and SwiGLU MLPs; they differ only in the flags
+below. In a mixture-of-experts model (`ModelSpec.moe`) the MLP of each sparse layer is a router
+and a set of routed SwiGLU experts; the other layers keep the dense MLP. Loaders produce a
+`ModelSpec` plus a state dict in the canonical (Hugging Face) naming:
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
@@ -10,7 +12,9 @@ Loaders produce a `ModelSpec` plus a state dict in the canonical (Hugging Face L
     model.layers.{i}.self_attn.{q,k,v}_proj.bias   (qkv_bias only)
     model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qk_norm only)
     model.layers.{i}.post_attention_layernorm.weight
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight  (dense layers)
+    model.layers.{i}.mlp.gate.weight               [experts, hidden] (sparse layers: the router)
+    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   (sparse layers, e < experts)
     model.norm.weight
     lm_head.weight                                 (absent when tie_word_embeddings)
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe",)
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,32 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position: int
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The routed experts of a mixture-of-experts model (docs/design.md, "Mixture of experts").
+
+    Each token's router logits (fp32) pick its `top_k` experts, ties toward the lower expert
+    id; their weights are the softmax probabilities, renormalized over the k when
+    `renormalize` (Hugging Face's `norm_topk_prob`). Every expert is a SwiGLU MLP of width
+    `intermediate_size`. Layers in `sparse_layers` use the experts; the others use the dense
+    MLP of `ModelSpec.intermediate_size`. No shared expert, no capacity limit."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be between 1 and num_experts="
+                f"{self.num_experts}"
+            )
+        if list(self.sparse_layers) != sorted(set(self.sparse_layers)):
+            raise ValueError(f"sparse_layers={self.sparse_layers} must be sorted and unique")
 
 
 @dataclass(frozen=True)
@@ -49,10 +80,22 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = field(default=None)
+    moe: MoeSpec | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}: supported families are {FAMILIES}")
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ValueError(
+                f"family={self.family!r} with moe={self.moe!r}: the mixture-of-experts families "
+                f"{MOE_FAMILIES} need a MoeSpec, the others none"
+            )
+        if self.moe is not None and any(
+            not 0 <= i < self.num_layers for i in self.moe.sparse_layers
+        ):
+            raise ValueError(
+                f"sparse_layers={self.moe.sparse_layers} name layers outside 0..{self.num_layers - 1}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -68,13 +111,22 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the routed experts (else the dense MLP)."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
     @property
     def num_parameters(self) -> int:
+        """Every weight but biases and q/k norms (which published counts leave out too)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        dense = attn + 3 * h * i + 2 * h
+        total = v * h + self.num_layers * dense + h + (0 if self.tie_word_embeddings else v * h)
+        if self.moe is not None:
+            e = self.moe.num_experts
+            sparse_mlp = e * h + e * 3 * h * self.moe.intermediate_size
+            total += len(self.moe.sparse_layers) * (sparse_mlp - 3 * h * i)
+        return total
 
 
 def expected_weight_names(spec: ModelSpec) -> list[str]:
@@ -90,7 +142,15 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
         if spec.qk_norm:
             names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
         names.append(prefix + "post_attention_layernorm.weight")
-        names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        if spec.is_sparse(i):
+            assert spec.moe is not None
+            names.append(prefix + "mlp.gate.weight")
+            for e in range(spec.moe.num_experts):
+                names += [
+                    f"{prefix}mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")
+                ]
+        else:
+            names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
     names.append("model.norm.weight")
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -105,6 +165,10 @@ def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         return (spec.vocab_size, h)
     if name.endswith(".bias"):
         return (q,) if leaf == "q_proj" else (kv,)
+    inter = spec.intermediate_size
+    if ".mlp.experts." in name:
+        assert spec.moe is not None, name
+        inter = spec.moe.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm": (h,),
         "post_attention_layernorm": (h,),
@@ -115,8 +179,10 @@ def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "k_proj": (kv, h),
         "v_proj": (kv, h),
         "o_proj": (h, q),
-        "gate_proj": (spec.intermediate_size, h),
-        "up_proj": (spec.intermediate_size, h),
-        "down_proj": (h, spec.intermediate_size),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
     }
+    if spec.moe is not None:
+        shapes["gate"] = (spec.moe.num_experts, h)  # the router
     return shapes[leaf]

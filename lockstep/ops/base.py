@@ -30,11 +30,14 @@ consecutive absolute positions):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lockstep.ops.moe import MoeLayer
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,15 @@ class Ops(Protocol):
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [R, V] -> float32 log-probabilities, one row at a time."""
+        ...
+
+    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+        """The routed-experts MLP of one sparse layer: x [T, H] -> [T, H] (x's dtype on the
+        GPU, float32 on the CPU). fp32 router logits, each token's top-k experts (ties toward
+        the lower id), softmax weights (renormalized over the k if asked), the k expert
+        outputs combined in ascending rank in fp32, no capacity limit. A deterministic
+        backend computes every token from its own row alone: the contract is in
+        `lockstep.ops.moe`."""
         ...
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.cpu_build import load_extension
+from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_grouped
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
 LANES = 16
@@ -126,3 +127,13 @@ class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._ext.log_softmax(_f32(logits), self._simd)
+
+    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+        """Router logits by `linear`, routing by the C++ `moe_route` (its formula is in the
+        kernel's header), each expert's rows through `linear` and `silu_mul` once per step,
+        then the rank-order fp32 combine."""
+        x = _f32(x)
+        logits = self.linear(x, layer.router)
+        experts, weights = self._ext.moe_route(logits, layer.top_k, layer.renormalize, self._simd)
+        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul)
+        return combine_in_rank_order(slots, weights)

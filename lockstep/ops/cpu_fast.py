@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
-from lockstep.ops.torch_fast import TorchRowOps
+from lockstep.ops.moe import MoeLayer
+from lockstep.ops.torch_fast import TorchRowOps, stock_route
 
 
 class CpuFastOps(TorchRowOps):
@@ -49,4 +50,17 @@ class CpuFastOps(TorchRowOps):
             mask = torch.arange(kv_len).unsqueeze(0) <= rows  # [n, L], True = attend
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
             out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
+        return out
+
+    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+        """transformers' eager loop: each expert that got tokens runs F.linear on them, and
+        its weighted rows are index_add_-ed into the output in expert order."""
+        experts, weights = stock_route(self.linear(x, layer.router), layer.top_k,
+                                       layer.renormalize)  # fmt: skip
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in experts.unique().tolist():
+            token, rank = torch.where(experts == e)
+            gate, up = self.linear(x[token], layer.gate_up[e]).chunk(2, dim=-1)
+            y = self.linear(F.silu(gate) * up, layer.down[e])
+            out.index_add_(0, token, y * weights[token, rank, None])
         return out

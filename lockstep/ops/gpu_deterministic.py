@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV
+from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_dense, route_sorted
 
 try:
     from lockstep.ops.triton import activation, log_softmax, matmul, norm
@@ -74,3 +75,13 @@ class GpuDeterministicOps:
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)
+
+    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+        """fp32 router logits from the Triton matmul, `route_sorted`, then every expert's
+        Triton linears over all rows (`experts_dense`: correct and graph-safe, E/k times the
+        needed arithmetic; a grouped GEMM over expert-sorted rows is the next step,
+        docs/gpu.md), combined in rank order in fp32."""
+        logits = matmul.matmul(x, layer.router, out_dtype=torch.float32)
+        experts, weights = route_sorted(logits, layer.top_k, layer.renormalize)
+        slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
+        return combine_in_rank_order(slots, weights).to(x.dtype)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
-from lockstep.ops.torch_fast import TorchRowOps
+from lockstep.ops.moe import MoeLayer, experts_dense
+from lockstep.ops.torch_fast import TorchRowOps, stock_route
 
 
 class GpuFastOps(TorchRowOps):
@@ -26,6 +27,14 @@ class GpuFastOps(TorchRowOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+        """Stock routing, every expert's cuBLAS linears over all rows (no host sync, so decode
+        graphs can hold it; `lockstep.ops.moe.experts_dense`), a torch sum over the k."""
+        logits = F.linear(x, layer.router).float()
+        experts, weights = stock_route(logits, layer.top_k, layer.renormalize)
+        slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
+        return (slots.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
 
     def attention(
         self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float

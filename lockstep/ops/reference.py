@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
+from lockstep.ops.moe import MoeLayer, experts_grouped
 
 f64 = torch.float64
 
@@ -74,3 +75,16 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         x = logits.to(f64)
         m = x.max(-1, keepdim=True).values
         return x - m - torch.log(torch.exp(x - m).sum(-1, keepdim=True))
+
+    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+        """The contract in float64: a stable sort of the logits (ties keep the lower id),
+        the full softmax, the chosen probabilities (renormalized), a sum over the k."""
+        x = x.to(f64)
+        logits = self.linear(x, layer.router)
+        experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        experts = experts[:, : layer.top_k]
+        weights = torch.softmax(logits, dim=-1).gather(1, experts)
+        if layer.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul)
+        return (slots * weights[:, :, None]).sum(dim=1)

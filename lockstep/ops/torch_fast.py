@@ -1,6 +1,7 @@
 """The stock-torch row ops shared by both fast backends (CPU and GPU): RMSNorm, residual-add
-+ RMSNorm, SiLU-mul, RoPE, log-softmax and the KV write. They make no invariance promise;
-the device-specific parts (linear, attention) live in `cpu_fast.py` and `gpu_fast.py`."""
++ RMSNorm, SiLU-mul, RoPE, log-softmax, the KV write and MoE routing. They make no invariance
+promise; the device-specific parts (linear, attention, the experts) live in `cpu_fast.py` and
+`gpu_fast.py`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import ComposedAttentionInput, IndexCopyKVWrite
+from lockstep.ops.moe import Routing
 
 
 class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
@@ -36,3 +38,13 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float(), dim=-1)
+
+
+def stock_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Routing as transformers writes it: softmax over all experts, `torch.topk` (whose order
+    among equal values is unspecified), then division by the sum of the k."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)

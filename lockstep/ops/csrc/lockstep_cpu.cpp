@@ -672,6 +672,72 @@ at::Tensor log_softmax(const at::Tensor& logits, int64_t simd) {
 }
 
 // ----------------------------------------------------------------------------------------
+// moe_route: each token's top-k experts and their weights from fp32 router logits [T, E]
+//   experts: k passes, each taking the largest logit not yet taken; a strict > keeps the
+//            first (lowest) id among equal logits. Rank order: the largest first.
+//   e_r    = exp(l_{id_r} - l_{id_0})                    (vexp, the same for every lane)
+//   renormalize:  s = (((0 + e_0) + e_1) + ...) + e_{k-1}           (ascending rank)
+//   otherwise:    s = sum over all E experts of exp(l_j - l_{id_0})  (lane-partial + tree)
+//   weight_r = e_r / s
+// A row's bits depend only on its own logits.
+// ----------------------------------------------------------------------------------------
+
+std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool renormalize,
+                                  int64_t simd) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "moe_route: logits must be contiguous fp32 [T, E]");
+  const int64_t rows = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_route: top_k=", top_k,
+              " must be between 1 and the number of experts, ", experts);
+  at::Tensor ids = at::empty({rows, top_k}, logits.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({rows, top_k}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  const int64_t k_padded = (top_k + 15) / 16 * 16;
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    parallel_tasks((rows + kRowGrain - 1) / kRowGrain, [&](int64_t task) {
+      std::vector<char> taken(experts);
+      std::vector<float> chosen(k_padded), e(k_padded);
+      const int64_t end = std::min(rows, (task + 1) * kRowGrain);
+      for (int64_t r = task * kRowGrain; r < end; ++r) {
+        const float* x = lp + r * experts;
+        int64_t* id = ip + r * top_k;
+        std::fill(taken.begin(), taken.end(), 0);
+        for (int64_t rank = 0; rank < top_k; ++rank) {
+          int64_t best = -1;
+          for (int64_t j = 0; j < experts; ++j)
+            if (!taken[j] && (best < 0 || x[j] > x[best])) best = j;
+          taken[best] = 1;
+          id[rank] = best;
+          chosen[rank] = x[best];
+        }
+        const V vtop = V::set1(chosen[0]);
+        for (int64_t i = 0; i < top_k; i += 16)
+          vexp(V::sub(load_partial<V>(&chosen[i], std::min<int64_t>(16, top_k - i), -kInf), vtop))
+              .store(&e[i]);
+        float s = 0.f;
+        if (renormalize) {
+          for (int64_t rank = 0; rank < top_k; ++rank) s = s + e[rank];
+        } else {
+          const int64_t full = experts / 16 * 16;
+          V acc = V::zero();
+          for (int64_t i = 0; i < full; i += 16)
+            acc = V::add(acc, vexp(V::sub(V::load(x + i), vtop)));
+          if (full < experts)
+            acc = V::add(acc, vexp(V::sub(load_partial<V>(x + full, experts - full, -kInf), vtop)));
+          s = acc.reduce_add();
+        }
+        for (int64_t rank = 0; rank < top_k; ++rank) wp[r * top_k + rank] = e[rank] / s;
+      }
+    });
+    return 0;
+  });
+  return {ids, weights};
+}
+
+// ----------------------------------------------------------------------------------------
 // rope (neox / rotate_half): separate multiplies and adds per element, no FMA
 // ----------------------------------------------------------------------------------------
 
@@ -1194,6 +1260,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &lockstep::rms_norm);
   m.def("silu_mul", &lockstep::silu_mul);
   m.def("log_softmax", &lockstep::log_softmax);
+  m.def("moe_route", &lockstep::moe_route);
   m.def("rope", &lockstep::rope);
   m.def("attention", &lockstep::attention);
   m.def("gumbel_noise", &lockstep::gumbel_noise);
