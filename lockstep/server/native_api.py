@@ -46,6 +46,7 @@ from lockstep.server.preparation import (
     check_fan_out,
     check_text_length,
     check_token_ids,
+    choice_seed,
     max_tokens_for,
 )
 from lockstep.server.protocol import APIError, clip
@@ -376,13 +377,7 @@ def _rids(rid: str | list[str] | None, count: int, batched: bool) -> list[str]:
 
 def _sampling_params(item: _Item, sample: int) -> SamplingParams:
     p = item.params
-    seed = None if p.sampling_seed is None else p.sampling_seed + sample
-    if seed is not None and seed >= 2**63:
-        raise APIError(
-            f"sampling_seed + n - 1 must be below 2**63 (sampling_seed={p.sampling_seed})",
-            param="sampling_params.sampling_seed",
-            code="invalid_value",
-        )
+    seed = choice_seed(p.sampling_seed, sample, "sampling_params.sampling_seed")
     stop = () if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
     wants_top = item.return_logprob and item.top_logprobs_num > 0
     wants_input = item.return_logprob and item.logprob_start_len >= 0

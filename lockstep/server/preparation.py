@@ -221,6 +221,19 @@ def max_tokens_for(
     return requested
 
 
+def choice_seed(seed: int | None, choice: int, param: str) -> int | None:
+    """Choice (sample) i of n samples with seed + i; a 400 where that leaves int64."""
+    if seed is None:
+        return None
+    if seed + choice >= 2**63:
+        raise APIError(
+            f"{param} + n - 1 must be below 2**63 ({param}={seed})",
+            param=param,
+            code="invalid_value",
+        )
+    return seed + choice
+
+
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     *,
@@ -229,13 +242,7 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    seed = None if body.seed is None else body.seed + choice
-    if seed is not None and seed >= 2**63:
-        raise APIError(
-            f"seed + n - 1 must be below 2**63 (seed={body.seed})",
-            param="seed",
-            code="invalid_value",
-        )
+    seed = choice_seed(body.seed, choice, "seed")
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
     return SamplingParams(
         max_tokens=max_tokens,
