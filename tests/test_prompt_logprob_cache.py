@@ -417,3 +417,28 @@ def test_check_integrity_catches_a_stored_logprob_at_odds_with_its_token() -> No
     _one_float32_ulp_down(node.logprobs.logprob, row)
     with pytest.raises(CacheIntegrityError, match="differs from its logprob"):
         engine.check_integrity()
+
+
+def test_logprobs_from_a_start_position_reuse_a_generated_prefix(tiny_cold: Cold) -> None:
+    """Scoring prompt + output from position len(prompt) on (`prompt_logprobs_start`, what
+    SGLang's logprob_start_len asks for): the rollout cached the prompt's KV and its tokens'
+    logprobs, so the request reuses the prompt and the output; its logprobs from the start
+    equal a cold prefill's, the ones before are None. Asking for 2 alternatives the rollout
+    did not compute reuses only the prompt. Control: scored from position 1 the sequence
+    cannot hit, the prompt's positions have no stored logprobs."""
+    engine = _engine("random:tiny")
+    rng = random.Random(5)
+    vocab = engine.decoder.spec.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(40)]
+    rollout = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    full = prompt + serve_one(engine, prompt, rollout).token_ids
+    start = len(prompt)
+    for k, reused in ((0, len(full) - 2), (2, start - 1)):
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
+                                prompt_logprobs_start=start)  # fmt: skip
+        got = serve_one(engine, full, params)
+        assert got.prompt_logprobs is not None and got.prompt_logprobs[:start] == [None] * start
+        assert not logprob_mismatches(tiny_cold(full, k)[start:], got.prompt_logprobs[start:])
+        assert got.cached_tokens == reused, (k, got.cached_tokens)
+    assert serve_one(engine, full, score_params(0)).cached_tokens == 0
+    engine.check_integrity()

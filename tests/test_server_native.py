@@ -98,6 +98,8 @@ def test_rl_batch_seeded_and_on_policy(http: httpx.Client) -> None:
         })  # fmt: skip
         entries = scored["meta_info"]["input_token_logprobs"]
         assert scored["output_ids"] == [] and scored["meta_info"]["completion_tokens"] == 0
+        # The rollout cached its prompt's KV and its tokens' logprobs: scoring reuses them.
+        assert scored["meta_info"]["cached_tokens"] >= len(prompt)
         assert entries[0][0] is None  # SGLang's shape: the first position has no logprob
         assert [e[1] for e in entries[1:]] == out["output_ids"]
         sampled = _values(meta["output_token_logprobs"])

@@ -140,7 +140,9 @@ class Engine:
         )
         request.text_output = TextOutput(self.tokenizer, ids, params)
         if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
+            first = max(1, params.prompt_logprobs_start)  # position 0 never has one
+            request.prompt_logprobs = [None] * min(first, len(ids))
+            request.prompt_logprobs_next = first
         self.requests[request_id] = request
         self.scheduler.add(request)
 

@@ -33,6 +33,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave control tokens (EOS, chat markers) out of text
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
     prompt_logprobs: int | None = None  # None: none; k >= 0: every prompt position plus top-k
+    # With prompt_logprobs: the first prompt position whose logprob is wanted (the ones
+    # before are None, and a prefix-cache hit needs stored logprobs from here on only).
+    prompt_logprobs_start: int = 1
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -94,6 +97,12 @@ class SamplingParams:
             "prompt_logprobs",
             self.prompt_logprobs,
             "None or an integer in [0, 20]",
+        )
+        _check(
+            isinstance(self.prompt_logprobs_start, int) and self.prompt_logprobs_start >= 0,
+            "prompt_logprobs_start",
+            self.prompt_logprobs_start,
+            "an integer >= 0",
         )
         _check(isinstance(self.n, int) and 1 <= self.n <= 64, "n", self.n, "an integer in [1, 64]")
 

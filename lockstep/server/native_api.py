@@ -396,6 +396,9 @@ def _sampling_params(item: _Item, sample: int) -> SamplingParams:
             skip_special_tokens=p.skip_special_tokens,
             logprobs=item.top_logprobs_num if wants_top else None,
             prompt_logprobs=item.top_logprobs_num if wants_input else None,
+            # SGLang leaves the first returned position's logprob out: not computed either,
+            # so a rollout's cached prompt serves the scoring of its output.
+            prompt_logprobs_start=item.logprob_start_len + 1,
         )
     except RequestError as exc:
         raise APIError(str(exc), param="sampling_params", code="invalid_value") from None
