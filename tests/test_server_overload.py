@@ -181,7 +181,7 @@ def test_300_simultaneous_requests_against_a_small_pool(tmp_path: Path) -> None:
     args = [
         "--device", "cpu", "--kv-tokens", "1024", "--max-batch-tokens", "128",
         "--chunk-size", "64", "--max-running", "4", "--max-waiting", "4",
-        "--max-model-len", "256", "--debug-checks",
+        "--max-model-len", "256",
     ]  # fmt: skip
     server = ServerProcess(args).start()
     try:
@@ -206,7 +206,7 @@ def test_300_simultaneous_requests_against_a_small_pool(tmp_path: Path) -> None:
               f" max {max(s for s, _ in probes):.3f} s over {len(probes)} probes")  # fmt: skip
         assert differing == 0
         assert all(status == 200 for _, status in probes) and len(probes) >= 10, probes
-        assert latency < 1.0, sorted(probes)[-10:]
+        assert latency < 1.0, [round(seconds, 2) for seconds, _ in probes]  # in order
         stats = server.wait_idle()
         assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
     finally:

@@ -28,7 +28,12 @@ from lockstep.server.chat_completions import chat_completions
 from lockstep.server.chat_prompt import ChatOptions, chat_prompt
 from lockstep.server.completions import completions
 from lockstep.server.delivery import run_to_end
-from lockstep.server.http_errors import HeadAsGet, document_errors, install_error_handlers
+from lockstep.server.http_errors import (
+    HeadAsGet,
+    RefuseWhenFull,
+    document_errors,
+    install_error_handlers,
+)
 from lockstep.server.metrics import ServerMetrics
 from lockstep.server.native_api import add_native_routes
 from lockstep.server.preparation import (
@@ -103,6 +108,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     app.router.route_class = big_body_route(max_list_items)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(HeadAsGet)
+    app.add_middleware(RefuseWhenFull, engine=async_engine, metrics=metrics)
     install_error_handlers(app, metrics)
 
     @app.get("/health")
