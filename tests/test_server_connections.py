@@ -84,6 +84,12 @@ def test_slow_request_heads_and_bodies_are_dropped_in_time(server: ServerProcess
         sock.sendall(head + body[:5])
         took = _seconds_until_closed(sock)
     assert took < READ_TIMEOUT_S + SLACK_S, took
+    # The same with a big body (read under the one-slot gate of request_bodies.py).
+    big_head = head.replace(f"Content-Length: {len(body)}".encode(), b"Content-Length: 100000")
+    with _connect(server) as sock:
+        sock.sendall(big_head + b" " * 1000)
+        took = _seconds_until_closed(sock)
+    assert took < READ_TIMEOUT_S + SLACK_S, took
     # A connection that never sends a byte is idle: closed after the keep-alive timeout.
     with _connect(server) as sock:
         took = _seconds_until_closed(sock)
@@ -103,6 +109,7 @@ def test_slow_request_heads_and_bodies_are_dropped_in_time(server: ServerProcess
         second = _read_response(sock)
     assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200"), second
     _healthy(server)
+    assert "Traceback" not in "".join(server.log), "".join(server.log)[-3000:]
 
 
 def _read_response(sock: socket.socket) -> bytes:

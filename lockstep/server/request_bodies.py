@@ -5,10 +5,12 @@ validated off the event loop.
   whether its length is declared or it arrives chunked.
 - `big_body_route` makes the API's routes read a body of `BIG_BODY_BYTES` or more under a
   one-slot gate: its bytes are read, parsed as JSON and validated against the route's model in
-  a worker thread, then the allocator's free pages go back to the OS. So `/health` and small
-  requests keep the event loop while a 16 MB body is parsed (16 MB of token ids take seconds
-  to validate), and twenty such bodies at once cost one body's memory, not twenty: the others
-  wait unread, their connections paused by flow control.
+  a worker thread. So `/health` and small requests keep the event loop while a 16 MB body is
+  parsed (16 MB of token ids take seconds to validate), and twenty such bodies at once cost
+  one body's memory, not twenty: the others wait unread, their connections paused by flow
+  control. A body that arrives slowly holds the gate until the connection's read deadline
+  (`connections.py`) at most. Once its request is answered, the allocator's free pages go
+  back to the OS.
 - In a big body, a list longer than `max_model_len` is refused before validation: no prompt of
   more tokens fits, and validating millions of ids is the expensive part.
 """
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lockstep.server.protocol import APIError
 
@@ -104,7 +107,10 @@ def big_body_route(max_list_items: int) -> type[APIRoute]:
                 if not _is_big(request):
                     return await handler(request)
                 async with gate:
-                    body = await request.body()
+                    try:
+                        body = await request.body()
+                    except ClientDisconnect:  # gone, or dropped at its read deadline
+                        return Response(status_code=499)
                     if body:
                         # FastAPI takes the cached model from `json()` and accepts it as is.
                         request._json = await asyncio.to_thread(_parse, body, model, max_list_items)
