@@ -1254,16 +1254,19 @@ std::vector<at::Tensor> top_p_cutoff(const at::Tensor& masked, const at::Tensor&
 
 }  // namespace lockstep
 
+// Every kernel runs without the GIL: a server's event loop (health checks, new requests)
+// must not wait for a prefill's matmuls, and no kernel touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("simd_variants", &lockstep::simd_variants);
-  m.def("linear", &lockstep::linear);
-  m.def("rms_norm", &lockstep::rms_norm);
-  m.def("silu_mul", &lockstep::silu_mul);
-  m.def("log_softmax", &lockstep::log_softmax);
-  m.def("moe_route", &lockstep::moe_route);
-  m.def("rope", &lockstep::rope);
-  m.def("attention", &lockstep::attention);
-  m.def("gumbel_noise", &lockstep::gumbel_noise);
-  m.def("probability_units", &lockstep::probability_units);
-  m.def("top_p_cutoff", &lockstep::top_p_cutoff);
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("simd_variants", &lockstep::simd_variants, release);
+  m.def("linear", &lockstep::linear, release);
+  m.def("rms_norm", &lockstep::rms_norm, release);
+  m.def("silu_mul", &lockstep::silu_mul, release);
+  m.def("log_softmax", &lockstep::log_softmax, release);
+  m.def("moe_route", &lockstep::moe_route, release);
+  m.def("rope", &lockstep::rope, release);
+  m.def("attention", &lockstep::attention, release);
+  m.def("gumbel_noise", &lockstep::gumbel_noise, release);
+  m.def("probability_units", &lockstep::probability_units, release);
+  m.def("top_p_cutoff", &lockstep::top_p_cutoff, release);
 }
