@@ -124,8 +124,8 @@ def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -
         match = radix.match_prefix(tokens[: plan.prefix_len])
         layout = engine.decoder.linear_layout
         expected = plan.prefix_len
-        if layout is not None:  # resumes at the last chunk boundary
-            expected -= plan.prefix_len % layout.chunk
+        if layout is not None:  # resumes at the last snapshot the donor left at or below it
+            expected = max((p for p in captured or {} if p <= plan.prefix_len), default=0)
             seq.state = type(donor.state).resume(layout, match.state)
         assert match.length == expected, (match.length, expected)
         radix.lock(match.node)
