@@ -82,7 +82,9 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
             else:
                 param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
     model.save_pretrained(folder)
-    byte_tokenizer(300, add_bos=False).backend.save(str(folder / "tokenizer.json"))
+    byte_tokenizer(model.config.vocab_size, add_bos=False).backend.save(
+        str(folder / "tokenizer.json")
+    )
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": None, "eos_token": "<|eos|>", "chat_template": CHATML_TEMPLATE})
     )

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from lockstep.ops.base import Ops
 
 # Rows per chunk of the gated delta rule. Part of the numerics: changing it changes the bits.
-CHUNK = 64
+CHUNK = 32
 
 
 @dataclass(frozen=True)
