@@ -27,13 +27,15 @@ import torch
 from safetensors import safe_open
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.decoder import FLOAT32_TENSORS
 from lockstep.models.moe import hf_moe_spec, refuse_unsupported_moe
 from lockstep.models.spec import MOE_FAMILIES, LinearAttentionSpec, ModelSpec, RopeScaling
 from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text")
 _INDEX_FILE = "model.safetensors.index.json"
+# Read as float32 whatever the model dtype: norms, and Gated DeltaNet's decay parameters and
+# convolution (small, and kept in float32 by the decoder).
+_KEPT_FLOAT32 = ("norm.weight", ".A_log", ".dt_bias", ".conv1d.weight")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -210,7 +212,7 @@ class SafetensorsWeights:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in names:
                     tensor = handle.get_tensor(self._where[name][1])
-                    target = torch.float32 if name.endswith(FLOAT32_TENSORS) else dtype
+                    target = torch.float32 if name.endswith(_KEPT_FLOAT32) else dtype
                     yield name, tensor.to(device=device, dtype=target).contiguous()
 
 

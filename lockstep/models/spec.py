@@ -222,6 +222,7 @@ class ModelSpec:
             lin = self.linear
             mixer = h * (lin.conv_dim + lin.value_dim + 2 * lin.num_value_heads)
             mixer += lin.value_dim * h + lin.conv_dim * lin.conv_kernel
+            mixer += 2 * lin.num_value_heads + lin.value_head_dim  # A_log, dt_bias, norm
             num_linear = self.num_layers - len(self.kv_layers)
             total += num_linear * (mixer - attn) + len(self.kv_layers) * self.q_size * h
         if self.moe is not None:
