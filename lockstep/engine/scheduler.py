@@ -227,7 +227,8 @@ class Scheduler:
         the tree already held the same tokens, the request's duplicate slots are freed and it
         adopts the tree's: by the contract their bits agree."""
         upto = request.num_computed
-        states = request.linear_state.take_captured() if request.linear_state else None
+        state = request.linear_state
+        states = state.take_captured() if state is not None else None
         if not self.radix.enabled or upto <= request.prefix_len:
             return
         result = self.radix.insert(
