@@ -101,7 +101,10 @@ class Engine:
             new_linear_state=resume,
         )
         graphs = None
-        if config.use_cuda_graphs:
+        if config.use_cuda_graphs and spec.hybrid:
+            # Each request's linear state is its own tensors; the graphs replay fixed ones.
+            logger.warning("CUDA graphs are not used for hybrid (linear-attention) models")
+        elif config.use_cuda_graphs:
             graphs = DecodeGraphRunner(
                 self.decoder, self.pool, max_batch=config.resolved_max_running,
                 max_context=self.max_model_len,

@@ -225,6 +225,8 @@ class Decoder:
         spec, ops = self.spec, self.ops
         h = self.embed[batch.token_ids].to(self.act_dtype)
         residual: torch.Tensor | None = None
+        # Rows per sequence on the host, once per step (the linear layers loop over them).
+        rows = None if batch.linear_states is None else batch.meta.cu_q.diff().tolist()
         for i, w in enumerate(self.layers):
             if residual is None:
                 residual = h
@@ -235,7 +237,7 @@ class Decoder:
             if linear is not None:
                 assert self.linear_layout is not None
                 h = gated_deltanet(ops, x, linear, self.linear_index[i], batch,
-                                   self.linear_layout, spec.rms_norm_eps)  # fmt: skip
+                                   self.linear_layout, spec.rms_norm_eps, rows)  # fmt: skip
             else:
                 h = self._attention(x, w, i, batch, kv)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
@@ -246,8 +248,8 @@ class Decoder:
                 assert w.gate_up is not None and w.down is not None
                 h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
         assert residual is not None
-        if batch.linear_states is not None:
-            for state, n in zip(batch.linear_states, batch.meta.cu_q.diff().tolist(), strict=True):
+        if batch.linear_states is not None and rows is not None:
+            for state, n in zip(batch.linear_states, rows, strict=True):
                 state.position += n
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)

@@ -21,6 +21,7 @@ below the matched length and recomputes the rest.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -154,10 +155,12 @@ def gated_deltanet(
     batch: ForwardBatch,
     layout: LinearLayout,
     eps: float,
+    rows: list[int] | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet layer over the step's rows x [T, hidden] -> [T, hidden], continuing
     each sequence's `LinearState` (batch.linear_states, in sequence order) in linear layer
-    `layer`. Every op is row-local except the convolution (the sequence's own previous rows)
+    `layer`. `rows`: each sequence's row count, known on the host (else read from the batch).
+    Every op is row-local except the convolution (the sequence's own previous rows)
     and the delta rule (`Ops.gated_delta_rule`)."""
     lay = layout
     kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
@@ -167,7 +170,7 @@ def gated_deltanet(
     mixed, z, b, a = proj.split([lay.conv_dim, vd, hv, hv], dim=1)
     g, beta = ops.gdn_gates(a.contiguous(), b.contiguous(), w.a_log, w.dt_bias)
     out = torch.empty((t, hv, lay.value_head_dim), dtype=torch.float32, device=x.device)
-    cu_q = batch.meta.cu_q.tolist()
+    cu_q = batch.meta.cu_q.tolist() if rows is None else [0, *itertools.accumulate(rows)]
     states = batch.linear_states
     assert states is not None and len(states) == len(cu_q) - 1, "one LinearState per sequence"
     for seq, state in enumerate(states):
@@ -203,4 +206,4 @@ def gated_deltanet(
             snap.recurrent[layer].copy_(s)
     normed = ops.rms_norm(out.reshape(-1, lay.value_head_dim), w.norm, eps)
     gated = ops.gate_activation(normed, z.reshape(-1, lay.value_head_dim).contiguous(), "silu")
-    return ops.linear(gated.reshape(t, vd), w.out_proj)
+    return ops.linear(gated.reshape(t, vd).to(x.dtype), w.out_proj)

@@ -15,7 +15,7 @@ from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV
 from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_dense, route_sorted
 
 try:
-    from lockstep.ops.triton import activation, log_softmax, matmul, norm
+    from lockstep.ops.triton import activation, gated_delta, log_softmax, matmul, norm
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
 
@@ -75,6 +75,31 @@ class GpuDeterministicOps:
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)
+
+    # ---- Gated DeltaNet (hybrid models): lockstep/ops/triton/gated_delta.py ----------------
+
+    def gdn_gates(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gated_delta.gdn_gates(a, b, a_log, dt_bias)
+
+    def l2_normalize(self, x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+        return gated_delta.l2_normalize(x, eps, scale)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_delta.gate_activation(torch.ones_like(x), x, "silu")
+
+    def gate_activation(self, x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Tensor:
+        return gated_delta.gate_activation(x, gate, kind)
+
+    def gated_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor, open_k: torch.Tensor, open_gamma: torch.Tensor,
+        open_u: torch.Tensor, start: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:  # fmt: skip
+        return gated_delta.gated_delta_rule(
+            q, k, v, g, beta, state, open_k, open_gamma, open_u, start
+        )
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """fp32 router logits from the Triton matmul, `route_sorted`, then every expert's
