@@ -22,6 +22,10 @@ from lockstep.ops.torch_fast import stock_gated_delta_rule
 from lockstep.ops.triton import gated_delta
 
 GPU = torch.cuda.is_available()
+if not GPU:  # the interpreter's tl.dot rounds by block shape: use the row-local one
+    from test_ops_triton import _row_local_interpreter_dot
+
+    _row_local_interpreter_dot()
 DEV = "cuda" if GPU else "cpu"
 # (Hk, Hv, Dk, Dv, C): Qwen3.5's heads on the GPU, small ones for the interpreter.
 SHAPE = (4, 8, 128, 128, 32) if GPU else (1, 2, 16, 16, 16)
@@ -115,3 +119,44 @@ def test_gates_norm_and_activations() -> None:
     silu = gated_delta.gate_activation(x.to(DEV), z.to(DEV), "silu").cpu()
     assert torch.allclose(sig, x * z.sigmoid(), rtol=1e-5, atol=1e-6)
     assert torch.allclose(silu, x * F.silu(z), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tiny_hybrid_decoder_split_equals_one_prefill() -> None:
+    """The whole tiny Qwen3.5 decoder on the Triton backend (matmul, norms, the composed
+    partial-rotary attention input, attention, the DeltaNet kernels): a prefill in three
+    passes, one of them a one-row step across a chunk boundary, gives the logits, K/V and
+    linear state of one prefill bit for bit."""
+    import dataclasses
+
+    from lockstep.models.decoder import Decoder, ScratchKV
+    from lockstep.models.forward_batch import ForwardBatch
+    from lockstep.models.resolver import resolve_model
+    from lockstep.ops.base import build_attention_meta
+    from lockstep.ops.gpu_deterministic import GpuDeterministicOps
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    decoder = Decoder.load(resolve_model("random:tiny-qwen3.5"), GpuDeterministicOps(), dtype, DEV)
+    # Chunks of 16 keep every pass within 32 rows: under the interpreter the matmul's tile
+    # table changes its K block above 32 rows, which changes the interpreter's (not the
+    # GPU's) rounding.
+    chunk = 16
+    decoder.linear_layout = dataclasses.replace(decoder.linear_layout, chunk=chunk)
+    n = chunk + 4
+    tokens = [random.Random(2).randrange(512) for _ in range(n)]
+    want, ref = decoder.cold_prefill(tokens)
+    kv = ScratchKV(decoder.spec, n, dtype, torch.device(DEV))
+    state = decoder.new_linear_state()
+    logits, start = [], 0
+    for size in (chunk - 1, 1, 4):
+        end = start + size
+        positions = list(range(start, end))
+        meta = build_attention_meta([size], [start], [list(range(end))])
+        batch = ForwardBatch.from_lists(tokens[start:end], positions, positions, meta,
+                                        list(range(size)), [state])  # fmt: skip
+        logits.append(decoder.forward(batch.to(DEV), kv))
+        start = end
+    assert torch.equal(torch.cat(logits), want)
+    assert torch.equal(kv.k, ref.k) and torch.equal(kv.v, ref.v)
+    for a, b in zip(state.meaningful(), ref.linear_state.meaningful(), strict=True):
+        assert torch.equal(a, b)

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV
+from lockstep.ops.base import (
+    AttentionInput,
+    AttentionMeta,
+    ComposedAttentionInput,
+    IndexCopyKVWrite,
+    LayerKV,
+)
 from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_dense, route_sorted
 
 try:
@@ -24,7 +30,7 @@ except ImportError as exc:  # triton missing: report when the backend is asked f
     _IMPORT_ERROR = exc
 
 
-class GpuDeterministicOps:
+class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     """Ops backend over the Triton kernels (default on CUDA)."""
 
     name = "gpu_deterministic"
@@ -64,8 +70,22 @@ class GpuDeterministicOps:
         self, qkv: torch.Tensor, layer: AttentionInput, positions: torch.Tensor,
         slots: torch.Tensor, kv: LayerKV,
     ) -> torch.Tensor:  # fmt: skip
-        """One fused kernel: q/k head norms, RoPE and the K/V cache writes."""
+        """One fused kernel: q/k head norms, RoPE and the K/V cache writes. Partial rotary
+        embeddings (Qwen3.5) take the composed path: the Triton head norms, `rope` on the
+        rotated dims, an exact copy into the caches."""
+        if 2 * layer.cos.shape[1] != kv.k.shape[-1]:
+            return ComposedAttentionInput.attention_input(self, qkv, layer, positions, slots, kv)
         return _attention_input(qkv, layer, positions, slots, kv)
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Neox RoPE in float32 by torch element-wise kernels (one multiply, one add or
+        subtract per product: exact per element, whatever the launch shape)."""
+        c = cos[positions.long()].unsqueeze(1)
+        s = sin[positions.long()].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     def attention(
         self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
