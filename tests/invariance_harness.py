@@ -200,7 +200,7 @@ def mismatches(ref: Computed, got: Computed) -> list[str]:
             bad = (a != b).flatten(2).any(dim=2).any(dim=0).nonzero().flatten()
             problems.append(f"{name} cache differs at positions {bad.tolist()[:8]}")
     names = ("conv window", "boundary state", "open keys", "open decays", "open values")
-    for name, a, b in zip(names, ref.state, got.state, strict=True):
+    for name, a, b in zip(names[: len(ref.state)], ref.state, got.state, strict=True):
         if not torch.equal(a, b):
             problems.append(f"final linear state: {name} differs")
     for position, (conv, recurrent) in got.snapshots.items():

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 # Value columns per program (a power of two; Dv is padded to it).
 BLOCK_V = 32
 
@@ -34,8 +36,9 @@ BLOCK_V = 32
 def _gdn_rule_kernel(
     q, k, v, g, beta, state, open_k_in, open_gamma_in, open_k, open_gamma, open_u, out, bounds,
     n, start, first_boundary, HK, HV, DK, DV,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     h = tl.program_id(0)
     tile = tl.program_id(1)
     kh = h // (HV // HK)
@@ -120,12 +123,14 @@ def gated_delta_rule(
             open_u, out, bounds,
             n, start, first, hk, hv, dk, dv,
             C=chunk, BK=triton.next_power_of_2(dk), BV=BLOCK_V, num_warps=4,
+            **pdl_launch(q.device, n),
         )  # fmt: skip
     return out, [(first + i * chunk, bounds[i]) for i in range(count)]
 
 
 @triton.jit
-def _gates_kernel(a, b, a_log, dt_bias, g, beta, total, H, BLOCK: tl.constexpr):
+def _gates_kernel(a, b, a_log, dt_bias, g, beta, total, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     head = offs % H
@@ -145,13 +150,14 @@ def gdn_gates(
     if a.numel():
         _gates_kernel[(triton.cdiv(a.numel(), 1024),)](
             a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), g, beta, a.numel(),
-            a.shape[1], BLOCK=1024,
+            a.shape[1], BLOCK=1024, **pdl_launch(a.device, a.shape[0]),
         )  # fmt: skip
     return g, beta
 
 
 @triton.jit
-def _l2_kernel(x, y, D, eps, scale, BLOCK: tl.constexpr):
+def _l2_kernel(x, y, D, eps, scale, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -166,12 +172,16 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
-        _l2_kernel[(x.shape[0],)](x, y, x.shape[1], float(eps), float(scale), BLOCK=block)
+        _l2_kernel[(x.shape[0],)](
+            x, y, x.shape[1], float(eps), float(scale), BLOCK=block,
+            **pdl_launch(x.device, x.shape[0]),
+        )  # fmt: skip
     return y
 
 
 @triton.jit
-def _gate_kernel(x, gate, y, total, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
+def _gate_kernel(x, gate, y, total, SIGMOID: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -189,6 +199,7 @@ def gate_activation(x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Ten
     y = torch.empty_like(x)
     if x.numel():
         _gate_kernel[(triton.cdiv(x.numel(), 1024),)](
-            x, gate, y, x.numel(), SIGMOID=kind == "sigmoid", BLOCK=1024
-        )
+            x, gate, y, x.numel(), SIGMOID=kind == "sigmoid", BLOCK=1024,
+            **pdl_launch(x.device, x.shape[0]),
+        )  # fmt: skip
     return y
