@@ -110,6 +110,43 @@ def test_matches_transformers_prefill_and_generation(hf_folder, mode: str) -> No
         assert abs(lp - float(step[token])) < 1e-4
 
 
+def test_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, hf_folder) -> None:
+    """A Qwen3_5ForConditionalGeneration folder (model_type qwen3_5, text_config, tensors under
+    model.language_model., a vision tower, an MTP head) loads as the text model."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = hf_folder
+    text = json.loads((folder / "config.json").read_text())
+    config = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+        for k, v in load_file(folder / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    tokens = list(range(1, 40))
+    want = _engine(str(folder)).decoder.logits_for_sequence(tokens)
+    assert torch.equal(_engine(str(tmp_path)).decoder.logits_for_sequence(tokens), want)
+
+
+def test_weight_update_from_a_trainer_state_dict(hf_folder) -> None:
+    """transformers' state_dict (what a trainer holds) updates a served hybrid in place: other
+    weights give other logits, the original ones give the original bits back."""
+    folder, model = hf_folder
+    engine = _engine(str(folder))
+    tokens = list(range(1, 40))
+    before = engine.decoder.logits_for_sequence(tokens)
+    changed = {k: v * 1.01 if "linear_attn" in k else v for k, v in model.state_dict().items()}
+    engine.update_weights(changed)
+    assert not torch.equal(engine.decoder.logits_for_sequence(tokens), before)
+    engine.update_weights(model.state_dict())
+    assert torch.equal(engine.decoder.logits_for_sequence(tokens), before)
+
+
 def test_unsupported_layer_type_is_refused_in_one_line(tmp_path: Path, hf_folder) -> None:
     folder, _ = hf_folder
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
