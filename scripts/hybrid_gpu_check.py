@@ -1,7 +1,7 @@
 """Hybrid (Qwen3.5) models on a GPU: the position-invariance property, its negative control,
 and rough timings, deterministic against fast in one run.
 
-    python scripts/hybrid_gpu_check.py --model random:qwen3.5-9b --cases 20
+    python scripts/hybrid_gpu_check.py --model random:qwen3.5-9b --cases 8
 
 (`--device cpu --model random:tiny-qwen3.5 --dtype float32` runs the same on the CPU.)
 
@@ -108,8 +108,8 @@ def _timings(llm: LLM, vocab: int, prefill: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:qwen3.5-9b")
-    parser.add_argument("--cases", type=int, default=20)
-    parser.add_argument("--max-len", type=int, default=300)
+    parser.add_argument("--cases", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=160)
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
