@@ -190,6 +190,12 @@ def test_any_schedule_matches_cold_prefill(hybrid: Engine, seed: int) -> None:
     _check_case(hybrid, seed, max_len=3 * CHUNK + 20, max_mates=3)
 
 
+def test_bfloat16_weights_and_cache_keep_the_contract() -> None:
+    engine = Engine(EngineConfig(model=HYBRID, device="cpu", dtype="bfloat16", kv_tokens=4096))
+    for seed in range(10):
+        _check_case(engine, seed, max_len=2 * CHUNK + 20, max_mates=3)
+
+
 def test_prefix_hits_of_every_length_with_short_tails(hybrid: Engine) -> None:
     """Hits of every length 1..3C, each followed by an uncached tail of 1..40 tokens (the
     lengths that break other engines' hybrid caches), the tail in one pass beside a mate."""
