@@ -1,0 +1,321 @@
+"""Routed experts on the GPU (`Ops.moe`, contract in `lockstep/ops/moe.py`): routing, grouping,
+a grouped per-expert GEMM and the rank-order combine, with no host synchronization.
+
+One sparse layer, x [T, H], k experts per token, S = T * k slots (slot = token * k + rank):
+
+    router   matmul(x, router, out_dtype=float32)                     [T, E] fp32 logits
+    route    one program per token: top k (ties -> lower id), softmax weights   [T, k]
+    group    stable sort of the slots' expert ids; offsets[e] = first sorted slot of e
+    gate_up  grouped GEMM over sorted slots, rows gathered from x, gate and up columns in one
+             program, SiLU(gate) * up in the epilogue                  h [S, I] (sorted order)
+    down     grouped GEMM over h, each row stored at its slot           y [S, H] (slot order)
+    combine  out[t] = w_0 y_0 + ... + w_{k-1} y_{k-1}, fp32, ascending rank, one rounding
+
+The grouped GEMM's grid is static for a given S (a CUDA graph holds it): programs cover
+cdiv(S, BM) + min(E, S) row tiles (the most that S slots over E experts can need) times the
+column tiles, and each program finds its expert from `offsets` in its prologue; programs past
+the last real tile exit at once. So only experts that received slots have their weights read.
+
+The numerics of a slot's output row (what every config computes):
+
+  * each output element is the dense matmul's K order (`matmul.py`): K cut at the same split
+    points (`split_count`), each split a tl.dot loop over ascending K blocks from zero, the
+    splits folded ((0 + p0) + p1) in ascending order; rows are never mixed (no split-K over
+    programs, nothing reduced across rows), so a row's bits do not depend on which rows share
+    its tile, how many slots its expert received, or the tile config (the same observation on
+    an H200 that keeps the dense matmul M-invariant; tests re-check it);
+  * gate and up are rounded to x's dtype before SiLU(gate) * up, in `activation.py`'s formula,
+    and h and y are rounded to x's dtype: the same roundings as the unfused path
+    (`linear`, `silu_mul`, `linear`);
+  * the combine keeps a * b + c as two roundings (contraction off), as
+    `combine_in_rank_order` writes it.
+
+Tile configs come from `GATE_UP_TABLE` / `DOWN_TABLE`, keyed by S (never autotuned): a speed
+choice that never changes a bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lockstep.ops.moe import MoeLayer, Routing
+from lockstep.ops.triton import matmul
+from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+
+
+_INF = 1 << 62
+_G = GroupedConfig
+
+# (largest S = tokens * k, config), first fit. Decode (S <= 64): 16-row tiles (the smallest
+# MMA) and narrow column tiles, so that the few experts' weights stream from many programs.
+# The gate_up program holds two accumulators (gate and up columns), hence its narrower tiles.
+GATE_UP_TABLE: tuple[tuple[int, GroupedConfig], ...] = (
+    (64, _G(16, 32, 256, 4, 3)),
+    (512, _G(16, 64, 128, 4, 4)),
+    (4096, _G(64, 64, 64, 4, 4)),
+    (_INF, _G(128, 128, 64, 8, 3)),
+)
+DOWN_TABLE: tuple[tuple[int, GroupedConfig], ...] = (
+    (64, _G(16, 64, 256, 4, 3)),
+    (512, _G(16, 64, 128, 4, 4)),
+    (4096, _G(64, 128, 64, 4, 4)),
+    (_INF, _G(128, 128, 64, 8, 4)),
+)
+
+
+def pick_grouped_config(table: tuple[tuple[int, GroupedConfig], ...], slots: int) -> GroupedConfig:
+    for max_slots, cfg in table:
+        if slots <= max_slots:
+            return cfg
+    raise AssertionError("a grouped-GEMM table must end with an unbounded bucket")
+
+
+# ---------------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One token: k passes of (max, lowest id holding it), then w_r = exp(l_r - l_0) / s with
+    s summed over the k in ascending rank (renormalize) or over all E by one tl.sum of a
+    fixed shape."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    ids = tl.arange(0, E_PAD)
+    valid = ids < E
+    lg = tl.load(logits + row * sl + ids, mask=valid, other=-float("inf"))
+    taken = ids >= E
+    ranks = tl.arange(0, K_PAD)
+    top_e = tl.zeros([K_PAD], tl.float32)
+    top0 = tl.max(lg, axis=0)
+    total = 0.0
+    for r in tl.static_range(TOP_K):
+        m = tl.max(tl.where(taken, -float("inf"), lg), axis=0)
+        e = tl.min(tl.where((lg == m) & (~taken), ids, E_PAD), axis=0)
+        taken = taken | (ids == e)
+        tl.store(experts + row * TOP_K + r, e.to(tl.int64))
+        ex = tl.exp(m - top0)
+        total = total + ex
+        top_e = tl.where(ranks == r, ex, top_e)
+    if not RENORMALIZE:
+        total = tl.sum(tl.where(valid, tl.exp(lg - top0), 0.0), axis=0)
+    tl.store(weights + row * TOP_K + ranks, top_e / total, mask=ranks < TOP_K)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Contract steps 2-3 for fp32 logits [T, E]: int64 experts [T, k] in rank order and
+    fp32 weights [T, k]."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"route wants fp32 logits [T, E] with E contiguous; got "
+                         f"{tuple(logits.shape)} {logits.dtype}")  # fmt: skip
+    t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k} is invalid: expected 1 to {e} (the experts)")
+    experts = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](
+            logits, experts, weights, e, logits.stride(0), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            E_PAD=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4,
+            **pdl_launch(logits.device, t),
+        )  # fmt: skip
+    return Routing(experts, weights)
+
+
+# ------------------------------------------------------------------------------- grouped GEMM
+
+
+@triton.jit
+def _k_loop(a_rows, w_cols, k_lo, k_hi, K, acc, EVEN_K: tl.constexpr, BK: tl.constexpr):
+    """acc += a[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi].T over ascending K blocks (the dense
+    matmul's `_split_sum`, pointer form). a_rows [BM, 1], w_cols [1, BN]: row/col bases."""
+    rk = tl.arange(0, BK)
+    for kb in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_rows + (kb + rk)[None, :])
+            b = tl.load(w_cols + (kb + rk)[:, None])
+        else:
+            a = tl.load(a_rows + (kb + rk)[None, :], mask=rk[None, :] < K - kb, other=0.0)
+            b = tl.load(w_cols + (kb + rk)[:, None], mask=rk[:, None] < K - kb, other=0.0)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["S", "M_TILES"])
+def _grouped_kernel(
+    a, w, out, order, offsets, S, N, K, E, M_TILES, SPLIT_LEN, NUM_SPLITS, sa, swe, swn, so,
+    HALF, GATHER: tl.constexpr, SCATTER: tl.constexpr, SILU: tl.constexpr, TOP_K: tl.constexpr,
+    EVEN_K: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One (row tile, column tile) of the grouped product over expert-sorted slots.
+    GATHER: A row p is a[order[p] // TOP_K] (x's token rows), else a[p]. SCATTER: output row
+    p goes to out[order[p]] (slot order), else out[p]. SILU: w columns n (gate) and HALF + n
+    (up) in two accumulators, out = silu(gate) * up; N is then HALF."""
+    wait_for_inputs(PDL)
+    pid = tl.program_id(0)
+    tile_m = pid % M_TILES
+    pid_n = pid // M_TILES
+    # Which expert owns row tile `tile_m`: experts' tiles are laid end to end in id order.
+    eids = tl.arange(0, E_PAD)
+    lo = tl.load(offsets + eids, mask=eids < E, other=0)
+    hi = tl.load(offsets + eids + 1, mask=eids < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= tile_m).to(tl.int32), axis=0)
+    if e < E:
+        mine = eids == e
+        first_tile = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
+        row_lo = tl.sum(tl.where(mine, lo, 0), axis=0) + (tile_m - first_tile) * BM
+        row_hi = tl.sum(tl.where(mine, hi, 0), axis=0)
+        pos = row_lo + tl.arange(0, BM)
+        in_rows = pos < row_hi
+        pos = tl.where(in_rows, pos, row_lo)  # padding rows read a real row, never stored
+        if GATHER:
+            src = tl.load(order + pos) // TOP_K
+        else:
+            src = pos
+        a_rows = a + src.to(tl.int64)[:, None] * sa
+        rn = pid_n * BN + tl.arange(0, BN)
+        rn_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
+        w_gate = w + e.to(tl.int64) * swe + rn_c[None, :] * swn
+        total = tl.zeros([BM, BN], tl.float32)
+        total_up = tl.zeros([BM, BN], tl.float32)
+        for split in range(0, NUM_SPLITS):
+            k_lo = split * SPLIT_LEN
+            k_hi = tl.minimum(K, k_lo + SPLIT_LEN)
+            zero = tl.zeros([BM, BN], tl.float32)
+            total = total + _k_loop(a_rows, w_gate, k_lo, k_hi, K, zero, EVEN_K, BK)
+            if SILU:
+                w_up = w_gate + HALF * swn
+                total_up = total_up + _k_loop(a_rows, w_up, k_lo, k_hi, K, zero, EVEN_K, BK)
+        dtype = out.dtype.element_ty
+        if SILU:
+            g = total.to(dtype).to(tl.float32)
+            u = total_up.to(dtype).to(tl.float32)
+            total = g / (1.0 + tl.exp(-g)) * u  # activation.py's formula
+        if SCATTER:
+            dst = tl.load(order + pos)
+        else:
+            dst = pos
+        ptrs = out + dst.to(tl.int64)[:, None] * so + rn[None, :]
+        tl.store(ptrs, total.to(dtype), mask=in_rows[:, None] & (rn[None, :] < N))
+
+
+def grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int,
+    *, gather: bool, scatter: bool, silu: bool, config: GroupedConfig,
+) -> torch.Tensor:  # fmt: skip
+    """The grouped product over S = order.numel() expert-sorted slots (see `_grouped_kernel`
+    for gather/scatter/silu). a [rows, K]; w [E, N, K] (silu: N = 2 * half, gate | up);
+    order int64 [S]: sorted position -> slot; offsets int64 [E + 1]. Returns [S, N or half]."""
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_gemm wants a [M, K] and w [E, N, K]; got {tuple(a.shape)}, "
+                         f"{tuple(w.shape)}")  # fmt: skip
+    if a.dtype != w.dtype or a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError(f"grouped_gemm wants equal dtypes ({a.dtype}, {w.dtype}) and K "
+                         "contiguous in a and w")  # fmt: skip
+    if matmul.SPLIT_ALIGN % config.bk:
+        raise ValueError(f"BK {config.bk} must divide SPLIT_ALIGN {matmul.SPLIT_ALIGN}")
+    slots = order.numel()
+    e, n, k = w.shape
+    half = n // 2 if silu else n
+    out = torch.empty((slots, half), dtype=a.dtype, device=a.device)
+    if slots == 0:
+        return out
+    split_len = matmul.split_length(k, matmul.split_count(k))
+    m_tiles = triton.cdiv(slots, config.bm) + min(e, slots)
+    grid = (m_tiles * triton.cdiv(half, config.bn),)
+    _grouped_kernel[grid](
+        a, w, out, order, offsets, slots, half, k, e, m_tiles, split_len,
+        triton.cdiv(k, split_len), a.stride(0), w.stride(0), w.stride(1), out.stride(0), half,
+        GATHER=gather, SCATTER=scatter, SILU=silu, TOP_K=top_k, EVEN_K=k % config.bk == 0,
+        E_PAD=triton.next_power_of_2(e), BM=config.bm, BN=config.bn, BK=config.bk,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(a.device, slots),
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------- combine
+
+
+@triton.jit
+def _combine_kernel(y, w, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.load(y + (t * TOP_K) * H + cols, mask=mask).to(tl.float32) * tl.load(w + t * TOP_K)
+    for r in tl.static_range(1, TOP_K):
+        yr = tl.load(y + (t * TOP_K + r) * H + cols, mask=mask).to(tl.float32)
+        acc = acc + yr * tl.load(w + t * TOP_K + r)
+    tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def combine(slots: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """slots [T * k, H] (slot order), weights fp32 [T, k] -> [T, H] in `dtype`: contract
+    step 5, the bits of `combine_in_rank_order(...).to(dtype)`."""
+    t, top_k = weights.shape
+    h = slots.shape[1]
+    out = torch.empty((t, h), dtype=dtype, device=slots.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(h))
+        opts = {"num_warps": 4, **pdl_launch(slots.device, t)}
+        if not interpreting():  # a * b + c stays two roundings, as in torch
+            opts["enable_fp_fusion"] = False
+        _combine_kernel[(t, triton.cdiv(h, block))](
+            slots, weights, out, h, TOP_K=top_k, BLOCK=block, **opts
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------ the layer
+
+
+def group_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots grouped by expert: order [S] (sorted position -> slot; ascending slot within an
+    expert, by a stable sort) and offsets [E + 1] (offsets[e] = first sorted position of
+    expert e). Device ops only: no host synchronization."""
+    flat = experts.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=flat.device)
+    return order, torch.searchsorted(sorted_ids, bounds)
+
+
+def moe(
+    x: torch.Tensor, layer: MoeLayer, gate_up_config: GroupedConfig | None = None,
+    down_config: GroupedConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`Ops.moe` for x [T, H] (module docstring): [T, H] in x's dtype. The configs override
+    the tables (tests and benchmarks; they never change a bit)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"moe wants x [T, H] with H contiguous; got {tuple(x.shape)}")
+    top_k = layer.top_k
+    slots = x.shape[0] * top_k
+    logits = matmul.matmul(x, layer.router, out_dtype=torch.float32)
+    routing = route(logits, top_k, layer.renormalize)
+    order, offsets = group_slots(routing.experts, layer.num_experts)
+    h = grouped_gemm(
+        x, layer.gate_up, order, offsets, top_k, gather=True, scatter=False, silu=True,
+        config=gate_up_config or pick_grouped_config(GATE_UP_TABLE, slots),
+    )  # fmt: skip
+    y = grouped_gemm(
+        h, layer.down, order, offsets, top_k, gather=False, scatter=True, silu=False,
+        config=down_config or pick_grouped_config(DOWN_TABLE, slots),
+    )  # fmt: skip
+    return combine(y, routing.weights, x.dtype)
