@@ -78,7 +78,10 @@ def test_route_ties_go_to_the_lower_expert_id() -> None:
         ],
         device=DEV,
     )
-    expected = {2: [[1, 2], [0, 1], [6, 7], [0, 2]], 3: [[1, 2, 4], [0, 1, 2], [6, 7, 0], [0, 2, 4]]}
+    expected = {
+        2: [[1, 2], [0, 1], [6, 7], [0, 2]],
+        3: [[1, 2, 4], [0, 1, 2], [6, 7, 0], [0, 2, 4]],
+    }
     for k, ids in expected.items():
         for renormalize in (True, False):
             got = gm.route(logits, k, renormalize)
