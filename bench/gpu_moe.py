@@ -122,6 +122,33 @@ def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
     return rows
 
 
+def _short(cfg: gm.GroupedConfig) -> str:
+    return f"{cfg.bm}x{cfg.bn}x{cfg.bk}w{cfg.num_warps}s{cfg.num_stages}"
+
+
+def kernel_breakdown(layer: MoeLayer, t: int, log) -> list[dict]:
+    """The kernels of one deterministic layer call at T tokens, replayed from a CUDA graph
+    (warm L2: the weights of the chosen experts may stay resident between replays), with
+    each kernel's duration in us, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu_kernels import capture_graph
+    from bench.kernel_trace import kernel_events
+
+    det = GpuDeterministicOps()
+    x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
+    graph = capture_graph(lambda: det.moe(x, layer))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    events = [{"kernel": e["name"][:48], "us": round(e["dur"], 2)} for e in kernel_events(prof)]
+    log(f"kernels T {t}: " + " | ".join(f"{e['kernel'][:28]} {e['us']:.1f}" for e in events))
+    return events
+
+
 def run_sweep(layer: MoeLayer, log) -> list[dict]:
     """Each grouped GEMM alone, per candidate config, at T tokens (graph replays)."""
     det = GpuDeterministicOps()
@@ -132,9 +159,10 @@ def run_sweep(layer: MoeLayer, log) -> list[dict]:
         order, offsets = gm.group_slots(routing.experts, E)
         h = gm.grouped_gemm(x, layer.gate_up, order, offsets, TOP_K, gather=True,
                             scatter=False, silu=True, config=configs[0])  # fmt: skip
-        for cfg in configs:
-            for name, a, w, gather, silu in (("gate_up", x, layer.gate_up, True, True),
-                                             ("down", h, layer.down, False, False)):  # fmt: skip
+        for name, a, w, gather, silu in (("gate_up", x, layer.gate_up, True, True),
+                                         ("down", h, layer.down, False, False)):  # fmt: skip
+            cells = []
+            for cfg in configs:
 
                 def call(a=a, w=w, gather=gather, silu=silu, cfg=cfg, o=order, off=offsets):
                     gm.grouped_gemm(a, w, o, off, TOP_K, gather=gather,
@@ -143,11 +171,11 @@ def run_sweep(layer: MoeLayer, log) -> list[dict]:
                 try:
                     ms = graph_ms(call)
                 except Exception as exc:  # a candidate that does not compile (shared memory)
-                    ms = None
-                    log(f"  {name} T {t} {cfg}: {type(exc).__name__}")
-                rows.append({"tokens": t, "kernel": name, "config": repr(cfg), "ms": ms})
-                if ms is not None:
-                    log(f"  {name:<8} T {t:>5} {cfg}: {ms:.4f} ms")
+                    ms, cells = None, [*cells, f"{_short(cfg)} {type(exc).__name__}"]
+                else:
+                    cells.append(f"{_short(cfg)} {1e3 * ms:.1f}us")
+                rows.append({"tokens": t, "kernel": name, "config": _short(cfg), "ms": ms})
+            log(f"sweep {name:<7} T {t:>4}: " + " | ".join(cells))
     return rows
 
 
@@ -201,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         "copy_tb_s": bandwidth,
         "layer": run_layer(layer, bandwidth, log),
     }  # fmt: skip
+    doc["kernels"] = {t: kernel_breakdown(layer, t, log) for t in (1, 256)}
     if args.sweep:
         doc["sweep"] = run_sweep(layer, log)
     del layer

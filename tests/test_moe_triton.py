@@ -79,6 +79,7 @@ def test_route_ties_go_to_the_lower_expert_id() -> None:
         device=DEV,
     )
     expected = {
+        1: [[1], [0], [6], [0]],
         2: [[1, 2], [0, 1], [6, 7], [0, 2]],
         3: [[1, 2, 4], [0, 1, 2], [6, 7, 0], [0, 2, 4]],
     }

@@ -129,7 +129,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     if t:
         _route_kernel[(t,)](
             logits, experts, weights, e, logits.stride(0), TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            K_PAD=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
             E_PAD=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4,
             **pdl_launch(logits.device, t),
         )  # fmt: skip
@@ -155,9 +155,9 @@ def _k_loop(a_rows, w_cols, k_lo, k_hi, K, acc, EVEN_K: tl.constexpr, BK: tl.con
     return acc
 
 
-@triton.jit(do_not_specialize=["S", "M_TILES"])
+@triton.jit(do_not_specialize=["M_TILES"])
 def _grouped_kernel(
-    a, w, out, order, offsets, S, N, K, E, M_TILES, SPLIT_LEN, NUM_SPLITS, sa, swe, swn, so,
+    a, w, out, order, offsets, N, K, E, M_TILES, SPLIT_LEN, NUM_SPLITS, sa, swe, swn, so,
     HALF, GATHER: tl.constexpr, SCATTER: tl.constexpr, SILU: tl.constexpr, TOP_K: tl.constexpr,
     EVEN_K: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, PDL: tl.constexpr,
@@ -241,7 +241,7 @@ def grouped_gemm(
     m_tiles = triton.cdiv(slots, config.bm) + min(e, slots)
     grid = (m_tiles * triton.cdiv(half, config.bn),)
     _grouped_kernel[grid](
-        a, w, out, order, offsets, slots, half, k, e, m_tiles, split_len,
+        a, w, out, order, offsets, half, k, e, m_tiles, split_len,
         triton.cdiv(k, split_len), a.stride(0), w.stride(0), w.stride(1), out.stride(0), half,
         GATHER=gather, SCATTER=scatter, SILU=silu, TOP_K=top_k, EVEN_K=k % config.bk == 0,
         E_PAD=triton.next_power_of_2(e), BM=config.bm, BN=config.bn, BK=config.bk,
