@@ -91,6 +91,19 @@ def test_route_ties_go_to_the_lower_expert_id() -> None:
             torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
 
 
+def test_grouping_kernel_equals_the_stable_sort() -> None:
+    """The one-program counting sort (small S) gives the stable sort's order and offsets,
+    experts without slots included; above GROUP_KERNEL_MAX_SLOTS the sort itself runs."""
+    g = torch.Generator().manual_seed(11)
+    for slots, experts in [(1, 8), (8, 128), (37, 6), (128, 128), (128, 3), (300, 6)]:
+        ids = torch.randint(0, experts, (slots,), generator=g).to(DEV)
+        order, offsets = gm.group_slots(ids, experts)
+        sorted_ids, want = torch.sort(ids, stable=True)
+        bounds = torch.arange(experts + 1, device=DEV)
+        assert torch.equal(order, want), (slots, experts)
+        assert torch.equal(offsets, torch.searchsorted(sorted_ids, bounds)), (slots, experts)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_moe_matches_the_float64_reference(ops, renormalize) -> None:
     raw = raw_weights(1)

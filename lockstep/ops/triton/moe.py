@@ -5,7 +5,8 @@ One sparse layer, x [T, H], k experts per token, S = T * k slots (slot = token *
 
     router   matmul(x, router, out_dtype=float32)                     [T, E] fp32 logits
     route    one program per token: top k (ties -> lower id), softmax weights   [T, k]
-    group    stable sort of the slots' expert ids; offsets[e] = first sorted slot of e
+    group    slots sorted by expert id, stably (a counting sort in one program for small S);
+             offsets[e] = first sorted slot of e
     gate_up  grouped GEMM over sorted slots, rows gathered from x, gate and up columns in one
              program, SiLU(gate) * up in the epilogue                  h [S, I] (sorted order)
     down     grouped GEMM over h, each row stored at its slot           y [S, H] (slot order)
@@ -287,14 +288,50 @@ def combine(slots: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> t
 # ------------------------------------------------------------------------------ the layer
 
 
+# Up to this many slots (batch 16 at k = 8) one program groups them (`_group_kernel`: one
+# launch, where the sort takes three); above, torch's stable sort. Both give the same order.
+GROUP_KERNEL_MAX_SLOTS = 128
+
+
+@triton.jit
+def _group_kernel(experts, order, offsets, S, E, S_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """A counting sort in one program: offsets[e] = slots with a lower expert id, and slot s
+    goes to offsets[id_s] + (earlier slots with id_s): the stable sort's order."""
+    wait_for_inputs(PDL)
+    s = tl.arange(0, S_PAD)
+    valid = s < S
+    ids = tl.load(experts + s, mask=valid, other=E_PAD)  # padding: no expert's id
+    eids = tl.arange(0, E_PAD)
+    mine = ids[:, None] == eids[None, :]  # [S_PAD, E_PAD]
+    counts = tl.sum(mine.to(tl.int32), axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    tl.store(offsets + eids, starts.to(tl.int64), mask=eids < E)
+    tl.store(offsets + E, tl.sum(counts, axis=0).to(tl.int64))
+    before = (ids[:, None] == ids[None, :]) & (s[None, :] < s[:, None])  # [S_PAD, S_PAD]
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(mine, starts[None, :], 0), axis=1)
+    tl.store(order + start + rank, s.to(tl.int64), mask=valid)
+
+
 def group_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots grouped by expert: order [S] (sorted position -> slot; ascending slot within an
-    expert, by a stable sort) and offsets [E + 1] (offsets[e] = first sorted position of
-    expert e). Device ops only: no host synchronization."""
+    expert, as a stable sort orders them) and offsets [E + 1] (offsets[e] = first sorted
+    position of expert e), both int64. Device work only: no host synchronization."""
     flat = experts.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=flat.device)
-    return order, torch.searchsorted(sorted_ids, bounds)
+    slots = flat.numel()
+    if slots > GROUP_KERNEL_MAX_SLOTS:
+        sorted_ids, order = torch.sort(flat, stable=True)
+        bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=flat.device)
+        return order, torch.searchsorted(sorted_ids, bounds)
+    order = torch.empty(slots, dtype=torch.int64, device=flat.device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
+    _group_kernel[(1,)](
+        flat, order, offsets, slots, num_experts, S_PAD=max(16, triton.next_power_of_2(slots)),
+        E_PAD=triton.next_power_of_2(num_experts), num_warps=4,
+        **pdl_launch(flat.device, slots),
+    )  # fmt: skip
+    return order, offsets
 
 
 def moe(
