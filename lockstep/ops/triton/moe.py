@@ -61,16 +61,17 @@ _INF = 1 << 62
 _G = GroupedConfig
 
 # (largest S = tokens * k, config), first fit. Decode (S <= 64): 16-row tiles (the smallest
-# MMA) and narrow column tiles, so that the few experts' weights stream from many programs.
-# The gate_up program holds two accumulators (gate and up columns), hence its narrower tiles.
+# MMA) and narrow column tiles, so that the few experts' weights stream from many programs,
+# two resident per SM (80 KB of shared memory each: 4 stages of 16 KB of weight and the x
+# tile). The gate_up program reads gate and up columns (two accumulators), hence BN 32 there.
 GATE_UP_TABLE: tuple[tuple[int, GroupedConfig], ...] = (
-    (64, _G(16, 32, 256, 4, 3)),
+    (64, _G(16, 32, 128, 4, 4)),
     (512, _G(16, 64, 128, 4, 4)),
     (4096, _G(64, 64, 64, 4, 4)),
     (_INF, _G(128, 128, 64, 8, 3)),
 )
 DOWN_TABLE: tuple[tuple[int, GroupedConfig], ...] = (
-    (64, _G(16, 64, 256, 4, 3)),
+    (64, _G(16, 64, 128, 4, 4)),
     (512, _G(16, 64, 128, 4, 4)),
     (4096, _G(64, 128, 64, 4, 4)),
     (_INF, _G(128, 128, 64, 8, 4)),
