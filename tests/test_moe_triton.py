@@ -88,7 +88,8 @@ def test_route_ties_go_to_the_lower_expert_id() -> None:
             got = gm.route(logits, k, renormalize)
             assert got.experts.tolist() == ids, (k, renormalize)
             want = route_sorted(logits, k, renormalize)
-            torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
+            # tl.exp is exp2 of x * log2(e) on the GPU: a few ulp from torch.exp
+            torch.testing.assert_close(got.weights, want.weights, rtol=1e-5, atol=1e-6)
 
 
 def test_grouping_kernel_equals_the_stable_sort() -> None:
@@ -131,8 +132,8 @@ def test_fused_path_equals_the_unfused_composition(ops) -> None:
 
 def _probe_rows(layer: MoeLayer, loads: list[int], run) -> list[int]:
     """The loads at which a probe token's output row differs from its row alone. Load L:
-    the probe beside L - 1 near copies of itself (same experts, checked) and 5 other
-    tokens, at a random row."""
+    the probe beside L - 1 copies of itself (its experts get L rows each, checked) and 5
+    other tokens, at a random row."""
     rng = random.Random(7)
     probe = tokens(1, 8)
     alone = run(probe)
@@ -140,14 +141,14 @@ def _probe_rows(layer: MoeLayer, loads: list[int], run) -> list[int]:
                            True).experts[0].tolist())  # fmt: skip
     changed = []
     for load in loads:
-        mates = probe + 1e-3 * tokens(load - 1, 9 + load)
+        mates = probe.expand(load - 1, H)
         others = tokens(5, 100 + load)
         rows = [*mates, *others]
         at = rng.randrange(len(rows) + 1)
         batch = torch.stack([*rows[:at], probe[0], *rows[at:]])
         routed = gm.route(GpuDeterministicOps().linear(batch, layer.router).float(), TOP_K, True)
         same = sum(set(r) == experts for r in routed.experts.tolist())
-        assert same >= load, f"only {same} of {load} near copies kept the probe's experts"
+        assert same >= load, f"only {same} of {load} copies kept the probe's experts"
         if not torch.equal(run(batch)[at : at + 1], alone):
             changed.append(load)
     return changed
