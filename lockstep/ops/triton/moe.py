@@ -160,14 +160,14 @@ def _k_loop(a_rows, w_cols, k_lo, k_hi, K, acc, EVEN_K: tl.constexpr, BK: tl.con
 @triton.jit(do_not_specialize=["M_TILES"])
 def _grouped_kernel(
     a, w, out, order, offsets, N, K, E, M_TILES, SPLIT_LEN, NUM_SPLITS, sa, swe, swn, so,
-    HALF, GATHER: tl.constexpr, SCATTER: tl.constexpr, SILU: tl.constexpr, TOP_K: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, SILU: tl.constexpr, TOP_K: tl.constexpr,
     EVEN_K: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile) of the grouped product over expert-sorted slots.
     GATHER: A row p is a[order[p] // TOP_K] (x's token rows), else a[p]. SCATTER: output row
-    p goes to out[order[p]] (slot order), else out[p]. SILU: w columns n (gate) and HALF + n
-    (up) in two accumulators, out = silu(gate) * up; N is then HALF."""
+    p goes to out[order[p]] (slot order), else out[p]. SILU: w columns n (gate) and N + n
+    (up) in two accumulators, out = silu(gate) * up (w has 2N rows)."""
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     tile_m = pid % M_TILES
@@ -203,7 +203,7 @@ def _grouped_kernel(
             zero = tl.zeros([BM, BN], tl.float32)
             total = total + _k_loop(a_rows, w_gate, k_lo, k_hi, K, zero, EVEN_K, BK)
             if SILU:
-                w_up = w_gate + HALF * swn
+                w_up = w_gate + N * swn
                 total_up = total_up + _k_loop(a_rows, w_up, k_lo, k_hi, K, zero, EVEN_K, BK)
         dtype = out.dtype.element_ty
         if SILU:
@@ -244,7 +244,7 @@ def grouped_gemm(
     grid = (m_tiles * triton.cdiv(half, config.bn),)
     _grouped_kernel[grid](
         a, w, out, order, offsets, half, k, e, m_tiles, split_len,
-        triton.cdiv(k, split_len), a.stride(0), w.stride(0), w.stride(1), out.stride(0), half,
+        triton.cdiv(k, split_len), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATHER=gather, SCATTER=scatter, SILU=silu, TOP_K=top_k, EVEN_K=k % config.bk == 0,
         E_PAD=triton.next_power_of_2(e), BM=config.bm, BN=config.bn, BK=config.bk,
         num_warps=config.num_warps, num_stages=config.num_stages,
