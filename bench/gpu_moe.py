@@ -45,8 +45,10 @@ _G = gm.GroupedConfig
 SWEEP = {  # T: candidates, tried for both grouped GEMMs
     1: [_G(16, 32, 256, 4, 3), _G(16, 32, 128, 4, 4), _G(16, 64, 256, 4, 3), _G(16, 16, 256, 4, 4),
         _G(16, 64, 128, 4, 4), _G(16, 128, 128, 4, 3)],
-    32: [_G(16, 32, 256, 4, 3), _G(16, 64, 128, 4, 4), _G(16, 64, 256, 4, 3), _G(32, 64, 128, 4, 4)],
-    256: [_G(16, 64, 128, 4, 4), _G(32, 64, 128, 4, 4), _G(64, 64, 64, 4, 4), _G(64, 128, 64, 4, 4)],
+    32: [_G(16, 32, 256, 4, 3), _G(16, 64, 128, 4, 4), _G(16, 64, 256, 4, 3),
+         _G(32, 64, 128, 4, 4)],
+    256: [_G(16, 64, 128, 4, 4), _G(32, 64, 128, 4, 4), _G(64, 64, 64, 4, 4),
+          _G(64, 128, 64, 4, 4)],
     2048: [_G(64, 64, 64, 4, 4), _G(64, 128, 64, 4, 4), _G(128, 128, 64, 8, 3),
            _G(128, 64, 64, 4, 4), _G(128, 256, 64, 8, 3)],
 }  # fmt: skip
@@ -84,9 +86,9 @@ def make_layer(seed: int = 0) -> MoeLayer:
         return (torch.randn(*shape, generator=g, device="cuda") / fan_in**0.5).to(torch.bfloat16)
 
     prep = GpuDeterministicOps().prepare_linear_weight
-    return MoeLayer(prep(randn(E, H, fan_in=H)),
-                    prepare_expert_weights(prep, randn(E, 2 * INTER, H, fan_in=H)),
-                    prepare_expert_weights(prep, randn(E, H, INTER, fan_in=INTER)), TOP_K, True)  # fmt: skip
+    gate_up = prepare_expert_weights(prep, randn(E, 2 * INTER, H, fan_in=H))
+    down = prepare_expert_weights(prep, randn(E, H, INTER, fan_in=INTER))
+    return MoeLayer(prep(randn(E, H, fan_in=H)), gate_up, down, TOP_K, True)
 
 
 def _try_graph_ms(fn, log) -> float | None:
@@ -125,7 +127,8 @@ def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
         row["tflops_det"] = 2 * t * TOP_K * 3 * INTER * H / row["det_ms"] / 1e9
         rows.append(row)
         log(f"T {t:>5}  experts {distinct:>3}  det {row['det_ms']:.4f} ms  fast "
-            f"{row['fast_ms'] or float('nan'):.4f} ms ({row['fast_impl']})  floor {row['floor_ms']:.4f} ms  "
+            f"{row['fast_ms'] or float('nan'):.4f} ms ({row['fast_impl']})  "
+            f"floor {row['floor_ms']:.4f} ms  "
             f"{row.get('dense_every_expert_ms', float('nan')):.4f} ms every-expert  "
             f"{row['tflops_det']:.1f} TFLOP/s")  # fmt: skip
     return rows
@@ -217,8 +220,9 @@ def _decode_mode(mode: str, bandwidth: float, log) -> dict:
     log(f"decode batch 1 {mode:<13} {result.decode_ms_per_step:.3f} ms/token  floor "
         f"{floor_ms:.3f} ms ({sum(floor.values()) / 1e9:.3f} GB)  "
         f"{100 * floor_ms / result.decode_ms_per_step:.0f}% of the floor")  # fmt: skip
-    return {"mode": mode, "ms_per_token": result.decode_ms_per_step, "floor_ms": floor_ms,
-            "floor_bytes": floor, "fraction_of_floor": floor_ms / result.decode_ms_per_step}  # fmt: skip
+    ms = result.decode_ms_per_step
+    return {"mode": mode, "ms_per_token": ms, "floor_ms": floor_ms, "floor_bytes": floor,
+            "fraction_of_floor": floor_ms / ms}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     layer = make_layer()
     doc = {
         "benchmark": "gpu_moe",
-        "command": "python -m bench.gpu_moe " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m bench.gpu_moe", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -93,10 +93,11 @@ def test_route_ties_go_to_the_lower_expert_id() -> None:
 
 
 def test_grouping_kernel_equals_the_stable_sort() -> None:
-    """The one-program counting sort (small S) gives the stable sort's order and offsets,
-    experts without slots included; above GROUP_KERNEL_MAX_SLOTS the sort itself runs."""
+    """Both grouping paths (one program up to 128 slots, blocks above) give the stable
+    sort's order and offsets, experts without slots and all slots on one expert included."""
     g = torch.Generator().manual_seed(11)
-    for slots, experts in [(1, 8), (8, 128), (37, 6), (128, 128), (128, 3), (300, 6)]:
+    cases = [(1, 8), (8, 128), (37, 6), (128, 128), (128, 3), (129, 6), (300, 6), (2500, 128)]
+    for slots, experts in [*cases, (300, 1)]:
         ids = torch.randint(0, experts, (slots,), generator=g).to(DEV)
         order, offsets = gm.group_slots(ids, experts)
         sorted_ids, want = torch.sort(ids, stable=True)

@@ -5,8 +5,8 @@ One sparse layer, x [T, H], k experts per token, S = T * k slots (slot = token *
 
     router   matmul(x, router, out_dtype=float32)                     [T, E] fp32 logits
     route    one program per token: top k (ties -> lower id), softmax weights   [T, k]
-    group    slots sorted by expert id, stably (a counting sort in one program for small S);
-             offsets[e] = first sorted slot of e
+    group    slots sorted by expert id, stably, by counting (one program up to 128 slots,
+             else per-block counts, a scan over blocks, placement); offsets[e] = first of e
     gate_up  grouped GEMM over sorted slots, rows gathered from x, gate and up columns in one
              program, SiLU(gate) * up in the epilogue                  h [S, I] (sorted order)
     down     grouped GEMM over h, each row stored at its slot           y [S, H] (slot order)
@@ -85,6 +85,11 @@ def pick_grouped_config(table: tuple[tuple[int, GroupedConfig], ...], slots: int
     raise AssertionError("a grouped-GEMM table must end with an unbounded bucket")
 
 
+def _expert_pad(experts: int) -> int:
+    """The vector width over experts in the kernels (padding lanes hold no expert)."""
+    return max(16, triton.next_power_of_2(experts))
+
+
 # ---------------------------------------------------------------------------------- routing
 
 
@@ -132,7 +137,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
         _route_kernel[(t,)](
             logits, experts, weights, e, logits.stride(0), TOP_K=top_k,
             K_PAD=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
-            E_PAD=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4,
+            E_PAD=_expert_pad(e), num_warps=1 if e <= 256 else 4,
             **pdl_launch(logits.device, t),
         )  # fmt: skip
     return Routing(experts, weights)
@@ -246,7 +251,7 @@ def grouped_gemm(
         a, w, out, order, offsets, half, k, e, m_tiles, split_len,
         triton.cdiv(k, split_len), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATHER=gather, SCATTER=scatter, SILU=silu, TOP_K=top_k, EVEN_K=k % config.bk == 0,
-        E_PAD=triton.next_power_of_2(e), BM=config.bm, BN=config.bn, BK=config.bk,
+        E_PAD=_expert_pad(e), BM=config.bm, BN=config.bn, BK=config.bk,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(a.device, slots),
     )  # fmt: skip
@@ -290,15 +295,18 @@ def combine(slots: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> t
 
 
 # Up to this many slots (batch 16 at k = 8) one program groups them (`_group_kernel`: one
-# launch, where the sort takes three); above, torch's stable sort. Both give the same order.
+# launch); above, three kernels over blocks of GROUP_BLOCK slots. Both give the order of a
+# stable sort by expert id, which the tests check against torch.sort(stable=True).
 GROUP_KERNEL_MAX_SLOTS = 128
+GROUP_BLOCK = 128
+_PREFIX_CHUNK = 256
 
 
 @triton.jit
 def _group_kernel(experts, order, offsets, S, E, S_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   PDL: tl.constexpr):  # fmt: skip
     """A counting sort in one program: offsets[e] = slots with a lower expert id, and slot s
-    goes to offsets[id_s] + (earlier slots with id_s): the stable sort's order."""
+    goes to offsets[id_s] + (earlier slots with id_s)."""
     wait_for_inputs(PDL)
     s = tl.arange(0, S_PAD)
     valid = s < S
@@ -315,23 +323,86 @@ def _group_kernel(experts, order, offsets, S, E, S_PAD: tl.constexpr, E_PAD: tl.
     tl.store(order + start + rank, s.to(tl.int64), mask=valid)
 
 
+@triton.jit
+def _block_counts_kernel(experts, counts, S, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+    """counts[b, e]: slots of block b routed to expert e."""
+    wait_for_inputs(PDL)
+    b = tl.program_id(0)
+    s = b * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(experts + s, mask=s < S, other=E_PAD)
+    eids = tl.arange(0, E_PAD)
+    c = tl.sum((ids[:, None] == eids[None, :]).to(tl.int32), axis=0)
+    tl.store(counts + b * E_PAD + eids, c)
+
+
+@triton.jit
+def _block_prefix_kernel(counts, totals, NB, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+    """For expert e (one program each): counts[b, e] becomes the slots of e in blocks before
+    b (an exclusive scan over blocks, in place); totals[e] = all slots of e."""
+    wait_for_inputs(PDL)
+    e = tl.program_id(0)
+    carry = 0
+    for b0 in range(0, NB, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        c = tl.load(counts + b * E_PAD + e, mask=b < NB, other=0)
+        tl.store(counts + b * E_PAD + e, tl.cumsum(c, axis=0) - c + carry, mask=b < NB)
+        carry = carry + tl.sum(c, axis=0)
+    tl.store(totals + e, carry)
+
+
+@triton.jit
+def _block_place_kernel(experts, prefix, totals, order, offsets, S, E, BLOCK: tl.constexpr,
+                        E_PAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Slot s of block b goes to offsets[id] + prefix[b, id] + (earlier slots of the block
+    with id); block 0 also writes offsets."""
+    wait_for_inputs(PDL)
+    b = tl.program_id(0)
+    eids = tl.arange(0, E_PAD)
+    tot = tl.load(totals + eids)
+    starts = tl.cumsum(tot, axis=0) - tot  # offsets[e], padding experts hold 0 slots
+    if b == 0:
+        tl.store(offsets + eids, starts.to(tl.int64), mask=eids < E)
+        tl.store(offsets + E, tl.sum(tot, axis=0).to(tl.int64))
+    r = tl.arange(0, BLOCK)
+    s = b * BLOCK + r
+    valid = s < S
+    ids = tl.load(experts + s, mask=valid, other=E_PAD)
+    mine = ids[:, None] == eids[None, :]  # [BLOCK, E_PAD]
+    base = tl.load(prefix + b * E_PAD + eids) + starts
+    before = (ids[:, None] == ids[None, :]) & (r[None, :] < r[:, None])
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    pos = tl.sum(tl.where(mine, base[None, :], 0), axis=1) + rank
+    tl.store(order + pos, s.to(tl.int64), mask=valid)
+
+
 def group_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots grouped by expert: order [S] (sorted position -> slot; ascending slot within an
     expert, as a stable sort orders them) and offsets [E + 1] (offsets[e] = first sorted
-    position of expert e), both int64. Device work only: no host synchronization."""
+    position of expert e), both int64. Triton kernels only: no host synchronization, and
+    nothing a CUDA graph cannot hold (CUB's sorts may not be captured at some sizes)."""
     flat = experts.reshape(-1)
     slots = flat.numel()
-    if slots > GROUP_KERNEL_MAX_SLOTS:
-        sorted_ids, order = torch.sort(flat, stable=True)
-        bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=flat.device)
-        return order, torch.searchsorted(sorted_ids, bounds)
-    order = torch.empty(slots, dtype=torch.int64, device=flat.device)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
-    _group_kernel[(1,)](
-        flat, order, offsets, slots, num_experts, S_PAD=max(16, triton.next_power_of_2(slots)),
-        E_PAD=triton.next_power_of_2(num_experts), num_warps=4,
-        **pdl_launch(flat.device, slots),
-    )  # fmt: skip
+    dev = flat.device
+    order = torch.empty(slots, dtype=torch.int64, device=dev)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
+    e_pad = _expert_pad(num_experts)
+    pdl = pdl_launch(dev, slots)
+    if slots <= GROUP_KERNEL_MAX_SLOTS:
+        s_pad = max(16, triton.next_power_of_2(slots))
+        _group_kernel[(1,)](flat, order, offsets, slots, num_experts, S_PAD=s_pad, E_PAD=e_pad,
+                            num_warps=4, **pdl)  # fmt: skip
+        return order, offsets
+    blocks = triton.cdiv(slots, GROUP_BLOCK)
+    counts = torch.empty((blocks, e_pad), dtype=torch.int32, device=dev)
+    totals = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    _block_counts_kernel[(blocks,)](flat, counts, slots, BLOCK=GROUP_BLOCK, E_PAD=e_pad,
+                                    num_warps=4, **pdl)  # fmt: skip
+    _block_prefix_kernel[(e_pad,)](counts, totals, blocks, CHUNK=_PREFIX_CHUNK, E_PAD=e_pad,
+                                   num_warps=4, **pdl)  # fmt: skip
+    _block_place_kernel[(blocks,)](flat, counts, totals, order, offsets, slots, num_experts,
+                                   BLOCK=GROUP_BLOCK, E_PAD=e_pad, num_warps=4, **pdl)  # fmt: skip
     return order, offsets
 
 
