@@ -133,12 +133,13 @@ def experts_grouped_mm(
     x: torch.Tensor, experts: torch.Tensor, layer: MoeLayer, silu_mul
 ) -> torch.Tensor:
     """Every slot's expert output [T, k, H] from two `torch._grouped_mm` calls over the
-    slots sorted by expert (group ends from `searchsorted`, on the device)."""
+    slots grouped by expert (the deterministic backend's grouping kernels, which CUDA graphs
+    can hold; the GEMMs are torch's)."""
+    from lockstep.ops.triton.moe import group_slots
+
     t, k = experts.shape
-    flat = experts.reshape(-1)
-    sorted_ids, order = torch.sort(flat)
-    bounds = torch.arange(1, layer.num_experts + 1, dtype=sorted_ids.dtype, device=x.device)
-    ends = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    order, offsets = group_slots(experts, layer.num_experts)
+    ends = offsets[1:].to(torch.int32)
     rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
     gate_up = torch._grouped_mm(rows, layer.gate_up.transpose(1, 2), offs=ends)
     y = torch._grouped_mm(silu_mul(gate_up), layer.down.transpose(1, 2), offs=ends)
