@@ -43,14 +43,14 @@ PROMPT_LEN, GEN_LEN = 512, 64
 
 _G = gm.GroupedConfig
 SWEEP = {  # T: candidates, tried for both grouped GEMMs
-    1: [_G(16, 32, 256, 4, 3), _G(16, 32, 128, 4, 4), _G(16, 64, 256, 4, 3), _G(16, 16, 256, 4, 4),
-        _G(16, 64, 128, 4, 4), _G(16, 128, 128, 4, 3)],
-    32: [_G(16, 32, 256, 4, 3), _G(16, 64, 128, 4, 4), _G(16, 64, 256, 4, 3),
-         _G(32, 64, 128, 4, 4)],
-    256: [_G(16, 64, 128, 4, 4), _G(32, 64, 128, 4, 4), _G(64, 64, 64, 4, 4),
-          _G(64, 128, 64, 4, 4)],
-    2048: [_G(64, 64, 64, 4, 4), _G(64, 128, 64, 4, 4), _G(128, 128, 64, 8, 3),
-           _G(128, 64, 64, 4, 4), _G(128, 256, 64, 8, 3)],
+    1: [_G(16, 64, 256, 4, 3), _G(16, 64, 256, 2, 3), _G(16, 64, 256, 8, 3), _G(16, 128, 256, 4, 2),
+        _G(16, 32, 256, 2, 4), _G(16, 64, 128, 2, 5), _G(16, 128, 128, 8, 3)],
+    256: [_G(32, 64, 128, 4, 4), _G(32, 128, 128, 4, 3), _G(32, 64, 256, 4, 3),
+          _G(16, 128, 128, 4, 4)],
+    2048: [_G(64, 128, 64, 4, 4), _G(128, 256, 64, 8, 3), _G(64, 256, 64, 8, 3),
+           _G(128, 128, 64, 8, 4), _G(64, 128, 128, 4, 3)],
+    8192: [_G(64, 128, 64, 4, 4), _G(128, 256, 64, 8, 3), _G(128, 128, 64, 8, 3),
+           _G(64, 256, 64, 8, 3)],
 }  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
     rows = []
     for t in TS:
         x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
-        experts = gm.route(det.linear(x, layer.router).float(), TOP_K, True).experts
+        experts = gm.route(gm.router_logits(x, layer), TOP_K, True).experts
         distinct = int(experts.unique().numel())
         floor_bytes = 2 * (E * H + distinct * 3 * INTER * H + 2 * t * H)
         row = {
@@ -163,11 +163,10 @@ def kernel_breakdown(layer: MoeLayer, t: int, log) -> list[dict]:
 
 def run_sweep(layer: MoeLayer, log) -> list[dict]:
     """Each grouped GEMM alone, per candidate config, at T tokens (graph replays)."""
-    det = GpuDeterministicOps()
     rows = []
     for t, configs in SWEEP.items():
         x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
-        routing = gm.route(det.linear(x, layer.router).float(), TOP_K, True)
+        routing = gm.route(gm.router_logits(x, layer), TOP_K, True)
         order, offsets = gm.group_slots(routing.experts, E)
         h = gm.grouped_gemm(x, layer.gate_up, order, offsets, TOP_K, gather=True,
                             scatter=False, silu=True, config=configs[0])  # fmt: skip

@@ -60,21 +60,22 @@ class GroupedConfig:
 _INF = 1 << 62
 _G = GroupedConfig
 
-# (largest S = tokens * k, config), first fit. Decode (S <= 64): 16-row tiles (the smallest
-# MMA) and narrow column tiles, so that the few experts' weights stream from many programs,
-# two resident per SM (80 KB of shared memory each: 4 stages of 16 KB of weight and the x
-# tile). The gate_up program reads gate and up columns (two accumulators), hence BN 32 there.
+# (largest S = tokens * k, config), first fit, from CUDA-graph timings of each grouped GEMM
+# alone on Qwen3-30B-A3B's shapes (`python -m bench.gpu_moe --sweep`, docs/gpu.md). Decode
+# (S <= 64): 16-row tiles (the smallest MMA), 64 columns, 256-wide K blocks. S <= 4096
+# (experts get tens of rows): 32-row tiles. Above: 64 x 128 tiles for gate_up (two
+# accumulators) and 128 x 256 for down.
 GATE_UP_TABLE: tuple[tuple[int, GroupedConfig], ...] = (
-    (64, _G(16, 32, 128, 4, 4)),
+    (64, _G(16, 64, 256, 4, 3)),
     (512, _G(16, 64, 128, 4, 4)),
-    (4096, _G(64, 64, 64, 4, 4)),
-    (_INF, _G(128, 128, 64, 8, 3)),
+    (4096, _G(32, 64, 128, 4, 4)),
+    (_INF, _G(64, 128, 64, 4, 4)),
 )
 DOWN_TABLE: tuple[tuple[int, GroupedConfig], ...] = (
-    (64, _G(16, 64, 128, 4, 4)),
+    (64, _G(16, 64, 256, 4, 3)),
     (512, _G(16, 64, 128, 4, 4)),
-    (4096, _G(64, 128, 64, 4, 4)),
-    (_INF, _G(128, 128, 64, 8, 4)),
+    (4096, _G(32, 64, 128, 4, 4)),
+    (_INF, _G(128, 256, 64, 8, 3)),
 )
 
 
@@ -120,6 +121,12 @@ def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: t
     if not RENORMALIZE:
         total = tl.sum(tl.where(valid, tl.exp(lg - top0), 0.0), axis=0)
     tl.store(weights + row * TOP_K + ranks, top_e / total, mask=ranks < TOP_K)
+
+
+def router_logits(x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    """Contract step 1: fp32 logits [T, E] from the M-invariant matmul (the accumulator's
+    bits, never rounded to x's dtype)."""
+    return matmul.matmul(x, layer.router, out_dtype=torch.float32)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
@@ -416,8 +423,7 @@ def moe(
         raise ValueError(f"moe wants x [T, H] with H contiguous; got {tuple(x.shape)}")
     top_k = layer.top_k
     slots = x.shape[0] * top_k
-    logits = matmul.matmul(x, layer.router, out_dtype=torch.float32)
-    routing = route(logits, top_k, layer.renormalize)
+    routing = route(router_logits(x, layer), top_k, layer.renormalize)
     order, offsets = group_slots(routing.experts, layer.num_experts)
     h = grouped_gemm(
         x, layer.gate_up, order, offsets, top_k, gather=True, scatter=False, silu=True,
