@@ -161,9 +161,10 @@ def kernel_breakdown(layer: MoeLayer, t: int, log) -> list[dict]:
     return events
 
 
-def run_sweep(layer: MoeLayer, log) -> list[dict]:
-    """Each grouped GEMM alone, per candidate config, at T tokens (graph replays)."""
-    rows = []
+def run_sweep(layer: MoeLayer, log) -> dict[str, dict[str, float | None]]:
+    """Each grouped GEMM alone, per candidate config, at T tokens (graph replays):
+    {"gate_up T1": {"16x64x256w4s3": us, ...}, ...}."""
+    rows: dict[str, dict[str, float | None]] = {}
     for t, configs in SWEEP.items():
         x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
         routing = gm.route(gm.router_logits(x, layer), TOP_K, True)
@@ -185,7 +186,7 @@ def run_sweep(layer: MoeLayer, log) -> list[dict]:
                     ms, cells = None, [*cells, f"{_short(cfg)} {type(exc).__name__}"]
                 else:
                     cells.append(f"{_short(cfg)} {1e3 * ms:.1f}us")
-                rows.append({"tokens": t, "kernel": name, "config": _short(cfg), "ms": ms})
+                rows.setdefault(f"{name} T{t}", {})[_short(cfg)] = ms and 1e3 * ms
             log(f"sweep {name:<7} T {t:>4}: " + " | ".join(cells))
     return rows
 
@@ -224,6 +225,17 @@ def _decode_mode(mode: str, bandwidth: float, log) -> dict:
             "fraction_of_floor": floor_ms / ms}  # fmt: skip
 
 
+def _rounded(value):
+    """Floats to 4 significant digits (the JSON line stays short)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time candidate tile configs")
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.empty_cache()
     if not args.skip_decode:
         doc["decode"] = run_decode(bandwidth, log)
-    text = json.dumps(doc)
+    text = json.dumps(_rounded(doc))
     if args.out:
         with open(args.out, "w") as f:
             f.write(json.dumps(doc, indent=2) + "\n")
