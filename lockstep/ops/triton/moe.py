@@ -232,11 +232,12 @@ def _grouped_kernel(
 
 def grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int,
-    *, gather: bool, scatter: bool, silu: bool, config: GroupedConfig,
+    *, gather: bool, scatter: bool, silu: bool, config: GroupedConfig, splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The grouped product over S = order.numel() expert-sorted slots (see `_grouped_kernel`
     for gather/scatter/silu). a [rows, K]; w [E, N, K] (silu: N = 2 * half, gate | up);
-    order int64 [S]: sorted position -> slot; offsets int64 [E + 1]. Returns [S, N or half]."""
+    order int64 [S]: sorted position -> slot; offsets int64 [E + 1]. Returns [S, N or half].
+    `splits` overrides the matmul's split table (tests only: it changes the numerics)."""
     if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemm wants a [M, K] and w [E, N, K]; got {tuple(a.shape)}, "
                          f"{tuple(w.shape)}")  # fmt: skip
@@ -251,7 +252,7 @@ def grouped_gemm(
     out = torch.empty((slots, half), dtype=a.dtype, device=a.device)
     if slots == 0:
         return out
-    split_len = matmul.split_length(k, matmul.split_count(k))
+    split_len = matmul.split_length(k, matmul.split_count(k) if splits is None else splits)
     m_tiles = triton.cdiv(slots, config.bm) + min(e, slots)
     grid = (m_tiles * triton.cdiv(half, config.bn),)
     _grouped_kernel[grid](
@@ -415,10 +416,11 @@ def group_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 def moe(
     x: torch.Tensor, layer: MoeLayer, gate_up_config: GroupedConfig | None = None,
-    down_config: GroupedConfig | None = None,
+    down_config: GroupedConfig | None = None, splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`Ops.moe` for x [T, H] (module docstring): [T, H] in x's dtype. The configs override
-    the tables (tests and benchmarks; they never change a bit)."""
+    the tables (tests and benchmarks; they never change a bit); `splits` overrides the K
+    split count of both GEMMs (tests only: negative controls; it changes the bits)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"moe wants x [T, H] with H contiguous; got {tuple(x.shape)}")
     top_k = layer.top_k
@@ -427,10 +429,10 @@ def moe(
     order, offsets = group_slots(routing.experts, layer.num_experts)
     h = grouped_gemm(
         x, layer.gate_up, order, offsets, top_k, gather=True, scatter=False, silu=True,
-        config=gate_up_config or pick_grouped_config(GATE_UP_TABLE, slots),
+        config=gate_up_config or pick_grouped_config(GATE_UP_TABLE, slots), splits=splits,
     )  # fmt: skip
     y = grouped_gemm(
         h, layer.down, order, offsets, top_k, gather=False, scatter=True, silu=False,
-        config=down_config or pick_grouped_config(DOWN_TABLE, slots),
+        config=down_config or pick_grouped_config(DOWN_TABLE, slots), splits=splits,
     )  # fmt: skip
     return combine(y, routing.weights, x.dtype)
