@@ -18,10 +18,11 @@ from lockstep.ops.base import (
     IndexCopyKVWrite,
     LayerKV,
 )
-from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_dense, route_sorted
+from lockstep.ops.moe import MoeLayer
 
 try:
     from lockstep.ops.triton import activation, gated_delta, log_softmax, matmul, norm
+    from lockstep.ops.triton import moe as grouped_moe
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
 
@@ -122,11 +123,8 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         )
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
-        """fp32 router logits from the Triton matmul, `route_sorted`, then every expert's
-        Triton linears over all rows (`experts_dense`: correct and graph-safe, E/k times the
-        needed arithmetic; a grouped GEMM over expert-sorted rows is the next step,
-        docs/gpu.md), combined in rank order in fp32."""
-        logits = matmul.matmul(x, layer.router, out_dtype=torch.float32)
-        experts, weights = route_sorted(logits, layer.top_k, layer.renormalize)
-        slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
-        return combine_in_rank_order(slots, weights).to(x.dtype)
+        """fp32 router logits from the Triton matmul, the routing kernel, slots grouped by
+        expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
+        combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
+        experts' weights read."""
+        return grouped_moe.moe(x, layer)
