@@ -177,17 +177,17 @@ def float64_reference(model: Any, folder: Path, fmt: str, skip: tuple[str, ...] 
     `Fp8Emulation`s built from the folder's tensors."""
     model = model.to(torch.float64)
     tensors = load_file(folder / "model.safetensors")
-    for name, module in list(model.named_modules()):
+    scale_key = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+    for name, _ in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in PROJECTIONS or name in skip:
             continue
         parts = {
             "weight": tensors[f"{name}.weight"],
-            "weight_scale": tensors[f"{name}.weight_scale" + ("_inv" if fmt == "fp8-block" else "")],
+            "weight_scale": tensors[f"{name}.{scale_key}"],
         }
         if fmt == "modelopt":
             parts["input_scale"] = tensors[f"{name}.input_scale"]
         parent = model.get_submodule(name.rsplit(".", 1)[0])
         setattr(parent, leaf, Fp8Emulation(SCHEME[fmt], parts))
-        del module
     return model
