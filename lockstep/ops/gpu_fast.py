@@ -112,8 +112,9 @@ class GpuFastOps(TorchRowOps):
             if b in dec or hi == lo:
                 continue
             slots = meta.slot_table[cu_kv[b] : cu_kv[b + 1]].long()
-            k = k_cache[slots].transpose(0, 1)[None]
-            v = v_cache[slots].transpose(0, 1)[None]
+            # An FP8 cache widens exactly to q's dtype (its scale is 1.0).
+            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
             qb = q[lo:hi].transpose(0, 1)[None]
             if q_start[b] == 0:
                 o = F.scaled_dot_product_attention(
@@ -148,8 +149,8 @@ class GpuFastOps(TorchRowOps):
         valid = j[None, :] < lens.long()[:, None]
         idx = torch.where(valid, starts.long()[:, None] + j[None, :], 0)
         slots = meta.slot_table.long()[idx]  # [Bd, L]
-        k = k_cache[slots].permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
-        v = v_cache[slots].permute(0, 2, 1, 3)
+        k = k_cache[slots].to(q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
+        v = v_cache[slots].to(q.dtype).permute(0, 2, 1, 3)
         qb = q[rows][:, :, None, :]  # [Bd, Hq, 1, D]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
