@@ -1,5 +1,5 @@
 """The position-invariance property suite (test_position_invariance.py) on the FP8 presets,
-with the FP8 KV cache off and on: random schedules (prefix hits, chunkings, decode steps,
+with the FP8 KV cache off and on (and the FP8 cache under unquantized weights): random schedules (prefix hits, chunkings, decode steps,
 batch-mates) and prefix hits of every length give the bits of one cold full prefill, logits
 and K/V entries. Negative controls: fast mode fails the property, and so does the
 deterministic backend with only its FP8 linear replaced by the stock one (the suite sees the
@@ -24,6 +24,7 @@ from lockstep.cache.kv_pool import KVPool
 from lockstep.config import EngineConfig
 from lockstep.engine import memory
 from lockstep.engine.engine import Engine
+from lockstep.errors import ConfigError
 from lockstep.models.presets import PRESETS
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
 from lockstep.ops.cpu_fast import CpuFastOps
@@ -49,7 +50,7 @@ def test_block_fp8_with_fp8_kv_matches_cold_prefill(block_fp8_kv: Engine, seed: 
 
 @pytest.mark.parametrize(
     ("model", "kv_dtype"), [(BLOCK, "auto"), (STATIC, "auto"), (STATIC, "fp8_e4m3"),
-                            (CHANNEL, "auto"), (CHANNEL, "fp8_e4m3")],
+                            (CHANNEL, "auto"), (CHANNEL, "fp8_e4m3"), ("random:tiny", "fp8_e4m3")],
 )  # fmt: skip
 def test_every_fp8_scheme_and_kv_dtype_keeps_the_contract(model: str, kv_dtype: str) -> None:
     engine = _engine(model, kv_dtype=kv_dtype)
@@ -83,6 +84,11 @@ def test_fp8_kv_cache_holds_twice_a_bf16_caches_tokens() -> None:
         reserved = memory.step_workspace(spec, 2, 8192, 256, None)
         tokens[kv_dtype] = memory.cuda_kv_budget(120 << 30, per_token, reserved, 0.9).kv_tokens
     assert tokens["auto"] * 2 <= tokens["fp8_e4m3"] <= tokens["auto"] * 2 + 1
+
+
+def test_kv_dtype_is_validated() -> None:
+    with pytest.raises(ConfigError, match="kv_dtype='int8' is invalid: expected one of auto, fp8"):
+        EngineConfig(kv_dtype="int8")
 
 
 def test_negative_control_fast_mode_breaks_fp8_invariance() -> None:
