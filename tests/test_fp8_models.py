@@ -79,7 +79,7 @@ Q = "model/layers/0/self_attn/q_proj/"
 @pytest.mark.parametrize(
     ("tensors", "config", "needles"),
     [
-        ({Q + "weight_scale_inv": None}, {}, ["q_proj.weight_scale", "missing"]),
+        ({Q + "weight_scale_inv": None}, {}, ["q_proj.weight_scale_inv is missing"]),
         ({Q + "weight_scale_inv": torch.ones(3, 2)}, {}, ["q_proj.weight_scale", "[3, 2]"]),
         ({Q + "weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)}, {},
          ["q_proj.weight_scale", "int32"]),
@@ -122,7 +122,7 @@ def test_cli_refuses_a_bad_fp8_checkpoint_in_one_line(
     folder = _copy(block_folder, tmp_path / "bad")
     if case == "missing-scale":
         edit_tensors(folder, **{Q + "weight_scale_inv": None})
-        needle = "q_proj.weight_scale"
+        needle = "q_proj.weight_scale_inv is missing"
     else:
         set_quantization_config(folder, weight_block_size=None)
         needle = "activation_scheme"

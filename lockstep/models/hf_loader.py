@@ -302,13 +302,24 @@ def load_hf_folder(folder: Path) -> tuple[ModelSpec, Tokenizer, SafetensorsWeigh
 def _fp8_spec(
     spec: ModelSpec, fmt: Fp8Format, weights: SafetensorsWeights, folder: Path
 ) -> ModelSpec:
-    """`spec` with its FP8 linears: those stored as e4m3; the other projections are skipped."""
+    """`spec` with its FP8 linears: those stored as e4m3; the other projections are skipped.
+    A missing scale is named here as the file names it (e.g. `weight_scale_inv`)."""
     if not weights.fp8_modules:
         raise ModelLoadError(
             f"{folder}: config.json declares {fmt.method} FP8 quantization but no weight is "
             "stored as float8_e4m3fn"
         )
-    modules = {n.removesuffix(".weight") for n in weights.names() if n.endswith(".weight")}
+    present = set(weights.names())
+    needed = ["weight_scale"] + (["input_scale"] if fmt.scheme == "tensor" else [])
+    for module in sorted(weights.fp8_modules):
+        for leaf in needed:
+            if f"{module}.{leaf}" not in present:
+                key = fmt.weight_scale_key if leaf == "weight_scale" else leaf
+                raise ModelLoadError(
+                    f"{folder}: tensor {module}.{key} is missing: {module}.weight is "
+                    f"float8_e4m3fn and {fmt.method} FP8 ({fmt.scheme} scheme) needs its {leaf}"
+                )
+    modules = {n.removesuffix(".weight") for n in present if n.endswith(".weight")}
     skipped = sorted(
         m for m in modules - weights.fp8_modules if m.rsplit(".", 1)[-1] in QUANTIZABLE
     )
