@@ -60,6 +60,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
+        self.kv_dtype = getattr(torch, config.resolved_kv_dtype)
         loaded = resolve_model(config.model, random_seed=config.random_seed)
         self.loaded = loaded
         self.model_name = loaded.name
@@ -73,14 +74,16 @@ class Engine:
                 f"{loaded.source}: head_dim={spec.head_dim} is not supported by the "
                 f"{self.ops.name} backend: supported head_dim values are {head_dims}"
             )
-        self.decoder = Decoder.load(loaded, self.ops, self.dtype, self.device, self.max_model_len)
+        self.decoder = Decoder.load(
+            loaded, self.ops, self.dtype, self.device, self.max_model_len, self.kv_dtype
+        )
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         self.pool = KVPool(
-            kv_tokens, len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, self.dtype,
+            kv_tokens, len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, self.kv_dtype,
             self.device,
         )  # fmt: skip
         layout = self.decoder.linear_layout
@@ -438,6 +441,7 @@ class Engine:
             "ops_backend": self.ops.name,
             "mode": self.config.mode,
             "dtype": self.config.resolved_dtype,
+            "kv_dtype": self.config.resolved_kv_dtype,
             "device": self.device.type,
             "device_name": _device_name(self.device),
             "model": self.model_name,
@@ -452,7 +456,7 @@ class Engine:
         of the available RAM."""
         spec, config = self.decoder.spec, self.config
         per_token = KVPool.bytes_per_token(len(spec.kv_layers), spec.num_kv_heads,
-                                           spec.head_dim, self.dtype)  # fmt: skip
+                                           spec.head_dim, self.kv_dtype)  # fmt: skip
         layout = self.decoder.linear_layout
         if layout is not None:  # a snapshot per chunk of cached tokens
             per_token += -(-layout.snapshot_bytes // layout.chunk)
