@@ -249,9 +249,10 @@ def _fp8_gemm_kernel(
             w_ptrs += BK
         if MODE == 0:
             blk = kb // BK
-            s = tl.load(sx + rm_c * s_sxm + blk)[:, None] * tl.load(
-                sw + (rn_c // 128) * s_swn + blk
-            )[None, :]
+            s = (
+                tl.load(sx + rm_c * s_sxm + blk)[:, None]
+                * tl.load(sw + (rn_c // 128) * s_swn + blk)[None, :]
+            )
         total = total + p * s
     if HAS_BIAS:
         total = total + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
