@@ -25,6 +25,9 @@ from lockstep.ops.triton import fp8_gemm as f8
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
+# fp32 output against the float64 reference, relative to the largest |value|: the interpreter's
+# block dots are exact; Hopper's FP8 MMA accumulates a block's products with reduced precision.
+TOL32 = 1e-3 if GPU else 1e-6
 gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
 
 
@@ -145,7 +148,7 @@ def test_fp8_linear_matches_the_float64_reference(scheme: str, n: int, k: int) -
     x = _x(20, k, seed=1)
     ref = spec.fp8_linear_reference(x.cpu(), wq.cpu(), ws.cpu(), scheme, _cpu(ins), bias.cpu())
     y = f8.fp8_linear(x, wq, ws, scheme, ins, bias, out_dtype=torch.float32)
-    assert _rel(y, ref) < 1e-6
+    assert _rel(y, ref) < TOL32
     for dtype in (torch.bfloat16, torch.float16):
         y = f8.fp8_linear(x.to(dtype), wq, ws, scheme, ins, bias)
         assert y.dtype == dtype
@@ -330,7 +333,7 @@ def test_gpu_matches_the_reference_and_quantizes_like_the_spec() -> None:
                 scale = float(ref.abs().max())
                 torch.testing.assert_close(y.double().cpu(), ref, rtol=rtol, atol=atol * scale)
                 y32 = f8.fp8_linear(x, wq, ws, scheme, ins, bias, out_dtype=torch.float32)
-                assert _rel(y32, ref) < 1e-3, (name, scheme, _rel(y32, ref))
+                assert _rel(y32, ref) < TOL32, (name, scheme, _rel(y32, ref))
 
 
 @gpu
