@@ -149,6 +149,10 @@ def test_fp8_linear_matches_the_float64_reference(scheme: str, n: int, k: int) -
     ref = spec.fp8_linear_reference(x.cpu(), wq.cpu(), ws.cpu(), scheme, _cpu(ins), bias.cpu())
     y = f8.fp8_linear(x, wq, ws, scheme, ins, bias, out_dtype=torch.float32)
     assert _rel(y, ref) < TOL32
+    # A tile spanning two rows of weight-scale blocks (BN 256: a scale per column, not one
+    # per tile) gives the same bits.
+    wide = f8.Fp8GemmConfig(64, 256, 4, 2)
+    assert torch.equal(f8.fp8_linear(x, wq, ws, scheme, ins, bias, torch.float32, wide), y)
     for dtype in (torch.bfloat16, torch.float16):
         y = f8.fp8_linear(x.to(dtype), wq, ws, scheme, ins, bias)
         assert y.dtype == dtype
@@ -178,8 +182,9 @@ MS = [1, 2, 5, 16, 17, 33, 40]
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_rows_identical_for_every_m_and_config(scheme: str) -> None:
     """Row bits (fp32 out) of a call of M rows = the same rows of the 40-row call, for every
-    config; a row alone = the same row in place m - 1 of the batch (a few m)."""
-    n, k = 96, 300
+    config; a row alone = the same row in place m - 1 of the batch (a few m). N = 136: two
+    rows of 128 x 128 weight-scale blocks."""
+    n, k = 136, 300
     wq, ws, ins, bias = _weight(n, k, scheme, seed=5)
     x = _x(max(MS), k, seed=6)
     full = f8.fp8_linear(x, wq, ws, scheme, ins, bias, out_dtype=torch.float32)

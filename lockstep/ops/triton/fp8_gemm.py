@@ -231,12 +231,34 @@ def _fp8_gemm_kernel(
         s = tl.broadcast_to(s, [BM, BN])
     elif MODE == 2:
         s = tl.load(sx + rm_c * s_sxm)[:, None] * tl.load(sw + rn_c)[None, :]
+    elif MODE == 0:
+        # Block scales are loaded one K block ahead (carried through the loop) so that their
+        # latency hides behind a dot; the values and the arithmetic are block b's. A tile
+        # whose columns lie in one 128-row weight block (BN divides 128) reads one scalar.
+        sx_row = sx + rm_c * s_sxm
+        if 128 % BN == 0:
+            sw_row = sw + ((pid_n * BN) // 128).to(tl.int64) * s_swn
+        else:
+            sw_row = sw + (rn_c // 128) * s_swn
+        sx_next = tl.load(sx_row)
+        sw_next = tl.load(sw_row)
+        last_blk = tl.cdiv(K, BK) - 1
     rk = tl.arange(0, BK)
     if not TMA:
         x_ptrs = x + rm_c[:, None] * sxm + rk[None, :]
         w_ptrs = w + rn_c[None, :] * swn + rk[:, None]
     total = tl.zeros([BM, BN], tl.float32)
     for kb in range(0, K, BK):
+        if MODE == 0:
+            sx_b = sx_next
+            sw_b = sw_next
+            ahead = tl.minimum(kb // BK + 1, last_blk)
+            sx_next = tl.load(sx_row + ahead)
+            sw_next = tl.load(sw_row + ahead)
+            if 128 % BN == 0:
+                s = (sx_b * sw_b)[:, None]
+            else:
+                s = sx_b[:, None] * sw_b[None, :]
         if TMA:
             a = x.load([pid_m * BM, kb])
             b = w.load([pid_n * BN, kb])
@@ -247,12 +269,6 @@ def _fp8_gemm_kernel(
             p = tl.dot(a, b)
             x_ptrs += BK
             w_ptrs += BK
-        if MODE == 0:
-            blk = kb // BK
-            s = (
-                tl.load(sx + rm_c * s_sxm + blk)[:, None]
-                * tl.load(sw + (rn_c // 128) * s_swn + blk)[None, :]
-            )
         total = total + p * s
     if HAS_BIAS:
         total = total + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
