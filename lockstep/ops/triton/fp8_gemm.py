@@ -61,8 +61,11 @@ _INF = 1 << 62
 _C = Fp8GemmConfig
 # (largest M, largest N, config): the first row that fits is used. BK is always 128 (the scale
 # block). BM is 64 or 128 everywhere (wgmma; see the module docstring). Small M streams the
-# weight: narrow N tiles for enough programs and deep pipelines for enough bytes in flight.
+# weight: narrow N tiles for enough programs, and deep pipelines for enough weight bytes in
+# flight per SM: 12 stages (147 KB of shared memory, one program per SM) where N <= 4096 gives
+# at most 128 programs, 8 (98 KB, two per SM) where there are more programs than SMs.
 TILE_TABLE: tuple[tuple[int, int, Fp8GemmConfig], ...] = (
+    (16, 4096, _C(64, 32, 4, 12)),
     (16, 8192, _C(64, 32, 4, 8)),
     (16, _INF, _C(64, 64, 4, 6)),
     (64, 8192, _C(64, 64, 4, 6)),
@@ -318,7 +321,7 @@ def fp8_gemm(
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"fp8_gemm bias shape {list(bias.shape)} != [{n}]")
     y = torch.empty((m, n), dtype=out_dtype, device=q.device)
-    if m == 0:
+    if m == 0 or n == 0:
         return y
     cfg = config or pick_config(m, n)
     tma = cfg.tma and not interpreting() and _tma_ok(q) and _tma_ok(weight)
