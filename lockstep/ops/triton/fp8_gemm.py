@@ -22,10 +22,11 @@ dot starts from zero, so the tensor cores' reduced-precision FP8 accumulation (o
 128 products at most and the sum over blocks is fp32 on the CUDA cores, in ascending order,
 never split. Multiply-add contraction is off (`enable_fp_fusion=False`) so the three roundings
 are those written. The tile shape is a speed choice from `TILE_TABLE`, keyed by M and N (never
-autotuned at run time). Every table config uses the same MMA flavour (wgmma: BM a multiple of
-64), whose per-block sum is what the bits rest on; tests/test_fp8_gemm.py checks rows for every
-M across the table's buckets on the GPU, and under the interpreter the indexing, masking and
-block order.
+autotuned at run time). Every table config uses the same MMA flavour, wgmma (BM a multiple of
+64), whose per-block sum is what the bits rest on: at BM 16 or 32 Triton compiles the dot to
+mma.sync on e4m3 values widened to fp16 (the sm_90 PTX shows it), another accumulation.
+tests/test_fp8_gemm.py checks rows for every M across the table's buckets on the GPU, and under
+the interpreter the indexing, masking and block order.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.fp8 import AMAX_FLOOR, BLOCK, E4M3, E4M3_MAX, SCHEMES
 from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 
-E4M3 = torch.float8_e4m3fn
-SCALE_BLOCK = 128  # the weight's scale block (N and K) and the activation group ("block")
-AMAX_FLOOR = 1e-10  # lockstep.ops.fp8.AMAX_FLOOR: an all-zero group still gets a finite scale
-SCHEMES = ("block", "tensor", "channel")
+SCALE_BLOCK = BLOCK  # the weight's scale block (N and K) and the activation group ("block")
+# The spec's constants as compile-time values of the kernels.
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 # The kernels' scale modes (constexpr), one per scheme.
 _MODE = {"block": 0, "tensor": 1, "channel": 2}
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -130,7 +132,7 @@ def _quantize_kernel(
             cols = start + g[:, None] * 128 + c[None, :]
             v = tl.load(xrow + cols * sxk, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        s = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-10), 448.0)
+        s = tl.div_rn(tl.maximum(tl.max(amax, axis=0), _FLOOR), _E4M3_MAX)
         tl.store(scale + row.to(tl.int64) * ss, s)
         for start in range(0, K, 128 * GROUPS):
             cols = start + g[:, None] * 128 + c[None, :]
@@ -140,7 +142,7 @@ def _quantize_kernel(
         cols = g[:, None] * 128 + c[None, :]
         v = tl.load(xrow + cols * sxk, mask=cols < K, other=0.0).to(tl.float32)
         if MODE == 0:
-            s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10), 448.0)
+            s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), _FLOOR), _E4M3_MAX)
             tl.store(scale + row.to(tl.int64) * ss + g, s, mask=g * 128 < K)
             s = s[:, None]
         else:
@@ -187,7 +189,7 @@ def quantize_activation(
         sx = torch.empty((m, cols), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, sx
-    mode = {"block": 0, "tensor": 1, "channel": 2}[scheme]
+    mode = _MODE[scheme]
     per_program = 8 if mode != 2 else 4
     grid = (m, triton.cdiv(groups, per_program) if mode != 2 else 1)
     _quantize_kernel[grid](
