@@ -225,6 +225,16 @@ def test_fp8_linear_strided_3d_input_equals_2d() -> None:
     assert torch.equal(y.reshape(14, 80), y2)
 
 
+def test_the_spec_entry_point_runs_this_kernel() -> None:
+    """`lockstep.ops.fp8.fp8_linear` (what the GPU backend calls) is this module's kernel:
+    the same bits, keyword arguments as the interface fixes them, x's dtype out."""
+    wq, ws, ins, bias = _weight(64, 160, "tensor", seed=13)
+    x = _x(3, 160, seed=14, dtype=torch.bfloat16)
+    y = spec.fp8_linear(x, wq, ws, "tensor", input_scale=ins, bias=bias)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, f8.fp8_linear(x, wq, ws, "tensor", ins, bias))
+
+
 def test_table_uses_one_mma_flavour_and_ends_unbounded() -> None:
     """Every table BM is a multiple of 64 (wgmma on Hopper: the module docstring's reason) and
     the last row catches every shape."""
