@@ -102,7 +102,7 @@ def run(sweep: bool, log) -> list[dict]:
             rec["eff_tensor"] = rec["smm_tensor_ms"] / rec["ours_tensor_ms"]
             rec["eff_channel"] = rec["smm_row_ms"] / rec["ours_channel_ms"]
             rec["eff_block_vs_row"] = rec["smm_row_ms"] / rec["ours_block_ms"]
-            rec["table_cfg"] = f8.pick_config(m, n).__dict__
+            rec["table_cfg"] = f8.pick_config(m, n, k).__dict__
             if m <= 16:
                 rec["bf16_ms"] = graph_ms(partial(mm.matmul, x, wb))
                 rec["block_linear_vs_bf16"] = rec["ours_block_linear_ms"] / rec["bf16_ms"]

@@ -26,8 +26,9 @@ from lockstep.ops.triton import fp8_gemm as f8
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 # fp32 output against the float64 reference, relative to the largest |value|: the interpreter's
-# block dots are exact; Hopper's FP8 MMA accumulates a block's products with reduced precision.
-TOL32 = 1e-3 if GPU else 1e-6
+# block dots are exact; Hopper's FP8 MMA accumulates a block's products with reduced precision
+# (0.55% of the largest value measured on qkv, docs/gpu.md; the spec's GPU bound is 1%).
+TOL32 = 1e-2 if GPU else 1e-6
 gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
 
 
@@ -239,8 +240,8 @@ def test_table_uses_one_mma_flavour_and_ends_unbounded() -> None:
     """Every table BM is a multiple of 64 (wgmma on Hopper: the module docstring's reason) and
     the last row catches every shape."""
     assert all(cfg.bm % 64 == 0 for *_, cfg in f8.TILE_TABLE)
-    assert f8.TILE_TABLE[-1][:2] == (f8._INF, f8._INF)
-    assert f8.pick_config(10**9, 10**9) is f8.TILE_TABLE[-1][2]
+    assert f8.TILE_TABLE[-1][:3] == (f8._INF, f8._INF, f8._INF)
+    assert f8.pick_config(10**9, 10**9, 10**9) is f8.TILE_TABLE[-1][3]
 
 
 def test_wrapper_refuses_bad_arguments_with_one_line() -> None:
@@ -330,6 +331,7 @@ def test_gpu_table_configs_agree() -> None:
 @pytest.mark.gpu
 def test_gpu_matches_the_reference_and_quantizes_like_the_spec() -> None:
     rtol, atol = spec.GPU_TOLERANCE
+    errors = {}
     for name, (n, k) in GPU_SHAPES.items():
         for dtype in (torch.bfloat16, torch.float16):
             x = (torch.randn(64, k, device="cuda") * 3).to(dtype)
@@ -347,7 +349,13 @@ def test_gpu_matches_the_reference_and_quantizes_like_the_spec() -> None:
                 scale = float(ref.abs().max())
                 torch.testing.assert_close(y.double().cpu(), ref, rtol=rtol, atol=atol * scale)
                 y32 = f8.fp8_linear(x, wq, ws, scheme, ins, bias, out_dtype=torch.float32)
-                assert _rel(y32, ref) < TOL32, (name, scheme, _rel(y32, ref))
+                errors[(name, scheme, str(dtype)[6:])] = round(_rel(y32, ref), 5)
+                if scheme == "tensor":  # cuBLAS on the same operands, for the record
+                    smm = torch._scaled_mm(q, wq.T, scale_a=ins, scale_b=ws[:1].contiguous(),
+                                           out_dtype=torch.float32)  # fmt: skip
+                    errors[(name, "scaled_mm", str(dtype)[6:])] = round(_rel(smm + bias, ref), 5)
+    print("fp32-out error / max|ref|:", errors)
+    assert max(v for key, v in errors.items() if key[1] != "scaled_mm") < TOL32, errors
 
 
 @gpu
@@ -373,32 +381,32 @@ def test_gpu_cuda_graph_replay_equals_eager() -> None:
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_controls_batch_scale_and_scaled_mm_vary_with_m() -> None:
-    """Negative controls on the GPU: a batch-wide dynamic activation scale changes row 0 with
-    its batch-mates; and torch._scaled_mm (the fast path: cuBLASLt, per-tensor and row-wise
-    scales, on the same quantized operands) gives row 0 more than one set of bits over the
-    M sweep on at least one Qwen3-8B shape, where our kernel gives one."""
-    varies = {}
-    for name, (n, k) in GPU_SHAPES.items():
-        if name == "k80":
-            continue
-        wq, ws, _, _ = _gpu_weight(n, k, "channel", seed=5)
+def test_gpu_controls_batch_scale_and_fast_path_vary_with_m() -> None:
+    """Negative controls on the GPU: the fast mode's "block" path (dequantized bf16 operands
+    through cuBLAS, `GpuFastOps.fp8_linear`) gives row 0 more than one set of bits over the M
+    sweep on a Qwen3-8B shape, where our kernel gives one; and a batch-wide dynamic activation
+    scale changes row 0 with its batch-mates. torch._scaled_mm's variants are printed: it kept
+    one per shape at these M on the H200 (docs/gpu.md), so it is no control here."""
+    variants = {}
+    for name in ("o", "down"):
+        n, k = GPU_SHAPES[name]
+        wq, ws, _, _ = _gpu_weight(n, k, "block", seed=5)
         x = torch.randn(max(GPU_MS), k, device="cuda", dtype=torch.bfloat16)
+        what = spec.dequantize_weight("block", wq, ws).to(torch.bfloat16)
+        fast, ours, smm = set(), set(), set()
         q, sx = f8.quantize_activation(x, "channel")
-        for scaling in ("tensor", "row"):
-            a_s = sx.amax().reshape(()) if scaling == "tensor" else sx
-            b_s = ws.amax().reshape(()) if scaling == "tensor" else ws.reshape(1, n)
-            rows = set()
-            for m in GPU_MS:
-                y = torch._scaled_mm(q[:m], wq.T, scale_a=a_s if scaling == "tensor" else a_s[:m],
-                                     scale_b=b_s, out_dtype=torch.bfloat16)  # fmt: skip
-                rows.add(_bits(y[:1]).cpu().numpy().tobytes())
-            varies[(name, scaling)] = len(rows)
-        ours = {_bits(f8.fp8_linear(x[:m], wq, ws, "channel")[:1]).cpu().numpy().tobytes()
-                for m in GPU_MS}  # fmt: skip
+        wq_c, ws_c, _, _ = _gpu_weight(n, k, "channel", seed=5)
+        for m in GPU_MS:
+            xhat = spec.dequantized_activation(x[:m], "block", None).to(torch.bfloat16)
+            fast.add(_bits(torch.nn.functional.linear(xhat, what)[:1]).cpu().numpy().tobytes())
+            ours.add(_bits(f8.fp8_linear(x[:m], wq, ws, "block")[:1]).cpu().numpy().tobytes())
+            y = torch._scaled_mm(q[:m], wq_c.T, scale_a=sx[:m], scale_b=ws_c.view(1, n),
+                                 out_dtype=torch.bfloat16)  # fmt: skip
+            smm.add(_bits(y[:1]).cpu().numpy().tobytes())
         assert len(ours) == 1, name
-    print("torch._scaled_mm row-0 variants over M:", varies)
-    assert max(varies.values()) > 1, varies
+        variants[name] = {"fast_block": len(fast), "scaled_mm_rowwise": len(smm)}
+    print("row-0 variants over M:", variants)
+    assert max(v["fast_block"] for v in variants.values()) > 1, variants
 
     n, k = GPU_SHAPES["o"]
     wq, ws, _, bias = _gpu_weight(n, k, "tensor", seed=6)

@@ -21,7 +21,7 @@ A partial last block reads zeros past K (masked loads, or TMA's out-of-bounds fi
 dot starts from zero, so the tensor cores' reduced-precision FP8 accumulation (on Hopper) spans
 128 products at most and the sum over blocks is fp32 on the CUDA cores, in ascending order,
 never split. Multiply-add contraction is off (`enable_fp_fusion=False`) so the three roundings
-are those written. The tile shape is a speed choice from `TILE_TABLE`, keyed by M and N (never
+are those written. The tile shape is a speed choice from `TILE_TABLE`, keyed by M, N and K (never
 autotuned at run time). Every table config uses the same MMA flavour, wgmma (BM a multiple of
 64), whose per-block sum is what the bits rest on: at BM 16 or 32 Triton compiles the dot to
 mma.sync on e4m3 values widened to fp16 (the sm_90 PTX shows it), another accumulation.
@@ -61,25 +61,24 @@ class Fp8GemmConfig:
 
 _INF = 1 << 62
 _C = Fp8GemmConfig
-# (largest M, largest N, config): the first row that fits is used. BK is always 128 (the scale
-# block). BM is 64 or 128 everywhere (wgmma; see the module docstring). Small M streams the
-# weight: narrow N tiles for enough programs, and deep pipelines for enough weight bytes in
-# flight per SM: 12 stages (147 KB of shared memory, one program per SM) where N <= 4096 gives
-# at most 128 programs, 8 (98 KB, two per SM) where there are more programs than SMs.
-TILE_TABLE: tuple[tuple[int, int, Fp8GemmConfig], ...] = (
-    (16, 4096, _C(64, 32, 4, 12)),
-    (16, 8192, _C(64, 32, 4, 8)),
-    (16, _INF, _C(64, 64, 4, 6)),
-    (64, 8192, _C(64, 64, 4, 6)),
-    (64, _INF, _C(64, 128, 4, 4)),
-    (128, 8192, _C(64, 128, 4, 4)),
-    (_INF, _INF, _C(128, 128, 8, 4)),
+# (largest M, largest N, largest K, config): the first row that fits is used. BK is always 128
+# (the scale block); BM is 64 or 128 everywhere (wgmma; see the module docstring). Chosen from
+# `python -m bench.fp8_gemm` on the H200 (docs/gpu.md, FP8 linears): 64 x 64 tiles up to M 256
+# (at N <= 8192; 64 x 128 above), 64 x 128 tiles up to M 1024 and for K <= 8192, 128 x 128 on
+# 8 warps for the long K of down projections at M > 1024 (GROUP_M 16 for L2 reuse).
+TILE_TABLE: tuple[tuple[int, int, int, Fp8GemmConfig], ...] = (
+    (16, _INF, _INF, _C(64, 64, 4, 6)),
+    (128, 8192, _INF, _C(64, 64, 4, 6)),
+    (256, 8192, _INF, _C(64, 64, 4, 4)),
+    (1024, _INF, _INF, _C(64, 128, 4, 4)),
+    (_INF, _INF, 8192, _C(64, 128, 4, 4)),
+    (_INF, _INF, _INF, _C(128, 128, 8, 4, group_m=16)),
 )
 
 
-def pick_config(m: int, n: int) -> Fp8GemmConfig:
-    for max_m, max_n, cfg in TILE_TABLE:
-        if m <= max_m and n <= max_n:
+def pick_config(m: int, n: int, k: int) -> Fp8GemmConfig:
+    for max_m, max_n, max_k, cfg in TILE_TABLE:
+        if m <= max_m and n <= max_n and k <= max_k:
             return cfg
     raise AssertionError("TILE_TABLE must end with an unbounded bucket")
 
@@ -325,7 +324,7 @@ def fp8_gemm(
     y = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or pick_config(m, n)
+    cfg = config or pick_config(m, n, k)
     tma = cfg.tma and not interpreting() and _tma_ok(q) and _tma_ok(weight)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
