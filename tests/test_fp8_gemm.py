@@ -212,8 +212,8 @@ def test_stacked_small_m_kernel_equals_the_plain_one(scheme: str) -> None:
         wq, ws, ins, bias = _weight(n, k, scheme, seed=15)
         x = _x(2 * 32, k, seed=16)[::2]  # every other row: a row stride of 2 K
         plain = f8.fp8_linear(x, wq, ws, scheme, ins, bias, torch.float32, _configs()[1])
-        for cfg in STACKED:
-            for m in (1, 5, 32):
+        for cfg, ms in ((STACKED[0], (1, 5, 32)), (STACKED[1], (32,))):
+            for m in ms:
                 got = f8.fp8_linear(x[:m], wq, ws, scheme, ins, bias, torch.float32, cfg)
                 assert torch.equal(got, plain[:m]), (n, k, cfg, m)
     with pytest.raises(ValueError, match="stacked"):
