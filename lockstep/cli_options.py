@@ -11,13 +11,15 @@ import argparse
 import dataclasses
 from typing import Any
 
-from lockstep.config import DEVICES, DTYPES, MODES, EngineConfig
+from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, EngineConfig
 
 _HELP = {
     "model": "GGUF file, Hugging Face folder or random:PRESET (default: embedded SmolLM2-135M)",
     "mode": "deterministic (default) or fast (plain torch/cuBLAS; the yardstick)",
     "device": "auto, cpu or cuda",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16",
+    "kv_dtype": "KV cache element type: auto (the model dtype) or fp8_e4m3 (one byte per value, "
+    "scale 1.0: twice the tokens of a bf16 cache in the same memory)",
     "kv_tokens": "KV pool size in tokens (default: a fraction of free memory)",
     "kv_memory_fraction": "share of memory for the KV pool when --kv-tokens is absent (default: "
     "0.9 of the GPU memory left after the weights, the step's workspace and the CUDA graphs; "
@@ -37,7 +39,7 @@ _HELP = {
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
-_CHOICES = {"mode": MODES, "device": DEVICES, "dtype": DTYPES}
+_CHOICES = {"mode": MODES, "device": DEVICES, "dtype": DTYPES, "kv_dtype": KV_DTYPES}
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 
 

@@ -21,6 +21,9 @@ from lockstep.errors import ConfigError
 MODES = ("deterministic", "fast")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
+# The KV cache's element type: "auto" is the model dtype; "fp8_e4m3" stores every K/V value as
+# float8_e4m3fn at scale 1.0 (lockstep/ops/fp8.py, "FP8 KV cache"), a byte per value.
+KV_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class EngineConfig:
     mode: str = "deterministic"
     device: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    kv_dtype: str = "auto"  # auto: the model dtype; fp8_e4m3: one byte per K/V value
     kv_tokens: int | None = None  # KV pool size in tokens; None: from kv_memory_fraction
     # The four below: None means the device's default (`DEVICE_DEFAULTS`, resolved by the
     # `resolved_*` properties).
@@ -77,6 +81,7 @@ class EngineConfig:
         _choice("mode", self.mode, MODES)
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
+        _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         if self.kv_tokens is not None:
             _positive_int("kv_tokens", self.kv_tokens)
         if self.kv_memory_fraction is not None and not (
@@ -144,6 +149,11 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device == "cuda" else "float32"
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        """The KV cache's torch dtype name: the model dtype, or float8_e4m3fn."""
+        return "float8_e4m3fn" if self.kv_dtype == "fp8_e4m3" else self.resolved_dtype
 
     @property
     def _defaults(self) -> DeviceDefaults:

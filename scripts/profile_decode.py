@@ -26,6 +26,7 @@ from bench.gpu_kernels import copy_bandwidth  # noqa: E402
 from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.engine import Engine  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
+from lockstep.ops.fp8 import Fp8Weight  # noqa: E402
 
 
 def step_weight_bytes(engine: Engine) -> int:
@@ -37,6 +38,8 @@ def step_weight_bytes(engine: Engine) -> int:
         for t in vars(layer).values():
             if isinstance(t, torch.Tensor):
                 tensors[id(t)] = t
+            elif isinstance(t, Fp8Weight):  # e4m3 weight and its scales
+                tensors.update((id(part), part) for part in t.tensors())
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -44,17 +44,17 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
             num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[2],
         )  # fmt: skip
         return transformers.Qwen3MoeConfig(**{**qwen3, **moe, **overrides})
-    return transformers.Qwen3Config(**qwen3)
+    return transformers.Qwen3Config(**{**qwen3, **overrides})
 
 
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (qwen3_moe only, e.g. decoder_sparse_step=2)."""
+    `config_overrides`: config keys (qwen3 and qwen3_moe, e.g. decoder_sparse_step=2)."""
     import transformers
 
-    if config_overrides and family != "qwen3_moe":
-        raise ValueError(f"config overrides are for qwen3_moe, not {family}")
+    if config_overrides and family not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"config overrides are for qwen3 and qwen3_moe, not {family}")
     default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4}[family]
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(

@@ -58,6 +58,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
+        self.kv_dtype = getattr(torch, config.resolved_kv_dtype)
         loaded = resolve_model(config.model, random_seed=config.random_seed)
         self.loaded = loaded
         self.model_name = loaded.name
@@ -71,15 +72,18 @@ class Engine:
                 f"{loaded.source}: head_dim={spec.head_dim} is not supported by the "
                 f"{self.ops.name} backend: supported head_dim values are {head_dims}"
             )
-        self.decoder = Decoder.load(loaded, self.ops, self.dtype, self.device, self.max_model_len)
+        self.decoder = Decoder.load(
+            loaded, self.ops, self.dtype, self.device, self.max_model_len, self.kv_dtype
+        )
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         self.pool = KVPool(
-            kv_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
-        )
+            kv_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.kv_dtype,
+            self.device,
+        )  # fmt: skip
         self.radix = RadixCache(self.pool, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.pool,
@@ -421,6 +425,7 @@ class Engine:
             "ops_backend": self.ops.name,
             "mode": self.config.mode,
             "dtype": self.config.resolved_dtype,
+            "kv_dtype": self.config.resolved_kv_dtype,
             "device": self.device.type,
             "device_name": _device_name(self.device),
             "model": self.model_name,
@@ -435,7 +440,7 @@ class Engine:
         of the available RAM."""
         spec, config = self.decoder.spec, self.config
         per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                           self.dtype)  # fmt: skip
+                                           self.kv_dtype)  # fmt: skip
         fraction = config.resolved_kv_memory_fraction
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(memory.available_ram(), per_token, fraction)

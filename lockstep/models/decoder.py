@@ -8,7 +8,8 @@ deterministic CPU kernels, the Triton kernels, the fast yardstick and the float6
 Weights are loaded strictly: every tensor the loader yields must be expected and every expected
 tensor must arrive, else `ModelLoadError`. q/k/v are fused into one projection and gate/up into
 another at load time (fewer, larger matmuls); fusing concatenates rows, so each output element's
-reduction is unchanged. A sparse layer's experts are stacked into one gate_up [E, 2I, K] and one
+reduction is unchanged. FP8 linears (lockstep/ops/fp8.py) fuse the same way: weights by rows,
+per-row and per-block scales with their rows (`_fuse_fp8`). A sparse layer's experts are stacked into one gate_up [E, 2I, K] and one
 down [E, H, I] tensor (lockstep.ops.moe, "Weights").
 
 Position invariance: every op here is row-local (its row's bits depend only on that row) except
@@ -32,6 +33,7 @@ from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
+from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
 from lockstep.ops.moe import MoeLayer, prepare_expert_weights
 
 if TYPE_CHECKING:
@@ -44,17 +46,27 @@ class KVStorage(Protocol):
     def v_cache(self, layer: int) -> torch.Tensor: ...
 
 
+Linear = torch.Tensor | Fp8Weight  # a prepared linear weight, plain or FP8
+
+
+def linear(ops: Ops, x: torch.Tensor, w: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) through the backend's plain or FP8 linear, by the weight's kind."""
+    if isinstance(w, Fp8Weight):
+        return ops.fp8_linear(x, w, bias)
+    return ops.linear(x, w, bias)
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # prepared linear weight, rows q | k | v
+    qkv: Linear  # prepared linear weight, rows q | k | v
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None  # dense layers: prepared linear weight, rows gate | up
-    down: torch.Tensor | None
+    gate_up: Linear | None  # dense layers: prepared linear weight, rows gate | up
+    down: Linear | None
     router: torch.Tensor | None  # sparse layers: prepared linear weight [E, H]
     experts_gate_up: torch.Tensor | None  # sparse layers: [E, 2I, K'] (lockstep.ops.moe)
     experts_down: torch.Tensor | None  # sparse layers: [E, H, I']
@@ -97,6 +109,7 @@ class Decoder:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         max_position: int,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec = spec
         self.ops = ops
@@ -107,6 +120,7 @@ class Decoder:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.max_position = max_position
+        self.kv_dtype = kv_dtype or dtype  # the KV cache's (float8_e4m3fn: lockstep/ops/fp8.py)
         self.act_dtype = torch.float32 if device.type == "cpu" else dtype
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
@@ -132,9 +146,11 @@ class Decoder:
         dtype: torch.dtype,
         device: torch.device | str,
         max_position: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> Decoder:
-        """Load `loaded`'s weights strictly, convert them to `dtype` on `device` and fuse the
-        projections. Missing or unexpected tensors raise `ModelLoadError`."""
+        """Load `loaded`'s weights strictly, convert them to `dtype` on `device` (FP8 weights
+        and their scales keep theirs) and fuse the projections. Missing or unexpected tensors
+        raise `ModelLoadError`. `kv_dtype`: the KV cache's dtype (default `dtype`)."""
         device = torch.device(device)
         spec = loaded.spec
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
@@ -148,7 +164,7 @@ class Decoder:
         ]
         return cls(
             spec, ops, dtype, device, parts["embed"], layers, parts["final_norm"],
-            parts["lm_head"], max_position or spec.max_position,
+            parts["lm_head"], max_position or spec.max_position, kv_dtype,
         )  # fmt: skip
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
@@ -172,9 +188,15 @@ class Decoder:
             for target, kind, names in _consume(weight_layout(spec), got):
                 parts = [got[n] for n in names]
                 new = _prepare(spec, kind, parts, self.ops, self.dtype, self.device)
-                self._tensor_at(target).copy_(new)
+                old = self._tensor_at(target)
+                if isinstance(old, Fp8Weight):
+                    assert isinstance(new, Fp8Weight)
+                    for live, fresh in zip(old.tensors(), new.tensors(), strict=True):
+                        live.copy_(fresh)
+                else:
+                    old.copy_(new)
 
-    def _tensor_at(self, target: str) -> torch.Tensor:
+    def _tensor_at(self, target: str) -> Linear:
         """The live tensor a `weight_layout` target names ("layers.3.qkv", "embed", ...)."""
         if target.startswith("layers."):
             _, index, name = target.split(".")
@@ -197,20 +219,20 @@ class Decoder:
                 x = ops.rms_norm(h, w.input_norm, spec.rms_norm_eps)
             else:
                 x, residual = ops.add_rms_norm(h, residual, w.input_norm, spec.rms_norm_eps)
-            qkv = ops.linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(ops, x, w.qkv, w.qkv_bias)
             layer_kv = LayerKV(kv.k_cache(i), kv.v_cache(i))
             q = ops.attention_input(
                 qkv, self.attention_inputs[i], batch.positions, batch.out_slots, layer_kv
             )
             o = ops.attention(q, layer_kv, batch.meta, self.scale)
-            h = ops.linear(o.reshape(t, spec.q_size), w.o)
+            h = linear(ops, o.reshape(t, spec.q_size), w.o)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
             moe = self.moe_layers[i]
             if moe is not None:
                 h = ops.moe(x, moe)
             else:
                 assert w.gate_up is not None and w.down is not None
-                h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
+                h = linear(ops, ops.silu_mul(linear(ops, x, w.gate_up)), w.down)
         assert residual is not None
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
@@ -225,7 +247,7 @@ class Decoder:
         """One cold full prefill of `token_ids` in a private KV cache (slot j holds position
         j): every position's logits [T, vocab] float32, and the cache it wrote."""
         n = len(token_ids)
-        kv = ScratchKV(self.spec, n, self.dtype, self.device)
+        kv = ScratchKV(self.spec, n, self.kv_dtype, self.device)
         positions = list(range(n))
         meta: AttentionMeta = build_attention_meta([n], [0], [positions])
         batch = ForwardBatch.from_lists(token_ids, positions, positions, meta, positions)
@@ -256,19 +278,37 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
     order. Kinds: "norm" (float32), "bias" (float32, concatenated), "embed" (as is), "linear"
     (rows concatenated, then `Ops.prepare_linear_weight`) and "experts" (the sources are
     expert-major, the same number per expert: each expert's rows concatenated, then stacked
-    and prepared by `prepare_expert_weights`)."""
+    and prepared by `prepare_expert_weights`) and "fp8" (an FP8 linear: its parts' weights,
+    then their weight scales, then their input scales ("tensor"), fused by `_fuse_fp8`)."""
     layout: list[tuple[str, str, list[str]]] = []
+
+    def add_linear(target: str, modules: list[str]) -> None:
+        fp8 = [spec.is_fp8_linear(m) for m in modules]
+        if not any(fp8):
+            layout.append((target, "linear", [m + ".weight" for m in modules]))
+            return
+        if not all(fp8):
+            raise ModelLoadError(
+                f"{modules[fp8.index(False)]} is not FP8 but {modules[fp8.index(True)]} is: "
+                "projections fused into one matmul must share one format"
+            )
+        assert spec.fp8 is not None
+        suffixes = [".weight", ".weight_scale"] + (
+            [".input_scale"] if spec.fp8.scheme == "tensor" else []
+        )
+        layout.append((target, "fp8", [m + s for s in suffixes for m in modules]))
+
     for i in range(spec.num_layers):
         p, t = f"model.layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
         layout.append((t + "input_norm", "norm", [p + "input_layernorm.weight"]))
-        layout.append((t + "qkv", "linear", [a + f"{x}_proj.weight" for x in "qkv"]))
+        add_linear(t + "qkv", [a + f"{x}_proj" for x in "qkv"])
         if spec.qkv_bias:
             layout.append((t + "qkv_bias", "bias", [a + f"{x}_proj.bias" for x in "qkv"]))
         if spec.qk_norm:
             layout.append((t + "q_norm", "norm", [a + "q_norm.weight"]))
             layout.append((t + "k_norm", "norm", [a + "k_norm.weight"]))
-        layout.append((t + "o", "linear", [a + "o_proj.weight"]))
+        add_linear(t + "o", [a + "o_proj"])
         layout.append((t + "post_norm", "norm", [p + "post_attention_layernorm.weight"]))
         if spec.is_sparse(i):
             assert spec.moe is not None
@@ -279,9 +319,8 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
             down = [e + "down_proj.weight" for e in experts]
             layout.append((t + "experts_down", "experts", down))
         else:
-            gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            layout.append((t + "gate_up", "linear", gate_up))
-            layout.append((t + "down", "linear", [p + "mlp.down_proj.weight"]))
+            add_linear(t + "gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+            add_linear(t + "down", [p + "mlp.down_proj"])
     layout.append(("embed", "embed", ["model.embed_tokens.weight"]))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     layout.append(("lm_head", "linear", [head]))
@@ -296,7 +335,10 @@ def _prepare(
     ops: Ops,
     dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor:
+) -> Linear:
+    if kind == "fp8":
+        assert spec.fp8 is not None
+        return _fuse_fp8(spec.fp8.scheme, parts, ops, device)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
     fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -307,6 +349,31 @@ def _prepare(
         stacked = fused.view(spec.moe.num_experts, -1, fused.shape[1])
         return prepare_expert_weights(ops.prepare_linear_weight, stacked)
     return fused if kind == "embed" else ops.prepare_linear_weight(fused.contiguous())
+
+
+def _fuse_fp8(scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.device) -> Fp8Weight:
+    """One FP8 linear from its parts' (weights, weight scales[, input scales]) in canonical
+    form (spec.py): weights and per-row or per-block scales concatenated by rows; a "tensor"
+    part's scalar repeated over its rows; the parts' static input scales, which all see the
+    same activation, merged into their maximum (docs/models.md)."""
+    count = len(parts) // (3 if scheme == "tensor" else 2)
+    weights, scales = parts[:count], parts[count : 2 * count]
+    if scheme == "block" and count > 1:
+        uneven = next((w for w in weights[:-1] if w.shape[0] % BLOCK), None)
+        if uneven is not None:
+            raise ModelLoadError(
+                f"FP8 block scales cannot be fused: a part has {uneven.shape[0]} rows, not a "
+                f"multiple of {BLOCK}"
+            )
+    if scheme == "tensor":
+        scales = [s.reshape(1).expand(w.shape[0]) for w, s in zip(weights, scales, strict=True)]
+    weight = torch.cat(weights, dim=0).to(device).contiguous()
+    weight_scale = torch.cat(scales, dim=0).to(device=device, dtype=torch.float32).contiguous()
+    input_scale = None
+    if scheme == "tensor":
+        input_scale = torch.stack([s.reshape(()) for s in parts[2 * count :]]).amax()
+        input_scale = input_scale.to(device=device, dtype=torch.float32)
+    return ops.prepare_fp8_linear(scheme, weight, weight_scale, input_scale)
 
 
 def _consume(
@@ -321,6 +388,15 @@ def _consume(
             uses[name] -= 1
             if not uses[name]:
                 del got[name]
+
+
+def _stored_dtype(spec: ModelSpec, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the decoder keeps canonical tensor `name` in before preparation."""
+    if name.endswith(("norm.weight", ".bias", "_scale")):
+        return torch.float32
+    if name.endswith(".weight") and spec.is_fp8_linear(name.removesuffix(".weight")):
+        return E4M3
+    return dtype
 
 
 def _collect(
@@ -346,8 +422,17 @@ def _collect(
                 f"{source}: tensor {name!r} has shape {list(tensor.shape)}, expected"
                 f" {list(shape)} for this model"
             )
+        keep = _stored_dtype(spec, name, dtype)
+        if keep == E4M3 and tensor.dtype != E4M3:
+            raise ModelLoadError(
+                f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected float8_e4m3fn "
+                f"(an FP8 {spec.fp8.scheme if spec.fp8 else ''} linear)"
+            )
+        if name.endswith("_scale") and not tensor.is_floating_point():
+            raise ModelLoadError(
+                f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected float32"
+            )
         if device is not None:
-            keep = torch.float32 if name.endswith(("norm.weight", ".bias")) else dtype
             tensor = tensor.to(device=device, dtype=keep, copy=True)
         got[name] = tensor
     missing = [n for n in expected_weight_names(spec) if n not in got]

@@ -4,13 +4,18 @@ Supported: model_type llama, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm, explicit 
 and qwen3_moe (Qwen3 attention, routed experts: lockstep.models.moe). Tensor names in these
 checkpoints are already the canonical ones (spec.py); the loader lists exactly what the files
 hold, so the decoder's strict load sees any tensor this loader does not understand. The only
-tensors left out, each for a stated reason, are old checkpoints' rotary inv_freq buffers and
-an lm_head.weight stored beside tied embeddings.
+tensors left out, each for a stated reason, are old checkpoints' rotary inv_freq buffers, an
+lm_head.weight stored beside tied embeddings, and FP8 checkpoints' k/v cache scales.
+
+FP8 checkpoints (a `quantization_config`): the formats, their refusals and their tensor names
+are in fp8_formats.py; which projections are FP8 is read from the stored dtypes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +25,12 @@ import torch
 from safetensors import safe_open
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.fp8_formats import KV_SCALE_SUFFIXES, Fp8Format, fp8_format
 from lockstep.models.moe import hf_moe_spec, refuse_unsupported_moe
-from lockstep.models.spec import MOE_FAMILIES, ModelSpec, RopeScaling
+from lockstep.models.spec import MOE_FAMILIES, QUANTIZABLE, Fp8Spec, ModelSpec, RopeScaling
 from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -73,7 +81,6 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     refused = {
-        "quantization_config": config.get("quantization_config") is not None,
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         # Llama and Qwen3 put this bias on o_proj too, which ModelSpec has no flag for.
         "attention_bias": bool(config.get("attention_bias")) and model_type != "qwen2",
@@ -84,8 +91,7 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
         if bad:
             raise ModelLoadError(
                 f"{where}: {key}={config.get(key)!r} is not supported; supported: Llama/Qwen2/Qwen3"
-                "/Qwen3-MoE models with silu MLPs, no o_proj/MLP bias, no sliding window, "
-                "unquantized"
+                "/Qwen3-MoE models with silu MLPs, no o_proj/MLP bias, no sliding window"
             )
     theta, scaling = _rope(config, folder)
     try:
@@ -117,9 +123,11 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
 
 
 class SafetensorsWeights:
-    """The folder's tensors, read one at a time from memory-mapped safetensors files."""
+    """The folder's tensors, read one at a time from memory-mapped safetensors files, in
+    canonical names (an FP8 format's scale names and shapes made canonical)."""
 
-    def __init__(self, folder: Path, spec: ModelSpec) -> None:
+    def __init__(self, folder: Path, spec: ModelSpec, fmt: Fp8Format | None = None) -> None:
+        self._fmt = fmt
         index = folder / _INDEX_FILE
         if index.exists():
             weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
@@ -132,6 +140,8 @@ class SafetensorsWeights:
                 f"(sharded with {_INDEX_FILE})"
             )
         self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key in file)
+        self.fp8_modules: set[str] = set()  # linears whose weight is stored as e4m3
+        kv_scales = []
         for file_name in files:
             path = folder / file_name
             if not path.exists():
@@ -140,12 +150,37 @@ class SafetensorsWeights:
                 )
             with safe_open(path, framework="pt") as handle:
                 keys = list(handle.keys())
+                fp8 = {k for k in keys if handle.get_slice(k).get_dtype() == "F8_E4M3"}
             for key in keys:
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer derived from rope_theta, saved by old checkpoints
                 if key == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: transformers ignores the copy and uses the embedding
-                self._where[key] = (path, key)
+                if fmt is not None and key.endswith(KV_SCALE_SUFFIXES):
+                    kv_scales.append(key)  # the FP8 KV cache's scale is 1.0 (fp8_formats.py)
+                    continue
+                if key in fp8:
+                    self._check_fp8_weight(folder, key)
+                    self.fp8_modules.add(key.removesuffix(".weight"))
+                name = key if fmt is None else fmt.canonical(key)
+                self._where[name] = (path, key)
+        if kv_scales:
+            logger.warning(
+                "%s: %d k/v cache scales (e.g. %s) are not used: the FP8 KV cache has scale 1.0",
+                folder, len(kv_scales), kv_scales[0],
+            )  # fmt: skip
+
+    def _check_fp8_weight(self, folder: Path, key: str) -> None:
+        if self._fmt is None:
+            raise ModelLoadError(
+                f"{folder}: tensor {key!r} is float8_e4m3fn but config.json has no "
+                "quantization_config naming its scales"
+            )
+        if not key.endswith(".weight") or key.rsplit(".", 2)[-2] not in QUANTIZABLE:
+            raise ModelLoadError(
+                f"{folder}: tensor {key!r} is float8_e4m3fn; FP8 is supported for the "
+                f"projections {', '.join(QUANTIZABLE)} only"
+            )
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -160,7 +195,14 @@ class SafetensorsWeights:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in names:
                     tensor = handle.get_tensor(self._where[name][1])
-                    target = torch.float32 if name.endswith("norm.weight") else dtype
+                    if self._fmt is not None:
+                        tensor = self._fmt.canonical_tensor(name, tensor)
+                    if name.endswith("norm.weight"):
+                        target = torch.float32
+                    elif tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale"):
+                        target = tensor.dtype  # FP8 weights and their scales: as stored
+                    else:
+                        target = dtype
                     yield name, tensor.to(device=device, dtype=target).contiguous()
 
 
@@ -249,5 +291,28 @@ def load_hf_folder(folder: Path) -> tuple[ModelSpec, Tokenizer, SafetensorsWeigh
         )
     config = _read_json(config_path)
     spec = hf_spec(config, folder)
+    fmt = fp8_format(config, f"{folder}/config.json")
     tokenizer = hf_tokenizer(folder, config)
-    return spec, tokenizer, SafetensorsWeights(folder, spec)
+    weights = SafetensorsWeights(folder, spec, fmt)
+    if fmt is not None:
+        spec = _fp8_spec(spec, fmt, weights, folder)
+    return spec, tokenizer, weights
+
+
+def _fp8_spec(
+    spec: ModelSpec, fmt: Fp8Format, weights: SafetensorsWeights, folder: Path
+) -> ModelSpec:
+    """`spec` with its FP8 linears: those stored as e4m3; the other projections are skipped."""
+    if not weights.fp8_modules:
+        raise ModelLoadError(
+            f"{folder}: config.json declares {fmt.method} FP8 quantization but no weight is "
+            "stored as float8_e4m3fn"
+        )
+    modules = {n.removesuffix(".weight") for n in weights.names() if n.endswith(".weight")}
+    skipped = sorted(
+        m for m in modules - weights.fp8_modules if m.rsplit(".", 1)[-1] in QUANTIZABLE
+    )
+    try:
+        return dataclasses.replace(spec, fp8=Fp8Spec(fmt.scheme, tuple(skipped)))
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder}/config.json: {exc}") from None

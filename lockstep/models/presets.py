@@ -9,12 +9,18 @@ drawn in float32 and then cast, so a bf16 model holds the bf16 roundings of the 
 Scales keep activations O(1) through many layers: projections N(0, 1/fan_in), embeddings
 N(0, 0.02^2), biases N(0, 0.1^2), every norm weight 1.
 
+FP8 presets ("-fp8": block-wise, "-fp8-static": per-tensor with static input scales,
+"-fp8-channel": per-channel weights) draw the same float32 projections and quantize them as
+the checkpoint formats do (`lockstep.ops.fp8.quantize_weight`); a static input scale covers
+activations up to +-STATIC_INPUT_AMAX. Embeddings, LM head and norms stay unquantized.
+
 The tokenizer is byte-level: ids 0-255 are the bytes, then a few special tokens, then unused
 ids up to the vocabulary size, with a ChatML template, so text prompts work end to end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.spec import (
+    Fp8Spec,
     ModelSpec,
     MoeSpec,
     RopeScaling,
@@ -33,6 +40,9 @@ from lockstep.models.spec import (
     expected_weight_shape,
 )
 from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet
+from lockstep.ops.fp8 import quantize_weight
+
+STATIC_INPUT_AMAX = 16.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,23 @@ PRESETS: dict[str, Preset] = {
     ),
 }  # fmt: skip
 
+
+def _fp8_variants() -> dict[str, Preset]:
+    """FP8 twins of the Qwen3 presets: "-fp8" block-wise (Qwen's own FP8 release format),
+    "-fp8-static" per-tensor static (ModelOpt), "-fp8-channel" per-channel (compressed-tensors
+    FP8_DYNAMIC)."""
+    variants = {"-fp8": "block", "-fp8-static": "tensor", "-fp8-channel": "channel"}
+    out = {}
+    for base in ("tiny-qwen3", "qwen3-0.6b", "qwen3-8b"):
+        preset = PRESETS[base]
+        for suffix, scheme in variants.items():
+            spec = dataclasses.replace(preset.spec, fp8=Fp8Spec(scheme))
+            out[base + suffix] = Preset(spec, preset.add_bos)
+    return out
+
+
+PRESETS.update(_fp8_variants())
+
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -139,11 +166,38 @@ class RandomWeights:
         self._spec = spec
         self._seed = random_seed
         self._names = expected_weight_names(spec)
+        self._quantized: tuple[str, dict[str, torch.Tensor]] | None = None  # the last module
 
     def names(self) -> list[str]:
         return list(self._names)
 
     def tensor(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Canonical tensor `name`: FP8 weights as float8_e4m3fn, their scales float32, the
+        rest drawn in float32 and cast to `dtype`."""
+        module, _, leaf = name.rpartition(".")
+        if self._spec.is_fp8_linear(module):
+            return self._fp8_part(module, leaf, device)
+        tensor = self._drawn(name, device)
+        return tensor if name.endswith("norm.weight") else tensor.to(dtype)
+
+    def _fp8_part(self, module: str, leaf: str, device: torch.device | str) -> torch.Tensor:
+        """One of the FP8 linear `module`'s tensors, quantized once per module (the weight,
+        weight_scale and input_scale names are consecutive in `names()`)."""
+        if self._quantized is None or self._quantized[0] != module:
+            assert self._spec.fp8 is not None
+            q, scale, input_scale = quantize_weight(
+                self._drawn(module + ".weight", device), self._spec.fp8.scheme,
+                input_amax=STATIC_INPUT_AMAX,
+            )  # fmt: skip
+            if self._spec.fp8.scheme == "tensor":
+                scale = scale[0]  # one scalar per tensor, as the checkpoint stores it
+            parts = {"weight": q, "weight_scale": scale, "input_scale": input_scale}
+            self._quantized = (module, parts)
+        tensor = self._quantized[1][leaf]
+        assert tensor is not None, (module, leaf)
+        return tensor.to(device)
+
+    def _drawn(self, name: str, device: torch.device | str) -> torch.Tensor:
         shape = expected_weight_shape(self._spec, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device=device)
@@ -156,7 +210,7 @@ class RandomWeights:
             std = 0.02
         else:
             std = shape[1] ** -0.5
-        return values.mul_(std).to(dtype)
+        return values.mul_(std)
 
     def iter(
         self, dtype: torch.dtype, device: torch.device | str

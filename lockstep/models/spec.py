@@ -17,6 +17,16 @@ and a set of routed SwiGLU experts; the other layers keep the dense MLP. Loaders
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   (sparse layers, e < experts)
     model.norm.weight
     lm_head.weight                                 (absent when tie_word_embeddings)
+
+An FP8 model (`ModelSpec.fp8`, lockstep/ops/fp8.py) stores each quantized linear's weight as
+float8_e4m3fn and adds, beside `{linear}.weight`, in canonical names and shapes:
+
+    {linear}.weight_scale   float32  "block": [ceil(N/128), ceil(K/128)]; "channel": [N];
+                                     "tensor": []  (one scalar per checkpoint tensor)
+    {linear}.input_scale    float32  [] ("tensor" only: the static activation scale)
+
+Quantized linears are the attention and dense MLP projections, less those `Fp8Spec.skipped`
+names; embeddings, the LM head, norms, biases and routers are never quantized.
 """
 
 from __future__ import annotations
@@ -63,6 +73,24 @@ class MoeSpec:
             raise ValueError(f"sparse_layers={self.sparse_layers} must be sorted and unique")
 
 
+QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """FP8 linears (lockstep/ops/fp8.py): the scheme of every quantized linear and the
+    linears left unquantized (their module names, e.g. "model.layers.0.mlp.down_proj")."""
+
+    scheme: str
+    skipped: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from lockstep.ops.fp8 import SCHEMES
+
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"FP8 scheme {self.scheme!r} is invalid: expected one of {SCHEMES}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     family: str
@@ -81,6 +109,7 @@ class ModelSpec:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = field(default=None)
     moe: MoeSpec | None = field(default=None)
+    fp8: Fp8Spec | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -102,6 +131,18 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.fp8 is not None and self.moe is not None:
+            raise ValueError(
+                "FP8 weights are supported for dense models only, not mixture of experts"
+            )
+
+    def is_fp8_linear(self, module: str) -> bool:
+        """Whether the linear `module` ("model.layers.3.self_attn.q_proj") is stored in FP8."""
+        return (
+            self.fp8 is not None
+            and module.rsplit(".", 1)[-1] in QUANTIZABLE
+            and module not in self.fp8.skipped
+        )
 
     @property
     def q_size(self) -> int:
@@ -151,14 +192,32 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
                 ]
         else:
             names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+    if spec.fp8 is not None:
+        names = [extra for name in names for extra in _with_fp8_scales(spec, name)]
     names.append("model.norm.weight")
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
 
 
+def _with_fp8_scales(spec: ModelSpec, name: str) -> list[str]:
+    """`name`, followed by its scale tensors when it is the weight of an FP8 linear."""
+    module = name.removesuffix(".weight")
+    if name == module or not spec.is_fp8_linear(module):
+        return [name]
+    assert spec.fp8 is not None
+    extra = [module + ".input_scale"] if spec.fp8.scheme == "tensor" else []
+    return [name, module + ".weight_scale", *extra]
+
+
 def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     """The shape of canonical tensor `name` (one of `expected_weight_names(spec)`)."""
+    if name.endswith((".weight_scale", ".input_scale")):
+        assert spec.fp8 is not None, name
+        if name.endswith(".input_scale") or spec.fp8.scheme == "tensor":
+            return ()
+        n, k = expected_weight_shape(spec, name.removesuffix("_scale"))
+        return (-(-n // 128), -(-k // 128)) if spec.fp8.scheme == "block" else (n,)
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
     leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
     if name in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lockstep.ops.fp8 import E4M3, Fp8Weight, e4m3_sat
+
 if TYPE_CHECKING:
     from lockstep.ops.moe import MoeLayer
 
@@ -138,6 +140,25 @@ class Ops(Protocol):
         """x [M, K] @ weight.T -> [M, N] (+ bias). Row m depends only on x[m]."""
         ...
 
+    def prepare_fp8_linear(
+        self,
+        scheme: str,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> Fp8Weight:
+        """An FP8 linear (e4m3 weight [N, K] and fp32 scales in the canonical form of
+        `lockstep.ops.fp8`) in whatever form `fp8_linear` wants (called once at load)."""
+        ...
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] @ W.T -> [M, N] (+ bias) as `lockstep.ops.fp8` defines it: the activation
+        quantized row-locally (or with the static scale), scales applied per 128-wide K
+        block. Row m depends only on x[m] in a deterministic backend."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [M, H] -> x / sqrt(mean(x^2) + eps) * weight, one row at a time."""
         ...
@@ -185,7 +206,8 @@ class Ops(Protocol):
 
 class IndexCopyKVWrite:
     """`write_kv` (for `ComposedAttentionInput`) as an exact torch copy (index_copy_): k, v
-    [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T]."""
+    [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T], rounded to the cache's dtype
+    (float8_e4m3fn: saturating round-to-nearest-even at scale 1.0, `lockstep.ops.fp8`)."""
 
     def write_kv(
         self,
@@ -196,6 +218,12 @@ class IndexCopyKVWrite:
         slots: torch.Tensor,
     ) -> None:
         index = slots.to(torch.int64)
+        if k_cache.dtype == E4M3:  # no index_copy_ for fp8: copy the bytes
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                cache.view(torch.uint8).index_copy_(
+                    0, index, e4m3_sat(new.float()).view(torch.uint8)
+                )
+            return
         k_cache.index_copy_(0, index, k.to(k_cache.dtype))
         v_cache.index_copy_(0, index, v.to(v_cache.dtype))
 

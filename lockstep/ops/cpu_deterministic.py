@@ -8,11 +8,14 @@ split into query chunks. Activations are fp32; weights fp32 or bf16; KV cache fp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.cpu_build import load_extension
+from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear
 from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_grouped
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
@@ -27,8 +30,10 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
-    """`Ops` backed by `csrc/lockstep_cpu.cpp`.
+class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttentionInput):
+    """`Ops` backed by `csrc/lockstep_cpu.cpp`. FP8 linears: the dequantized weight and
+    activation through the same `linear` (`DequantizedFp8Linear`); an FP8 KV cache is read
+    through `fp32_key_values`.
 
     `simd` picks the kernel path ("auto", "avx512", "avx2", "scalar"); all give the same bits,
     which the tests check. `key_block` exists so tests can show that changing the attention
@@ -109,8 +114,12 @@ class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:
         k_cache, v_cache = kv
+        if k_cache.dtype == E4M3:
+            k_cache, v_cache, meta = fp32_key_values(k_cache, v_cache, meta)
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"KV cache dtype {k_cache.dtype} is invalid: expected fp32 or bf16")
+            raise ValueError(
+                f"KV cache dtype {k_cache.dtype} is invalid: expected fp32, bf16 or float8_e4m3fn"
+            )
         out = self._ext.attention(
             _f32(q),
             k_cache.contiguous(),
@@ -137,3 +146,17 @@ class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         experts, weights = self._ext.moe_route(logits, layer.top_k, layer.renormalize, self._simd)
         slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul)
         return combine_in_rank_order(slots, weights)
+
+
+def fp32_key_values(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
+    """An FP8 cache's keys and values of this step's sequences, widened exactly to fp32 (the
+    cache's scale is 1.0: `lockstep.ops.fp8`, "FP8 KV cache") into compact caches, and the metadata over
+    them: sequence b's key j moves to row cu_kv[b] + j. The attention arithmetic is the fp32
+    cache's, so a row's bits depend only on the stored e4m3 values."""
+    slots = meta.slot_table.to(torch.int64)
+    compact = dataclasses.replace(
+        meta, slot_table=torch.arange(slots.numel(), dtype=torch.int32, device=slots.device)
+    )
+    return k_cache[slots].to(torch.float32), v_cache[slots].to(torch.float32), compact

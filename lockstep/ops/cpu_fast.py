@@ -8,12 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
+from lockstep.ops.fp8 import DequantizedFp8Linear
 from lockstep.ops.moe import MoeLayer
 from lockstep.ops.torch_fast import TorchRowOps, stock_route
 
 
-class CpuFastOps(TorchRowOps):
-    """`Ops` from stock torch kernels; fp32 activations, weights converted to fp32 at load."""
+class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
+    """`Ops` from stock torch kernels; fp32 activations, weights converted to fp32 at load
+    (FP8 weights dequantized, activations quantized as `lockstep.ops.fp8` defines, then
+    F.linear)."""
 
     name = "cpu_fast"
     deterministic = False
@@ -43,6 +46,7 @@ class CpuFastOps(TorchRowOps):
             kv_len = start + n
             slots = meta.slot_table[cu_kv[b] : cu_kv[b] + kv_len].long()
             # [H, L, D]; GQA by repeating each kv head for its group of query heads.
+            # An FP8 cache widens exactly (its scale is 1.0).
             k = k_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
             v = v_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
             qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)

@@ -10,7 +10,7 @@ e4m3 is `torch.float8_e4m3fn`: finite range +-448, no infinities. Every cast to 
 e4m3 value, ties to even (torch's `.to(torch.float8_e4m3fn)` after the clamp; PTX
 `cvt.rn.satfinite.e4m3x2.f32`, Triton's `.to(tl.float8e4nv)`).
 
-Schemes (`Fp8Scheme`), for a linear y = x @ W.T + bias with W [N, K]:
+Schemes (`SCHEMES`), for a linear y = x @ W.T + bias with W [N, K]:
 
   "block"   weight e4m3 [N, K]; weight_scale fp32 [ceil(N/128), ceil(K/128)] (a checkpoint's
             `weight_scale_inv`: W[n, k] ~= Wq[n, k] * weight_scale[n // 128, k // 128]).
@@ -67,19 +67,25 @@ call, or anything but the row's own values:
   * GPU fast: `torch._scaled_mm` ("tensor": per-tensor scales; "channel": row-wise), or the
     dequantized matmul for "block": the yardstick, not M-invariant.
 
+FP8 KV cache (`--kv-dtype fp8_e4m3`)
+-------------------------------------
+K and V are stored as e4m3 with scale 1.0: each value is written once, as e4m3_sat(v) of its
+fp32 value (the value the bf16/fp32 cache would hold, widened), when its token's K/V are
+written to the pool, and read back as fp32(e4m3) (exact). A prefix-cache hit therefore reads
+exactly what the cold prefill wrote. Post-RMSNorm/RoPE keys and values of the supported models
+lie well inside +-448; larger values saturate. Checkpoint k/v scales are not used.
+
 Backends agree with the reference within the precision of fp32 accumulation (CPU, fp32
-activations: 1e-5 relative to the row's magnitude in the model tests) and of the output dtype
+activations: logits within 1e-5 of the float64 reference in tests/test_fp8_models.py) and of the output dtype
 (GPU, bf16/fp16: `GPU_TOLERANCE`); Xq is bit-identical in every backend, given the same x.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Fp8Scheme = Literal["block", "tensor", "channel"]
 SCHEMES: tuple[str, ...] = ("block", "tensor", "channel")
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -289,3 +295,33 @@ def fp8_linear(
             "models on the GPU"
         ) from None
     return kernel(x, weight, weight_scale, scheme, input_scale=input_scale, bias=bias)
+
+
+class DequantizedFp8Linear:
+    """`Ops.prepare_fp8_linear` and `Ops.fp8_linear` for the CPU backends: the weight is
+    dequantized once at load (`dequantize_weight`, then the backend's own
+    `prepare_linear_weight`), each call's activation is quantized and dequantized row-locally
+    (`dequantized_activation`) and multiplied by the backend's own `linear`. Position
+    invariant exactly when that `linear` is: the quantization is elementwise plus an exact
+    max per row group."""
+
+    def prepare_fp8_linear(
+        self,
+        scheme: str,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> Fp8Weight:
+        check_fp8_weight(scheme, weight, weight_scale, input_scale)
+        dequantized = dequantize_weight(scheme, weight, weight_scale)
+        dequantized = self.prepare_linear_weight(dequantized)  # type: ignore[attr-defined]
+        return Fp8Weight(scheme, dequantized, weight_scale, input_scale, weight.shape[1])
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        k = weight.in_features
+        lead = x.shape[:-1]
+        xhat = dequantized_activation(x.reshape(-1, k), weight.scheme, weight.input_scale)
+        out = self.linear(xhat, weight.weight, bias)  # type: ignore[attr-defined]
+        return out.reshape(*lead, weight.out_features)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.ops import fp8
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV
 from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_dense, route_sorted
 
@@ -48,6 +49,28 @@ class GpuDeterministicOps:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return matmul.matmul(x, weight, bias)
+
+    def prepare_fp8_linear(
+        self,
+        scheme: str,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> fp8.Fp8Weight:
+        """Kept as e4m3 [N, K] (K contiguous) with its fp32 scales, on the device."""
+        fp8.check_fp8_weight(scheme, weight, weight_scale, input_scale)
+        return fp8.Fp8Weight(
+            scheme, weight.contiguous(), weight_scale.contiguous(), input_scale, weight.shape[1]
+        )
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The Triton FP8 GEMM (`lockstep.ops.fp8.fp8_linear`, its contract there)."""
+        w = weight
+        return fp8.fp8_linear(
+            x, w.weight, w.weight_scale, w.scheme, input_scale=w.input_scale, bias=bias
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)

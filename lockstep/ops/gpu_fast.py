@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lockstep.ops import fp8
 from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.moe import MoeLayer, experts_dense
 from lockstep.ops.torch_fast import TorchRowOps, stock_route
@@ -27,6 +28,48 @@ class GpuFastOps(TorchRowOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def prepare_fp8_linear(
+        self,
+        scheme: str,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> fp8.Fp8Weight:
+        fp8.check_fp8_weight(scheme, weight, weight_scale, input_scale)
+        return fp8.Fp8Weight(
+            scheme, weight.contiguous(), weight_scale.contiguous(), input_scale, weight.shape[1]
+        )
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Stock kernels: the activation quantized by the torch ops of `lockstep.ops.fp8`,
+        then `torch._scaled_mm` with row-wise scales ("tensor", "channel"; bf16 out), or for
+        "block" the dequantized activation and weight through F.linear in x's dtype."""
+        w = weight
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if w.scheme == "block":
+            xhat = fp8.dequantized_activation(x2, w.scheme, None).to(x.dtype)
+            what = fp8.dequantize_weight(w.scheme, w.weight, w.weight_scale).to(x.dtype)
+            out = F.linear(xhat, what, None if bias is None else bias.to(x.dtype))
+        else:
+            if w.scheme == "tensor":
+                assert w.input_scale is not None
+                q = fp8.quantize_static(x2, w.input_scale)
+                sx = w.input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+            else:
+                q, sx = fp8.quantize_rows(x2, k)
+            out = torch._scaled_mm(
+                q,
+                w.weight.t(),
+                scale_a=sx,
+                scale_b=w.weight_scale.reshape(1, -1),
+                bias=None if bias is None else bias.to(torch.bfloat16),
+                out_dtype=torch.bfloat16,
+            ).to(x.dtype)
+        return out.reshape(*lead, w.out_features)
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """Stock routing, every expert's cuBLAS linears over all rows (no host sync, so decode
@@ -69,8 +112,9 @@ class GpuFastOps(TorchRowOps):
             if b in dec or hi == lo:
                 continue
             slots = meta.slot_table[cu_kv[b] : cu_kv[b + 1]].long()
-            k = k_cache[slots].transpose(0, 1)[None]
-            v = v_cache[slots].transpose(0, 1)[None]
+            # An FP8 cache widens exactly to q's dtype (its scale is 1.0).
+            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
             qb = q[lo:hi].transpose(0, 1)[None]
             if q_start[b] == 0:
                 o = F.scaled_dot_product_attention(
@@ -105,8 +149,8 @@ class GpuFastOps(TorchRowOps):
         valid = j[None, :] < lens.long()[:, None]
         idx = torch.where(valid, starts.long()[:, None] + j[None, :], 0)
         slots = meta.slot_table.long()[idx]  # [Bd, L]
-        k = k_cache[slots].permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
-        v = v_cache[slots].permute(0, 2, 1, 3)
+        k = k_cache[slots].to(q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
+        v = v_cache[slots].to(q.dtype).permute(0, 2, 1, 3)
         qb = q[rows][:, :, None, :]  # [Bd, Hq, 1, D]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
+from lockstep.ops.fp8 import Fp8Weight, check_fp8_weight, fp8_linear_reference
 from lockstep.ops.moe import MoeLayer, experts_grouped
 
 f64 = torch.float64
@@ -28,6 +29,24 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
     ) -> torch.Tensor:
         out = x.to(f64) @ weight.to(f64).T
         return out if bias is None else out + bias.to(f64)
+
+    def prepare_fp8_linear(
+        self,
+        scheme: str,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> Fp8Weight:
+        check_fp8_weight(scheme, weight, weight_scale, input_scale)
+        return Fp8Weight(scheme, weight, weight_scale, input_scale, weight.shape[1])
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`fp8_linear_reference`: the activation (float64 here) is quantized from its fp32
+        rounding, as every backend quantizes fp32 activations."""
+        w = weight
+        return fp8_linear_reference(x, w.weight, w.weight_scale, w.scheme, w.input_scale, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.to(f64)

@@ -224,6 +224,8 @@ def _block_update(
         k = tl.load(k_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
         k = tl.load(k_cache + kv_offs)
+    # An FP8 cache (scale 1.0) widens exactly to q's dtype; a cache of q's dtype is unchanged.
+    k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
@@ -237,6 +239,7 @@ def _block_update(
         v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
         v = tl.load(v_cache + kv_offs)
+    v = v.to(q.dtype)
     pv = p.to(v.dtype)
     if ROW_SUM_MMA:
         lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
@@ -470,8 +473,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError(f"head_dim={d} must match the cache and be a power of two >= 16")
     if q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[1]}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn
+    if (q.dtype != k_cache.dtype and not fp8_cache) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}; the caches "
+            "must have q's dtype or both be float8_e4m3fn"
+        )
     if q.stride(2) != 1 or k_cache.stride(2) != 1:
         raise ValueError("attention wants the head_dim axis contiguous")
     if v_cache.stride() != k_cache.stride():

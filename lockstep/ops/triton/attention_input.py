@@ -36,10 +36,10 @@ def _attention_input_kernel(
     slot = tl.load(slots + t).to(tl.int64)
     # A negative slot marks a padding row (as in write_kv): nothing is written to the caches.
     writes = (dd * 0 + slot) >= 0  # broadcast: the interpreter wants a tensor mask
-    if head >= HQ + HKV:  # v: an exact copy
+    if head >= HQ + HKV:  # v: an exact copy (to an FP8 cache: `_to_cache`)
         dst = v_cache + slot * svc + (head - HQ - HKV) * svh
-        tl.store(dst + dd, x1, mask=writes)
-        tl.store(dst + HALF + dd, x2, mask=writes)
+        tl.store(dst + dd, _to_cache(x1, v_cache), mask=writes)
+        tl.store(dst + HALF + dd, _to_cache(x2, v_cache), mask=writes)
     else:
         y1 = x1.to(tl.float32)
         y2 = x2.to(tl.float32)
@@ -63,8 +63,28 @@ def _attention_input_kernel(
             tl.store(dst + HALF + dd, o2)
         else:
             dst = k_cache + slot * skc + (head - HQ) * skh
-            tl.store(dst + dd, o1, mask=writes)
-            tl.store(dst + HALF + dd, o2, mask=writes)
+            tl.store(dst + dd, _to_cache(o1, k_cache), mask=writes)
+            tl.store(dst + HALF + dd, _to_cache(o2, k_cache), mask=writes)
+
+
+@triton.jit
+def _to_cache(x, cache):
+    """x in the cache's element type: unchanged for a cache of x's dtype; for an FP8 cache
+    (scale 1.0) `lockstep.ops.fp8.e4m3_sat` of x widened to fp32: rounded to the nearest e4m3
+    value, ties to even, and saturated at +-448. The rounding is spelled out in fp32 so that
+    every Triton backend gives it (the interpreter's own fp8 conversion does not round to
+    nearest even): with ulp the e4m3 spacing at |x| (2^(e-3) for |x| in [2^e, 2^(e+1)), e >=
+    -6; 2^-9 below), (|x| + ulp*2^23) - ulp*2^23 is |x| rounded to a multiple of ulp, ties to
+    even, by fp32 addition; the result is exact in e4m3, so the final conversion is exact."""
+    if cache.dtype.element_ty == x.dtype:
+        return x
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # unbiased, e4m3's normal floor
+    magic = ((exponent - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    rounded = tl.minimum((mag + magic) - magic, 448.0)
+    signed = rounded.to(tl.int32, bitcast=True) | (bits & -0x80000000)
+    return signed.to(tl.float32, bitcast=True).to(cache.dtype.element_ty)
 
 
 def attention_input(
@@ -87,8 +107,12 @@ def attention_input(
         raise ValueError(f"head_dim={d} must be twice a power of two")
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("caches must be contiguous along head_dim")
-    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
-        raise ValueError(f"caches {k_cache.dtype}/{v_cache.dtype} must share qkv's {qkv.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if (k_cache.dtype != qkv.dtype and not fp8) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"caches {k_cache.dtype}/{v_cache.dtype} must share qkv's {qkv.dtype} or both be "
+            "float8_e4m3fn"
+        )
     if (
         cos.dtype != torch.float32
         or sin.dtype != torch.float32
