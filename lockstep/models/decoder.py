@@ -14,6 +14,11 @@ down [E, H, I] tensor (lockstep.ops.moe, "Weights").
 Position invariance: every op here is row-local (its row's bits depend only on that row) except
 attention, whose rows depend only on the keys 0..p of their own sequence. New K/V are written to
 the cache before attention, so prefix keys and new keys are read from one layout.
+
+Tensor parallelism: a decoder holds one rank's shard (`TensorParallel`, lockstep.parallel): its
+heads of qkv, its intermediate columns of gate-up, its reduction chunks of o and down, its
+vocabulary rows of the embedding and the LM head. At TP 1 it holds everything, and o and down
+are still reduced chunk by chunk (deterministic mode), so that TP 1 gives the bits of TP 8.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
 from lockstep.ops.moe import MoeLayer, prepare_expert_weights
+from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
+from lockstep.parallel.sharding import ShardPlan
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
@@ -51,10 +58,10 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: RowParallelWeight
     post_norm: torch.Tensor
     gate_up: torch.Tensor | None  # dense layers: prepared linear weight, rows gate | up
-    down: torch.Tensor | None
+    down: RowParallelWeight | None
     router: torch.Tensor | None  # sparse layers: prepared linear weight [E, H]
     experts_gate_up: torch.Tensor | None  # sparse layers: [E, 2I, K'] (lockstep.ops.moe)
     experts_down: torch.Tensor | None  # sparse layers: [E, H, I']
@@ -97,8 +104,11 @@ class Decoder:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         max_position: int,
+        parallel: TensorParallel,
     ) -> None:
         self.spec = spec
+        self.parallel = parallel
+        self.plan = parallel.plan
         self.ops = ops
         self.dtype = dtype
         self.device = device
@@ -112,7 +122,7 @@ class Decoder:
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         self.attention_inputs = [
-            AttentionInput(spec.num_heads, w.q_norm, w.k_norm, spec.rms_norm_eps,
+            AttentionInput(self.plan.heads[1] - self.plan.heads[0], w.q_norm, w.k_norm, spec.rms_norm_eps,
                            self.rope_cos, self.rope_sin)
             for w in layers
         ]  # fmt: skip
@@ -132,14 +142,18 @@ class Decoder:
         dtype: torch.dtype,
         device: torch.device | str,
         max_position: int | None = None,
+        parallel: TensorParallel | None = None,
     ) -> Decoder:
-        """Load `loaded`'s weights strictly, convert them to `dtype` on `device` and fuse the
+        """Load `loaded`'s weights strictly, keep `parallel`'s shard of them (default: TP 1,
+        the mode's default reduction), convert them to `dtype` on `device` and fuse the
         projections. Missing or unexpected tensors raise `ModelLoadError`."""
         device = torch.device(device)
         spec = loaded.spec
+        if parallel is None:
+            parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), default_reduction(ops))
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
         parts = {
-            target: _prepare(spec, kind, [got[n] for n in names], ops, dtype, device)
+            target: _prepare(spec, target, kind, [got[n] for n in names], parallel, dtype, device)
             for target, kind, names in _consume(weight_layout(spec), got)
         }
         layers = [
@@ -148,7 +162,7 @@ class Decoder:
         ]
         return cls(
             spec, ops, dtype, device, parts["embed"], layers, parts["final_norm"],
-            parts["lm_head"], max_position or spec.max_position,
+            parts["lm_head"], max_position or spec.max_position, parallel,
         )  # fmt: skip
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
@@ -171,10 +185,10 @@ class Decoder:
         with torch.no_grad():
             for target, kind, names in _consume(weight_layout(spec), got):
                 parts = [got[n] for n in names]
-                new = _prepare(spec, kind, parts, self.ops, self.dtype, self.device)
-                self._tensor_at(target).copy_(new)
+                new = _prepare(spec, target, kind, parts, self.parallel, self.dtype, self.device)
+                self._tensor_at(target).copy_(new)  # type: ignore[arg-type]
 
-    def _tensor_at(self, target: str) -> torch.Tensor:
+    def _tensor_at(self, target: str) -> torch.Tensor | RowParallelWeight:
         """The live tensor a `weight_layout` target names ("layers.3.qkv", "embed", ...)."""
         if target.startswith("layers."):
             _, index, name = target.split(".")
@@ -187,9 +201,9 @@ class Decoder:
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """Run one step: write every row's K/V into `kv` at `batch.out_slots` and return the
         float32 logits [R, vocab] of `batch.logit_rows`."""
-        spec, ops = self.spec, self.ops
+        spec, ops, parallel = self.spec, self.ops, self.parallel
         t = batch.num_tokens
-        h = self.embed[batch.token_ids].to(self.act_dtype)
+        h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
         residual: torch.Tensor | None = None
         for i, w in enumerate(self.layers):
             if residual is None:
@@ -203,18 +217,19 @@ class Decoder:
                 qkv, self.attention_inputs[i], batch.positions, batch.out_slots, layer_kv
             )
             o = ops.attention(q, layer_kv, batch.meta, self.scale)
-            h = ops.linear(o.reshape(t, spec.q_size), w.o)
+            h = parallel.row_linear(o.reshape(t, -1), w.o, "attention")
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
             moe = self.moe_layers[i]
             if moe is not None:
                 h = ops.moe(x, moe)
             else:
                 assert w.gate_up is not None and w.down is not None
-                h = ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down)
+                act = ops.silu_mul(ops.linear(x, w.gate_up))
+                h = parallel.row_linear(act, w.down, "mlp")
         assert residual is not None
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
-        return ops.linear(x, self.lm_head).float()
+        return parallel.logits(x, self.lm_head)
 
     def logits_for_sequence(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 of one cold full prefill of `token_ids`, in a scratch KV
@@ -225,7 +240,7 @@ class Decoder:
         """One cold full prefill of `token_ids` in a private KV cache (slot j holds position
         j): every position's logits [T, vocab] float32, and the cache it wrote."""
         n = len(token_ids)
-        kv = ScratchKV(self.spec, n, self.dtype, self.device)
+        kv = ScratchKV(self.spec, n, self.dtype, self.device, self.plan.num_local_kv_heads)
         positions = list(range(n))
         meta: AttentionMeta = build_attention_meta([n], [0], [positions])
         batch = ForwardBatch.from_lists(token_ids, positions, positions, meta, positions)
@@ -234,10 +249,17 @@ class Decoder:
 
 class ScratchKV:
     """A private KV cache for `cold_prefill`, k and v [layers, n, Hkv, D] (the engine uses the
-    shared KV pool)."""
+    shared KV pool); Hkv: `num_kv_heads`, this rank's KV heads (default: the model's)."""
 
-    def __init__(self, spec: ModelSpec, n: int, dtype: torch.dtype, device: torch.device):
-        shape = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    def __init__(
+        self,
+        spec: ModelSpec,
+        n: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        shape = (spec.num_layers, n, num_kv_heads or spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -254,7 +276,8 @@ _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerWeights))
 def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
     """How canonical tensors become the decoder's: (target, kind, source names), in load
     order. Kinds: "norm" (float32), "bias" (float32, concatenated), "embed" (as is), "linear"
-    (rows concatenated, then `Ops.prepare_linear_weight`) and "experts" (the sources are
+    (rows concatenated, then `Ops.prepare_linear_weight`), "row_attention" and "row_mlp"
+    (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are
     expert-major, the same number per expert: each expert's rows concatenated, then stacked
     and prepared by `prepare_expert_weights`)."""
     layout: list[tuple[str, str, list[str]]] = []
@@ -268,7 +291,7 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
         if spec.qk_norm:
             layout.append((t + "q_norm", "norm", [a + "q_norm.weight"]))
             layout.append((t + "k_norm", "norm", [a + "k_norm.weight"]))
-        layout.append((t + "o", "linear", [a + "o_proj.weight"]))
+        layout.append((t + "o", "row_attention", [a + "o_proj.weight"]))
         layout.append((t + "post_norm", "norm", [p + "post_attention_layernorm.weight"]))
         if spec.is_sparse(i):
             assert spec.moe is not None
@@ -281,7 +304,7 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
         else:
             gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             layout.append((t + "gate_up", "linear", gate_up))
-            layout.append((t + "down", "linear", [p + "mlp.down_proj.weight"]))
+            layout.append((t + "down", "row_mlp", [p + "mlp.down_proj.weight"]))
     layout.append(("embed", "embed", ["model.embed_tokens.weight"]))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     layout.append(("lm_head", "linear", [head]))
@@ -291,22 +314,47 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
 
 def _prepare(
     spec: ModelSpec,
+    target: str,
     kind: str,
     parts: list[torch.Tensor],
-    ops: Ops,
+    parallel: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor:
+) -> torch.Tensor | RowParallelWeight:
+    ops = parallel.ops
+    parts = _shard(parallel.plan, target, parts)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
     fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     fused = fused.to(device=device, dtype=dtype)
+    if kind in ("row_attention", "row_mlp"):
+        return parallel.row_weight(fused, kind.removeprefix("row_"))
     if kind == "experts":
         assert spec.moe is not None
         # Expert-major sources, so the concatenated rows are expert e's rows at block e.
         stacked = fused.view(spec.moe.num_experts, -1, fused.shape[1])
         return prepare_expert_weights(ops.prepare_linear_weight, stacked)
     return fused if kind == "embed" else ops.prepare_linear_weight(fused.contiguous())
+
+
+def _shard(plan: ShardPlan, target: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's rows of a column-parallel or vocabulary-parallel target's sources (q | k | v
+    by heads, gate | up by intermediate columns, the embedding and LM head by vocabulary
+    rows); every other target whole (row-parallel ones are cut by `row_weight`)."""
+    if plan.tp == 1:
+        return parts
+    d = plan.spec.head_dim
+    if target.endswith((".qkv", ".qkv_bias")):
+        (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
+        q, k, v = parts
+        return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
+    if target.endswith(".gate_up"):
+        lo, hi = plan.intermediate
+        return [p[lo:hi] for p in parts]
+    if target in ("embed", "lm_head"):
+        lo, hi = plan.vocab_rows()
+        return [p[lo:hi] for p in parts]
+    return parts
 
 
 def _consume(

@@ -28,6 +28,9 @@ class GpuFastOps(TorchRowOps):
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight).float()
+
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """Stock routing, every expert's cuBLAS linears over all rows (no host sync, so decode
         graphs can hold it; `lockstep.ops.moe.experts_dense`), a torch sum over the k."""

@@ -29,6 +29,9 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         out = x.to(f64) @ weight.to(f64).T
         return out if bias is None else out + bias.to(f64)
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight)  # float64: the reference never rounds to float32
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.to(f64)
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(f64)
