@@ -231,6 +231,14 @@ class Decoder:
         x = x.index_select(0, batch.logit_rows)
         return parallel.logits(x, self.lm_head)
 
+    def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, Hkv, D] (this rank's KV heads) at `slots` of `kv`."""
+        index = slots.to(device=self.device, dtype=torch.int64)
+        layers = range(self.spec.num_layers)
+        k = torch.stack([kv.k_cache(i).index_select(0, index) for i in layers])
+        v = torch.stack([kv.v_cache(i).index_select(0, index) for i in layers])
+        return k, v
+
     def logits_for_sequence(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 of one cold full prefill of `token_ids`, in a scratch KV
         cache of exactly len(token_ids) slots. For tests and reference comparisons."""

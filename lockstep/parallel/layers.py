@@ -22,15 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lockstep.config import TP_REDUCTIONS
 from lockstep.ops.base import Ops
 from lockstep.parallel.collectives import Collectives
 from lockstep.parallel.sharding import CHUNKS, ShardPlan, chunk_bounds, tree_sum
 
-REDUCTIONS = ("chunked", "ranks", "all_reduce")
+REDUCTIONS = TP_REDUCTIONS
 
 
 def default_reduction(ops: Ops) -> str:
-    """"chunked" for a deterministic backend, "all_reduce" for a fast one."""
+    """The reduction a backend gets by default: chunked when deterministic, else all_reduce."""
     return "chunked" if ops.deterministic else "all_reduce"
 
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.config import MAX_TP
 from lockstep.models.spec import ModelSpec
 
-CHUNKS = 8  # reduction chunks of every row-parallel matmul, and the most ranks supported
-MAX_TP = CHUNKS
+CHUNKS = MAX_TP  # reduction chunks of every row-parallel matmul: 8, the most ranks supported
 
 
 def chunk_bounds(n: int) -> list[tuple[int, int]]:
