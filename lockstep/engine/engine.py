@@ -87,7 +87,8 @@ class Engine:
             set_threads(config)
             self.workers = WorkerGroup(config)
         try:
-            local = load_rank_decoder(config, loaded, 0, self.max_model_len)
+            collectives = None if self.workers is None else self.workers.collectives
+            local = load_rank_decoder(config, loaded, 0, self.max_model_len, collectives)
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:

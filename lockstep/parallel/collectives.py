@@ -8,26 +8,36 @@ whose order follows the message size and the algorithm, NCCL's in particular) ex
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 
 class Collectives:
-    """The default process group of this process: rank `rank` of `size`."""
+    """One engine's process group, rank `rank` of `size`: gloo on the CPU, NCCL on CUDA.
 
-    def __init__(self) -> None:
-        self.rank = dist.get_rank()
-        self.size = dist.get_world_size()
+    The group is a backend object of its own, not torch.distributed's default group, so one
+    process may hold several tensor-parallel engines (tests compare degrees side by side)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
+                 timeout: timedelta) -> None:  # fmt: skip
+        self.rank = rank
+        self.size = size
+        if device.type == "cuda":
+            self._group = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            self._group = dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (equal shapes and dtypes on all ranks), in rank order."""
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor)
+        self._group.allgather([out], [tensor]).wait()
         return out
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The library's SUM over ranks (order unspecified: never for deterministic results)."""
         out = tensor.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        self._group.allreduce([out]).wait()
         return out

@@ -73,7 +73,7 @@ class WorkerGroup:
                                           daemon=True)  # fmt: skip
         self._watchdog.start()
         try:
-            worker.join_group(config, 0, store)
+            self.collectives = worker.join_group(config, 0, store)
         except Exception as exc:
             self.close()
             raise TensorParallelError(self.failure or f"joining the tp={config.tp} process "
@@ -140,8 +140,6 @@ class WorkerGroup:
         self._stop_all()
         for conn in self.conns:
             conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # ------------------------------------------------------------------ internals
     def _watch(self) -> None:

@@ -70,19 +70,14 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def join_group(config: EngineConfig, rank: int, store: dist.Store) -> None:
-    """Join the default process group through `store` (rank 0 hosts it): NCCL on CUDA, gloo
-    on the CPU."""
+def join_group(config: EngineConfig, rank: int, store: dist.Store) -> Collectives:
+    """Join the engine's process group through `store` (rank 0 hosts it): NCCL on CUDA,
+    gloo on the CPU."""
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        store=store,
-        rank=rank,
-        world_size=config.tp,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    return Collectives(store, rank, config.tp, device, timeout)
 
 
 def set_threads(config: EngineConfig) -> None:
@@ -91,14 +86,17 @@ def set_threads(config: EngineConfig) -> None:
 
 
 def load_rank_decoder(
-    config: EngineConfig, loaded: LoadedModel, rank: int, max_position: int
+    config: EngineConfig,
+    loaded: LoadedModel,
+    rank: int,
+    max_position: int,
+    collectives: Collectives | None,
 ) -> Decoder:
-    """Rank `rank`'s shard of the model (the process group is joined when tp > 1)."""
+    """Rank `rank`'s shard of the model (`collectives`: its process group when tp > 1)."""
     device = rank_device(config, rank)
     ops = get_ops(device.type, config.mode)
     plan = ShardPlan(loaded.spec, config.tp, rank)
     reduction = config.resolved_tp_reduction
-    collectives = Collectives() if config.tp > 1 else None
     parallel = TensorParallel(ops, plan, reduction, collectives)
     dtype = getattr(torch, config.resolved_dtype)
     return Decoder.load(loaded, ops, dtype, device, max_position, parallel)
@@ -127,10 +125,10 @@ def worker_main(config: EngineConfig, rank: int, store_port: int, conn: Connecti
         set_threads(config)
         store = dist.TCPStore("127.0.0.1", store_port, config.tp, is_master=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
-        join_group(config, rank, store)
+        collectives = join_group(config, rank, store)
         loaded = resolve_model(config.model, random_seed=config.random_seed)
         max_position = config.max_model_len or loaded.spec.max_position
-        decoder = load_rank_decoder(config, loaded, rank, max_position)
+        decoder = load_rank_decoder(config, loaded, rank, max_position, collectives)
         conn.send(("ready", None))
         _serve(decoder, conn)
     except EOFError:
@@ -144,7 +142,6 @@ def worker_main(config: EngineConfig, rank: int, store_port: int, conn: Connecti
         except OSError:
             pass
         sys.exit(1)
-    dist.destroy_process_group()
 
 
 def _serve(decoder: Decoder, conn: Connection) -> None:
