@@ -29,7 +29,8 @@ TINY = "random:tiny"
 
 
 def _llm(model: str | None, tp: int, **options) -> LLM:
-    return LLM(model, device="cpu", dtype="float32", kv_tokens=1024, tp=tp, **options)
+    options.setdefault("kv_tokens", 1024)
+    return LLM(model, device="cpu", dtype="float32", tp=tp, **options)
 
 
 @pytest.fixture(scope="module")
