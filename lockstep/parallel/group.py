@@ -149,7 +149,7 @@ class WorkerGroup:
                 rank, process = handles.pop(sentinel)
                 if self._closing:
                     return
-                process.join(0)
+                process.join(2.0)  # the pipe closes a moment before the exit status is readable
                 self._fail(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited "
                            f"with status {process.exitcode}: the engine cannot continue")  # fmt: skip
                 return
