@@ -15,6 +15,7 @@ command raises `TensorParallelError` with that line.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import threading
@@ -72,6 +73,9 @@ class WorkerGroup:
         self._watchdog = threading.Thread(target=self._watch, name="lockstep-tp-watchdog",
                                           daemon=True)  # fmt: skip
         self._watchdog.start()
+        # Before multiprocessing's own exit handler (registered earlier, so run later), which
+        # would SIGTERM the workers and read as their failure.
+        atexit.register(self.close)
         try:
             self.collectives = worker.join_group(config, 0, store)
         except Exception as exc:
@@ -140,6 +144,7 @@ class WorkerGroup:
         self._stop_all()
         for conn in self.conns:
             conn.close()
+        atexit.unregister(self.close)
 
     # ------------------------------------------------------------------ internals
     def _watch(self) -> None:
