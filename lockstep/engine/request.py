@@ -105,6 +105,8 @@ class Request:
     # Tokens chosen by launched steps, not yet appended: 0 or 1, and 2 between launching a
     # step ahead and completing the step before it.
     pending: int = 0
+    # Hybrid models: the LinearState at num_computed while running (None otherwise).
+    linear_state: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -207,6 +207,9 @@ class ShardedDecoder:
         self.parallel = local.parallel
         self.max_position = local.max_position
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)  # what needs no other rank (linear_layout, ...)
+
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """`Decoder.forward` on every rank (workers write their KV heads into their own
         stores at the same slots); float32 logits [R, vocab]."""

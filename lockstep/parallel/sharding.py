@@ -45,6 +45,8 @@ def degree_problem(spec: ModelSpec, tp: int) -> str | None:
     h, hkv = spec.num_heads, spec.num_kv_heads
     if spec.moe is not None and tp > 1:
         return "mixture-of-experts models run at tp=1 only"
+    if spec.hybrid and tp > 1:
+        return "hybrid (linear-attention) models run at tp=1 only"
     if not 1 <= tp <= MAX_TP:
         return f"expected 1..{MAX_TP}"
     if h % tp:
