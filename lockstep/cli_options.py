@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, EngineConfig
+from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, TP_REDUCTIONS, EngineConfig
 
 _HELP = {
     "model": "GGUF file, Hugging Face folder or random:PRESET (default: embedded SmolLM2-135M)",
@@ -36,10 +36,20 @@ _HELP = {
     "num_threads": "CPU threads (default: torch's)",
     "random_seed": "seed of random-weight presets",
     "debug_checks": "check KV cache integrity after every step",
+    "tp": "tensor-parallel degree, one process per rank (gloo on the CPU, one GPU per rank on "
+    "CUDA); same bits at every degree; which degrees a model takes: docs/design.md",
+    "tp_reduction": "how row-parallel partial sums are added: chunked (default in deterministic "
+    "mode: same bits at every degree), ranks, all_reduce (default in fast mode)",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
-_CHOICES = {"mode": MODES, "device": DEVICES, "dtype": DTYPES, "kv_dtype": KV_DTYPES}
+_CHOICES = {
+    "mode": MODES,
+    "device": DEVICES,
+    "dtype": DTYPES,
+    "kv_dtype": KV_DTYPES,
+    "tp_reduction": TP_REDUCTIONS,
+}
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 
 

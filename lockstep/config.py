@@ -19,6 +19,8 @@ from typing import Any
 from lockstep.errors import ConfigError
 
 MODES = ("deterministic", "fast")
+TP_REDUCTIONS = ("chunked", "ranks", "all_reduce")  # lockstep.parallel.layers
+MAX_TP = 8  # lockstep.parallel.sharding.CHUNKS
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 # The KV cache's element type: "auto" is the model dtype; "fp8_e4m3" stores every K/V value as
@@ -76,6 +78,12 @@ class EngineConfig:
     # CUDA (docs/design.md, "Overlapped decode"), off on the CPU, where launching is computing
     # and there is nothing to overlap.
     overlap_decode: bool | None = None
+    # Tensor-parallel degree: one process per rank (docs/design.md, "Tensor parallelism").
+    # Which degrees a model takes is checked when it is loaded (lockstep.parallel.sharding).
+    tp: int = 1
+    # How row-parallel partial sums are added; None: "chunked" in deterministic mode (the
+    # same bits at every degree, TP 1 included), "all_reduce" in fast mode.
+    tp_reduction: str | None = None
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -102,6 +110,7 @@ class EngineConfig:
                 f"overlap_decode={self.overlap_decode!r} is invalid: expected true, false or"
                 " null (on for CUDA)"
             )
+        self._check_tp()
         if not isinstance(self.random_seed, int) or self.random_seed < 0:
             raise ConfigError(
                 f"random_seed={self.random_seed!r} is invalid: expected an integer >= 0"
@@ -124,6 +133,37 @@ class EngineConfig:
                 " every running request needs a token of the step budget to decode,"
                 " expected max_running <= max_batch_tokens"
             )
+
+    def _check_tp(self) -> None:
+        tp = self.tp
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+            raise ConfigError(f"tp={tp!r} is invalid: expected an integer from 1 to {MAX_TP}")
+        if self.tp_reduction is not None:
+            _choice("tp_reduction", self.tp_reduction, TP_REDUCTIONS)
+        if tp > 1 and self.overlap_decode:
+            raise ConfigError(
+                f"overlap_decode=True is invalid with tp={tp}: expected tp=1 (decode steps of a"
+                " tensor-parallel engine are not launched ahead)"
+            )
+        if tp > 1 and self.resolved_device == "cuda":
+            import torch
+
+            count = torch.cuda.device_count()
+            if tp > count:
+                raise ConfigError(
+                    f"tp={tp} is invalid: {count} CUDA device(s) are visible, expected tp <= {count}"
+                    " (one GPU per rank)"
+                )
+
+    @property
+    def resolved_tp_reduction(self) -> str:
+        if self.tp_reduction is not None:
+            return self.tp_reduction
+        if self.mode != "deterministic":
+            return "all_reduce"
+        # TP 1 keeps the one-call linear (its speed); TP 1's bits equal TP 2-8's only with
+        # "chunked" asked for (docs/design.md, "Tensor parallelism").
+        return "chunked" if self.tp > 1 else "ranks"
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -201,18 +241,20 @@ class EngineConfig:
             chunk_size=self.resolved_chunk_size,
             max_running=self.resolved_max_running,
             overlap_decode=self.use_overlap_decode,
+            tp_reduction=self.resolved_tp_reduction,
         )
         return options
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.cuda_graphs and self.resolved_device == "cuda"
+        # At tp > 1 decode runs eagerly: captured collectives are for the multi-GPU issue.
+        return self.cuda_graphs and self.resolved_device == "cuda" and self.tp == 1
 
     @property
     def use_overlap_decode(self) -> bool:
         if self.overlap_decode is not None:
             return self.overlap_decode
-        return self.resolved_device == "cuda"
+        return self.resolved_device == "cuda" and self.tp == 1
 
 
 def _choice(name: str, value: object, accepted: tuple[str, ...]) -> None:

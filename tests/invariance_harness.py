@@ -151,9 +151,7 @@ def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -
     n_total = len(tokens)
     assert seq.done == n_total, (seq.done, n_total)
     slot_ids = torch.tensor(seq.slots, dtype=torch.int64)
-    slot_ids = slot_ids.to(engine.device)
-    k = torch.stack([pool.k_cache(i)[slot_ids] for i in range(pool.num_layers)])
-    v = torch.stack([pool.v_cache(i)[slot_ids] for i in range(pool.num_layers)])
+    k, v = engine.decoder.read_kv(pool, slot_ids)  # every KV head, whatever the tp degree
     # Give everything back: the sequence's own slots and the mates' slots are freed.
     own = seq.slots[first:]
     owned.append(torch.tensor(own, dtype=torch.int64))

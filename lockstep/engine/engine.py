@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import logging
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -38,12 +38,15 @@ from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
-from lockstep.errors import ModelLoadError, RequestError
+from lockstep.errors import ConfigError, ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
+from lockstep.parallel.group import ShardedDecoder, WorkerGroup
+from lockstep.parallel.sharding import degree_problem, supported_degrees
+from lockstep.parallel.worker import load_rank_decoder, set_threads
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +77,40 @@ class Engine:
                 f"{loaded.source}: head_dim={spec.head_dim} is not supported by the "
                 f"{self.ops.name} backend: supported head_dim values are {head_dims}"
             )
-        self.decoder = Decoder.load(
-            loaded, self.ops, self.dtype, self.device, self.max_model_len, self.kv_dtype
+        problem = degree_problem(spec, config.tp)
+        if problem is not None:
+            raise ConfigError(
+                f"tp={config.tp} is invalid for {loaded.name} ({spec.num_heads} heads,"
+                f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
+                f" {', '.join(map(str, supported_degrees(spec)))}"
+            )
+        # Ranks 1..tp-1 start loading while rank 0 does (lockstep.parallel.group).
+        self.workers: WorkerGroup | None = None
+        if config.tp > 1:
+            set_threads(config)
+            self.workers = WorkerGroup(config)
+        try:
+            collectives = None if self.workers is None else self.workers.collectives
+            local = load_rank_decoder(config, loaded, 0, self.max_model_len, collectives)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.decoder: Decoder | ShardedDecoder = (
+            local if self.workers is None else ShardedDecoder(local, self.workers)
         )
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
+        kv_heads = self.decoder.plan.num_local_kv_heads  # rank 0's; every rank holds as many
         self.pool = KVPool(
-            kv_tokens, len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, self.kv_dtype,
-            self.device,
+            kv_tokens, len(spec.kv_layers), kv_heads, spec.head_dim, self.kv_dtype, self.device,
         )  # fmt: skip
+        if self.workers is not None:
+            self.workers.send("kv_slots", kv_tokens)
         layout = self.decoder.linear_layout
         self.radix = RadixCache(
             self.pool,
@@ -433,6 +458,26 @@ class Engine:
             "state_bytes": self.radix.state_bytes,
         }
 
+    # ----------------------------------------------------------------- tensor parallelism
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot compute another step (a tensor-parallel worker is gone), or
+        None while it can."""
+        return None if self.workers is None else self.workers.failure
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(message)` once the engine cannot go on (a worker died); never at
+        tp=1."""
+        if self.workers is not None:
+            self.workers.on_failure(callback)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at tp=1). Idempotent; the engine
+        computes nothing afterwards."""
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.close()
+
     def fingerprint(self) -> dict[str, Any]:
         """What the results depend on (docs/design.md, "The contract")."""
         return {
@@ -440,6 +485,7 @@ class Engine:
             "kernel_table_version": getattr(self.ops, "kernel_table_version", self.ops.name),
             "ops_backend": self.ops.name,
             "mode": self.config.mode,
+            "tp_reduction": self.config.resolved_tp_reduction,
             "dtype": self.config.resolved_dtype,
             "kv_dtype": self.config.resolved_kv_dtype,
             "device": self.device.type,
@@ -455,7 +501,8 @@ class Engine:
         the weights less the largest step's workspace and the CUDA graphs, on the CPU a share
         of the available RAM."""
         spec, config = self.decoder.spec, self.config
-        per_token = KVPool.bytes_per_token(len(spec.kv_layers), spec.num_kv_heads,
+        per_token = KVPool.bytes_per_token(len(spec.kv_layers),
+                                           self.decoder.plan.num_local_kv_heads,
                                            spec.head_dim, self.kv_dtype)  # fmt: skip
         layout = self.decoder.linear_layout
         if layout is not None:  # a snapshot per chunk of cached tokens

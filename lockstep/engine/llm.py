@@ -44,6 +44,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (nothing to do at tp=1)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

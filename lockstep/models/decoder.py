@@ -21,6 +21,11 @@ their own sequence's earlier tokens through its `LinearState`); full-attention l
 their output by sigmoid(gate), the gate rows fused after q | k | v, and rotate part of each
 head. Their RMSNorm weights are stored as w - 1; the loader adds the 1 once, in float32 (as
 transformers does at every call). Only the full-attention layers have K/V in the cache.
+
+Tensor parallelism: a decoder holds one rank's shard (`TensorParallel`, lockstep.parallel): its
+heads of qkv, its intermediate columns of gate-up, its reduction chunks of o and down, its
+vocabulary rows of the embedding and the LM head. At TP 1 it holds everything, and o and down
+are still reduced chunk by chunk (deterministic mode), so that TP 1 gives the bits of TP 8.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weig
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
 from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
 from lockstep.ops.moe import MoeLayer, prepare_expert_weights
+from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
+from lockstep.parallel.sharding import ShardPlan
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
@@ -75,10 +82,10 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: Linear | None
+    o: Linear | RowParallelWeight | None
     post_norm: torch.Tensor
     gate_up: Linear | None  # dense layers: prepared linear weight, rows gate | up
-    down: Linear | None
+    down: Linear | RowParallelWeight | None
     router: torch.Tensor | None  # sparse layers: prepared linear weight [E, H]
     experts_gate_up: torch.Tensor | None  # sparse layers: [E, 2I, K'] (lockstep.ops.moe)
     experts_down: torch.Tensor | None  # sparse layers: [E, H, I']
@@ -127,9 +134,12 @@ class Decoder:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         max_position: int,
+        parallel: TensorParallel,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec = spec
+        self.parallel = parallel
+        self.plan = parallel.plan
         self.ops = ops
         self.dtype = dtype
         self.device = device
@@ -144,7 +154,7 @@ class Decoder:
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         self.attention_inputs = [
-            AttentionInput(spec.num_heads, w.q_norm, w.k_norm, spec.rms_norm_eps,
+            AttentionInput(self.plan.heads[1] - self.plan.heads[0], w.q_norm, w.k_norm, spec.rms_norm_eps,
                            self.rope_cos, self.rope_sin)
             for w in layers
         ]  # fmt: skip
@@ -176,13 +186,17 @@ class Decoder:
         dtype: torch.dtype,
         device: torch.device | str,
         max_position: int | None = None,
+        parallel: TensorParallel | None = None,
         kv_dtype: torch.dtype | None = None,
     ) -> Decoder:
-        """Load `loaded`'s weights strictly, convert them to `dtype` on `device` (FP8 weights
-        and their scales keep theirs) and fuse the projections. Missing or unexpected tensors
-        raise `ModelLoadError`. `kv_dtype`: the KV cache's dtype (default `dtype`)."""
+        """Load `loaded`'s weights strictly, keep `parallel`'s shard of them (default: TP 1,
+        the mode's default reduction), convert them to `dtype` on `device` (FP8 weights and
+        their scales keep theirs) and fuse the projections. Missing or unexpected tensors raise
+        `ModelLoadError`. `kv_dtype`: the KV cache's dtype (default `dtype`)."""
         device = torch.device(device)
         spec = loaded.spec
+        if parallel is None:
+            parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), default_reduction(ops))
         if spec.hybrid and not hasattr(ops, "gated_delta_rule"):
             raise ModelLoadError(
                 f"{loaded.source}: hybrid (linear-attention) models are not supported by the "
@@ -190,7 +204,7 @@ class Decoder:
             )
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
         parts = {
-            target: _prepare(spec, kind, [got[n] for n in names], ops, dtype, device)
+            target: _prepare(spec, target, kind, [got[n] for n in names], parallel, dtype, device)
             for target, kind, names in _consume(weight_layout(spec), got)
         }
         layers = [
@@ -199,7 +213,7 @@ class Decoder:
         ]
         return cls(
             spec, ops, dtype, device, parts["embed"], layers, parts["final_norm"],
-            parts["lm_head"], max_position or spec.max_position, kv_dtype,
+            parts["lm_head"], max_position or spec.max_position, parallel, kv_dtype,
         )  # fmt: skip
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
@@ -222,16 +236,16 @@ class Decoder:
         with torch.no_grad():
             for target, kind, names in _consume(weight_layout(spec), got):
                 parts = [got[n] for n in names]
-                new = _prepare(spec, kind, parts, self.ops, self.dtype, self.device)
+                new = _prepare(spec, target, kind, parts, self.parallel, self.dtype, self.device)
                 old = self._tensor_at(target)
                 if isinstance(old, Fp8Weight):
                     assert isinstance(new, Fp8Weight)
                     for live, fresh in zip(old.tensors(), new.tensors(), strict=True):
                         live.copy_(fresh)
                 else:
-                    old.copy_(new)
+                    old.copy_(new)  # type: ignore[arg-type]
 
-    def _tensor_at(self, target: str) -> Linear:
+    def _tensor_at(self, target: str) -> Linear | RowParallelWeight:
         """The live tensor a `weight_layout` target names ("layers.3.qkv", "embed", ...)."""
         if target.startswith("layers."):
             _, index, name = target.split(".")
@@ -244,8 +258,8 @@ class Decoder:
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """Run one step: write every row's K/V into `kv` at `batch.out_slots` and return the
         float32 logits [R, vocab] of `batch.logit_rows`."""
-        spec, ops = self.spec, self.ops
-        h = self.embed[batch.token_ids].to(self.act_dtype)
+        spec, ops, parallel = self.spec, self.ops, self.parallel
+        h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
         residual: torch.Tensor | None = None
         # Rows per sequence on the host, once per step (the linear layers loop over them).
         rows = None if batch.linear_states is None else batch.meta.cu_q.diff().tolist()
@@ -268,14 +282,26 @@ class Decoder:
                 h = ops.moe(x, moe)
             else:
                 assert w.gate_up is not None and w.down is not None
-                h = linear(ops, ops.silu_mul(linear(ops, x, w.gate_up)), w.down)
+                act = ops.silu_mul(linear(ops, x, w.gate_up))
+                if isinstance(w.down, Fp8Weight):
+                    h = linear(ops, act, w.down)
+                else:
+                    h = parallel.row_linear(act, w.down, "mlp")
         assert residual is not None
         if batch.linear_states is not None and rows is not None:
             for state, n in zip(batch.linear_states, rows, strict=True):
                 state.position += n
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
-        return ops.linear(x, self.lm_head).float()
+        return parallel.logits(x, self.lm_head)
+
+    def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, Hkv, D] (this rank's KV heads) at `slots` of `kv`."""
+        index = slots.to(device=self.device, dtype=torch.int64)
+        layers = range(len(self.spec.kv_layers))
+        k = torch.stack([kv.k_cache(i).index_select(0, index) for i in layers])
+        v = torch.stack([kv.v_cache(i).index_select(0, index) for i in layers])
+        return k, v
 
     def _attention(
         self, x: torch.Tensor, w: LayerWeights, i: int, batch: ForwardBatch, kv: KVStorage
@@ -293,10 +319,12 @@ class Decoder:
         q = ops.attention_input(
             qkv, self.attention_inputs[i], batch.positions, batch.out_slots, layer_kv
         )
-        o = ops.attention(q, layer_kv, batch.meta, self.scale).reshape(t, spec.q_size)
+        o = ops.attention(q, layer_kv, batch.meta, self.scale).reshape(t, -1)
         if gate is not None:
             o = ops.gate_activation(o, gate, "sigmoid")
-        return linear(ops, o, w.o)
+        if isinstance(w.o, Fp8Weight):
+            return linear(ops, o, w.o)
+        return self.parallel.row_linear(o, w.o, "attention")
 
     def new_linear_state(self) -> LinearState | None:
         """A fresh linear-attention state at position 0 (None for a model without)."""
@@ -313,7 +341,7 @@ class Decoder:
         """One cold full prefill of `token_ids` in a private KV cache (slot j holds position
         j): every position's logits [T, vocab] float32, and the cache it wrote."""
         n = len(token_ids)
-        kv = ScratchKV(self.spec, n, self.kv_dtype, self.device)
+        kv = ScratchKV(self.spec, n, self.kv_dtype, self.device, self.plan.num_local_kv_heads)
         kv.linear_state = self.new_linear_state()
         states = None if kv.linear_state is None else [kv.linear_state]
         positions = list(range(n))
@@ -324,10 +352,18 @@ class Decoder:
 
 class ScratchKV:
     """A private KV cache for `cold_prefill`, k and v [KV layers, n, Hkv, D] (the engine uses
-    the shared KV pool), and the linear-attention state the prefill ended in (hybrid)."""
+    the shared KV pool), and the linear-attention state the prefill ended in (hybrid); Hkv:
+    `num_kv_heads`, this rank's KV heads (default: the model's)."""
 
-    def __init__(self, spec: ModelSpec, n: int, dtype: torch.dtype, device: torch.device):
-        shape = (len(spec.kv_layers), n, spec.num_kv_heads, spec.head_dim)
+    def __init__(
+        self,
+        spec: ModelSpec,
+        n: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        shape = (len(spec.kv_layers), n, num_kv_heads or spec.num_kv_heads, spec.head_dim)
         self.linear_state: LinearState | None = None
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -349,7 +385,8 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
     order. Kinds: "norm" (float32), "norm1p" (float32, plus one: Qwen3.5 stores w - 1),
     "conv" (float32 [channels, kernel]), "bias" (float32, concatenated), "embed" (as is),
     "linear" (rows concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's
-    per-head query and gate rows separated: q | k | v | gate, then "linear") and "experts" (the sources are
+    per-head query and gate rows separated: q | k | v | gate, then "linear"), "row_attention"
+    and "row_mlp" (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are
     expert-major, the same number per expert: each expert's rows concatenated, then stacked
     and prepared by `prepare_expert_weights`) and "fp8" (an FP8 linear: its parts' weights,
     then their weight scales, then their input scales ("tensor"), fused by `_fuse_fp8`)."""
@@ -395,7 +432,10 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
             if spec.qk_norm:
                 layout.append((t + "q_norm", norm, [a + "q_norm.weight"]))
                 layout.append((t + "k_norm", norm, [a + "k_norm.weight"]))
-            add_linear(t + "o", [a + "o_proj"])
+            if spec.is_fp8_linear(a + "o_proj"):
+                add_linear(t + "o", [a + "o_proj"])
+            else:
+                layout.append((t + "o", "row_attention", [a + "o_proj.weight"]))
         layout.append((t + "post_norm", norm, [p + "post_attention_layernorm.weight"]))
         if spec.is_sparse(i):
             assert spec.moe is not None
@@ -407,7 +447,10 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
             layout.append((t + "experts_down", "experts", down))
         else:
             add_linear(t + "gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
-            add_linear(t + "down", [p + "mlp.down_proj"])
+            if spec.is_fp8_linear(p + "mlp.down_proj"):
+                add_linear(t + "down", [p + "mlp.down_proj"])
+            else:
+                layout.append((t + "down", "row_mlp", [p + "mlp.down_proj.weight"]))
     layout.append(("embed", "embed", ["model.embed_tokens.weight"]))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     layout.append(("lm_head", "linear", [head]))
@@ -417,15 +460,18 @@ def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
 
 def _prepare(
     spec: ModelSpec,
+    target: str,
     kind: str,
     parts: list[torch.Tensor],
-    ops: Ops,
+    parallel: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
-) -> Linear:
-    if kind == "fp8":
+) -> Linear | RowParallelWeight:
+    ops = parallel.ops
+    if kind == "fp8":  # FP8 models run at tp=1 (lockstep.parallel.sharding): never sharded
         assert spec.fp8 is not None
         return _fuse_fp8(spec.fp8.scheme, parts, ops, device)
+    parts = _shard(parallel.plan, target, parts)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
     if kind == "norm1p":
@@ -440,6 +486,8 @@ def _prepare(
         kind = "linear"
     fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     fused = fused.to(device=device, dtype=dtype)
+    if kind in ("row_attention", "row_mlp"):
+        return parallel.row_weight(fused, kind.removeprefix("row_"))
     if kind == "experts":
         assert spec.moe is not None
         # Expert-major sources, so the concatenated rows are expert e's rows at block e.
@@ -471,6 +519,26 @@ def _fuse_fp8(scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.de
         input_scale = torch.stack([s.reshape(()) for s in parts[2 * count :]]).amax()
         input_scale = input_scale.to(device=device, dtype=torch.float32)
     return ops.prepare_fp8_linear(scheme, weight, weight_scale, input_scale)
+
+
+def _shard(plan: ShardPlan, target: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's rows of a column-parallel or vocabulary-parallel target's sources (q | k | v
+    by heads, gate | up by intermediate columns, the embedding and LM head by vocabulary
+    rows); every other target whole (row-parallel ones are cut by `row_weight`)."""
+    if plan.tp == 1:
+        return parts
+    d = plan.spec.head_dim
+    if target.endswith((".qkv", ".qkv_bias")):
+        (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
+        q, k, v = parts
+        return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
+    if target.endswith(".gate_up"):
+        lo, hi = plan.intermediate
+        return [p[lo:hi] for p in parts]
+    if target in ("embed", "lm_head"):
+        lo, hi = plan.vocab_rows()
+        return [p[lo:hi] for p in parts]
+    return parts
 
 
 def _consume(

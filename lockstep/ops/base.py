@@ -159,6 +159,12 @@ class Ops(Protocol):
         block. Row m depends only on x[m] in a deterministic backend."""
         ...
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight.T -> [M, N] float32, not rounded to x's dtype: one partial sum of
+        a row-parallel linear (lockstep.parallel.layers), computed exactly as `linear` would
+        compute it before rounding. Row m depends only on x[m]."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [M, H] -> x / sqrt(mean(x^2) + eps) * weight, one row at a time."""
         ...

@@ -84,6 +84,9 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         out = self._ext.linear(x2.contiguous(), weight.contiguous(), b, self._simd)
         return out.reshape(*lead, weight.shape[0])
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight)  # float32 already
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
         (out,) = self._ext.rms_norm(

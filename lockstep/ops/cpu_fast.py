@@ -34,6 +34,9 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
             bias = bias.to(x.dtype)
         return F.linear(x, weight, bias)
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight)  # float32 already
+
     def attention(
         self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
     ) -> torch.Tensor:

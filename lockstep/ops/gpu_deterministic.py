@@ -79,6 +79,9 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
             x, w.weight, w.weight_scale, w.scheme, input_scale=w.input_scale, bias=bias
         )
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return matmul.matmul(x, weight, out_dtype=torch.float32)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
 

@@ -71,6 +71,9 @@ class GpuFastOps(TorchRowOps):
             ).to(x.dtype)
         return out.reshape(*lead, w.out_features)
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight).float()
+
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """Stock routing, the experts through torch's grouped GEMM over expert-sorted rows
         where it runs (`torch._grouped_mm`: bf16 on sm90+), else every expert's cuBLAS

@@ -48,6 +48,9 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         w = weight
         return fp8_linear_reference(x, w.weight, w.weight_scale, w.scheme, w.input_scale, bias)
 
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight)  # float64: the reference never rounds to float32
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.to(f64)
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(f64)

@@ -113,6 +113,9 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        failure = getattr(engine, "failure", None)
+        if failure is not None:  # a tensor-parallel worker is gone: the server is exiting
+            return JSONResponse({"status": "unhealthy", "error": failure}, status_code=503)
         if not async_engine.alive:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -103,6 +103,7 @@ class AsyncEngine:
             and self._thread.is_alive()
             and not self._stopping
             and not self._shedding
+            and getattr(self.engine, "failure", None) is None
         )
 
     def shed(self, reason: str) -> None:

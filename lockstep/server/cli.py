@@ -8,6 +8,10 @@ never with a half-started server. `--port 0` picks a free port; the line
 SIGTERM or SIGINT stops accepting connections and lets running requests finish for up to
 `--shutdown-timeout` seconds; whatever still runs then is aborted and its slots freed. The
 process then exits with status 0.
+
+With `--tp` > 1, a worker process that dies makes the server print one line naming its rank,
+answer /health with 503 "unhealthy", fail what is in flight, stop the other workers and exit
+with status 1 (lockstep.parallel.group).
 """
 
 from __future__ import annotations
@@ -99,11 +103,12 @@ def run_serve_command(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"lockstep serve: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        from lockstep.engine.engine import Engine
+    from lockstep.engine.engine import Engine
+    from lockstep.parallel.group import TensorParallelError
 
+    try:
         engine = Engine(config)
-    except (ConfigError, ModelLoadError) as exc:
+    except (ConfigError, ModelLoadError, TensorParallelError) as exc:
         sock.close()
         print(f"lockstep serve: error: {exc}", file=sys.stderr)
         return 2
@@ -139,11 +144,24 @@ def run_serve_command(args: argparse.Namespace) -> int:
             timeout_keep_alive=args.keep_alive_timeout,
         )
     )
+    failures: list[str] = []
+
+    def on_engine_failure(message: str) -> None:
+        # A tensor-parallel worker died: report unhealthy, shut down, exit with status 1.
+        failures.append(message)
+        print(f"lockstep serve: error: {message}; shutting down", file=sys.stderr)
+        sys.stderr.flush()
+        server.should_exit = True
+
+    engine.on_failure(on_engine_failure)
     host, port = sock.getsockname()[:2]
     print(f"Lockstep serving {engine.model_name} on http://{host}:{port}", file=sys.stderr)
     sys.stderr.flush()
-    server.run(sockets=[sock])
-    return 0
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+    return 1 if failures else 0
 
 
 def _server_class(grace_s: float, end_of_grace: Callable[[], None]) -> type:

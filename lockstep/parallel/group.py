@@ -1,0 +1,251 @@
+"""Rank 0's side of tensor parallelism: the worker processes and the decoder that drives them.
+
+`WorkerGroup.start` spawns ranks 1..tp-1 (lockstep.parallel.worker), hosts the process group's
+store and joins the group as rank 0. `ShardedDecoder` stands where the engine's `Decoder`
+stands: each call sends the command to every worker first, then runs rank 0's shard, so all
+ranks enter the same collectives in the same order. The scheduler, the KV pool's allocator,
+the sampler and everything else of the engine run on rank 0 only.
+
+Failure: a watchdog thread waits on the workers' process handles. When one ends while the
+group is not closing, it records one line naming the rank, its pid and exit status
+(`WorkerGroup.failure`), stops the other workers (so a collective rank 0 waits in fails at
+once instead of hanging) and calls the `on_failure` callbacks (the server exits). Every later
+command raises `TensorParallelError` with that line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.config import EngineConfig
+from lockstep.errors import ModelLoadError, RequestError
+from lockstep.models.decoder import Decoder, KVStorage, ScratchKV
+from lockstep.models.forward_batch import ForwardBatch
+from lockstep.parallel import worker
+from lockstep.parallel.worker import gather_kv
+
+logger = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 120  # every rank must reach the store within this (process start, imports)
+STOP_TIMEOUT_S = 5.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank is gone: the engine cannot compute another step."""
+
+
+class WorkerGroup:
+    """Ranks 1..tp-1 of an engine, and rank 0's membership of the process group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.failure: str | None = None
+        self._closing = False
+        self._callbacks: list[Callable[[str], None]] = []
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch's threads
+        # Rank 0 hosts the store; port 0 lets the OS pick a free one, the workers are told it.
+        store = dist.TCPStore("127.0.0.1", 0, config.tp, is_master=True,
+                              timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                              wait_for_workers=False)  # fmt: skip
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        for rank in range(1, config.tp):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(
+                target=worker.worker_main, args=(config, rank, store.port, child),
+                name=f"lockstep-tp-rank-{rank}", daemon=True,
+            )  # fmt: skip
+            process.start()
+            child.close()
+            self.processes.append(process)
+            self.conns.append(parent)
+        self._watchdog = threading.Thread(target=self._watch, name="lockstep-tp-watchdog",
+                                          daemon=True)  # fmt: skip
+        self._watchdog.start()
+        # Before multiprocessing's own exit handler (registered earlier, so run later), which
+        # would SIGTERM the workers and read as their failure.
+        atexit.register(self.close)
+        try:
+            self.collectives = worker.join_group(config, 0, store)
+        except Exception as exc:
+            self.close()
+            raise TensorParallelError(self.failure or f"joining the tp={config.tp} process "
+                                      f"group failed: {exc}") from exc  # fmt: skip
+        self._store = store
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, rank 1 first."""
+        return [p.pid for p in self.processes]
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(message)` (from the watchdog thread) when a worker dies."""
+        self._callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has loaded its shard; a worker that failed raises
+        `ModelLoadError` with its message."""
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                kind, message = conn.recv()
+            except (EOFError, OSError):
+                self._wait_for_failure()
+                raise ModelLoadError(self.failure or f"tp worker rank {rank} is gone") from None
+            if kind == "error":
+                raise ModelLoadError(f"tp worker rank {rank}: {message}")
+
+    def send(self, command: str, arg: Any = None) -> None:
+        """Send one command to every worker (raises `TensorParallelError` once one is gone)."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send((command, arg))
+            except OSError:
+                self._wait_for_failure()
+                raise TensorParallelError(
+                    self.failure or f"tp worker rank {rank} is gone"
+                ) from None
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """The error to raise for `exc`, raised while a collective ran: the worker's death
+        when that is its cause."""
+        self._wait_for_failure()
+        if self.failure is not None:
+            return TensorParallelError(self.failure)
+        return exc
+
+    def close(self) -> None:
+        """Stop every worker and leave the process group. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self._stop_all()
+        for conn in self.conns:
+            conn.close()
+        atexit.unregister(self.close)
+
+    # ------------------------------------------------------------------ internals
+    def _watch(self) -> None:
+        handles = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}
+        while handles and not self._closing:
+            for sentinel in wait(list(handles), timeout=0.2):
+                rank, process = handles.pop(sentinel)
+                if self._closing:
+                    return
+                process.join(2.0)  # the pipe closes a moment before the exit status is readable
+                self._fail(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited "
+                           f"with status {process.exitcode}: the engine cannot continue")  # fmt: skip
+                return
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        logger.error("%s", message)
+        self._stop_all()
+        for callback in self._callbacks:
+            try:
+                callback(message)
+            except Exception:
+                logger.exception("tensor-parallel failure callback failed")
+
+    def _stop_all(self) -> None:
+        """Terminate the workers still running (SIGTERM, then SIGKILL)."""
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join(STOP_TIMEOUT_S)
+
+    def _wait_for_failure(self, timeout: float = 2.0) -> None:
+        """Give the watchdog time to see a death that rank 0 noticed first."""
+        deadline = time.monotonic() + timeout
+        while self.failure is None and time.monotonic() < deadline:
+            if not any(p.is_alive() for p in self.processes):
+                time.sleep(0.3)
+                return
+            time.sleep(0.05)
+
+
+class ShardedDecoder:
+    """Rank 0's decoder of a tensor-parallel engine: the `Decoder` interface the engine uses,
+    each call mirrored on every worker. Logits come back whole (vocabulary shards gathered);
+    KV entries read through `read_kv` and `cold_prefill` come back with every KV head."""
+
+    def __init__(self, local: Decoder, group: WorkerGroup) -> None:
+        self.local = local
+        self.group = group
+        self.spec = local.spec
+        self.ops = local.ops
+        self.dtype = local.dtype
+        self.device = local.device
+        self.act_dtype = local.act_dtype
+        self.plan = local.plan
+        self.parallel = local.parallel
+        self.max_position = local.max_position
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)  # what needs no other rank (linear_layout, ...)
+
+    def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """`Decoder.forward` on every rank (workers write their KV heads into their own
+        stores at the same slots); float32 logits [R, vocab]."""
+        self.group.send("forward", batch.to("cpu"))
+        try:
+            return self.local.forward(batch, kv)
+        except RuntimeError as exc:
+            raise self.group.failed(exc) from exc
+
+    def cold_prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, ScratchKV]:
+        """`Decoder.cold_prefill` on every rank; the returned cache holds every KV head."""
+        self.group.send("cold_prefill", list(token_ids))
+        try:
+            logits, scratch = self.local.cold_prefill(token_ids)
+            k, v = gather_kv(self.local, scratch.k, scratch.v)
+        except RuntimeError as exc:
+            raise self.group.failed(exc) from exc
+        full = ScratchKV(self.spec, len(token_ids), self.dtype, self.device)
+        full.k, full.v = k, v
+        return logits, full
+
+    def logits_for_sequence(self, token_ids: list[int]) -> torch.Tensor:
+        return self.cold_prefill(token_ids)[0]
+
+    def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, Hkv, D] at `slots`, every rank's heads joined."""
+        slots = slots.to(torch.int64).cpu()
+        self.group.send("read_kv", slots)
+        k, v = self.local.read_kv(kv, slots)
+        try:
+            return gather_kv(self.local, k, v)
+        except RuntimeError as exc:
+            raise self.group.failed(exc) from exc
+
+    def update_weights(self, weights: Any, source: str) -> None:
+        raise RequestError(
+            f"updating weights is not supported at tp={self.group.config.tp}: expected tp=1"
+            " (or restart the server with the new --model)"
+        )

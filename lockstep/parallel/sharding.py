@@ -1,0 +1,152 @@
+"""Which slice of every weight a tensor-parallel rank holds, and the fixed reduction chunks.
+
+Megatron-style: qkv and gate-up are column-parallel (a rank holds whole heads and a range of
+intermediate columns), o and down are row-parallel (a rank holds the matching input columns and
+produces a partial sum over them), the embedding and the LM head are vocabulary-parallel.
+
+The same bits at every degree: the K dimension of each row-parallel matmul is cut into
+`CHUNKS` chunks at fixed places, the same at TP 1 as at TP 8, and every chunk's partial is
+computed alone (the deterministic matmul over that chunk's columns only) and then added in one
+fixed tree (`tree_sum`). A rank holds whole chunks, so where a chunk is computed never changes
+its bits, and the tree never changes shape:
+
+    o_proj input, H heads:    chunk c = heads [c*H//8, (c+1)*H//8)      (may be empty: H < 8)
+    down_proj input, I cols:  chunk c = cols  [c*I//8, (c+1)*I//8)
+    tree:                     ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), an empty chunk
+                              adds nothing (its node is the other operand)
+
+    tp = 2, H = 32:  rank 0  heads 0-15  = chunks 0-3 | rank 1  heads 16-31 = chunks 4-7
+    tp = 3, H = 9:   rank 0  heads 0-2   = chunks 0-2 | rank 1  heads 3-5 = chunks 3-5 | ...
+
+A degree works when it divides the attention heads, divides the KV heads or is a multiple of
+them (then each KV head is held, computed identically, by tp/Hkv ranks), and every rank's first
+head is a chunk boundary (always so when the degree divides 8). `supported_degrees` lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.config import MAX_TP
+from lockstep.models.spec import ModelSpec
+
+CHUNKS = MAX_TP  # reduction chunks of every row-parallel matmul: 8, the most ranks supported
+
+
+def chunk_bounds(n: int) -> list[tuple[int, int]]:
+    """The CHUNKS fixed [start, end) ranges of n units (heads or columns)."""
+    return [(c * n // CHUNKS, (c + 1) * n // CHUNKS) for c in range(CHUNKS)]
+
+
+def degree_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why `tp` cannot shard `spec` (None when it can)."""
+    h, hkv = spec.num_heads, spec.num_kv_heads
+    if spec.moe is not None and tp > 1:
+        return "mixture-of-experts models run at tp=1 only"
+    if spec.hybrid and tp > 1:
+        return "hybrid (linear-attention) models run at tp=1 only"
+    if spec.fp8 is not None and tp > 1:
+        return "FP8 models run at tp=1 only"
+    if not 1 <= tp <= MAX_TP:
+        return f"expected 1..{MAX_TP}"
+    if h % tp:
+        return f"it does not divide the {h} attention heads"
+    if hkv % tp and tp % hkv:
+        return f"it neither divides nor is a multiple of the {hkv} KV heads"
+    starts = {lo for lo, _ in chunk_bounds(h)}
+    if any(r * h // tp not in starts for r in range(tp)):
+        return f"its rank boundaries fall inside one of the {CHUNKS} reduction chunks"
+    return None
+
+
+def supported_degrees(spec: ModelSpec) -> list[int]:
+    """Every tensor-parallel degree that shards `spec`."""
+    return [tp for tp in range(1, MAX_TP + 1) if degree_problem(spec, tp) is None]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank `rank` of `tp`: the heads, KV heads, intermediate columns and vocabulary rows it
+    holds, and which reduction chunks it computes. Built only for a supported degree."""
+
+    spec: ModelSpec
+    tp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        problem = degree_problem(self.spec, self.tp)
+        if problem is not None:
+            raise ValueError(f"tp={self.tp} is invalid for this model: {problem}")
+        if not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank={self.rank} is invalid: expected 0..{self.tp - 1}")
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        per = self.spec.num_heads // self.tp
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        hkv, tp = self.spec.num_kv_heads, self.tp
+        if tp <= hkv:
+            per = hkv // tp
+            return self.rank * per, (self.rank + 1) * per
+        first = self.rank // (tp // hkv)  # replicated: tp/hkv ranks share each KV head
+        return first, first + 1
+
+    @property
+    def kv_owner(self) -> bool:
+        """Whether this rank is the first holder of its KV heads (the one read when the heads
+        are gathered)."""
+        hkv, tp = self.spec.num_kv_heads, self.tp
+        return tp <= hkv or self.rank % (tp // hkv) == 0
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        lo, hi = self.kv_heads
+        return hi - lo
+
+    def attention_chunks(self) -> list[int]:
+        """Chunk ids of the o_proj input on this rank (those starting in its heads)."""
+        lo, hi = self.heads
+        return [c for c, (s, _) in enumerate(chunk_bounds(self.spec.num_heads)) if lo <= s < hi]
+
+    def mlp_chunks(self) -> list[int]:
+        """Chunk ids of the down_proj input on this rank: chunks [r*8//tp, (r+1)*8//tp)."""
+        return list(range(self.rank * CHUNKS // self.tp, (self.rank + 1) * CHUNKS // self.tp))
+
+    @property
+    def intermediate(self) -> tuple[int, int]:
+        """This rank's intermediate columns: the union of its mlp chunks."""
+        bounds = chunk_bounds(self.spec.intermediate_size)
+        ids = self.mlp_chunks()
+        return bounds[ids[0]][0], bounds[ids[-1]][1]
+
+    def vocab_rows(self, rank: int | None = None) -> tuple[int, int]:
+        """Vocabulary rows [lo, hi) of `rank` (default: this rank)."""
+        r = self.rank if rank is None else rank
+        v = self.spec.vocab_size
+        return r * v // self.tp, (r + 1) * v // self.tp
+
+
+def tree_sum(partials: list[torch.Tensor | None]) -> torch.Tensor:
+    """The CHUNKS chunk partials (None: an empty chunk) added in the one fixed tree: adjacent
+    pairs, level by level. Elementwise adds only, so every element is the same expression at
+    every degree."""
+    if len(partials) != CHUNKS:
+        raise ValueError(f"tree_sum: {len(partials)} partials, expected {CHUNKS}")
+    level = list(partials)
+    while len(level) > 1:
+        level = [_add(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    assert level[0] is not None, "every chunk is empty"
+    return level[0]
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b

@@ -1,0 +1,91 @@
+"""A tensor-parallel server whose processes die: `lockstep serve --tp 2` on random:tiny.
+
+* A worker killed (SIGKILL) while a request streams: the server prints one line naming the
+  rank, fails the stream, stops the other processes and exits with status 1 within seconds.
+* The server killed (SIGKILL): its worker exits within seconds (no orphan).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from test_server import ServerProcess
+
+ARGS = ["--model", "random:tiny", "--device", "cpu", "--kv-tokens", "4096", "--tp", "2"]
+EXIT_WITHIN_S = 15.0
+
+
+def _workers(pid: int) -> list[int]:
+    """The server's tensor-parallel worker processes (multiprocessing spawn children)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in map(int, children):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return True
+    return state == "Z"  # exited, waiting for its parent to read the status
+
+
+def _wait_gone(pids: list[int], timeout: float) -> float:
+    start = time.monotonic()
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() - start < timeout, f"still running after {timeout} s: {pids}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_a_killed_worker_ends_the_server_with_a_clear_error() -> None:
+    server = ServerProcess(ARGS).start()
+    assert server.proc is not None
+    (worker,) = _workers(server.proc.pid)
+    body = {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    lines: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                          timeout=120) as resp:  # fmt: skip
+            lines.extend(line for line in resp.iter_lines() if line)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not any('"choices"' in line for line in lines):
+        assert time.monotonic() < deadline, "the request never streamed"
+        time.sleep(0.05)
+    os.kill(worker, signal.SIGKILL)
+    killed = time.monotonic()
+    code = server.proc.wait(EXIT_WITHIN_S + 30)
+    took = time.monotonic() - killed
+    thread.join(30)
+    log = "".join(server.log)
+    assert code == 1, log[-3000:]
+    assert took < EXIT_WITHIN_S, f"exited {took:.1f} s after the kill"
+    assert f"tensor-parallel worker rank 1 (pid {worker}) exited with status -9" in log, log[-3000:]
+    assert lines and lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
+
+
+def test_a_killed_server_leaves_no_worker_behind() -> None:
+    server = ServerProcess(ARGS).start()
+    assert server.proc is not None
+    workers = _workers(server.proc.pid)
+    assert len(workers) == 1
+    server.proc.kill()
+    server.proc.wait(30)
+    _wait_gone(workers, EXIT_WITHIN_S)
