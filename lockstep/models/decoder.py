@@ -269,10 +269,10 @@ class Decoder:
                 x = ops.rms_norm(h, w.input_norm, spec.rms_norm_eps)
             else:
                 x, residual = ops.add_rms_norm(h, residual, w.input_norm, spec.rms_norm_eps)
-            linear = self.linear_weights[i]
-            if linear is not None:
+            gdn = self.linear_weights[i]
+            if gdn is not None:
                 assert self.linear_layout is not None
-                h = gated_deltanet(ops, x, linear, self.linear_index[i], batch,
+                h = gated_deltanet(ops, x, gdn, self.linear_index[i], batch,
                                    self.linear_layout, spec.rms_norm_eps, rows)  # fmt: skip
             else:
                 h = self._attention(x, w, i, batch, kv)
