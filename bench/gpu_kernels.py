@@ -82,6 +82,27 @@ SWEEP_MM = {
         C(128, 256, 64, 8, 3, tma=True),
         C(64, 64, 128, 4, 4, tma=True),
     ],
+    # Decode at batch 129-256 (RL rollouts): the waves of 132 SMs matter as much as the tile.
+    256: [
+        C(256, 128, 64, 8, 3, tma=True),
+        C(128, 128, 64, 8, 4, tma=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True, warp_specialize=True),
+        C(128, 256, 64, 8, 3, tma=True, persistent=True),
+        C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
+        C(256, 128, 64, 8, 3, tma=True, persistent=True),
+        C(128, 64, 64, 4, 4, tma=True),
+        C(128, 64, 128, 4, 4, tma=True),
+        C(128, 64, 64, 4, 5, tma=True, persistent=True),
+        C(64, 128, 64, 4, 5, tma=True),
+        C(64, 128, 128, 4, 4, tma=True),
+        C(64, 128, 64, 4, 5, tma=True, persistent=True),
+        C(64, 256, 64, 4, 4, tma=True),
+        C(64, 256, 64, 8, 4, tma=True, persistent=True),
+        C(64, 64, 128, 4, 4, tma=True),
+        C(128, 128, 64, 8, 4, tma=True, split_programs=True),
+        C(64, 128, 128, 4, 4, tma=True, split_programs=True),
+    ],
     512: [
         C(128, 128, 64, 8, 4, tma=True),
         C(128, 128, 64, 8, 4, tma=True, split_programs=True),
@@ -101,6 +122,8 @@ SWEEP_MM = {
         C(128, 256, 64, 8, 4, tma=True, persistent=True),
         C(256, 128, 64, 8, 3, tma=True),
         C(128, 128, 64, 8, 4, tma=True, persistent=True, group_m=16),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True, group_m=16, warp_specialize=True),
+        C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
     ],
 }
 # The table (DEFAULT_CONFIG) reduces the row sum as a dot and runs decode tiles on 2 warps:

@@ -124,13 +124,31 @@ def main() -> None:
     torch.cuda.synchronize()
     # Time between consecutive step returns, no device sync per step: a plain step waits for
     # its own tokens anyway, and a sync would drain a step launched ahead (--overlap-decode).
+    # The time a step spends waiting for its tokens is the host's slack: near zero means the
+    # host, not the device, sets the pace.
+    from lockstep.engine.model_runner import LaunchedStep
+
+    waits: list[float] = []
+    chosen = LaunchedStep.chosen
+
+    def timed_chosen(self):
+        t0 = time.perf_counter()
+        out = chosen(self)
+        waits.append(time.perf_counter() - t0)
+        return out
+
+    LaunchedStep.chosen = timed_chosen
     stamps = [time.perf_counter()]
     while engine.has_unfinished():
         engine.step()
         stamps.append(time.perf_counter())
     torch.cuda.synchronize()
+    LaunchedStep.chosen = chosen
     walls = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     walls = walls[2:]  # the first decode steps capture the graph
+    wait_ms = 1e3 * statistics.median(waits[2:])
+    print(f"engine step {1e3 * statistics.median(walls):.3f} ms, of which waiting for the "
+          f"device's tokens {wait_ms:.3f} ms (host work {1e3 * statistics.median(walls) - wait_ms:.3f} ms)")  # fmt: skip
     phases = time_phases(engine, vocab, args.prompt_len, params, args.batch)
     print("engine step phases (each synchronized; us per step): "
           + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))  # fmt: skip
@@ -210,6 +228,7 @@ def main() -> None:
         "param_bytes": param_bytes,
         "floor_ms": floor_ms,
         "engine_ms_per_token": 1e3 * statistics.median(walls),
+        "token_wait_ms": wait_ms,
         "graph_replay_ms": statistics.median(replays),
         "eager_kernel_sum_ms": kernel_ms,
         "post_forward_gpu_us": post,

@@ -6,6 +6,11 @@ A "way" (`Plan`) is: a prefix-cache hit of some length (another sequence sharing
 was computed and cached first, so the hit may end mid-node, mid key block, mid split), a
 partition of the rest into forward passes (chunk sizes 1 = decode steps), and random
 batch-mates sharing each pass (other sequences at random stages of their own prefill).
+
+Hybrid models: every sequence carries its linear-attention state; the donor's chunk-boundary
+snapshots go to the radix cache with its KV, a hit resumes from the last snapshot at or below
+the asked length (so `Computed.first_computed` may be below `Plan.prefix_len`), and the final
+state and every boundary snapshot taken on the way are compared bitwise too.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class Plan:
     prefix_len: int  # tokens served from the radix cache (0: cold)
     chunks: list[int]  # sizes of the forward passes over the remaining positions
     mates_per_step: list[list[int]] = field(default_factory=list)  # mate lengths per pass
+    donor_step: int = 8  # the donor is computed in passes of 1..donor_step tokens
 
     def describe(self) -> str:
         return f"prefix={self.prefix_len} chunks={self.chunks} mates={self.mates_per_step}"
@@ -34,14 +40,24 @@ class Plan:
 class Computed:
     logits: torch.Tensor  # [n - first_computed, V] for positions first_computed..n-1
     first_computed: int
-    k: torch.Tensor  # [layers, n, Hkv, D]
+    k: torch.Tensor  # [KV layers, n, Hkv, D]
     v: torch.Tensor
+    state: tuple[torch.Tensor, ...] = ()  # hybrid: the final LinearState's defining tensors
+    snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def reference(engine: Engine, tokens: list[int]) -> Computed:
     """One cold full prefill in a private cache (slots 0..n-1)."""
     logits, scratch = engine.decoder.cold_prefill(tokens)
-    return Computed(logits.cpu(), 0, scratch.k.cpu(), scratch.v.cpu())
+    state, snaps = _state_of(scratch.linear_state)
+    return Computed(logits.cpu(), 0, scratch.k.cpu(), scratch.v.cpu(), state, snaps)
+
+
+def _state_of(state) -> tuple[tuple[torch.Tensor, ...], dict]:
+    if state is None:
+        return (), {}
+    snaps = {p: (s.conv.cpu(), s.recurrent.cpu()) for p, s in state.captured.items()}
+    return tuple(t.cpu().clone() for t in state.meaningful()), snaps
 
 
 @dataclass
@@ -49,6 +65,7 @@ class _Seq:
     tokens: list[int]
     slots: list[int]
     done: int  # positions computed
+    state: object = None  # hybrid: its LinearState
 
 
 def _step(engine: Engine, parts: list[tuple[_Seq, int]]) -> list[torch.Tensor]:
@@ -70,7 +87,13 @@ def _step(engine: Engine, parts: list[tuple[_Seq, int]]) -> list[torch.Tensor]:
         starts.append(start)
         tables.append(seq.slots[:end])
     meta = build_attention_meta(counts, starts, tables)
-    batch = ForwardBatch.from_lists(tokens, positions, out_slots, meta, range(len(tokens)))
+    states = None
+    if engine.decoder.linear_layout is not None:
+        for seq, _ in parts:
+            if seq.state is None:
+                seq.state = engine.decoder.new_linear_state()
+        states = [seq.state for seq, _ in parts]
+    batch = ForwardBatch.from_lists(tokens, positions, out_slots, meta, range(len(tokens)), states)
     batch = batch.to(engine.device)
     logits = engine.decoder.forward(batch, engine.pool).cpu()
     for seq, n in parts:
@@ -91,12 +114,20 @@ def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -
         # cached, so the hit below ends inside (or at the end of) the donor's node.
         donor = _Seq(tokens[: plan.prefix_len] + [rng.randrange(vocab) for _ in range(3)], [], 0)
         while donor.done < len(donor.tokens):
-            _step(engine, [(donor, min(rng.randint(1, 8), len(donor.tokens) - donor.done))])
-        res = radix.insert(donor.tokens, torch.tensor(donor.slots, dtype=torch.int64))
+            step = min(rng.randint(1, plan.donor_step), len(donor.tokens) - donor.done)
+            _step(engine, [(donor, step)])
+        captured = donor.state.take_captured() if donor.state is not None else None
+        slots = torch.tensor(donor.slots, dtype=torch.int64)
+        res = radix.insert(donor.tokens, slots, None, None, captured)
         if res.duplicate_slots.numel():
             pool.free(res.duplicate_slots)
         match = radix.match_prefix(tokens[: plan.prefix_len])
-        assert match.length == plan.prefix_len, (match.length, plan.prefix_len)
+        layout = engine.decoder.linear_layout
+        expected = plan.prefix_len
+        if layout is not None:  # resumes at the last snapshot the donor left at or below it
+            expected = max((p for p in captured or {} if p <= plan.prefix_len), default=0)
+            seq.state = type(donor.state).resume(layout, match.state)
+        assert match.length == expected, (match.length, expected)
         radix.lock(match.node)
         locked.append(match.node)
         seq.slots = match.slots.tolist()
@@ -104,7 +135,10 @@ def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -
     first = seq.done
     logits_parts = []
     mates: list[_Seq] = []
-    for i, n in enumerate(plan.chunks):
+    chunks = list(plan.chunks)
+    if first < plan.prefix_len:  # a hybrid hit resumed below the asked length
+        chunks[0] += plan.prefix_len - first
+    for i, n in enumerate(chunks):
         parts = [(seq, n)]
         for length in plan.mates_per_step[i] if i < len(plan.mates_per_step) else []:
             mate = _Seq([rng.randrange(vocab) for _ in range(length)], [], 0)
@@ -117,10 +151,9 @@ def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -
     n_total = len(tokens)
     assert seq.done == n_total, (seq.done, n_total)
     slot_ids = torch.tensor(seq.slots, dtype=torch.int64)
-    spec = engine.decoder.spec
     slot_ids = slot_ids.to(engine.device)
-    k = torch.stack([pool.k_cache(i)[slot_ids] for i in range(spec.num_layers)])
-    v = torch.stack([pool.v_cache(i)[slot_ids] for i in range(spec.num_layers)])
+    k = torch.stack([pool.k_cache(i)[slot_ids] for i in range(pool.num_layers)])
+    v = torch.stack([pool.v_cache(i)[slot_ids] for i in range(pool.num_layers)])
     # Give everything back: the sequence's own slots and the mates' slots are freed.
     own = seq.slots[first:]
     owned.append(torch.tensor(own, dtype=torch.int64))
@@ -130,7 +163,8 @@ def compute(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -
             pool.free(slots)
     for node in locked:
         radix.unlock(node)
-    return Computed(torch.cat(logits_parts), first, k.cpu(), v.cpu())
+    state, snaps = _state_of(seq.state)
+    return Computed(torch.cat(logits_parts), first, k.cpu(), v.cpu(), state, snaps)
 
 
 def random_plan(rng: random.Random, n: int, max_mates: int, allow_prefix: bool = True) -> Plan:
@@ -165,4 +199,14 @@ def mismatches(ref: Computed, got: Computed) -> list[str]:
         if not torch.equal(a, b):
             bad = (a != b).flatten(2).any(dim=2).any(dim=0).nonzero().flatten()
             problems.append(f"{name} cache differs at positions {bad.tolist()[:8]}")
+    names = ("conv window", "boundary state", "open keys", "open decays", "open values")
+    for name, a, b in zip(names[: len(ref.state)], ref.state, got.state, strict=True):
+        if not torch.equal(a, b):
+            problems.append(f"final linear state: {name} differs")
+    for position, (conv, recurrent) in got.snapshots.items():
+        theirs = ref.snapshots.get(position)
+        if theirs is None or not (
+            torch.equal(conv, theirs[0]) and torch.equal(recurrent, theirs[1])
+        ):
+            problems.append(f"linear-state snapshot at position {position} differs")
     return problems

@@ -19,6 +19,7 @@ import time
 import types
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,49 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout}s: {stats}")
             time.sleep(0.1)
+
+
+# Probes /health every 50 ms from a process of its own, so that a test's client threads (their
+# GIL) are not what gets timed. Writes one JSON line [seconds, status] per probe.
+_HEALTH_PROBE = """
+import json, sys, time
+from pathlib import Path
+import httpx
+url, out, stop = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+with httpx.Client(timeout=60) as client, out.open("w") as f:
+    while not stop.exists():
+        t = time.perf_counter()
+        status = client.get(url).status_code
+        f.write(json.dumps([time.perf_counter() - t, status]) + "\\n")
+        f.flush()
+        time.sleep(0.05)
+"""
+
+
+@contextmanager
+def health_probe(base_url: str, folder: Path) -> Iterator[list[tuple[float, int]]]:
+    """While the block runs, /health is probed from another process; on exit the list holds
+    (seconds, status) per probe."""
+    probes: list[tuple[float, int]] = []
+    out, stop = folder / "health.jsonl", folder / "health.stop"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HEALTH_PROBE, base_url + "/health", str(out), str(stop)]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text()):  # probing has begun
+            assert time.monotonic() < deadline and proc.poll() is None, "the probe never ran"
+            time.sleep(0.05)
+        yield probes
+    finally:
+        stop.touch()
+        proc.wait(60)
+        probes.extend(tuple(json.loads(line)) for line in out.read_text().splitlines())
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.99 * (len(ordered) - 1))]
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,18 @@ gets alone, and the KV pool is free afterwards.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
-from test_server import ServerProcess, _FaultyEngine
+from test_server import ServerProcess, _FaultyEngine, health_probe, p99
 
 TIMEOUT_S = 120  # a hang guard only
 MAX_RUNNING, MAX_WAITING = 2, 3
@@ -132,5 +135,79 @@ def test_a_burst_against_a_real_server_loses_nothing() -> None:
             assert got["text"] == want["text"]
             assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
         server.wait_idle()
+    finally:
+        server.stop()
+
+
+BURST = 300
+
+
+def _burst_bodies(model: str) -> list[tuple[str, dict]]:
+    """(path, body): plain and streamed completions, chats, all greedy with logprobs."""
+    bodies: list[tuple[str, dict]] = []
+    for i in range(BURST):
+        common = {"model": model, "max_tokens": 4, "temperature": 0}
+        if i % 3 == 0:
+            body = {**common, "messages": [{"role": "user", "content": f"Say {i}."}],
+                    "logprobs": True}  # fmt: skip
+            bodies.append(("/v1/chat/completions", body))
+        else:
+            body = {**common, "prompt": f"Number {i} is", "logprobs": 0, "stream": i % 3 == 2}
+            bodies.append(("/v1/completions", body))
+    return bodies
+
+
+def _bits(path: str, body: dict, response: httpx.Response) -> tuple[str, list[float]]:
+    """(text, token logprobs) of a 200, streamed or not."""
+    if body.get("stream"):
+        lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]", lines[-2:]
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert all("error" not in c for c in chunks), chunks
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        text = "".join(c["text"] for c in choices)
+        return text, [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+    choice = response.json()["choices"][0]
+    if path == "/v1/chat/completions":
+        return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+@pytest.mark.slow
+def test_300_simultaneous_requests_against_a_small_pool(tmp_path: Path) -> None:
+    """300 requests at once (chat, completions, streams) against a small pool: no 5xx, the
+    excess gets 429 with Retry-After, every accepted request carries the bits it gets alone,
+    /health answers with p99 under 1 s throughout, and no KV slot is left in use."""
+    args = [
+        "--device", "cpu", "--kv-tokens", "1024", "--max-batch-tokens", "128",
+        "--chunk-size", "64", "--max-running", "4", "--max-waiting", "4",
+        "--max-model-len", "256",
+    ]  # fmt: skip
+    server = ServerProcess(args).start()
+    try:
+        base = server.base_url
+        bodies = _burst_bodies(server.model)
+        post = lambda item: httpx.post(base + item[0], json=item[1], timeout=TIMEOUT_S)  # noqa: E731
+        with health_probe(base, tmp_path) as probes, ThreadPoolExecutor(BURST) as pool:
+            burst = list(pool.map(post, bodies))
+        statuses = Counter(r.status_code for r in burst)
+        assert set(statuses) == {200, 429}, statuses  # refusals happen, and nothing else
+        for response in burst:
+            if response.status_code == 429:
+                assert response.headers["Retry-After"] == "1"
+                assert response.json()["error"]["code"] == "server_overloaded"
+        differing = 0
+        for (path, body), response in zip(bodies, burst, strict=True):
+            if response.status_code == 200:
+                alone = httpx.post(base + path, json=body, timeout=TIMEOUT_S)
+                differing += _bits(path, body, response) != _bits(path, body, alone)
+        latency = p99([seconds for seconds, _ in probes])
+        print(f"statuses {dict(statuses)}, differing {differing}, /health p99 {latency:.3f} s"
+              f" max {max(s for s, _ in probes):.3f} s over {len(probes)} probes")  # fmt: skip
+        assert differing == 0
+        assert all(status == 200 for _, status in probes) and len(probes) >= 10, probes
+        assert latency < 1.0, [round(seconds, 2) for seconds, _ in probes]  # in order
+        stats = server.wait_idle()
+        assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
     finally:
         server.stop()

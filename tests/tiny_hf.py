@@ -36,6 +36,16 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
         common, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
     )  # fmt: skip
+    if family == "qwen3_5":
+        # Qwen3.5's hybrid: 3 Gated DeltaNet layers then gated full attention with a quarter
+        # of each head rotated; 2 key heads serving 4 value heads.
+        hybrid = dict(
+            num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "partial_rotary_factor": 0.25},
+        )  # fmt: skip
+        return transformers.Qwen3_5TextConfig(**{**qwen3, **hybrid, **overrides})
     if family == "qwen3_moe":
         # 8 experts, top 2, over 4 layers of which `decoder_sparse_step` and `mlp_only_layers`
         # make some dense; an expert width (40) that is not a multiple of the CPU's 16 lanes.
@@ -50,12 +60,12 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (qwen3_moe only, e.g. decoder_sparse_step=2)."""
+    `config_overrides`: config keys (qwen3_moe and qwen3_5 only, e.g. decoder_sparse_step=2)."""
     import transformers
 
-    if config_overrides and family != "qwen3_moe":
-        raise ValueError(f"config overrides are for qwen3_moe, not {family}")
-    default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4}[family]
+    if config_overrides and family not in ("qwen3_moe", "qwen3_5"):
+        raise ValueError(f"config overrides are for qwen3_moe and qwen3_5, not {family}")
+    default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5}[family]
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
         _tiny_config(family, config_overrides), dtype=torch.float32
@@ -63,14 +73,18 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # Weights that make every part visible: O(1) activations, norms that are not all ones.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if family == "qwen3_5" and name.endswith("norm.weight") and "linear_attn" not in name:
+                param.copy_(0.2 * torch.randn_like(param))  # stored as w - 1
+            elif name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.2 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
     model.save_pretrained(folder)
-    byte_tokenizer(300, add_bos=False).backend.save(str(folder / "tokenizer.json"))
+    byte_tokenizer(model.config.vocab_size, add_bos=False).backend.save(
+        str(folder / "tokenizer.json")
+    )
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": None, "eos_token": "<|eos|>", "chat_template": CHATML_TEMPLATE})
     )

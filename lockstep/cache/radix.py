@@ -66,6 +66,20 @@ A position whose row holds fewer alternatives than asked (or none) ends the matc
 so a match never serves fewer alternatives than asked; the returned rows are copies, safe to
 read after later splits and evictions.
 
+Linear-attention states (hybrid models, `state_aligned=True`): beside the KV, a node may hold
+snapshots of the linear layers' state after some of its positions (`LinearSnapshot`, taken at
+chunk boundaries; `states` maps an offset 1..len(key) in the node to the snapshot after that
+many of its tokens). Like the KV they are pure functions of the token path: split with the
+edge, evicted with the node, never shared across namespaces. A match can only resume where a
+snapshot exists (or at 0), so it is cut back to the last snapshot at or below the matched
+length and returns that snapshot; the positions after it are recomputed (same bits, by the
+contract). Snapshot memory is counted (`num_states`, `state_bytes`); `keep_state_budget`
+evicts unlocked leaves, least recently used first, until it fits `state_budget` bytes.
+
+    tokens      t0 ............ t63 | t64 ....... t127 | t128 .. t150
+    snapshots                    S64 ^             S128 ^
+    a match of 150 tokens resumes at 128 with S128 (cached_tokens = 128)
+
 Cost: match and insert compare tokens with tuple slices (C speed), so a 32k-token prompt costs
 one Python step per tree node on its path, not per token. Eviction scans the tree's leaves.
 """
@@ -73,8 +87,8 @@ one Python step per tree node on its path, not per token. Eviction scans the tre
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,6 +122,7 @@ class Node:
         "last_access",
         "node_id",
         "namespace",
+        "states",
     )
 
     def __init__(
@@ -129,6 +144,7 @@ class Node:
         self.last_access = last_access
         self.node_id = node_id
         self.namespace = namespace
+        self.states: dict[int, Any] = {}  # offset in key (1..len) -> LinearSnapshot
 
     def __repr__(self) -> str:
         head = list(self.key[:4]) + (["..."] if len(self.key) > 4 else [])
@@ -147,6 +163,8 @@ class PrefixMatch(NamedTuple):
     # Scored match only: a copy of the stored logprobs of positions first..length, cut to the
     # alternatives asked for (empty when length < first). None from `match_prefix`.
     logprobs: StoredLogprobs | None = None
+    # state_aligned caches: the linear-attention snapshot after tokens[:length] (None at 0).
+    state: Any = None
 
 
 class InsertResult(NamedTuple):
@@ -162,9 +180,19 @@ class InsertResult(NamedTuple):
 class RadixCache:
     """Prefix cache over a `KVPool`; see the module docstring for the contracts."""
 
-    def __init__(self, pool: KVPool, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        enabled: bool = True,
+        state_aligned: bool = False,
+        state_budget: int | None = None,
+    ) -> None:
         self.pool = pool
         self.enabled = enabled
+        self.state_aligned = state_aligned
+        self.state_budget = state_budget
+        self._num_states = 0
+        self._state_bytes = 0
         self._clock = 0
         self._next_node_id = 0
         self._roots: dict[str | None, Node] = {}
@@ -188,6 +216,16 @@ class RadixCache:
         return self._num_locked
 
     @property
+    def num_states(self) -> int:
+        """Linear-attention snapshots the tree holds."""
+        return self._num_states
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the snapshots the tree holds."""
+        return self._state_bytes
+
+    @property
     def num_evictable_tokens(self) -> int:
         """Slots that repeated eviction could free: those of unlocked nodes."""
         return self._num_cached - self._num_locked
@@ -203,8 +241,9 @@ class RadixCache:
             return PrefixMatch(0, _no_slots(), self._default_root)
         key = _as_key(tokens)
         root, path = self._descend(key, namespace)
-        node, length, nodes = self._cut(root, path, sum(n for _, n in path))
-        return PrefixMatch(length, _cat([n.slots for n in nodes]), node)
+        length, state = self._state_floor(path, sum(n for _, n in path))
+        node, length, nodes = self._cut(root, path, length)
+        return PrefixMatch(length, _cat([n.slots for n in nodes]), node, None, state)
 
     def match_prefix_with_logprobs(
         self, tokens: Sequence[int], namespace: str | None, *, first: int, num_top: int
@@ -235,9 +274,10 @@ class RadixCache:
         if short is None:
             short = max(held, first)
         length = max(0, min(len(key) - 1, held, short - 1))
+        length, state = self._state_floor(path, length)
         logprobs = self._stored(path, first, length + 1, num_top)
         node, length, nodes = self._cut(root, path, length)
-        return PrefixMatch(length, _cat([n.slots for n in nodes]), node, logprobs)
+        return PrefixMatch(length, _cat([n.slots for n in nodes]), node, logprobs, state)
 
     def insert(
         self,
@@ -245,10 +285,12 @@ class RadixCache:
         slots: torch.Tensor,
         namespace: str | None = None,
         logprobs: StoredLogprobs | None = None,
+        states: dict[int, Any] | None = None,
     ) -> InsertResult:
         """Cache `tokens` whose KV lives in `slots` (one per token; int64 on the CPU), and
         `logprobs`, the stored logprobs of the last len(logprobs) positions of `tokens` (the
-        ones the caller computed; None: none).
+        ones the caller computed; None: none), and `states`, linear-attention snapshots by
+        position (1..len(tokens)); a position that already has one keeps it.
 
         The tree keeps its own slots for the prefix already cached and takes `slots` for the
         rest; the caller frees `duplicate_slots`. On the cached prefix, a position takes the
@@ -302,6 +344,7 @@ class RadixCache:
                 raise ValueError("RadixCache.insert: slots to cache name a slot more than once")
         self._merge_logprobs(nodes, logprobs, covered_from)
         if new.numel() == 0:
+            self._add_states(nodes, states or {})
             return InsertResult(num_existing, len(key), node, existing, duplicates)
         if covered_from <= num_existing:
             leaf_logprobs = logprobs.slice(num_existing - covered_from, len(logprobs))
@@ -322,6 +365,7 @@ class RadixCache:
         node.children[leaf.key[0]] = leaf
         self._owned[new] = True
         self._num_cached += new.numel()
+        self._add_states([*nodes, leaf], states or {})
         return InsertResult(num_existing, len(key), leaf, torch.cat([existing, new]), duplicates)
 
     # ---- locks ---------------------------------------------------------------------------
@@ -352,6 +396,10 @@ class RadixCache:
         self._drop_empty_namespaces()
         if num_tokens <= 0 or self.num_evictable_tokens == 0:
             return 0
+        return self._evict_until(lambda freed: freed >= num_tokens)
+
+    def _evict_until(self, enough: Callable[[int], bool]) -> int:
+        """Evict unlocked leaves LRU first until enough(slots freed so far) holds."""
         heap = [
             (n.last_access, n.node_id, n)
             for n in self._nodes()
@@ -360,7 +408,7 @@ class RadixCache:
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
         num_freed = 0
-        while heap and num_freed < num_tokens:
+        while heap and not enough(num_freed):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
@@ -368,16 +416,29 @@ class RadixCache:
             leaf.parent = None  # detached: lock() on this handle now raises
             freed.append(leaf.slots)
             num_freed += len(leaf.key)
+            self._num_states -= len(leaf.states)
+            self._state_bytes -= sum(snap.nbytes for snap in leaf.states.values())
+            leaf.states = {}
             # A parent is touched whenever a child is, so it is never older than the leaf just
             # popped: pushing it keeps the eviction order LRU.
             if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        if not freed:
+            return 0
         slots = torch.cat(freed)
         self._owned[slots] = False
         self._num_cached -= num_freed
         self.pool.free(slots)
         self._drop_empty_namespaces()
         return num_freed
+
+    def keep_state_budget(self) -> int:
+        """Evict unlocked leaves, LRU first, until the snapshots fit `state_budget` (or
+        nothing unlocked is left: locked paths may hold more). Returns the slots freed."""
+        budget = self.state_budget
+        if budget is None or self._state_bytes <= budget or self.num_evictable_tokens == 0:
+            return 0
+        return self._evict_until(lambda _: self._state_bytes <= budget)
 
     def flush(self) -> int:
         """Evict everything unlocked (POST /flush_cache); returns the slots freed."""
@@ -400,9 +461,10 @@ class RadixCache:
                 f"free {self.pool.num_free} + cached {self._num_cached} + in use {in_use} = "
                 f"{total} != num_slots {self.pool.num_slots}"
             )
-        cached = locked = 0
+        cached = locked = num_states = state_bytes = 0
         all_slots: list[torch.Tensor] = []
         scored: list[Node] = []
+        depth = {id(root): 0 for root in self._roots.values()}
         for ns, root in self._roots.items():
             if root.key or root.slots.numel() or root.parent is not None or root.namespace != ns:
                 problems.append(f"root of namespace {ns!r} is malformed: {root!r}")
@@ -419,10 +481,19 @@ class RadixCache:
                     problems.append(f"child keyed by {first} has key starting {child.key[:1]}")
                 if child.namespace != n.namespace:
                     problems.append(f"child in namespace {child.namespace!r} under {n!r}")
+            for child in n.children.values():
+                depth[id(child)] = depth.get(id(n), 0) + len(child.key)
             if n.parent is None:
                 continue
             if not n.key:
                 problems.append(f"empty non-root node: {n!r}")
+            start = depth.get(id(n), 0) - len(n.key)
+            for offset, snap in n.states.items():
+                if not 1 <= offset <= len(n.key) or snap.position != start + offset:
+                    problems.append(f"snapshot for position {snap.position} at offset {offset} "
+                                    f"of a node starting at {start}: {n!r}")  # fmt: skip
+            num_states += len(n.states)
+            state_bytes += sum(snap.nbytes for snap in n.states.values())
             if n.slots.dtype != torch.int64 or n.slots.shape != (len(n.key),):
                 problems.append(
                     f"node holds slots {n.slots.dtype} {tuple(n.slots.shape)} for "
@@ -442,6 +513,11 @@ class RadixCache:
             problems.append(f"num_cached_tokens {self._num_cached} != recount {cached}")
         if locked != self._num_locked:
             problems.append(f"num_locked_tokens {self._num_locked} != recount {locked}")
+        if (num_states, state_bytes) != (self._num_states, self._state_bytes):
+            problems.append(f"snapshots {self._num_states} ({self._state_bytes} bytes) != "
+                            f"recount {num_states} ({state_bytes} bytes)")  # fmt: skip
+        if num_states and not self.state_aligned:
+            problems.append(f"{num_states} snapshots in a cache that is not state_aligned")
         slots = torch.cat(all_slots) if all_slots else _no_slots()
         if slots.numel():
             distinct = torch.unique(slots).numel()
@@ -523,6 +599,35 @@ class RadixCache:
             node = child
         return node, pos, nodes
 
+    def _state_floor(self, path: list[tuple[Node, int]], length: int) -> tuple[int, Any]:
+        """In a state_aligned cache, the last position <= length holding a snapshot along a
+        `_descend` path, and that snapshot ((0, None) if none); else (length, None)."""
+        if not self.state_aligned:
+            return length, None
+        best: tuple[int, Any] = (0, None)
+        at = 0
+        for node, n in path:
+            for offset, snap in node.states.items():
+                if offset <= n and at + offset <= length and at + offset > best[0]:
+                    best = (at + offset, snap)
+            at += n
+        return best
+
+    def _add_states(self, nodes: list[Node], states: dict[int, Any]) -> None:
+        """Attach snapshots by position to the nodes of an insert's path (root excluded,
+        in order), where the position has none yet."""
+        if not states or not self.state_aligned:
+            return
+        at = 0
+        for node in nodes:
+            for position, snap in states.items():
+                offset = position - at
+                if 1 <= offset <= len(node.key) and offset not in node.states:
+                    node.states[offset] = snap
+                    self._num_states += 1
+                    self._state_bytes += snap.nbytes
+            at += len(node.key)
+
     @staticmethod
     def _stored(path: list[tuple[Node, int]], start: int, end: int, num_top: int) -> StoredLogprobs:
         """Copy of the stored logprobs of positions start..end-1 along a `_descend` path (which
@@ -564,6 +669,8 @@ class RadixCache:
             node.last_access,
         )
         upper.lock_ref = node.lock_ref
+        upper.states = {o: snap for o, snap in node.states.items() if o <= n}
+        node.states = {o - n: snap for o, snap in node.states.items() if o > n}
         upper.children[node.key[n]] = node
         parent.children[node.key[0]] = upper
         node.key = node.key[n:]

@@ -16,6 +16,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder
+from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
@@ -79,18 +81,31 @@ class Engine:
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         self.pool = KVPool(
-            kv_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device
+            kv_tokens, len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, self.dtype,
+            self.device,
+        )  # fmt: skip
+        layout = self.decoder.linear_layout
+        self.radix = RadixCache(
+            self.pool,
+            enabled=config.enable_prefix_cache,
+            state_aligned=layout is not None,
+            # One snapshot per chunk of cached tokens (the share _kv_budget sets aside).
+            state_budget=None if layout is None else _state_budget(layout, kv_tokens),
         )
-        self.radix = RadixCache(self.pool, enabled=config.enable_prefix_cache)
+        resume = None if layout is None else partial(LinearState.resume, layout)
         self.scheduler = Scheduler(
             self.pool,
             self.radix,
             max_batch_tokens=config.resolved_max_batch_tokens,
             chunk_size=config.resolved_chunk_size,
             max_running=config.resolved_max_running,
+            new_linear_state=resume,
         )
         graphs = None
-        if config.use_cuda_graphs:
+        if config.use_cuda_graphs and spec.hybrid:
+            # Each request's linear state is its own tensors; the graphs replay fixed ones.
+            logger.warning("CUDA graphs are not used for hybrid (linear-attention) models")
+        elif config.use_cuda_graphs:
             graphs = DecodeGraphRunner(
                 self.decoder, self.pool, max_batch=config.resolved_max_running,
                 max_context=self.max_model_len,
@@ -455,6 +470,8 @@ class Engine:
             "cached_tokens_total": self.cached_tokens_total,
             "generated_tokens_total": self.generated_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
+            "state_snapshots": self.radix.num_states,
+            "state_bytes": self.radix.state_bytes,
         }
 
     def fingerprint(self) -> dict[str, Any]:
@@ -478,8 +495,11 @@ class Engine:
         the weights less the largest step's workspace and the CUDA graphs, on the CPU a share
         of the available RAM."""
         spec, config = self.decoder.spec, self.config
-        per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                           self.dtype)  # fmt: skip
+        per_token = KVPool.bytes_per_token(len(spec.kv_layers), spec.num_kv_heads,
+                                           spec.head_dim, self.dtype)  # fmt: skip
+        layout = self.decoder.linear_layout
+        if layout is not None:  # a snapshot per chunk of cached tokens
+            per_token += -(-layout.snapshot_bytes // layout.chunk)
         fraction = config.resolved_kv_memory_fraction
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(memory.available_ram(), per_token, fraction)
@@ -494,6 +514,11 @@ class Engine:
         torch.cuda.empty_cache()  # blocks cached while loading the weights are free memory
         free, _ = torch.cuda.mem_get_info(self.device)
         return memory.cuda_kv_budget(free, per_token, reserved, fraction)
+
+
+def _state_budget(layout: LinearLayout, kv_tokens: int) -> int:
+    """Snapshot bytes the radix cache may hold: one per chunk of a full KV pool."""
+    return (kv_tokens // layout.chunk + 1) * layout.snapshot_bytes
 
 
 def _spec_mismatch(served: ModelSpec, new: ModelSpec) -> str | None:

@@ -249,7 +249,15 @@ class ModelRunner:
                 logit_rows.append(row0 + end - 1 - start)
             layout.append(ChunkLogits(chunk, prompt_positions, prompt_rows, sample_row))
         meta = build_attention_meta(q_counts, q_starts, tables)
-        batch = ForwardBatch.from_lists(tokens, positions, out_slots, meta, logit_rows)
+        states = None
+        if self.decoder.linear_layout is not None:
+            states = [chunk.request.linear_state for chunk in plan]
+            for chunk, state in zip(plan, states, strict=True):
+                if state is None or state.position != chunk.start:
+                    raise RuntimeError(f"{chunk.request.request_id}: linear state at "
+                                       f"{getattr(state, 'position', None)}, chunk starts at "
+                                       f"{chunk.start}")  # fmt: skip
+        batch = ForwardBatch.from_lists(tokens, positions, out_slots, meta, logit_rows, states)
         return batch, layout, patches
 
     def forward(

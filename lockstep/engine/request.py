@@ -110,6 +110,8 @@ class Request:
     bad_word_ids: list[list[int]] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # masked while the output is below min_tokens
     prompt_token_set: list[int] = field(default_factory=list)  # for repetition_penalty
+    # Hybrid models: the LinearState at num_computed while running (None otherwise).
+    linear_state: Any = None
 
     @property
     def all_ids(self) -> list[int]:

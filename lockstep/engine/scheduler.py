@@ -17,15 +17,23 @@ which it takes at admission; it computes from position M, whose logits give the 
 Slot ownership (see `Request`): the radix cache owns `slots[:prefix_len]` (locked through
 `prefix_node`), the request owns the rest. `in_use` = sum of requests' own slots, and
 `free + cached + in_use == total` is checked by `check_integrity`.
+
+Hybrid models: a running request also owns its linear-attention working state
+(`Request.linear_state`, at `num_computed` between steps), made at admission from the
+snapshot the prefix match resumed at (the match is cut back to one: RadixCache,
+`state_aligned`). The snapshots of the chunk boundaries it crosses go to the radix cache with
+its KV (`cache_prefix`); its working state is dropped at release.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from lockstep.cache.kv_pool import KVPool
+from lockstep.cache.kv_pool import CacheIntegrityError, KVPool
 from lockstep.cache.radix import PrefixMatch, RadixCache
 from lockstep.engine.request import Request, Status
 
@@ -57,7 +65,11 @@ class Scheduler:
         max_batch_tokens: int,
         chunk_size: int,
         max_running: int,
+        new_linear_state: Callable[[Any], Any] | None = None,
     ) -> None:
+        """`new_linear_state(snapshot or None)`: a working state resumed from a radix
+        snapshot (hybrid models; None for models without linear attention)."""
+        self.new_linear_state = new_linear_state
         self.pool = pool
         self.radix = radix
         self.max_batch_tokens = max_batch_tokens
@@ -81,6 +93,18 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.radix.check_integrity(in_use=self.in_use)
+        if self.new_linear_state is None:
+            return
+        for r in self.running:
+            state = r.linear_state
+            if state is None or state.position != r.num_computed:
+                where = None if state is None else state.position
+                raise CacheIntegrityError(
+                    f"{r.request_id}: linear state at {where}, num_computed {r.num_computed}"
+                )
+        idle = [r.request_id for r in self.waiting if r.linear_state is not None]
+        if idle:
+            raise CacheIntegrityError(f"waiting requests hold linear states: {idle[:8]}")
 
     # ----------------------------------------------------------------- planning
     def schedule(self) -> list[ScheduledChunk]:
@@ -147,6 +171,8 @@ class Scheduler:
             best.slots.clear()
             best.prefix_node, best.prefix_len, best.num_computed = None, 0, 0
             return None
+        if self.new_linear_state is not None:
+            best.linear_state = self.new_linear_state(match.state)
         if best.cached_tokens < 0:
             best.cached_tokens = match.length
         if match.logprobs is not None:
@@ -201,6 +227,8 @@ class Scheduler:
         the tree already held the same tokens, the request's duplicate slots are freed and it
         adopts the tree's: by the contract their bits agree."""
         upto = request.num_computed
+        state = request.linear_state
+        states = state.take_captured() if state is not None else None
         if not self.radix.enabled or upto <= request.prefix_len:
             return
         result = self.radix.insert(
@@ -208,6 +236,7 @@ class Scheduler:
             torch.tensor(request.slots.ids[:upto], dtype=torch.int64),
             request.namespace,
             request.computed_logprobs(request.prefix_len, upto),
+            states,
         )
         if result.duplicate_slots.numel():
             self.pool.free(result.duplicate_slots)
@@ -216,6 +245,8 @@ class Scheduler:
         request.slots.replace_prefix(result.cached_slots.tolist())
         request.prefix_node = result.node
         request.prefix_len = upto
+        if states:
+            self.radix.keep_state_budget()
 
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:
@@ -228,6 +259,7 @@ class Scheduler:
         request.slots.clear()
         request.prefix_len, request.prefix_node = 0, None
         request.num_computed = 0
+        request.linear_state = None
 
     def _preempt(self, request: Request) -> None:
         # Overlapped decode never schedules ahead where preemption could happen: a pending

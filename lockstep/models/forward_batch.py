@@ -3,17 +3,23 @@
 Built by the engine's model runner from the scheduler's plan and passed explicitly to the
 decoder (no module-level context); it lives beside the decoder, which knows nothing of the
 engine's requests. Rows of one sequence are contiguous and hold consecutive positions;
-`meta` describes where each row's keys live in the KV pool (see `lockstep.ops.base`).
+`meta` describes where each row's keys live in the KV pool (see `lockstep.ops.base`). For a
+hybrid model, `linear_states` holds each sequence's linear-attention state (in sequence
+order), which the step continues in place (lockstep.models.linear_attention).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lockstep.ops.base import AttentionMeta
+
+if TYPE_CHECKING:
+    from lockstep.models.linear_attention import LinearState
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,7 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] int64, KV slot each row's key and value are written to
     meta: AttentionMeta
     logit_rows: torch.Tensor  # [R] int64, rows whose logits the step needs
+    linear_states: list[LinearState] | None = None  # hybrid models: one per sequence
 
     @classmethod
     def from_lists(
@@ -32,6 +39,7 @@ class ForwardBatch:
         out_slots: Sequence[int],
         meta: AttentionMeta,
         logit_rows: Sequence[int],
+        linear_states: list[LinearState] | None = None,
     ) -> ForwardBatch:
         """A batch of CPU int64 tensors from the host lists a step is laid out in."""
         i64 = torch.int64
@@ -41,6 +49,7 @@ class ForwardBatch:
             out_slots=torch.tensor(out_slots, dtype=i64),
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=i64),
+            linear_states=linear_states,
         )
 
     @property
@@ -54,4 +63,5 @@ class ForwardBatch:
             out_slots=self.out_slots.to(device, non_blocking=True),
             meta=self.meta.to(device),
             logit_rows=self.logit_rows.to(device, non_blocking=True),
+            linear_states=self.linear_states,
         )

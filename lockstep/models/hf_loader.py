@@ -1,11 +1,18 @@
 """Loading a Hugging Face model folder: config.json, *.safetensors and tokenizer.json.
 
-Supported: model_type llama, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm, explicit head_dim)
-and qwen3_moe (Qwen3 attention, routed experts: lockstep.models.moe). Tensor names in these
-checkpoints are already the canonical ones (spec.py); the loader lists exactly what the files
-hold, so the decoder's strict load sees any tensor this loader does not understand. The only
-tensors left out, each for a stated reason, are old checkpoints' rotary inv_freq buffers and
-an lm_head.weight stored beside tied embeddings.
+Supported: model_type llama, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm, explicit head_dim),
+qwen3_moe (Qwen3 attention, routed experts: lockstep.models.moe) and the Qwen3.5 hybrids:
+qwen3_5_text (Qwen3_5ForCausalLM) and the text model of qwen3_5 (Qwen3_5ForConditionalGeneration,
+its `text_config`). Tensor names in these checkpoints are the canonical ones (spec.py), except
+a Qwen3.5 multimodal checkpoint's `model.language_model.*`, read as `model.*`. The loader lists
+exactly what the files hold, so the decoder's strict load sees any tensor this loader does not
+understand. The only tensors left out, each for a stated reason, are old checkpoints' rotary
+inv_freq buffers, an lm_head.weight stored beside tied embeddings, and a Qwen3.5 checkpoint's
+vision tower (`model.visual.*`: text only is served) and multi-token-prediction head (`mtp.*`,
+which transformers does not load either).
+
+Qwen3.5's multimodal RoPE (`mrope_section`) gives text tokens the same position on all three
+axes, which is plain RoPE on the rotated dims: text-only serving needs nothing more.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ from safetensors import safe_open
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.moe import hf_moe_spec, refuse_unsupported_moe
-from lockstep.models.spec import MOE_FAMILIES, ModelSpec, RopeScaling
+from lockstep.models.spec import MOE_FAMILIES, LinearAttentionSpec, ModelSpec, RopeScaling
 from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text")
 _INDEX_FILE = "model.safetensors.index.json"
+# Read as float32 whatever the model dtype: norms, and Gated DeltaNet's decay parameters and
+# convolution (small, and kept in float32 by the decoder).
+_KEPT_FLOAT32 = ("norm.weight", ".A_log", ".dt_bias", ".conv1d.weight")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -62,8 +72,39 @@ def _rope(config: dict[str, Any], folder: Path) -> tuple[float, RopeScaling | No
     return theta, scaling
 
 
+def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A Qwen3.5 multimodal config's text model, as a qwen3_5_text config."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{where}: model_type 'qwen3_5' without a text_config object")
+    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
+
+
+def _linear_spec(config: dict[str, Any], layers: int, where: str) -> LinearAttentionSpec:
+    """The Gated DeltaNet layers of a Qwen3.5 config (layer_types, or transformers' default
+    pattern from full_attention_interval)."""
+    types = config.get("layer_types")
+    if types is None:
+        interval = int(config.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    if not isinstance(types, list):
+        raise ModelLoadError(f"{where}: layer_types={types!r} is not a list")
+    return LinearAttentionSpec(
+        layer_types=tuple(types),
+        num_key_heads=int(config.get("linear_num_key_heads", 16)),
+        num_value_heads=int(config.get("linear_num_value_heads", 32)),
+        key_head_dim=int(config.get("linear_key_head_dim", 128)),
+        value_head_dim=int(config.get("linear_value_head_dim", 128)),
+        conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+    )
+
+
 def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
     where = f"{folder}/config.json"
+    if config.get("model_type") == "qwen3_5":
+        config = _text_config(config, where)
     model_type = config.get("model_type")
     # Before the model_type: "a shared expert" says more than "deepseek_v3 is not supported".
     refuse_unsupported_moe(config, where)
@@ -88,12 +129,15 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
                 "unquantized"
             )
     theta, scaling = _rope(config, folder)
+    hybrid = model_type == "qwen3_5_text"
+    rope_params = config.get("rope_parameters") or {}
+    rotary = rope_params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     try:
         heads = int(config["num_attention_heads"])
         layers = int(config["num_hidden_layers"])
         moe = hf_moe_spec(config, layers, where) if model_type in MOE_FAMILIES else None
         return ModelSpec(
-            family=model_type,
+            family="qwen3_5" if hybrid else model_type,
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
@@ -106,9 +150,11 @@ def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
             max_position=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
             rope_scaling=scaling,
             moe=moe,
+            linear=_linear_spec(config, layers, where) if hybrid else None,
+            partial_rotary_factor=float(rotary if rotary is not None else (0.25 if hybrid else 1)),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{where}: required key {exc.args[0]} is missing") from None
@@ -145,7 +191,13 @@ class SafetensorsWeights:
                     continue  # a buffer derived from rope_theta, saved by old checkpoints
                 if key == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: transformers ignores the copy and uses the embedding
-                self._where[key] = (path, key)
+                name = key
+                if spec.hybrid:
+                    if key.startswith(("model.visual.", "mtp.")):
+                        continue  # vision tower and multi-token prediction: not served
+                    if key.startswith("model.language_model."):
+                        name = "model." + key[len("model.language_model.") :]
+                self._where[name] = (path, key)
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -160,7 +212,7 @@ class SafetensorsWeights:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in names:
                     tensor = handle.get_tensor(self._where[name][1])
-                    target = torch.float32 if name.endswith("norm.weight") else dtype
+                    target = torch.float32 if name.endswith(_KEPT_FLOAT32) else dtype
                     yield name, tensor.to(device=device, dtype=target).contiguous()
 
 

@@ -7,7 +7,9 @@ which tensors are skipped, and how many devices share the work change nothing. V
 drawn in float32 and then cast, so a bf16 model holds the bf16 roundings of the float32 one.
 
 Scales keep activations O(1) through many layers: projections N(0, 1/fan_in), embeddings
-N(0, 0.02^2), biases N(0, 0.1^2), every norm weight 1.
+N(0, 0.02^2), biases N(0, 0.1^2), every norm weight 1 (stored as 0 where the family stores
+w - 1). Gated DeltaNet layers: conv weights N(0, 1/kernel), dt_bias 1, A_log = log(A) with A
+uniform in [1, 16).
 
 The tokenizer is byte-level: ids 0-255 are the bytes, then a few special tokens, then unused
 ids up to the vocabulary size, with a ChatML template, so text prompts work end to end.
@@ -26,6 +28,7 @@ from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.spec import (
+    LinearAttentionSpec,
     ModelSpec,
     MoeSpec,
     RopeScaling,
@@ -52,6 +55,12 @@ def _tiny(family: str, **flags: object) -> ModelSpec:
     )  # fmt: skip
 
 
+def _hybrid_layers(num_layers: int, interval: int) -> tuple[str, ...]:
+    """Qwen3.5's pattern: every `interval`-th layer full attention, the others linear."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers))  # fmt: skip
+
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(_tiny("llama"), add_bos=True),
     "tiny-qwen2": Preset(_tiny("qwen2", qkv_bias=True, tie=True), add_bos=False),
@@ -61,6 +70,35 @@ PRESETS: dict[str, Preset] = {
         _tiny("qwen3_moe", qk_norm=True, moe=MoeSpec(
             num_experts=8, top_k=2, intermediate_size=64, renormalize=True, sparse_layers=(0, 1),
         )),
+        add_bos=False,
+    ),
+    # Qwen3.5's structure, small: two Gated DeltaNet layers, then gated full attention with
+    # a quarter of each head rotated; 2 key heads serving 4 value heads.
+    "tiny-qwen3.5": Preset(
+        ModelSpec(
+            family="qwen3_5", vocab_size=512, hidden_size=128, intermediate_size=256,
+            num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
+                key_head_dim=32, value_head_dim=32, conv_kernel=4,
+            ),
+        ),
+        add_bos=False,
+    ),
+    # transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style"), rope theta as Qwen3.5's.
+    "qwen3.5-9b": Preset(
+        ModelSpec(
+            family="qwen3_5", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+            num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(32, 4), num_key_heads=16, num_value_heads=32,
+                key_head_dim=128, value_head_dim=128, conv_kernel=4,
+            ),
+        ),
         add_bos=False,
     ),
     "smollm2-135m": Preset(
@@ -146,11 +184,20 @@ class RandomWeights:
     def tensor(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         shape = expected_weight_shape(self._spec, name)
         if name.endswith("norm.weight"):
+            stored_minus_one = self._spec.hybrid and ".linear_attn." not in name
+            fill = torch.zeros if stored_minus_one else torch.ones
+            return fill(shape, dtype=torch.float32, device=device)
+        if name.endswith(".dt_bias"):
             return torch.ones(shape, dtype=torch.float32, device=device)
         generator = torch.Generator(device=device)
         generator.manual_seed(_tensor_seed(self._seed, name))
+        if name.endswith(".A_log"):
+            uniform = torch.rand(shape, generator=generator, dtype=torch.float32, device=device)
+            return (uniform * 15 + 1).log()
         values = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
-        if name.endswith(".bias"):
+        if name.endswith(".conv1d.weight"):
+            std = shape[-1] ** -0.5
+        elif name.endswith(".bias"):
             std = 0.1
         elif "embed_tokens" in name:
             std = 0.02

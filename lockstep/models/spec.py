@@ -1,8 +1,10 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE) is the same pre-norm decoder with
-rotary embeddings, grouped-query attention and SwiGLU MLPs; they differ only in the flags
-below. In a mixture-of-experts model (`ModelSpec.moe`) the MLP of each sparse layer is a router
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5) is the same pre-norm decoder
+with rotary embeddings, grouped-query attention and SwiGLU MLPs; they differ only in the flags
+below. A hybrid model (Qwen3.5, `ModelSpec.linear`) replaces the attention of most layers by
+a Gated DeltaNet linear-attention layer (lockstep.models.linear_attention); its full-attention
+layers have an output gate, partial rotary embeddings and RMSNorm weights stored as w - 1. In a mixture-of-experts model (`ModelSpec.moe`) the MLP of each sparse layer is a router
 and a set of routed SwiGLU experts; the other layers keep the dense MLP. Loaders produce a
 `ModelSpec` plus a state dict in the canonical (Hugging Face) naming:
 
@@ -17,14 +19,30 @@ and a set of routed SwiGLU experts; the other layers keep the dense MLP. Loaders
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   (sparse layers, e < experts)
     model.norm.weight
     lm_head.weight                                 (absent when tie_word_embeddings)
+
+Hybrid models (Qwen3.5): a full-attention layer's q_proj has 2 * num_heads * head_dim rows,
+each head's query rows followed by its gate rows; a linear-attention layer has, instead of
+self_attn.*,
+
+    model.layers.{i}.linear_attn.in_proj_qkv.weight  [2 Hk Dk + Hv Dv, hidden]  (q | k | v)
+    model.layers.{i}.linear_attn.in_proj_z.weight    [Hv Dv, hidden]  (output gate)
+    model.layers.{i}.linear_attn.in_proj_b.weight    [Hv, hidden]     (beta = sigmoid(b))
+    model.layers.{i}.linear_attn.in_proj_a.weight    [Hv, hidden]     (decay)
+    model.layers.{i}.linear_attn.conv1d.weight       [2 Hk Dk + Hv Dv, 1, conv_kernel]
+    model.layers.{i}.linear_attn.A_log               [Hv]
+    model.layers.{i}.linear_attn.dt_bias             [Hv]
+    model.layers.{i}.linear_attn.norm.weight         [Dv]  (gated RMSNorm, plain weight)
+    model.layers.{i}.linear_attn.out_proj.weight     [hidden, Hv Dv]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5")
 MOE_FAMILIES = ("qwen3_moe",)
+HYBRID_FAMILIES = ("qwen3_5",)
+LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,49 @@ class MoeSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The Gated DeltaNet layers of a hybrid model (docs/design.md, "Linear attention").
+
+    `layer_types[i]` is "linear_attention" or "full_attention". A linear layer projects q, k
+    (`num_key_heads` x `key_head_dim`) and v (`num_value_heads` x `value_head_dim`), runs them
+    through a causal depthwise convolution of width `conv_kernel` and SiLU, L2-normalizes q
+    and k, and applies the gated delta rule; each key head serves num_value_heads /
+    num_key_heads value heads."""
+
+    layer_types: tuple[str, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"layer_types holds {bad[0]!r}: supported layer types {LAYER_TYPES}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.num_key_heads}"
+            )
+        if self.conv_kernel < 1:
+            raise ValueError(f"linear_conv_kernel_dim={self.conv_kernel} must be >= 1")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q | k | v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     vocab_size: int
@@ -81,8 +142,25 @@ class ModelSpec:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = field(default=None)
     moe: MoeSpec | None = field(default=None)
+    linear: LinearAttentionSpec | None = field(default=None)
+    partial_rotary_factor: float = 1.0  # share of head_dim that RoPE rotates
 
     def __post_init__(self) -> None:
+        if (self.linear is not None) != (self.family in HYBRID_FAMILIES):
+            raise ValueError(
+                f"family={self.family!r} with linear={self.linear!r}: the hybrid families "
+                f"{HYBRID_FAMILIES} need a LinearAttentionSpec, the others none"
+            )
+        if self.linear is not None and len(self.linear.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.linear.layer_types)} entries for num_hidden_layers="
+                f"{self.num_layers}"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} with head_dim="
+                f"{self.head_dim} gives {self.rotary_dim} rotary dims: expected an even number"
+            )
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}: supported families are {FAMILIES}")
         if (self.moe is not None) != (self.family in MOE_FAMILIES):
@@ -104,6 +182,24 @@ class ModelSpec:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def hybrid(self) -> bool:
+        """Qwen3.5: linear-attention layers, gated full attention, norms stored as w - 1."""
+        return self.linear is not None
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer."""
+        return self.linear is not None and self.linear.layer_types[layer] == "linear_attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V (every layer but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -122,11 +218,24 @@ class ModelSpec:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         dense = attn + 3 * h * i + 2 * h
         total = v * h + self.num_layers * dense + h + (0 if self.tie_word_embeddings else v * h)
+        if self.linear is not None:
+            lin = self.linear
+            mixer = h * (lin.conv_dim + lin.value_dim + 2 * lin.num_value_heads)
+            mixer += lin.value_dim * h + lin.conv_dim * lin.conv_kernel
+            mixer += 2 * lin.num_value_heads + lin.value_head_dim  # A_log, dt_bias, norm
+            num_linear = self.num_layers - len(self.kv_layers)
+            total += num_linear * (mixer - attn) + len(self.kv_layers) * self.q_size * h
         if self.moe is not None:
             e = self.moe.num_experts
             sparse_mlp = e * h + e * 3 * h * self.moe.intermediate_size
             total += len(self.moe.sparse_layers) * (sparse_mlp - 3 * h * i)
         return total
+
+
+_LINEAR_TENSORS = (
+    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+    "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight",
+)  # fmt: skip
 
 
 def expected_weight_names(spec: ModelSpec) -> list[str]:
@@ -135,11 +244,13 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_layers):
         prefix = f"model.layers.{i}."
         names.append(prefix + "input_layernorm.weight")
-        for proj in ("q", "k", "v", "o"):
-            names.append(f"{prefix}self_attn.{proj}_proj.weight")
+        if spec.is_linear(i):
+            names += [prefix + "linear_attn." + n for n in _LINEAR_TENSORS]
+        else:
+            names += [f"{prefix}self_attn.{proj}_proj.weight" for proj in ("q", "k", "v", "o")]
         if spec.qkv_bias:
             names += [f"{prefix}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
-        if spec.qk_norm:
+        if spec.qk_norm and not spec.is_linear(i):
             names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
         names.append(prefix + "post_attention_layernorm.weight")
         if spec.is_sparse(i):
@@ -160,6 +271,23 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
 def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     """The shape of canonical tensor `name` (one of `expected_weight_names(spec)`)."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    if ".linear_attn." in name:
+        assert spec.linear is not None, name
+        lin = spec.linear
+        leaf = name.split(".linear_attn.")[1]
+        return {
+            "in_proj_qkv.weight": (lin.conv_dim, h),
+            "in_proj_z.weight": (lin.value_dim, h),
+            "in_proj_b.weight": (lin.num_value_heads, h),
+            "in_proj_a.weight": (lin.num_value_heads, h),
+            "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
+            "A_log": (lin.num_value_heads,),
+            "dt_bias": (lin.num_value_heads,),
+            "norm.weight": (lin.value_head_dim,),
+            "out_proj.weight": (h, lin.value_dim),
+        }[leaf]
+    if spec.hybrid and name.endswith("self_attn.q_proj.weight"):
+        return (2 * q, h)  # each head's query rows, then its gate rows
     leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (spec.vocab_size, h)

@@ -173,6 +173,48 @@ class Ops(Protocol):
         """logits [R, V] -> float32 log-probabilities, one row at a time."""
         ...
 
+    # Hybrid models (Gated DeltaNet, lockstep.models.linear_attention); float32 throughout.
+    # A backend without these refuses hybrid models at load.
+
+    def gdn_gates(
+        self, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """a, b [T, Hv] -> (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b))."""
+        ...
+
+    def l2_normalize(self, x: Tensor, eps: float, scale: float) -> Tensor:
+        """x [R, D] -> x / sqrt(sum(x^2) + eps) * scale, one row at a time."""
+        ...
+
+    def silu(self, x: Tensor) -> Tensor:
+        """x / (1 + exp(-x)) per element."""
+        ...
+
+    def gate_activation(self, x: Tensor, gate: Tensor, kind: str) -> Tensor:
+        """x * sigmoid(gate) (kind "sigmoid") or x * silu(gate) ("silu"), per element."""
+        ...
+
+    def gated_delta_rule(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        state: Tensor,
+        open_k: Tensor,
+        open_gamma: Tensor,
+        open_u: Tensor,
+        start: int,
+    ) -> tuple[Tensor, list[tuple[int, Tensor]]]:
+        """The gated delta rule over one sequence's rows at positions start.. (q, k [n, Hk,
+        Dk] L2-normalized, q scaled; v [n, Hv, Dv]; g, beta [n, Hv]), continuing the state
+        and open rows of `LinearState` in place (chunk C = open_k.shape[0]). Returns the
+        outputs [n, Hv, Dv] and (position, state [Hv, Dk, Dv]) at chunk boundaries crossed.
+        A deterministic backend computes each row by the per-row formula of the CPU kernel
+        (`gdn_rule`) and returns every boundary; a fast one may return fewer."""
+        ...
+
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """The routed-experts MLP of one sparse layer: x [T, H] -> [T, H] (x's dtype on the
         GPU, float32 on the CPU). fp32 router logits, each token's top-k experts (ties toward
@@ -219,7 +261,16 @@ class ComposedAttentionInput:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = self.rms_norm(q.reshape(-1, d), layer.q_norm, layer.eps).reshape(t, hq, d)
             k = self.rms_norm(k.reshape(-1, d), layer.k_norm, layer.eps).reshape(t, hkv, d)
-        q = self.rope(q, positions, layer.cos, layer.sin)
-        k = self.rope(k, positions, layer.cos, layer.sin)
+        q = self._rotate(q, positions, layer)
+        k = self._rotate(k, positions, layer)
         self.write_kv(kv.k, kv.v, k, v, slots)
         return q
+
+    def _rotate(self, x: Tensor, positions: Tensor, layer: AttentionInput) -> Tensor:
+        """RoPE on the first 2 * cos.shape[1] dims of each head (all of them but for partial
+        rotary embeddings, Qwen3.5); the rest pass through."""
+        rot = 2 * layer.cos.shape[1]
+        if rot == x.shape[-1]:
+            return self.rope(x, positions, layer.cos, layer.sin)
+        turned = self.rope(x[..., :rot].contiguous(), positions, layer.cos, layer.sin)
+        return torch.cat([turned, x[..., rot:].to(turned.dtype)], dim=-1)

@@ -128,6 +128,46 @@ class CpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._ext.log_softmax(_f32(logits), self._simd)
 
+    # ---- Gated DeltaNet (hybrid models): formulas in the C++ kernels' comments -------------
+
+    def gdn_gates(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g, beta = self._ext.gdn_gates(_f32(a), _f32(b), _f32(a_log), _f32(dt_bias), self._simd)
+        return g, beta
+
+    def l2_normalize(self, x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+        return self._ext.l2_normalize(_f32(x), eps, scale, self._simd)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        x = _f32(x)
+        return self._ext.gate_activation(torch.ones_like(x), x, 1, self._simd)
+
+    def gate_activation(self, x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Tensor:
+        mode = {"sigmoid": 0, "silu": 1}[kind]
+        return self._ext.gate_activation(_f32(x), _f32(gate), mode, self._simd)
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        open_k: torch.Tensor,
+        open_gamma: torch.Tensor,
+        open_u: torch.Tensor,
+        start: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        out, boundaries = self._ext.gdn_rule(
+            _f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), state, open_k, open_gamma, open_u,
+            start, self._simd,
+        )  # fmt: skip
+        chunk = open_k.shape[0]
+        first = (start // chunk + 1) * chunk
+        return out, [(first + i * chunk, s) for i, s in enumerate(boundaries)]
+
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """Router logits by `linear`, routing by the C++ `moe_route` (its formula is in the
         kernel's header), each expert's rows through `linear` and `silu_mul` once per step,

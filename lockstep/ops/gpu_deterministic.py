@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV
-from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_dense, route_sorted
+from lockstep.ops.base import (
+    AttentionInput,
+    AttentionMeta,
+    ComposedAttentionInput,
+    IndexCopyKVWrite,
+    LayerKV,
+)
+from lockstep.ops.moe import MoeLayer
 
 try:
-    from lockstep.ops.triton import activation, log_softmax, matmul, norm
+    from lockstep.ops.triton import activation, gated_delta, log_softmax, matmul, norm
+    from lockstep.ops.triton import moe as grouped_moe
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
 
@@ -24,7 +31,7 @@ except ImportError as exc:  # triton missing: report when the backend is asked f
     _IMPORT_ERROR = exc
 
 
-class GpuDeterministicOps:
+class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     """Ops backend over the Triton kernels (default on CUDA)."""
 
     name = "gpu_deterministic"
@@ -64,8 +71,22 @@ class GpuDeterministicOps:
         self, qkv: torch.Tensor, layer: AttentionInput, positions: torch.Tensor,
         slots: torch.Tensor, kv: LayerKV,
     ) -> torch.Tensor:  # fmt: skip
-        """One fused kernel: q/k head norms, RoPE and the K/V cache writes."""
+        """One fused kernel: q/k head norms, RoPE and the K/V cache writes. Partial rotary
+        embeddings (Qwen3.5) take the composed path: the Triton head norms, `rope` on the
+        rotated dims, an exact copy into the caches."""
+        if 2 * layer.cos.shape[1] != kv.k.shape[-1]:
+            return ComposedAttentionInput.attention_input(self, qkv, layer, positions, slots, kv)
         return _attention_input(qkv, layer, positions, slots, kv)
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Neox RoPE in float32 by torch element-wise kernels (one multiply, one add or
+        subtract per product: exact per element, whatever the launch shape)."""
+        c = cos[positions.long()].unsqueeze(1)
+        s = sin[positions.long()].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     def attention(
         self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
@@ -76,12 +97,34 @@ class GpuDeterministicOps:
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)
 
+    # ---- Gated DeltaNet (hybrid models): lockstep/ops/triton/gated_delta.py ----------------
+
+    def gdn_gates(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gated_delta.gdn_gates(a, b, a_log, dt_bias)
+
+    def l2_normalize(self, x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+        return gated_delta.l2_normalize(x, eps, scale)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_delta.gate_activation(torch.ones_like(x), x, "silu")
+
+    def gate_activation(self, x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Tensor:
+        return gated_delta.gate_activation(x, gate, kind)
+
+    def gated_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor, open_k: torch.Tensor, open_gamma: torch.Tensor,
+        open_u: torch.Tensor, start: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:  # fmt: skip
+        return gated_delta.gated_delta_rule(
+            q, k, v, g, beta, state, open_k, open_gamma, open_u, start
+        )
+
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
-        """fp32 router logits from the Triton matmul, `route_sorted`, then every expert's
-        Triton linears over all rows (`experts_dense`: correct and graph-safe, E/k times the
-        needed arithmetic; a grouped GEMM over expert-sorted rows is the next step,
-        docs/gpu.md), combined in rank order in fp32."""
-        logits = matmul.matmul(x, layer.router, out_dtype=torch.float32)
-        experts, weights = route_sorted(logits, layer.top_k, layer.renormalize)
-        slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
-        return combine_in_rank_order(slots, weights).to(x.dtype)
+        """fp32 router logits from the Triton matmul, the routing kernel, slots grouped by
+        expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
+        combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
+        experts' weights read."""
+        return grouped_moe.moe(x, layer)

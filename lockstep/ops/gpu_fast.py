@@ -29,11 +29,16 @@ class GpuFastOps(TorchRowOps):
         return F.linear(x, weight, bias)
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
-        """Stock routing, every expert's cuBLAS linears over all rows (no host sync, so decode
-        graphs can hold it; `lockstep.ops.moe.experts_dense`), a torch sum over the k."""
+        """Stock routing, the experts through torch's grouped GEMM over expert-sorted rows
+        where it runs (`torch._grouped_mm`: bf16 on sm90+), else every expert's cuBLAS
+        linears over all rows (`experts_dense`); a torch sum over the k. No host sync
+        either way, so decode graphs can hold it."""
         logits = F.linear(x, layer.router).float()
         experts, weights = stock_route(logits, layer.top_k, layer.renormalize)
-        slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
+        if grouped_mm_runs(x, layer):
+            slots = experts_grouped_mm(x, experts, layer, self.silu_mul)
+        else:
+            slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
         return (slots.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
 
     def attention(
@@ -112,3 +117,31 @@ class GpuFastOps(TorchRowOps):
             qb, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
         )
         out[rows] = o[:, :, 0, :]
+
+
+def grouped_mm_runs(x: torch.Tensor, layer: MoeLayer) -> bool:
+    """Whether `torch._grouped_mm` takes this layer: CUDA sm90+, bf16, every dimension a
+    multiple of 8 (16-byte rows)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(d % 8 == 0 for d in (*layer.gate_up.shape[1:], *layer.down.shape[1:]))
+
+
+def experts_grouped_mm(
+    x: torch.Tensor, experts: torch.Tensor, layer: MoeLayer, silu_mul
+) -> torch.Tensor:
+    """Every slot's expert output [T, k, H] from two `torch._grouped_mm` calls over the
+    slots grouped by expert (the deterministic backend's grouping kernels, which CUDA graphs
+    can hold; the GEMMs are torch's)."""
+    from lockstep.ops.triton.moe import group_slots
+
+    t, k = experts.shape
+    order, offsets = group_slots(experts, layer.num_experts)
+    ends = offsets[1:].to(torch.int32)
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    gate_up = torch._grouped_mm(rows, layer.gate_up.transpose(1, 2), offs=ends)
+    y = torch._grouped_mm(silu_mul(gate_up), layer.down.transpose(1, 2), offs=ends)
+    slots = torch.empty_like(y).index_copy_(0, order, y)
+    return slots.view(t, k, -1)

@@ -39,6 +39,95 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float(), dim=-1)
 
+    def gdn_gates(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+        return g, b.float().sigmoid()
+
+    def l2_normalize(self, x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps) * scale
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x.float())
+
+    def gate_activation(self, x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Tensor:
+        act = torch.sigmoid(gate.float()) if kind == "sigmoid" else F.silu(gate.float())
+        return x.float() * act
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        open_k: torch.Tensor,
+        open_gamma: torch.Tensor,
+        open_u: torch.Tensor,
+        start: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        """The stock formulation: the recurrent form for a one-row step, else the chunked
+        form in chunks counted from this step's first row; `state` is the state at `start`
+        (no open rows). Only a step that ends on a chunk boundary reports its state."""
+        out, final = stock_gated_delta_rule(q, k, v, g, beta, state, open_k.shape[0])
+        state.copy_(final)
+        end = start + q.shape[0]
+        return out, [(end, final.clone())] if end % open_k.shape[0] == 0 else []
+
+
+def stock_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule as transformers and flash-linear-attention compute it: a
+    per-token recurrence for one row, else chunks of `chunk` rows from the first row (padded
+    at the end) with the intra-chunk system solved by a triangular solve and batched matmuls.
+    q, k [n, Hk, Dk]; v [n, Hv, Dv]; g, beta [n, Hv]; state [Hv, Dk, Dv] at the first row.
+    Returns (out [n, Hv, Dv], the state after the last row)."""
+    n, hv = v.shape[0], v.shape[1]
+    group = hv // k.shape[1]
+    q, k = (x.repeat_interleave(group, dim=1).transpose(0, 1).float() for x in (q, k))
+    v, g, beta = v.transpose(0, 1).float(), g.t().float(), beta.t().float()
+    s = state.float()
+    if n == 1:
+        s = s * g[:, 0].exp()[:, None, None]
+        predicted = (s * k[:, 0, :, None]).sum(dim=1)
+        delta = (v[:, 0] - predicted) * beta[:, 0, None]
+        s = s + k[:, 0, :, None] * delta[:, None, :]
+        return (s * q[:, 0, :, None]).sum(dim=1)[None], s
+    pad = -n % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    m = (n + pad) // chunk
+    q, k, v = (x.reshape(hv, m, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(hv, m, chunk), beta.reshape(hv, m, chunk)
+    gamma = g.cumsum(dim=-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
+                                      unitriangular=True)  # fmt: skip
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False,
+                                      unitriangular=True)  # fmt: skip
+    intra = (q @ k.transpose(-1, -2)) * decay
+    out = torch.empty_like(v)
+    for c in range(m):
+        v_new = u[:, c] - w[:, c] @ s
+        out[:, c] = (q[:, c] * gamma[:, c, :, None].exp()) @ s + intra[:, c] @ v_new
+        last = gamma[:, c, -1]
+        tail = (last[:, None] - gamma[:, c]).exp()[..., None]
+        s = s * last.exp()[:, None, None] + (k[:, c] * tail).transpose(-1, -2) @ v_new
+    return out.reshape(hv, m * chunk, -1)[:, :n].transpose(0, 1), s
+
 
 def stock_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     """Routing as transformers writes it: softmax over all experts, `torch.topk` (whose order

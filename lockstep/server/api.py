@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine, RequestGroup
@@ -29,14 +29,15 @@ from lockstep.server.chat_prompt import ChatOptions, chat_prompt
 from lockstep.server.completions import completions
 from lockstep.server.delivery import run_to_end
 from lockstep.server.http_errors import (
-    MAX_BODY_BYTES,
-    BodySizeLimit,
     HeadAsGet,
+    RefuseWhenFull,
+    document_errors,
     install_error_handlers,
 )
 from lockstep.server.metrics import ServerMetrics
 from lockstep.server.native_api import add_native_routes
 from lockstep.server.preparation import (
+    MAX_SEQUENCES_PER_REQUEST,
     Served,
     check_fan_out,
     check_model,
@@ -55,6 +56,7 @@ from lockstep.server.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
+from lockstep.server.request_bodies import MAX_BODY_BYTES, BodySizeLimit, big_body_route
 from lockstep.server.responses import ChoiceState, score_entry
 
 logger = logging.getLogger(__name__)
@@ -101,8 +103,13 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
     app.state.async_engine = async_engine  # for the shutdown's grace deadline (cli.py)
+    app.state.metrics = metrics  # for refusals at the connection level (cli.py)
+    # No list longer than this fits a request: big bodies holding one are refused unvalidated.
+    max_list_items = max(served.max_model_len, MAX_SEQUENCES_PER_REQUEST)
+    app.router.route_class = big_body_route(max_list_items)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(HeadAsGet)
+    app.add_middleware(RefuseWhenFull, engine=async_engine, metrics=metrics)
     install_error_handlers(app, metrics)
 
     @app.get("/health")
@@ -120,7 +127,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         check_model(served, model)
         return model_card(served)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         stats = await async_engine.call(lambda e: e.stats())
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
@@ -178,6 +185,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         return {"version": _version()}
 
     add_native_routes(app, served, refresh_fingerprint)
+    document_errors(app)
     return app
 
 

@@ -31,6 +31,12 @@ logger = logging.getLogger("lockstep.server")
 # Seconds between the end of the grace period (requests still running are answered 503) and
 # uvicorn's own deadline: enough for those answers to be written and the connections closed.
 SHED_MARGIN_S = 5.0
+# Connection hygiene (connections.py): enough connections for every sequence the GPU defaults
+# admit to come on its own; long enough for a 32 MiB body over a slow link; uvicorn's idle
+# keep-alive.
+DEFAULT_MAX_CONNECTIONS = 2048
+DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
 def add_serve_parser(subparsers: Any) -> None:
@@ -54,6 +60,26 @@ def add_serve_parser(subparsers: Any) -> None:
         default=None,
         help="sequences that may wait for a running slot beyond --max-running; more are "
         "refused with 429 and Retry-After (default: 4 x --max-running)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections the server holds; a request on one more gets a 429 with "
+        "Retry-After and the connection is closed",
+    )
+    parser.add_argument(
+        "--request-read-timeout",
+        type=_positive_float,
+        default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+        help="seconds a request's headers and body may take to arrive from its first byte; "
+        "a slower one has its connection closed",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=_positive_float,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        help="seconds an idle connection (new, or between requests) stays open",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
@@ -85,8 +111,15 @@ def run_serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from lockstep.server.api import build_app
+    from lockstep.server.connections import guarded_protocol, raise_fd_limit
 
     app = build_app(engine, max_waiting=args.max_waiting)
+    raise_fd_limit(args.max_connections)
+    protocol = guarded_protocol(
+        args.request_read_timeout,
+        args.max_connections,
+        app.state.metrics.http_errors.labels("429").inc,
+    )
     grace = args.shutdown_timeout
 
     def end_of_grace() -> None:
@@ -102,6 +135,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
             # handler (a traceback and a bare 500) to stop.
             timeout_graceful_shutdown=grace + SHED_MARGIN_S,
             access_log=args.log_level == "debug",
+            http=protocol,
+            timeout_keep_alive=args.keep_alive_timeout,
         )
     )
     host, port = sock.getsockname()[:2]
@@ -148,6 +183,20 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is invalid: expected an integer >= 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: expected an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: expected a number of seconds > 0")
     return value
 
 

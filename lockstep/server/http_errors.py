@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,42 +24,40 @@ from lockstep.errors import RequestError
 from lockstep.server.async_engine import EngineFailure, Overloaded
 from lockstep.server.metrics import ServerMetrics
 from lockstep.server.protocol import APIError, clip
+from lockstep.server.request_bodies import BodyRefused
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
+
+# The routes that admit sequences into the engine: on a full server they are refused before
+# their body is read (a burst of 300 must not cost 300 JSON parses on the event loop).
+ADMITTING_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/score", "/generate"})
 
 
-class BodySizeLimit:
-    """Refuses a body over `max_bytes` (413) before it is read into memory. Plain ASGI, not
-    `BaseHTTPMiddleware`, which would hide client disconnects from the routes."""
+class RefuseWhenFull:
+    """Answers a POST to an admitting route with the 429 of `overloaded` while the engine
+    admits nothing more, before its body is read or parsed; the route checks again (its
+    request may need more sequences than are free). Plain ASGI, as below."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, engine: Any, metrics: ServerMetrics) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.engine = engine
+        self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or ()).get(b"content-length", b"0")
-        received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise APIError(self._message(), status=413, code="request_too_large")
-            return message
-
-        if not declared.isdigit() or int(declared) > self.max_bytes:
-            error = APIError(self._message(), status=413, code="request_too_large")
-            response = JSONResponse(error.body(), status_code=413)
-            return await response(scope, receive, send)
-        return await self.app(scope, limited_receive, send)
-
-    def _message(self) -> str:
-        return f"The request body is larger than {self.max_bytes} bytes."
+        if scope["type"] == "http" and scope["method"] == "POST":
+            if scope["path"] in ADMITTING_ROUTES:
+                try:
+                    self.engine.refuse_if_full()
+                except Overloaded as exc:
+                    self.metrics.http_errors.labels("429").inc()
+                    response = JSONResponse(
+                        _overloaded_error(exc).body(),
+                        status_code=429,
+                        headers={"Retry-After": str(exc.retry_after_s)},
+                    )
+                    return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class HeadAsGet:
@@ -94,11 +93,13 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return reply(APIError(str(exc), param=_param_of(str(exc)), code="invalid_value"))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return reply(_validation_error(exc))
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return reply(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, BodyRefused):
+            return reply(exc.error)
         if exc.status_code == 400:
             # FastAPI's one 400: a body `json.loads` refused for a reason other than syntax
             # (not UTF-8, nested too deep, an integer of more than 4300 digits).
@@ -113,8 +114,7 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
-        error = APIError(str(exc), status=429, type="rate_limit_error", code="server_overloaded")
-        return reply(error, {"Retry-After": str(exc.retry_after_s)})
+        return reply(_overloaded_error(exc), {"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -122,6 +122,69 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return reply(
             APIError(f"internal error: {type(exc).__name__}", status=500, type="server_error")
         )
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_STATUS_MEANINGS = {
+    "400": "a client mistake (docs/server.md, Errors)",
+    "404": "unknown model or resource",
+    "413": "the body is over the size limit",
+    "429": "the server is full: retry after Retry-After seconds",
+    "503": "the server is shutting down",
+}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Makes the OpenAPI schema name the error statuses the routes answer, with OpenAI's error
+    body: every route 429 (the server is full) and 503 (shutting down); a route that takes a
+    body or a path parameter 400, 404 and 413 as well. FastAPI's 422 goes: a bad body is a
+    400 here. Call after every route is added."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=None
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            components["Error"] = _ERROR_SCHEMA
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    responses = operation["responses"]
+                    responses.pop("422", None)
+                    statuses = ["429", "503"]
+                    if "requestBody" in operation or "{" in path:
+                        statuses += ["400", "404", "413"]
+                    for status in statuses:
+                        responses[status] = {
+                            "description": _STATUS_MEANINGS[status],
+                            "content": error,
+                        }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _overloaded_error(exc: Overloaded) -> APIError:
+    return APIError(str(exc), status=429, type="rate_limit_error", code="server_overloaded")
 
 
 def engine_failure_error(exc: EngineFailure) -> APIError:
@@ -161,7 +224,8 @@ _UNION_FIELDS = {
 }
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's errors (the first one) as the 400 that names the field the client wrote."""
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body", code="invalid_value")

@@ -65,6 +65,11 @@ class _EngineStatsCollector(Collector):
             "lockstep_kv_tokens_free": ("KV slots neither in use nor cached", "kv_free"),
             "lockstep_kv_tokens_cached": ("KV slots held only by the prefix cache", "kv_cached"),
             "lockstep_kv_tokens_in_use": ("KV slots locked by running requests", "kv_in_use"),
+            "lockstep_linear_state_snapshots": (
+                "Linear-attention state snapshots held by the prefix cache (hybrid models)",
+                "state_snapshots",
+            ),
+            "lockstep_linear_state_bytes": ("Bytes of those snapshots", "state_bytes"),
         }
         for name, (doc, key) in gauges.items():
             if key in s:

@@ -13,9 +13,15 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from lockstep.server.protocol import RequestBody, StrictModel, TokenIds, strip_neutral_unsupported
+from lockstep.server.protocol import (
+    INT64_MAX,
+    RequestBody,
+    StrictModel,
+    TokenIds,
+    strip_neutral_unsupported,
+)
 
-Int64 = Annotated[int, Field(ge=0, lt=2**63)]
+Int64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 def _none(value: Any) -> bool:
@@ -64,10 +70,10 @@ UNSUPPORTED_GENERATE: dict[str, Any] = {
 class NativeSamplingParams(StrictModel):
     """SGLang's `sampling_params` object."""
 
-    max_new_tokens: int = Field(128, ge=0, lt=2**63, description="0: score the input only")
+    max_new_tokens: int = Field(128, ge=0, le=INT64_MAX, description="0: score the input only")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, lt=2**63, description="-1 (or 0) disables it")
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX, description="-1 (or 0) disables it")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[Int64] | None = Field(None, max_length=64)
@@ -148,4 +154,4 @@ class UpdateWeightsFromDiskRequest(RequestBody):
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
-    token_step: int = Field(0, ge=0, lt=2**63)
+    token_step: int = Field(0, ge=0, le=INT64_MAX)

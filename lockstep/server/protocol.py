@@ -30,6 +30,10 @@ from lockstep.server.unsupported_fields import (
     Neutral,
 )
 
+# The engine holds integers as 64-bit values. Written as an inclusive maximum: an exclusive
+# 2**63 is not a float-exact bound, and schema tools that compare through floats misread it.
+INT64_MAX = 2**63 - 1
+
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = (
     str
@@ -256,13 +260,13 @@ class _SamplingFields(ProcessingFields):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, lt=2**63, description="0 or -1 disables it (vLLM extension)")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1 disables it (vLLM extension)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension")
     seed: int | None = Field(
-        None, ge=0, lt=2**63, description="choice i of n is sampled with seed + i"
+        None, ge=0, le=INT64_MAX, description="choice i of n is sampled with seed + i"
     )
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
         None, max_length=64, description="vLLM extension"
     )
     n: int = Field(1, ge=1, le=16)
@@ -298,16 +302,16 @@ class _SamplingFields(ProcessingFields):
     truncate_prompt_tokens: int | None = Field(
         None,
         ge=-1,
-        lt=2**63,
+        le=INT64_MAX,
         description="vLLM extension: keep the last k prompt tokens (-1: as many as fit)",
     )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0, lt=2**63, description="0: with echo, scoring only")
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, description="0: with echo, scoring only")
     max_completion_tokens: int | None = Field(
-        None, ge=1, lt=2**63, description="Lockstep extension: the same limit as max_tokens"
+        None, ge=1, le=INT64_MAX, description="Lockstep extension: the same limit as max_tokens"
     )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -375,8 +379,8 @@ def _neutral_message_fields(data: Any) -> Any:
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Messages
-    max_tokens: int | None = Field(None, ge=1, lt=2**63, description="deprecated alias")
-    max_completion_tokens: int | None = Field(None, ge=1, lt=2**63)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="deprecated alias")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = Field(
@@ -442,4 +446,4 @@ class DetokenizeRequest(RequestBody):
     """vLLM's `/detokenize`: token ids back to text."""
 
     model: str | None = None
-    tokens: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]], Field(max_length=1 << 20)]
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(max_length=1 << 20)]

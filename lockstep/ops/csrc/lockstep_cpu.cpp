@@ -1252,18 +1252,279 @@ std::vector<at::Tensor> top_p_cutoff(const at::Tensor& masked, const at::Tensor&
   return {counts, kth};
 }
 
+
+// ----------------------------------------------------------------------------------------
+// Gated DeltaNet (linear attention): element-wise gates and activations, and the gated delta
+// rule over a sequence's rows in chunks of C at absolute positions 0, C, 2C, ...
+// ----------------------------------------------------------------------------------------
+
+constexpr int64_t kElemTask = 4096;  // elements per task of the element-wise kernels
+
+// out[i] = fn(a[i], b[i]) for every element, 16 lanes at a time (the tail through the same
+// lane-wise formula), so an element's bits never depend on its index in the call.
+template <class V, class F>
+void elementwise2(const float* a, const float* b, float* out, int64_t n, const F& fn) {
+  parallel_tasks((n + kElemTask - 1) / kElemTask, [&](int64_t task) {
+    const int64_t end = std::min(n, (task + 1) * kElemTask);
+    int64_t i = task * kElemTask;
+    for (; i + 16 <= end; i += 16) fn(V::load(a + i), V::load(b + i)).store(out + i);
+    if (i < end) {
+      const V av = load_partial<V>(a + i, end - i, 0.f), bv = load_partial<V>(b + i, end - i, 0.f);
+      store_partial(fn(av, bv), out + i, end - i);
+    }
+  });
+}
+
+template <class V>
+inline V sigmoid_vec(const V& x) {
+  return V::div(V::set1(1.f), V::add(V::set1(1.f), vexp(V::sub(V::zero(), x))));
+}
+
+// mode 0: x * sigmoid(gate) (the attention output gate); mode 1: x * silu(gate) (the gated
+// RMSNorm), silu(g) = g / (1 + exp(-g)) as in silu_mul.
+at::Tensor gate_activation(const at::Tensor& x, const at::Tensor& gate, int64_t mode,
+                           int64_t simd) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && gate.sizes() == x.sizes() &&
+                  gate.scalar_type() == at::kFloat && gate.is_contiguous(),
+              "gate_activation: x and gate must be contiguous fp32 of one shape");
+  TORCH_CHECK(mode == 0 || mode == 1, "gate_activation: mode must be 0 or 1");
+  at::Tensor out = at::empty_like(x);
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    if (mode == 0) {
+      elementwise2<V>(x.data_ptr<float>(), gate.data_ptr<float>(), out.data_ptr<float>(),
+                      x.numel(), [](const V& a, const V& g) { return V::mul(a, sigmoid_vec(g)); });
+    } else {
+      elementwise2<V>(x.data_ptr<float>(), gate.data_ptr<float>(), out.data_ptr<float>(),
+                      x.numel(), [](const V& a, const V& g) {
+                        const V e = vexp(V::sub(V::zero(), g));
+                        return V::mul(a, V::div(g, V::add(V::set1(1.f), e)));
+                      });
+    }
+    return 0;
+  });
+  return out;
+}
+
+// log(y) for y >= 1 in double, by basic_log's series (a fixed formula, no libm).
+inline double series_log(double y) {
+  double coef[kLogTerms];
+  for (int i = 0; i < kLogTerms; ++i) coef[i] = 1.0 / (2 * (kLogTerms - 1 - i) + 1);
+  basic_log(&y, 1, coef, 0.6931471805599453);
+  return y;
+}
+
+// g = -exp(A_log[h]) * softplus(a + dt_bias[h]),  beta = sigmoid(b), per element of [T, H].
+// softplus(x) = x above 20 (torch's threshold), exp(x) below -15 (log1p(y) = y to fp32
+// precision there), else log(1 + exp(x)) with the sum and the log in double.
+std::vector<at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b,
+                                  const at::Tensor& a_log, const at::Tensor& dt_bias,
+                                  int64_t simd) {
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous() &&
+                  b.sizes() == a.sizes() && b.scalar_type() == at::kFloat && b.is_contiguous(),
+              "gdn_gates: a and b must be contiguous fp32 [T, H]");
+  const int64_t t = a.size(0), h = a.size(1);
+  TORCH_CHECK(a_log.numel() == h && dt_bias.numel() == h && a_log.is_contiguous() &&
+                  dt_bias.is_contiguous() && a_log.scalar_type() == at::kFloat &&
+                  dt_bias.scalar_type() == at::kFloat,
+              "gdn_gates: A_log and dt_bias must be contiguous fp32 [H]");
+  at::Tensor g = at::empty_like(a), beta = at::empty_like(b);
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const float *lp = a_log.data_ptr<float>(), *dp = dt_bias.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *betap = beta.data_ptr<float>();
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    for (int64_t i = 0; i < t * h; ++i) {
+      const int64_t head = i % h;
+      const float x = ap[i] + dp[head];
+      float sp;
+      if (x > 20.f) {
+        sp = x;
+      } else if (x < -15.f) {
+        sp = sexp<V>(x);
+      } else {
+        sp = static_cast<float>(series_log(1.0 + static_cast<double>(sexp<V>(x))));
+      }
+      gp[i] = -(sexp<V>(lp[head]) * sp);
+      betap[i] = 1.f / (1.f + sexp<V>(-bp[i]));
+    }
+    return 0;
+  });
+  return {g, beta};
+}
+
+// out = x * (1 / sqrt(sum(x^2) + eps)) * scale per row of [R, D] (sum in the lane-partial +
+// tree order; two separate multiplies).
+at::Tensor l2_normalize(const at::Tensor& x, double eps, double scale, int64_t simd) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "l2_normalize: x must be contiguous fp32 [R, D]");
+  const int64_t r = x.size(0), d = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    parallel_tasks((r + kRowGrain - 1) / kRowGrain, [&](int64_t task) {
+      const int64_t end = std::min(r, (task + 1) * kRowGrain);
+      for (int64_t i = task * kRowGrain; i < end; ++i) {
+        const float inv = 1.f / std::sqrt(sum_squares<V>(xp + i * d, d) + feps);
+        for (int64_t j = 0; j < d; ++j) op[i * d + j] = (xp[i * d + j] * inv) * fscale;
+      }
+    });
+    return 0;
+  });
+  return out;
+}
+
+// sum(a[i] * b[i]) over i < n in the lane-partial + tree order.
+template <class V>
+inline float dot(const float* a, const float* b, int64_t n) {
+  V acc = V::zero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = V::fma(V::load(a + i), V::load(b + i), acc);
+  if (i < n) acc = V::fma(load_partial<V>(a + i, n - i, 0.f), load_partial<V>(b + i, n - i, 0.f),
+                          acc);
+  return acc.reduce_add();
+}
+
+// out[0..n) = S^T x: out[e] = sum over d ascending of S[d][e] * x[d] (FMA from 0).
+template <class V>
+inline void state_times(const float* s, const float* x, float* out, int64_t dk, int64_t dv) {
+  for (int64_t e = 0; e < dv; e += 16) {
+    const int64_t w = std::min<int64_t>(16, dv - e);
+    V acc = V::zero();
+    for (int64_t d = 0; d < dk; ++d)
+      acc = V::fma(load_partial<V>(s + d * dv + e, w, 0.f), V::set1(x[d]), acc);
+    store_partial(acc, out + e, w);
+  }
+}
+
+// The gated delta rule over rows start..start+n-1 of one sequence, for one layer. With the
+// chunk c = floor(p / C) of position p, its offset r = p - cC, the state S at cC (S_0 = 0),
+// gamma_r = g_cC + ... + g_p (ascending) and, for j <= r, d_j = exp(gamma_r - gamma_j):
+//   u_r    = beta_r * (v_r - exp(gamma_r) * S^T k_r) - sum_{j<r} (beta_r (k_r.k_j) d_j) u_j
+//   out_p  = exp(gamma_r) * S^T q_r + sum_{j<=r} ((q_r.k_j) d_j) u_j
+// (j ascending; dots in the lane-partial + tree order), and after the chunk's last row
+//   S'     = exp(gamma_{C-1}) * S + sum_j (exp(gamma_{C-1} - gamma_j) k_j) u_j^T.
+// A row's bits depend only on S and the chunk's rows up to it, so any split of the sequence
+// (prefill chunks, one-row decode steps, a resume from a boundary) gives the same bits.
+// state [Hv, Dk, Dv] is S of the chunk holding `start`; open_k [C, Hk, Dk], open_gamma
+// [C, Hv] and open_u [C, Hv, Dv] hold that chunk's rows before `start`. All are updated to
+// the chunk holding start + n. Returns out [n, Hv, Dv] and S at every multiple of C in
+// (start, start + n], in order [B, Hv, Dk, Dv].
+std::vector<at::Tensor> gdn_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
+                                 at::Tensor open_k, at::Tensor open_gamma, at::Tensor open_u,
+                                 int64_t start, int64_t simd) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
+           &q, &k, &v, &g, &beta, &state, &open_k, &open_gamma, &open_u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "gdn_rule: every tensor must be contiguous fp32");
+  const int64_t n = q.size(0), hk = q.size(1), dk = q.size(2);
+  const int64_t hv = v.size(1), dv = v.size(2), chunk = open_k.size(0);
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == n && g.size(0) == n && g.size(1) == hv &&
+                  beta.sizes() == g.sizes() && hv % hk == 0,
+              "gdn_rule: q, k [n, Hk, Dk], v [n, Hv, Dv], g and beta [n, Hv] with Hv % Hk == 0");
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == hv && state.size(1) == dk &&
+                  state.size(2) == dv && open_k.size(1) == hk && open_k.size(2) == dk &&
+                  open_gamma.size(0) == chunk && open_gamma.size(1) == hv &&
+                  open_u.size(0) == chunk && open_u.size(1) == hv && open_u.size(2) == dv,
+              "gdn_rule: state [Hv, Dk, Dv], open_k [C, Hk, Dk], open_gamma [C, Hv], "
+              "open_u [C, Hv, Dv]");
+  const int64_t first_boundary = (start / chunk + 1) * chunk;
+  const int64_t num_boundaries =
+      start + n >= first_boundary ? (start + n - first_boundary) / chunk + 1 : 0;
+  at::Tensor out = at::empty({n, hv, dv}, q.options());
+  at::Tensor boundaries = at::empty({num_boundaries, hv, dk, dv}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *sp = state.data_ptr<float>(), *okp = open_k.data_ptr<float>();
+  float *ogp = open_gamma.data_ptr<float>(), *oup = open_u.data_ptr<float>();
+  float *outp = out.data_ptr<float>(), *bnd = boundaries.data_ptr<float>();
+  const int64_t group = hv / hk;
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    parallel_tasks(hv, [&](int64_t h) {
+      const int64_t kh = h / group;
+      float* s = sp + h * dk * dv;
+      std::vector<float> ks(dv), qs(dv), u(dv);
+      // Key of chunk row j (position chunk_start + j): this call's input or the open rows.
+      auto key = [&](int64_t pos, int64_t j) -> const float* {
+        return pos >= start ? kp + ((pos - start) * hk + kh) * dk : okp + (j * hk + kh) * dk;
+      };
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = start + i, r = p % chunk, c0 = p - r;
+        const float* qi = qp + (i * hk + kh) * dk;
+        const float* ki = kp + (i * hk + kh) * dk;
+        const float* vi = vp + (i * hv + h) * dv;
+        const float bi = bp[i * hv + h];
+        const float gam = r == 0 ? gp[i * hv + h] : ogp[(r - 1) * hv + h] + gp[i * hv + h];
+        ogp[r * hv + h] = gam;
+        const float e = sexp<V>(gam);
+        state_times<V>(s, ki, ks.data(), dk, dv);
+        state_times<V>(s, qi, qs.data(), dk, dv);
+        for (int64_t x = 0; x < dv; ++x) u[x] = bi * (vi[x] - e * ks[x]);
+        for (int64_t j = 0; j < r; ++j) {
+          const float a = (bi * dot<V>(ki, key(c0 + j, j), dk)) * sexp<V>(gam - ogp[j * hv + h]);
+          const float* uj = oup + (j * hv + h) * dv;
+          for (int64_t x = 0; x < dv; ++x) u[x] = u[x] - a * uj[x];
+        }
+        float* ur = oup + (r * hv + h) * dv;
+        std::copy(u.begin(), u.end(), ur);
+        float* o = outp + (i * hv + h) * dv;
+        for (int64_t x = 0; x < dv; ++x) o[x] = e * qs[x];
+        for (int64_t j = 0; j <= r; ++j) {
+          const float a = dot<V>(qi, key(c0 + j, j), dk) * sexp<V>(gam - ogp[j * hv + h]);
+          const float* uj = oup + (j * hv + h) * dv;
+          for (int64_t x = 0; x < dv; ++x) o[x] = o[x] + a * uj[x];
+        }
+        if (r == chunk - 1) {
+          for (int64_t x = 0; x < dk * dv; ++x) s[x] = s[x] * e;
+          for (int64_t j = 0; j < chunk; ++j) {
+            const float w = sexp<V>(gam - ogp[j * hv + h]);
+            const float* kj = key(c0 + j, j);
+            const float* uj = oup + (j * hv + h) * dv;
+            for (int64_t d = 0; d < dk; ++d) {
+              const float coef = w * kj[d];
+              float* row = s + d * dv;
+              for (int64_t x = 0; x < dv; ++x) row[x] = row[x] + coef * uj[x];
+            }
+          }
+          const int64_t b = (p + 1 - first_boundary) / chunk;
+          std::copy(s, s + dk * dv, bnd + (b * hv + h) * dk * dv);
+        }
+      }
+    });
+    return 0;
+  });
+  // The open chunk's keys from this call (the loop above read them from the input).
+  const int64_t end = start + n, open_start = std::max(start, end - end % chunk);
+  for (int64_t p = open_start; p < end; ++p)
+    std::copy(kp + (p - start) * hk * dk, kp + (p - start + 1) * hk * dk,
+              okp + (p % chunk) * hk * dk);
+  return {out, boundaries};
+}
+
 }  // namespace lockstep
 
+// Every kernel runs without the GIL: a server's event loop (health checks, new requests)
+// must not wait for a prefill's matmuls, and no kernel touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("simd_variants", &lockstep::simd_variants);
-  m.def("linear", &lockstep::linear);
-  m.def("rms_norm", &lockstep::rms_norm);
-  m.def("silu_mul", &lockstep::silu_mul);
-  m.def("log_softmax", &lockstep::log_softmax);
-  m.def("moe_route", &lockstep::moe_route);
-  m.def("rope", &lockstep::rope);
-  m.def("attention", &lockstep::attention);
-  m.def("gumbel_noise", &lockstep::gumbel_noise);
-  m.def("probability_units", &lockstep::probability_units);
-  m.def("top_p_cutoff", &lockstep::top_p_cutoff);
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("simd_variants", &lockstep::simd_variants, release);
+  m.def("linear", &lockstep::linear, release);
+  m.def("rms_norm", &lockstep::rms_norm, release);
+  m.def("silu_mul", &lockstep::silu_mul, release);
+  m.def("log_softmax", &lockstep::log_softmax, release);
+  m.def("moe_route", &lockstep::moe_route, release);
+  m.def("rope", &lockstep::rope, release);
+  m.def("attention", &lockstep::attention, release);
+  m.def("gumbel_noise", &lockstep::gumbel_noise, release);
+  m.def("probability_units", &lockstep::probability_units, release);
+  m.def("top_p_cutoff", &lockstep::top_p_cutoff, release);
+  m.def("gate_activation", &lockstep::gate_activation, release);
+  m.def("gdn_gates", &lockstep::gdn_gates, release);
+  m.def("l2_normalize", &lockstep::l2_normalize, release);
+  m.def("gdn_rule", &lockstep::gdn_rule, release);
 }

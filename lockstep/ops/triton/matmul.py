@@ -39,6 +39,8 @@ class MatmulConfig:
     group_m: int = 8
     tma: bool = False
     persistent: bool = False  # TMA kernel only: one program per SM walks the tiles
+    # Persistent kernel only: Triton's warp specialization (loads and MMAs in separate warps).
+    warp_specialize: bool = False
     split_programs: bool = False  # one program per K split, folded by the tile's last program
 
 
@@ -59,8 +61,9 @@ SPLIT_TABLE: tuple[tuple[int, int], ...] = (
 # (largest M, largest N, largest K, config): the first row that fits is used. Chosen from
 # CUDA-graph timings of `python -m bench.gpu_kernels --sweep` with a clean L2 (the matmul
 # table in docs/gpu.md). Small M is bandwidth-bound: narrow N tiles for enough CTAs. Mid M:
-# 64-row tiles; at K > 8192 one program per split; at M 129-512 256x128 tiles for N > 4096 at
-# K <= 8192 and for N > 8192. Large M: persistent 128x128 tiles walked in groups of 16 M-tiles
+# 64-row tiles; at K > 8192 one program per split. M 129-256 (decode at RL batch sizes): the
+# tile that best fills the waves of 132 SMs per shape (`--sweep --ms 256`, docs/gpu.md). M
+# 257-512: 256x128 tiles for N > 4096 at K <= 8192 and for N > 8192. Large M: persistent 128x128 tiles walked in groups of 16 M-tiles
 # (GROUP_M 16, for L2 reuse), 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits)
 # 128x256 tiles.
 _C = MatmulConfig
@@ -81,6 +84,12 @@ TILE_TABLE: tuple[tuple[int, int, int, MatmulConfig], ...] = (
     (128, 32768, 8192, _C(64, 128, 128, 4, 4, tma=True)),
     (128, _INF, 8192, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
     (128, _INF, _INF, _C(64, 128, 128, 4, 4, tma=True, split_programs=True)),
+    # Decode at batch 129-256 (RL rollouts): tiles that fill the 132 SMs' waves.
+    (256, 4096, _INF, _C(64, 128, 128, 4, 4, tma=True)),
+    (256, 8192, 8192, _C(128, 128, 64, 8, 4, tma=True)),
+    (256, 32768, 8192, _C(128, 128, 64, 8, 4, tma=True, persistent=True)),
+    (256, _INF, 8192, _C(256, 128, 64, 8, 3, tma=True)),
+    (256, _INF, _INF, _C(64, 128, 128, 4, 4, tma=True)),
     (512, 4096, _INF, _C(128, 128, 64, 8, 4, tma=True)),
     (512, 8192, 8192, _C(256, 128, 64, 8, 3, tma=True)),
     (512, 8192, _INF, _C(128, 128, 64, 8, 4, tma=True)),
@@ -236,7 +245,7 @@ def _matmul_kernel(
 def _matmul_persistent_kernel(
     x_desc, w_desc, y_desc, bias, M, N, K, SPLIT_LEN, NUM_SPLITS, NUM_SMS,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, WS: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p computes tiles p, p + NUM_SMS, ...; one flattened loop walks (tile, split)
     units, a tile's splits consecutively, folding each split sum into the tile's total in the
@@ -245,7 +254,7 @@ def _matmul_persistent_kernel(
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     my_tiles = tl.cdiv(num_tiles - tl.program_id(0), NUM_SMS)
     total = tl.zeros([BM, BN], tl.float32)
-    for unit in tl.range(0, my_tiles * NUM_SPLITS, flatten=True):
+    for unit in tl.range(0, my_tiles * NUM_SPLITS, flatten=FLATTEN, warp_specialize=WS):
         tile = tl.program_id(0) + (unit // NUM_SPLITS) * NUM_SMS
         split = unit % NUM_SPLITS
         pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
@@ -335,7 +344,8 @@ def matmul(
             n_sms = num_sms(x.device)
             _matmul_persistent_kernel[(min(n_sms, tiles),)](
                 xa, wa, y_desc, b, m, n, k, split_len, num_splits, n_sms, HAS_BIAS=has_bias,
-                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
+                BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, WS=cfg.warp_specialize,
+                FLATTEN=not cfg.warp_specialize, **opts,
             )  # fmt: skip
             return y
     else:

@@ -1,0 +1,200 @@
+"""How request bodies are read: bounded in size, and the big ones one at a time, parsed and
+validated off the event loop.
+
+- `BodySizeLimit` refuses a body over the byte limit (413) before it is read into memory,
+  whether its length is declared or it arrives chunked.
+- `big_body_route` makes the API's routes read a body of `BIG_BODY_BYTES` or more under a
+  one-slot gate: its bytes are read, parsed as JSON and validated against the route's model in
+  a worker thread. So `/health` and small requests keep the event loop while a 16 MB body is
+  parsed (16 MB of token ids take seconds to validate), and twenty such bodies at once cost
+  one body's memory, not twenty: the others wait unread, their connections paused by flow
+  control. A body that arrives slowly holds the gate until the connection's read deadline
+  (`connections.py`) at most. Once its request is answered, the allocator's free pages go
+  back to the OS.
+- In a big body, a list longer than `max_model_len` is refused before validation: no prompt of
+  more tokens fits, and validating millions of ids is the expensive part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from lockstep.server.protocol import APIError
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Smaller bodies are parsed on the event loop: at most a few milliseconds each.
+BIG_BODY_BYTES = 64 * 1024
+
+
+class BodyRefused(StarletteHTTPException):
+    """A big body refused while it was parsed off the event loop. An `HTTPException`, the one
+    kind FastAPI lets out of its body parsing unchanged; `http_errors.py` answers `error`."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
+class BodySizeLimit:
+    """Refuses a body over `max_bytes` (413) before it is read into memory: at once when its
+    declared length is over, else (chunked) as soon as the bytes received pass it. Once a
+    request that brought a big body is answered, the allocator's free pages go back to the OS.
+    Plain ASGI, not `BaseHTTPMiddleware`, which would hide client disconnects from the routes."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            error = self._too_large()
+            return await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyRefused(self._too_large())
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            if received >= BIG_BODY_BYTES:
+                await asyncio.to_thread(release_free_memory)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            f"The request body is larger than {self.max_bytes} bytes.",
+            status=413,
+            code="request_too_large",
+        )
+
+
+def big_body_route(max_list_items: int) -> type[APIRoute]:
+    """The route class of the API (set as `app.router.route_class` before routes are
+    added): bodies of `BIG_BODY_BYTES` or more go through one gate, are parsed and validated
+    in a worker thread, and any list in them longer than `max_list_items` is refused."""
+    gate = asyncio.Semaphore(1)
+
+    class BigBodyRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            field = self.body_field
+            model = field.field_info.annotation if field is not None else None
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                return handler
+
+            async def gated(request: Request) -> Response:
+                if not _is_big(request):
+                    return await handler(request)
+                async with gate:
+                    try:
+                        body = await request.body()
+                    except ClientDisconnect:  # gone, or dropped at its read deadline
+                        return Response(status_code=499)
+                    if body:
+                        # FastAPI takes the cached model from `json()` and accepts it as is.
+                        request._json = await asyncio.to_thread(_parse, body, model, max_list_items)
+                    del body
+                return await handler(request)
+
+            return gated
+
+    return BigBodyRoute
+
+
+def _parse(body: bytes, model: type[BaseModel], max_items: int) -> Any:
+    """JSON bytes -> a validated `model`, or `BodyRefused` with the error the small-body
+    path would give (`http_errors.py` maps pydantic's errors the same way)."""
+    from lockstep.server.http_errors import validation_error
+
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        # Not JSON, or JSON Python cannot read (too deep, an integer of 4300+ digits).
+        loc = getattr(exc, "pos", 0)
+        error = {"type": "json_invalid", "loc": ("body", loc), "ctx": {"error": str(exc)}}
+        raise BodyRefused(validation_error(RequestValidationError([error]))) from None
+    del body
+    _check_list_lengths(data, max_items)
+    try:
+        return model.model_validate(data)
+    except APIError as exc:
+        raise BodyRefused(exc) from None
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise BodyRefused(validation_error(RequestValidationError(errors))) from None
+
+
+def _check_list_lengths(data: Any, max_items: int) -> None:
+    """Refuses a list longer than `max_items` anywhere in `data`, naming its path."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, list):
+            if len(value) > max_items:
+                param = path or "body"
+                raise BodyRefused(
+                    APIError(
+                        f"{param!r} has {len(value)} items: no request with a list of more"
+                        f" than {max_items} fits this server (its maximum context length,"
+                        " or the sequences one request may hold).",
+                        param=param,
+                        code="context_length_exceeded",
+                    )
+                )
+            items = enumerate(value)
+        elif isinstance(value, dict):
+            items = value.items()
+        else:
+            continue
+        for key, item in items:
+            if isinstance(item, (list, dict)):
+                stack.append((f"{path}.{key}" if path else str(key), item))
+
+
+def _is_big(request: Request) -> bool:
+    """Declared at `BIG_BODY_BYTES` or more, or of unknown length (chunked)."""
+    if request.method in ("GET", "HEAD"):
+        return False
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return "chunked" in request.headers.get("transfer-encoding", "")
+    return not declared.isdigit() or int(declared) >= BIG_BODY_BYTES
+
+
+_LIBC: Any = None
+
+
+def release_free_memory() -> None:
+    """Give the allocator's free pages back to the OS (glibc's `malloc_trim`; nothing where
+    there is no glibc): a refused 16 MB body otherwise leaves its pages in the process's
+    heaps, and the RSS of a server that refused a few big bodies would stay up."""
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC = ctypes.CDLL(name) if name else False
+        except OSError:
+            _LIBC = False
+    if _LIBC and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)

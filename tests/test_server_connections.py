@@ -1,0 +1,158 @@
+"""Connection hygiene of a real `lockstep serve` (a tiny random model: only HTTP is tested):
+a request whose head or body arrives too slowly (slowloris) has its connection closed within
+`--request-read-timeout`, an idle connection within `--keep-alive-timeout`, a header block
+still unfinished past h11's 16 KiB is a 400, and beyond `--max-connections` a request gets a 429 with
+Retry-After. Controls: the same requests sent in time are served, and the server is healthy
+after each case.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_server import ServerProcess
+
+READ_TIMEOUT_S = 1.5
+KEEP_ALIVE_S = 1.0
+MAX_CONNECTIONS = 6
+ARGS = [
+    "--model", "random:tiny", "--device", "cpu", "--kv-tokens", "512", "--max-model-len", "64",
+    "--request-read-timeout", str(READ_TIMEOUT_S), "--keep-alive-timeout", str(KEEP_ALIVE_S),
+    "--max-connections", str(MAX_CONNECTIONS),
+]  # fmt: skip
+SLACK_S = 1.0  # timer and scheduling slack on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess(ARGS).start()
+    yield proc
+    proc.stop()
+
+
+def _connect(server: ServerProcess) -> socket.socket:
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    return sock
+
+
+def _seconds_until_closed(sock: socket.socket, drip: bytes = b"", every_s: float = 0.1) -> float:
+    """Sends `drip` a byte at a time every `every_s` (nothing if empty) until the server
+    closes the connection; returns the seconds that took (a hang guard at 30 s)."""
+    started = time.monotonic()
+    sock.settimeout(every_s)
+    sent = 0
+    while time.monotonic() - started < 30:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            pass
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - started
+        if drip:
+            try:
+                sock.send(drip[sent % len(drip) : sent % len(drip) + 1])
+            except (ConnectionResetError, BrokenPipeError):
+                return time.monotonic() - started
+            sent += 1
+    raise AssertionError("the server kept the connection open for 30 s")
+
+
+def _healthy(server: ServerProcess) -> None:
+    assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_slow_request_heads_and_bodies_are_dropped_in_time(server: ServerProcess) -> None:
+    body = json.dumps({"model": server.model, "prompt": "hi", "max_tokens": 1}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    # Slowloris: a header byte every 0.1 s, for ever.
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        took = _seconds_until_closed(sock, drip=b"X-Slow: aaaaaaaaaaaaaaaa\r\n")
+    assert READ_TIMEOUT_S - 0.2 <= took < READ_TIMEOUT_S + SLACK_S, took
+    # A whole head, then a body that stops half way.
+    with _connect(server) as sock:
+        sock.sendall(head + body[:5])
+        took = _seconds_until_closed(sock)
+    assert took < READ_TIMEOUT_S + SLACK_S, took
+    # The same with a big body (read under the one-slot gate of request_bodies.py).
+    big_head = head.replace(f"Content-Length: {len(body)}".encode(), b"Content-Length: 100000")
+    with _connect(server) as sock:
+        sock.sendall(big_head + b" " * 1000)
+        took = _seconds_until_closed(sock)
+    assert took < READ_TIMEOUT_S + SLACK_S, took
+    # A connection that never sends a byte is idle: closed after the keep-alive timeout.
+    with _connect(server) as sock:
+        took = _seconds_until_closed(sock)
+    assert KEEP_ALIVE_S - 0.2 <= took < KEEP_ALIVE_S + SLACK_S, took
+    # Control: the same request dripped in pieces that arrive within the deadline is served,
+    # and the kept-alive connection serves a second request, its deadline counted afresh.
+    with _connect(server) as sock:
+        for start in range(0, len(head), 40):
+            sock.sendall(head[start : start + 40])
+            time.sleep(0.05)
+        sock.sendall(body)
+        first = _read_response(sock)
+        time.sleep(READ_TIMEOUT_S * 0.6)
+        sock.sendall(head)
+        time.sleep(READ_TIMEOUT_S * 0.6)
+        sock.sendall(body)
+        second = _read_response(sock)
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200"), second
+    _healthy(server)
+    assert "Traceback" not in "".join(server.log), "".join(server.log)[-3000:]
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One response with a content-length body."""
+    sock.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head
+
+
+def test_a_header_block_over_h11s_limit_is_a_400(server: ServerProcess) -> None:
+    """h11 buffers at most 16 KiB of a head it has not seen the end of."""
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10))
+        sock.settimeout(30)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+    _healthy(server)
+
+
+def test_beyond_max_connections_a_request_gets_429(server: ServerProcess) -> None:
+    held = [_connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in held:  # keep each one busy sending a head (held up to the read deadline)
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(0.2)
+        refused = httpx.get(server.base_url + "/health", timeout=30)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["connection"] == "close"
+        error = refused.json()["error"]
+        assert error["code"] == "server_overloaded" and "--max-connections" in error["message"]
+    finally:
+        for sock in held:
+            sock.close()
+    # The held connections gone, requests are served again, and the refusal was counted.
+    deadline = time.monotonic() + 30
+    while httpx.get(server.base_url + "/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "connections never freed"
+        time.sleep(0.05)
+    metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert 'lockstep_http_errors_total{status="429"}' in metrics
