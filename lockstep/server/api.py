@@ -86,6 +86,7 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         system_fingerprint=_system_fingerprint(engine),
         kv_tokens=engine.pool.num_slots,
         max_text_chars=text_bound(engine.tokenizer, engine.max_model_len),
+        grammars=getattr(engine, "grammars", None),
     )
 
     def refresh_fingerprint() -> None:

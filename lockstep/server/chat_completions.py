@@ -21,6 +21,7 @@ from lockstep.server.preparation import (
     check_model,
     check_token_ids,
     log_request,
+    logits_processing,
     max_tokens_for,
     requested_max_tokens,
     sampling_params,
@@ -61,6 +62,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     ids = truncate_prompt(served, ids, body.truncate_prompt_tokens, requested)
     max_tokens = max_tokens_for(served, requested, len(ids), "messages", limit_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    processing = await logits_processing(served, body)
     requests = [
         (
             ids,
@@ -70,6 +72,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                 choice=i,
                 logprobs=logprobs,
                 prompt_logprobs=body.prompt_logprobs,
+                processing=processing,
             ),
         )
         for i in range(body.n)

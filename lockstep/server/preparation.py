@@ -13,6 +13,7 @@ from typing import Any
 
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine
+from lockstep.server.processing_fields import compile_constraint, processing_options
 from lockstep.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -40,6 +41,7 @@ class Served:
     system_fingerprint: str
     kv_tokens: int  # the KV pool's slots: a sequence never holds more
     max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
+    grammars: Any = None  # the engine's GrammarCompiler (structured outputs)
 
 
 # A tokenizer's normalizer can shorten text before it is split (NFC composes a letter and its
@@ -234,6 +236,16 @@ def choice_seed(seed: int | None, choice: int, param: str) -> int | None:
     return seed + choice
 
 
+async def logits_processing(
+    served: Served, body: CompletionRequest | ChatCompletionRequest
+) -> dict[str, Any]:
+    """The body's penalties, biases, bans and output constraint as SamplingParams keyword
+    arguments; the constraint compiled (off the event loop), or a 400 naming its field."""
+    options = processing_options(body, served.vocab_size)
+    await compile_constraint(served.grammars, options["structured_output"])
+    return options
+
+
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     *,
@@ -241,6 +253,7 @@ def sampling_params(
     choice: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    processing: dict[str, Any] | None = None,
 ) -> SamplingParams:
     seed = choice_seed(body.seed, choice, "seed")
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
@@ -258,6 +271,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        **(processing or {}),
     )
 
 
