@@ -176,6 +176,10 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return _tokenizer_info(served)
+
     add_native_routes(app, served, refresh_fingerprint)
     return app
 
@@ -208,6 +212,22 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
         "max_model_len": served.max_model_len,
         "tokens": ids,
         "token_strs": strs,
+    }
+
+
+def _tokenizer_info(served: Served) -> dict[str, Any]:
+    """vLLM's `/tokenizer_info`: the special tokens and the chat template. lm-evaluation-harness
+    looks for it (with `/tokenize`) to tokenize through the server instead of loading a
+    Hugging Face tokenizer of the served model's name."""
+    tok = served.tokenizer
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": None,
+        "add_bos_token": tok.add_bos,
+        "chat_template": getattr(tok, "chat_template", None),
+        "model_max_length": served.max_model_len,
     }
 
 
