@@ -30,6 +30,7 @@ from lockstep.engine.cuda_graphs import (
     graph_batch_buckets,
     graph_context_buckets,
 )
+from lockstep.engine.grammar import GrammarCompiler
 from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.request import Request, Status
@@ -96,6 +97,8 @@ class Engine:
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
+        # Structured outputs: llguidance's view of the tokenizer, built on first use.
+        self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size)
         self.requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None  # a step launched ahead (overlap_decode)
         self._last_layout: list[ChunkLogits] = []  # the last completed step's chunks
@@ -139,12 +142,39 @@ class Engine:
             namespace=namespace,
         )
         request.text_output = TextOutput(self.tokenizer, ids, params)
+        if params.processes_logits:
+            self._prepare_processing(request)
         if params.prompt_logprobs is not None:
             first = max(1, params.prompt_logprobs_start)  # position 0 never has one
             request.prompt_logprobs = [None] * min(first, len(ids))
             request.prompt_logprobs_next = first
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _prepare_processing(self, request: Request) -> None:
+        """What logits processing reads besides the parameters: the grammar's matcher, the
+        bad words' token ids (each word alone and after a space, as vLLM tokenizes them), the
+        stop ids min_tokens masks and the prompt's distinct tokens."""
+        params, vocab = request.params, self.decoder.spec.vocab_size
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is out of range: expected 0.."
+                               f"{vocab - 1}")  # fmt: skip
+        if params.structured_output is not None:
+            request.grammar = self.grammars.state(params.structured_output)
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        request.bad_word_ids = words
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.tokenizer.eos_token_ids
+        request.stop_ids = frozenset(t for t in stop if t < vocab)
+        if params.repetition_penalty != 1.0:
+            request.prompt_token_set = sorted(set(request.prompt_ids))
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -266,6 +296,7 @@ class Engine:
             and r.num_computed == r.num_tokens - 1
             and len(r.output_ids) + 1 < r.params.max_tokens
             and not r.params.logprobs
+            and not r.params.processes_logits  # its next logits need this step's token
             for r in running
         )
 
@@ -313,10 +344,16 @@ class Engine:
         request.output_ids.append(token)
         request.output_logprobs.append(chosen)
         self.generated_tokens_total += 1
+        if request.grammar is not None:
+            request.grammar.accept(token)
         finish, stop_reason = self._finish_reason(request, token)
-        # The text of an EOS or stop token is not part of the output (as in vLLM).
+        # The text of an EOS or stop token is not part of the output (as in vLLM); the token
+        # that completes a structured output is.
+        hidden = finish == "stop" and not (request.grammar and request.grammar.finished_on_text)
         text = request.text_output.push(
-            token if finish in (None, "length") else None, final=finish is not None
+            None if hidden else token,
+            final=finish is not None,
+            check_stops=len(request.output_ids) >= params.min_tokens,
         )
         if text.stop_string is not None:
             finish, stop_reason = "stop", text.stop_string
@@ -347,6 +384,8 @@ class Engine:
             return "stop", None
         if len(request.output_ids) >= params.max_tokens:
             return "length", None
+        if request.grammar is not None and request.grammar.finished:
+            return "stop", None  # the structured output is complete
         return None, None
 
     # ----------------------------------------------------------------- weights

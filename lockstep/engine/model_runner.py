@@ -5,7 +5,8 @@ chunks' slot tables for attention and which rows need logits:
   * the last row, when the chunk reaches the end of the request's tokens (it samples);
   * rows whose logits give a still-owed prompt logprob (position p predicts prompt[p+1]);
 then enqueues the forward (eagerly, or from a CUDA graph for pure decode steps), the
-log-softmax and the token choice, and starts copying the chosen tokens and their logprobs to
+log-softmax, the logits processing of requests that ask for it (penalties, biases, grammars:
+lockstep/engine/logits_processing.py, always eager) and the token choice, and starts copying the chosen tokens and their logprobs to
 the host. It returns a `LaunchedStep` without waiting for the device; the engine reads the
 step's results through it, on the host side only.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep.engine.cuda_graphs import DecodeGraphRunner
+from lockstep.engine.logits_processing import process_logits
 from lockstep.engine.outputs import TokenLogprob
 from lockstep.engine.request import Request
 from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
@@ -168,7 +170,9 @@ class ModelRunner:
         else:
             rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
             picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
-        step.tokens = choose_token_tensor(picked, choices)
+        # Penalties, biases, bans and grammars: eagerly, on each request's own row.
+        processed = process_logits(picked, [r for r, _ in sampling])
+        step.tokens = choose_token_tensor(processed, choices)
         chosen = picked_lps.gather(1, step.tokens[:, None])[:, 0]
         # One transfer for tokens and their logprobs (float64 holds both exactly).
         both = torch.stack((step.tokens.double(), chosen.double()))

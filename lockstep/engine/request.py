@@ -105,6 +105,11 @@ class Request:
     # Tokens chosen by launched steps, not yet appended: 0 or 1, and 2 between launching a
     # step ahead and completing the step before it.
     pending: int = 0
+    # Logits processing (lockstep/engine/logits_processing.py), set by the engine on add.
+    grammar: Any = None  # GrammarState of a structured output
+    bad_word_ids: list[list[int]] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # masked while the output is below min_tokens
+    prompt_token_set: list[int] = field(default_factory=list)  # for repetition_penalty
 
     @property
     def all_ids(self) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lockstep.engine.structured_output import StructuredOutput
 from lockstep.errors import RequestError
 
 # Smaller temperatures are refused rather than sampled: they are greedy in all but name (vLLM
@@ -37,6 +38,15 @@ class SamplingParams:
     # before are None, and a prefix-cache hit needs stored logprobs from here on only).
     prompt_logprobs_start: int = 1
     n: int = 1
+    # Logits processing (lockstep/engine/logits_processing.py), vLLM's names and formulas.
+    presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of
+    # tokens in the prompt or the output
+    min_tokens: int = 0  # EOS and stop_token_ids masked (and stop strings ignored) until then
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict ok
+    bad_words: tuple[str, ...] = ()  # words (alone or after a space) the output never completes
+    structured_output: StructuredOutput | None = None  # the output must match this
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,10 +115,72 @@ class SamplingParams:
             "an integer >= 0",
         )
         _check(isinstance(self.n, int) and 1 <= self.n <= 64, "n", self.n, "an integer in [1, 64]")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """Normalizes logit_bias (a dict or pairs -> pairs sorted by id) and bad_words, and
+        checks the logits-processing fields; token ids are checked against the vocabulary
+        by the engine, which knows it."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, name, value, "a number in [-2, 2]")
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a number in (0, 100] (1 disables it)",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"an integer in [0, max_tokens={self.max_tokens}]",
+        )
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        _check(
+            all(
+                isinstance(p, tuple | list) and len(p) == 2 and isinstance(p[0], int)
+                and not isinstance(p[0], bool) and p[0] >= 0 and _finite(p[1])
+                and -100.0 <= p[1] <= 100.0
+                for p in pairs
+            ),
+            "logit_bias",
+            bias,
+            "token id (an integer >= 0) -> bias (a number in [-100, 100])",
+        )  # fmt: skip
+        ids = [int(p[0]) for p in pairs]
+        _check(len(set(ids)) == len(ids), "logit_bias", bias, "each token id once")
+        _check(len(ids) <= 1024, "logit_bias", f"{len(ids)} entries", "at most 1024 entries")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        _check(all(isinstance(w, str) and w for w in words), "bad_words", words,
+               "non-empty strings")  # fmt: skip
+        _check(len(words) <= 64, "bad_words", f"{len(words)} words", "at most 64 words")
+        object.__setattr__(self, "bad_words", words)
+        _check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            "structured_output",
+            self.structured_output,
+            "None or a StructuredOutput",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes this request's logits before the token choice."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+            or self.bad_words
+            or self.structured_output is not None
+        )
 
 
 def _finite(x: object) -> bool:

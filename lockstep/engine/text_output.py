@@ -30,16 +30,17 @@ class TextOutput:
         self.released = ""
         self.stopped = False
 
-    def push(self, token: int | None, final: bool) -> TextDelta:
+    def push(self, token: int | None, final: bool, check_stops: bool = True) -> TextDelta:
         """Add one generated token (None: a token whose text is not output, such as EOS).
-        `final` flushes everything still held back."""
+        `final` flushes everything still held back. `check_stops` False (an output shorter
+        than min_tokens): stop strings are not looked for, and nothing is held back."""
         if self.stopped:
             return TextDelta("", None)
         if token is not None:
             self.pending += self.detokenizer.push([token])
         if final:
             self.pending += self.detokenizer.flush()
-        found = self._find_stop()
+        found = self._find_stop() if check_stops else None
         if found is not None:
             index, stop = found
             out = self.pending[: index + (len(stop) if self.include_stop else 0)]
@@ -49,7 +50,7 @@ class TextOutput:
         if final:
             out, self.pending = self.pending, ""
             return self._release(out, None)
-        hold = self._held_back_length()
+        hold = self._held_back_length() if check_stops else 0
         cut = len(self.pending) - hold
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return self._release(out, None)
