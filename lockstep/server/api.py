@@ -56,6 +56,7 @@ from lockstep.server.protocol import (
     TokenizeRequest,
 )
 from lockstep.server.responses import ChoiceState, score_entry
+from lockstep.server.tool_parser import resolve_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_WAITING_PER_RUNNING = 4
 
 
-def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
+def build_app(
+    engine: Any, max_waiting: int | None = None, tool_call_parser: str = "auto"
+) -> FastAPI:
     """The app over a loaded engine. `max_waiting`: sequences admitted beyond the engine's
     `max_running` to wait for a running slot; more are refused with a 429 (default:
-    `DEFAULT_WAITING_PER_RUNNING` x max_running)."""
+    `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`: `--tool-call-parser`
+    (`tool_parser.resolve_tool_call_parser`)."""
     metrics = ServerMetrics()
     max_running = engine.config.resolved_max_running
     if max_waiting is None:
@@ -84,6 +88,9 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         system_fingerprint=_system_fingerprint(engine),
         kv_tokens=engine.pool.num_slots,
         max_text_chars=text_bound(engine.tokenizer, engine.max_model_len),
+        tool_call_parser=resolve_tool_call_parser(
+            tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
+        ),
     )
 
     def refresh_fingerprint() -> None:

@@ -46,6 +46,7 @@ class ChatOptions:
     add_special_tokens: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the template's `tools` (tools.py checks them)
     bounded: bool = True  # refuse text too long for the context before rendering it
 
 
@@ -109,6 +110,8 @@ def chat_prompt(
             extra["documents"] = options.documents
     if options.continue_final_message:
         extra["continue_final_message"] = True
+    if options.tools is not None:
+        extra["tools"] = options.tools
     rendered = tokenizer.apply_chat_template(
         rendered_messages, add_generation_prompt=options.add_generation_prompt, **extra
     )
@@ -118,6 +121,12 @@ def chat_prompt(
             "The messages render to an empty prompt.", param="messages", code="invalid_value"
         )
     return ids
+
+
+def template_variables(served: Served) -> frozenset[str] | None:
+    """The variables the model's chat template reads (None: it has no template)."""
+    template = getattr(served.tokenizer, "chat_template", None)
+    return None if template is None else template_names(template).variables
 
 
 def _all_text(messages: list[ChatMessage]) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.config import EngineConfig
 from lockstep.errors import ConfigError, ModelLoadError
+from lockstep.server.tool_parser import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("lockstep.server")
 
@@ -54,6 +55,15 @@ def add_serve_parser(subparsers: Any) -> None:
         default=None,
         help="sequences that may wait for a running slot beyond --max-running; more are "
         "refused with 429 and Retry-After (default: 4 x --max-running)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=("auto", "none", *TOOL_CALL_PARSERS),
+        help="how tool calls are read out of the model's output: hermes (<tool_call> JSON, "
+        "Qwen's and Hermes' markup); auto (default): hermes when the chat template writes "
+        "<tool_call>, else none (requests with tools and tool_choice other than none are "
+        "refused)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
@@ -86,7 +96,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
     from lockstep.server.api import build_app
 
-    app = build_app(engine, max_waiting=args.max_waiting)
+    app = build_app(engine, max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser)
     grace = args.shutdown_timeout
 
     def end_of_grace() -> None:

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from lockstep.engine.sampling_params import SamplingParams
+from lockstep.engine.structured_output import StructuredOutput
 from lockstep.server.async_engine import AsyncEngine
 from lockstep.server.protocol import (
     APIError,
@@ -40,6 +41,7 @@ class Served:
     system_fingerprint: str
     kv_tokens: int  # the KV pool's slots: a sequence never holds more
     max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
+    tool_call_parser: str | None = None  # tool_parser.py's name for the model's markup
 
 
 # A tokenizer's normalizer can shorten text before it is split (NFC composes a letter and its
@@ -241,9 +243,13 @@ def sampling_params(
     choice: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    extra_stop: tuple[str, ...] = (),
+    structured_output: StructuredOutput | None = None,
 ) -> SamplingParams:
+    """`extra_stop` and `structured_output`: what the server adds (tools.py)."""
     seed = choice_seed(body.seed, choice, "seed")
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
+    stop = tuple(stop) + tuple(s for s in extra_stop if s not in stop)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -251,13 +257,14 @@ def sampling_params(
         top_p=body.top_p,
         min_p=body.min_p,
         seed=seed,
-        stop=tuple(stop),
+        stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output,
     )
 
 

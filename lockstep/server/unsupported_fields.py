@@ -39,11 +39,6 @@ def _text_format(value: Any) -> bool:
     return value is None or value == {"type": "text"}
 
 
-def _any_bool(value: Any) -> bool:
-    """`parallel_tool_calls`: it only matters beside tool definitions, which are refused."""
-    return value is None or isinstance(value, bool)
-
-
 _SHARED: dict[str, Neutral] = {
     # Penalties, logits processing and structured output are other work.
     "presence_penalty": _zero,
@@ -82,9 +77,6 @@ COMPLETION_UNSUPPORTED: dict[str, Neutral] = {
 CHAT_UNSUPPORTED: dict[str, Neutral] = {
     **_SHARED,
     "bad_words": _empty,
-    "tools": _empty,
-    "tool_choice": lambda v: v is None or v == "none",
-    "parallel_tool_calls": _any_bool,
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
     "chat_template": _none,
