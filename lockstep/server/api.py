@@ -91,6 +91,7 @@ def build_app(
         tool_call_parser=resolve_tool_call_parser(
             tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
         ),
+        grammars=getattr(engine, "grammars", None),
     )
 
     def refresh_fingerprint() -> None:

@@ -28,6 +28,7 @@ from lockstep.server.preparation import (
     check_model,
     check_token_ids,
     log_request,
+    logits_processing,
     max_tokens_for,
     requested_max_tokens,
     sampling_params,
@@ -51,6 +52,7 @@ from lockstep.server.tools import (
     message_tool_calls,
     plan_tools,
     tool_call_id,
+    with_tool_constraint,
 )
 
 
@@ -79,6 +81,9 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     ids = truncate_prompt(served, ids, body.truncate_prompt_tokens, requested)
     max_tokens = max_tokens_for(served, requested, len(ids), "messages", limit_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    processing = await with_tool_constraint(
+        served.grammars, await logits_processing(served, body), tools
+    )
     requests = [
         (
             ids,
@@ -89,7 +94,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                 logprobs=logprobs,
                 prompt_logprobs=body.prompt_logprobs,
                 extra_stop=tools.stop,
-                structured_output=tools.structured_output,
+                processing=processing,
             ),
         )
         for i in range(body.n)

@@ -27,6 +27,7 @@ from lockstep.server.preparation import (
     check_model,
     check_token_ids,
     log_request,
+    logits_processing,
     max_tokens_for,
     prompts_of,
     requested_max_tokens,
@@ -99,6 +100,7 @@ async def completions(served: Served, body: CompletionRequest, request: Request)
     ]
     check_fan_out(served, len(prompts), body.n)
     prompt_k = _engine_prompt_logprobs(body)
+    processing = await logits_processing(served, body)
     choices: list[ChoiceState] = []
     requests = []
     for p_index, ids in enumerate(prompts):
@@ -116,6 +118,7 @@ async def completions(served: Served, body: CompletionRequest, request: Request)
                     choice=i,
                     logprobs=body.logprobs,
                     prompt_logprobs=prompt_k,
+                    processing=processing,
                 )
             requests.append((ids, params))
             choices.append(ChoiceState(prompt_index=p_index, prompt_ids=ids, scores_only=scoring))

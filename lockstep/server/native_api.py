@@ -49,6 +49,7 @@ from lockstep.server.preparation import (
     choice_seed,
     max_tokens_for,
 )
+from lockstep.server.processing_fields import compile_constraint, native_processing_options
 from lockstep.server.protocol import APIError, clip
 from lockstep.server.responses import json_logprob, sse
 
@@ -112,6 +113,8 @@ def add_native_routes(
         items, batched = await _prepare(served, body, active)
         group = RequestGroup(engine, engine.new_request_id("generate"))
         requests = [(item.prompt_ids, _sampling_params(item, j)) for item, j in items]
+        for _, params in requests:  # off the event loop; each distinct spec once (cached)
+            await compile_constraint(served.grammars, params.structured_output)
         await group.add(requests, body.extra_key or body.cache_salt)
         flat = [item for item, _ in items]
         for index, item in enumerate(flat):
@@ -399,6 +402,7 @@ def _sampling_params(item: _Item, sample: int) -> SamplingParams:
             # SGLang leaves the first returned position's logprob out: not computed either,
             # so a rollout's cached prompt serves the scoring of its output.
             prompt_logprobs_start=item.logprob_start_len + 1,
+            **native_processing_options(p),
         )
     except RequestError as exc:
         raise APIError(str(exc), param="sampling_params", code="invalid_value") from None

@@ -28,13 +28,6 @@ def _false(value: Any) -> bool:
 
 # SGLang sampling fields with no Lockstep implementation, each with its neutral value's test.
 UNSUPPORTED_SAMPLING: dict[str, Any] = {
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "repetition_penalty": lambda v: v is None or v == 1,
-    "min_new_tokens": lambda v: v is None or v == 0,
-    "regex": _none,
-    "json_schema": _none,
-    "ebnf": _none,
     "structural_tag": _none,
     "logit_bias": lambda v: v is None or v == {},
     "custom_params": _none,
@@ -86,6 +79,15 @@ class NativeSamplingParams(StrictModel):
     no_stop_trim: bool = Field(False, description="keep the matched stop string in the text")
     n: int = Field(1, ge=1, le=16, description="sample i of n uses sampling_seed + i")
     sampling_seed: Int64 | None = Field(None, description="the per-request seed")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this per occurrence")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this once per token")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=100.0, description="tokens of the prompt or output: / r if > 0 else * r"
+    )
+    min_new_tokens: int = Field(0, ge=0, lt=2**63, description="no EOS or stop before")
+    regex: str | None = Field(None, description="the output matches this regex")
+    json_schema: str | None = Field(None, description="the output follows this JSON schema")
+    ebnf: str | None = Field(None, description="the output follows this GBNF/EBNF grammar")
 
     @model_validator(mode="before")
     @classmethod

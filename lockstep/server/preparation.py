@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.engine.structured_output import StructuredOutput
 from lockstep.server.async_engine import AsyncEngine
+from lockstep.server.processing_fields import compile_constraint, processing_options
 from lockstep.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -42,6 +42,7 @@ class Served:
     kv_tokens: int  # the KV pool's slots: a sequence never holds more
     max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
     tool_call_parser: str | None = None  # tool_parser.py's name for the model's markup
+    grammars: Any = None  # the engine's GrammarCompiler (structured outputs)
 
 
 # A tokenizer's normalizer can shorten text before it is split (NFC composes a letter and its
@@ -236,6 +237,16 @@ def choice_seed(seed: int | None, choice: int, param: str) -> int | None:
     return seed + choice
 
 
+async def logits_processing(
+    served: Served, body: CompletionRequest | ChatCompletionRequest
+) -> dict[str, Any]:
+    """The body's penalties, biases, bans and output constraint as SamplingParams keyword
+    arguments; the constraint compiled (off the event loop), or a 400 naming its field."""
+    options = processing_options(body, served.vocab_size)
+    await compile_constraint(served.grammars, options["structured_output"])
+    return options
+
+
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     *,
@@ -244,9 +255,9 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     extra_stop: tuple[str, ...] = (),
-    structured_output: StructuredOutput | None = None,
+    processing: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """`extra_stop` and `structured_output`: what the server adds (tools.py)."""
+    """`extra_stop`: stop strings the server adds (tools.py)."""
     seed = choice_seed(body.seed, choice, "seed")
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
     stop = tuple(stop) + tuple(s for s in extra_stop if s not in stop)
@@ -264,7 +275,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output,
+        **(processing or {}),
     )
 
 

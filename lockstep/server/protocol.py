@@ -174,7 +174,83 @@ class StreamOptions(StrictModel):
         return strip_neutral_unsupported(data, STREAM_OPTIONS_UNSUPPORTED, "stream_options.")
 
 
-class _SamplingFields(RequestBody):
+# The logits-processing fields (lockstep/server/processing_fields.py translates them).
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced (`strict`
+    true or false)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(StrictModel):
+    """vLLM's `structured_outputs` object: one of json, regex, choice, grammar, json_object.
+    The other fields of vLLM's are accepted at their defaults only."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: Literal[False] = False
+    disable_any_whitespace: Literal[False] = False
+    disable_additional_properties: Literal[False] = False
+    whitespace_pattern: None = None
+    structural_tag: None = None
+
+
+class ProcessingFields(RequestBody):
+    """The logits-processing fields of both OpenAI routes (vLLM's names and ranges)."""
+
+    presence_penalty: float | None = Field(
+        0.0, ge=-2.0, le=2.0, description="minus this for every token the output holds"
+    )
+    frequency_penalty: float | None = Field(
+        0.0, ge=-2.0, le=2.0, description="minus this per occurrence in the output"
+    )
+    repetition_penalty: float | None = Field(
+        1.0,
+        gt=0.0,
+        le=100.0,
+        description="vLLM extension: tokens of the prompt or output, logit / r if > 0 else * r",
+    )
+    min_tokens: int = Field(
+        0, ge=0, lt=2**63, description="vLLM extension: no EOS, stop id or stop string before"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=1024, description="token id -> bias in [-100, 100], added to its logit"
+    )
+    bad_words: list[str] | None = Field(
+        None, max_length=64, description="vLLM extension: words the output never completes"
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (always enforced)"
+    )
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM extension: json, regex, choice, grammar or json_object"
+    )
+    guided_json: str | dict[str, Any] | None = Field(
+        None, description="vLLM extension: a JSON schema the output follows"
+    )
+    guided_regex: str | None = Field(None, description="vLLM extension: the output's regex")
+    guided_choice: list[str] | None = Field(
+        None, description="vLLM extension: the output is one of these"
+    )
+    guided_grammar: str | None = Field(
+        None, description="vLLM extension: a Lark or GBNF grammar the output follows"
+    )
+
+
+class _SamplingFields(ProcessingFields):
     """Fields shared by completions and chat completions."""
 
     model: str

@@ -27,6 +27,7 @@ from typing import Any
 
 from lockstep.engine.grammar import JSON_LAYOUT
 from lockstep.engine.structured_output import StructuredOutput
+from lockstep.server.processing_fields import compile_constraint
 from lockstep.server.protocol import APIError, ChatCompletionRequest
 from lockstep.server.tool_parser import HermesToolCallParser, ParsedToolCall
 
@@ -153,6 +154,26 @@ def _calls_grammar(functions: list[Any], parallel: bool) -> str:
     )
     call = f"call: {start} %json {json.dumps(schema)} {end}"
     return f'start: call ("\\n" call)*\n{call}' if parallel else f"start: call\n{call}"
+
+
+async def with_tool_constraint(
+    grammars: Any, processing: dict[str, Any], plan: ToolPlan
+) -> dict[str, Any]:
+    """`processing` (SamplingParams keyword arguments, processing_fields.py) with the plan's
+    grammar, compiled off the event loop (a function schema that does not compile is a 400
+    naming `tools`). The output takes one constraint: a second one is a 400."""
+    if plan.structured_output is None:
+        return processing
+    other = processing.get("structured_output")
+    if other is not None:
+        raise APIError(
+            f"tool_choice 'required' or a named function constrains the reply to tool calls;"
+            f" {other.field} constrains it too: send one",
+            param=other.field,
+            code="invalid_value",
+        )
+    await compile_constraint(grammars, plan.structured_output)
+    return {**processing, "structured_output": plan.structured_output}
 
 
 def tool_call_id() -> str:

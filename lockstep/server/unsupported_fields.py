@@ -35,25 +35,12 @@ def _false(value: Any) -> bool:
     return value is None or value is False
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 _SHARED: dict[str, Neutral] = {
-    # Penalties, logits processing and structured output are other work.
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
-    "repetition_penalty": _one,
-    "logit_bias": _empty,
-    "min_tokens": _zero,
+    # Server-side Python logits processors, an allow-list, the grammar backend's name (one
+    # backend: llguidance), a whitespace pattern (JSON's layout is fixed) and vLLM's
+    # repetition-pattern detection.
     "allowed_token_ids": _none,
     "logits_processors": _none,
-    "response_format": _text_format,
-    "structured_outputs": _none,
-    "guided_json": _none,
-    "guided_regex": _none,
-    "guided_choice": _none,
-    "guided_grammar": _none,
     "guided_decoding_backend": _none,
     "guided_whitespace_pattern": _none,
     "max_repetition_pattern_size": _zero,
@@ -76,7 +63,6 @@ COMPLETION_UNSUPPORTED: dict[str, Neutral] = {
 
 CHAT_UNSUPPORTED: dict[str, Neutral] = {
     **_SHARED,
-    "bad_words": _empty,
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
     "chat_template": _none,
