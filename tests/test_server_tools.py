@@ -10,6 +10,7 @@ streaming and history checks run on; the parser's own cases are in test_tool_par
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ TOOLS_TEMPLATE = (
     "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}" + TOOL_TEMPLATE
 )
-CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}  # fmt: skip
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
     {"type": "function", "function": {"name": "get_time"}},
@@ -77,7 +79,8 @@ def test_required_and_named_calls_are_parsed(client: openai.OpenAI, server: Serv
     assert len(single.message.tool_calls) == 1
     (name, arguments), call = _calls(single.message)[0], single.message.tool_calls[0]
     assert name in NAMES and call.type == "function" and call.id.startswith("call_")
-    assert arguments in ({"city": "Paris"}, {"city": "Rome"}) if name == "get_weather" else {}
+    allowed = [{"city": "Paris"}, {"city": "Rome"}] if name == "get_weather" else [{}]
+    assert arguments in allowed
 
     named = _create(client, server, tool_choice={"type": "function",
                                                  "function": {"name": "get_time"}}).choices[0]  # fmt: skip
@@ -94,13 +97,8 @@ def test_required_and_named_calls_are_parsed(client: openai.OpenAI, server: Serv
     assert calls and all(name in NAMES for name, _ in calls)
 
 
-def test_streamed_calls_equal_the_whole_answer(
-    client: openai.OpenAI, server: ServerProcess
-) -> None:
-    options = {"tool_choice": "required", "parallel_tool_calls": False, "seed": 5,
-               "temperature": 1.0}  # fmt: skip
-    whole = _create(client, server, **options).choices[0]
-    stream = _create(client, server, stream=True, **options)
+def _streamed(stream: Any) -> tuple[str, list[tuple[str, dict]], str | None]:
+    """A stream's content, calls and finish reason, assembled as OpenAI's deltas say."""
     calls: dict[int, dict[str, Any]] = {}
     finish, content = None, ""
     for chunk in stream:
@@ -113,11 +111,46 @@ def test_streamed_calls_equal_the_whole_answer(
                     assert call["id"] is None and delta.type == "function"
                     call["id"], call["name"] = delta.id, delta.function.name
                 call["arguments"] += delta.function.arguments or ""
-    assert finish == whole.finish_reason == "tool_calls" and content == ""
-    assert list(calls) == [0] and calls[0]["id"].startswith("call_")
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == _calls(
-        whole.message
-    )
+    assert list(calls) == list(range(len(calls)))
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    return content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()], finish
+
+
+# A reply forced through vLLM's `structured_outputs` (api: the model writes this text), so that
+# `auto` has calls to find: some text, then two calls.
+SAID = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+FORCED = {"extra_body": {"structured_outputs": {"regex": re.escape(SAID)}}, "max_tokens": 180}
+
+
+def test_auto_finds_the_calls_in_the_reply(client: openai.OpenAI, server: ServerProcess) -> None:
+    both = _create(client, server, **FORCED).choices[0]
+    assert both.message.content == "Let me check." and both.finish_reason == "tool_calls"
+    assert _calls(both.message) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    first = _create(client, server, parallel_tool_calls=False, **FORCED).choices[0]
+    assert _calls(first.message) == [("get_weather", {"city": "Paris"})]
+    assert first.finish_reason == "tool_calls" and first.message.content == "Let me check."
+    # The control: with tool_choice none the same reply is all content.
+    text = _create(client, server, tool_choice="none", **FORCED).choices[0]
+    assert text.message.content == SAID and text.message.tool_calls is None
+    assert text.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [FORCED, {"tool_choice": "required", "parallel_tool_calls": False, "seed": 5,
+              "temperature": 1.0}],
+    ids=["auto", "required"],
+)  # fmt: skip
+def test_streamed_calls_equal_the_whole_answer(
+    client: openai.OpenAI, server: ServerProcess, options: dict
+) -> None:
+    whole = _create(client, server, **options).choices[0]
+    content, calls, finish = _streamed(_create(client, server, stream=True, **options))
+    assert calls == _calls(whole.message) and finish == whole.finish_reason == "tool_calls"
+    assert content == (whole.message.content or "")
 
 
 def test_auto_and_none_answer_in_text(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -169,6 +202,8 @@ def test_a_call_and_its_result_round_trip(client: openai.OpenAI, server: ServerP
          "tool_choice"),
         ({"tools": TOOLS + TOOLS}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
     ],
 )  # fmt: skip
 def test_tool_requests_that_cannot_be_honoured(

@@ -132,8 +132,13 @@ def _choice_label(choice: Any) -> str:
 
 
 def _call_schema(function: Any) -> dict[str, Any]:
-    """A call of `function` as JSON: its name, and arguments valid against its parameters."""
-    parameters = function.parameters or {"type": "object", "properties": {}}
+    """A call of `function` as JSON: its name, and arguments valid against its parameters
+    (none given: OpenAI's empty parameter list, the object `{}`)."""
+    parameters = function.parameters or {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
     return {
         "type": "object",
         "properties": {"name": {"const": function.name}, "arguments": parameters},
