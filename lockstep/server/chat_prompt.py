@@ -3,7 +3,8 @@
 The messages reach the template as vLLM hands them to it: `developer` becomes `system`,
 content parts are joined into one string (null content is ""), `name` is passed as a field,
 an assistant's `tool_calls` carry their arguments as parsed JSON (an empty `tool_calls` list
-is dropped), a tool message carries its `tool_call_id`. What the template cannot show is
+is dropped), a tool message carries its `tool_call_id`; a request's `tools` become the
+template's `tools` (tools.py checks the template reads them). What the template cannot show is
 refused, never dropped: a tool call or a tool result when the template reads no
 `tool_calls` (a template that renders tools reads them: Qwen's and Hermes' do, SmolLM2's
 does not), `documents` or a `chat_template_kwargs` key that the template never reads.
