@@ -139,8 +139,8 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                 text = prefix + parsed.content
                 message["content"] = None if parsed.calls and not text else text
                 if parsed.calls:
-                    ids = [tool_call_id() for _ in parsed.calls]
-                    message["tool_calls"] = message_tool_calls(parsed.calls, ids)
+                    call_ids = [tool_call_id() for _ in parsed.calls]
+                    message["tool_calls"] = message_tool_calls(parsed.calls, call_ids)
                 reason = finish_reason(reason, len(parsed.calls))
             item: dict[str, Any] = {
                 "index": i,
@@ -203,9 +203,9 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                     item["token_ids"] = output.new_token_ids
                 yield chunk(item)
             if parsed.calls:
-                ids = [tool_call_id() for _ in parsed.calls]
+                call_ids = [tool_call_id() for _ in parsed.calls]
                 first = parsers[index].num_calls - len(parsed.calls)
-                for delta in delta_tool_calls(first, parsed.calls, ids):
+                for delta in delta_tool_calls(first, parsed.calls, call_ids):
                     yield chunk(
                         {
                             "index": index,
