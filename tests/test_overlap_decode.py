@@ -11,6 +11,7 @@ tests/test_gpu_engine.py runs the same comparison with CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -18,8 +19,10 @@ import pytest
 from lockstep.config import EngineConfig
 from lockstep.engine.engine import Engine
 from lockstep.engine.sampling_params import SamplingParams
+from lockstep.engine.structured_output import StructuredOutput
 
 MODEL = "random:tiny"
+GRAMMAR = StructuredOutput.regex("[a-z]{1,30}( [0-9]{1,4})?")
 
 
 def _engine(overlap: bool, **options) -> Engine:
@@ -30,7 +33,7 @@ def _engine(overlap: bool, **options) -> Engine:
 
 def _workload(seed: int, vocab: int) -> list[tuple[int, str, list[int], SamplingParams, int]]:
     """(arrival step, id, prompt, params, abort step or -1): shared prompt stems, mixed
-    sampling parameters, stop tokens that fire early, a few aborts."""
+    sampling parameters, stop tokens that fire early, penalties and grammars, a few aborts."""
     rng = random.Random(seed)
     stems = [[rng.randrange(vocab) for _ in range(rng.randint(4, 30))] for _ in range(3)]
     work = []
@@ -49,6 +52,13 @@ def _workload(seed: int, vocab: int) -> list[tuple[int, str, list[int], Sampling
             prompt_logprobs=1 if kind == 3 else None,
             stop=["e"] if kind == 4 else [],
         )
+        if i % 3 == 0:  # logits processing: chosen after the host has the previous token
+            params = dataclasses.replace(
+                params, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3,
+                logit_bias={7: 5.0}, min_tokens=min(3, params.max_tokens),
+            )  # fmt: skip
+        if i % 4 == 2:
+            params = dataclasses.replace(params, structured_output=GRAMMAR)
         abort = rng.randint(2, 12) if i % 7 == 3 else -1
         work.append((rng.randint(0, 10), f"r{i}", prompt, params, abort))
     return work
@@ -120,6 +130,35 @@ def test_overlapped_decode_gives_the_outputs_of_the_plain_loop(seed: int, kv_tok
     assert "stop" in reasons and "length" in reasons
     if kv_tokens < 1000:  # the tight pool preempted in both runs
         assert plain.scheduler.num_preemptions > 0 and overlapped.scheduler.num_preemptions > 0
+
+
+def test_processed_requests_are_chosen_after_their_previous_token(monkeypatch) -> None:
+    """Steps launched ahead for requests with penalties and grammars make their choice only
+    after the host has the previous token (`ModelRunner.sample`, deferred): the outputs of the
+    plain loop, with such deferred choices made."""
+    from lockstep.engine.model_runner import ModelRunner
+
+    work = [
+        (0, f"r{i}", [5 + i, 6, 7], SamplingParams(
+            max_tokens=30, temperature=0.0 if i % 2 else 1.0, seed=i, presence_penalty=1.5,
+            repetition_penalty=1.2, min_tokens=4,
+            structured_output=GRAMMAR if i % 3 == 0 else None, ignore_eos=True,
+        ), 6 if i == 5 else -1)
+        for i in range(6)
+    ]  # fmt: skip
+    want = _drive(_engine(False), work)
+    deferred = []
+    launch = ModelRunner.launch
+
+    def recording(self: ModelRunner, plan, after=None, defer_processing=False):
+        step = launch(self, plan, after, defer_processing)
+        deferred.append(bool(step.sampling) and step.tokens is None)
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", recording)
+    overlapped = _engine(True)
+    assert_same_outputs(_drive(overlapped, work), want, work)
+    assert overlapped.steps_launched_ahead > 0 and any(deferred)
 
 
 def test_negative_control_wrong_pending_tokens_change_outputs(monkeypatch) -> None:

@@ -240,11 +240,15 @@ class Engine:
             self._last_layout = []
             return []
         if self.config.use_overlap_decode and self._can_launch_ahead(launched):
-            self._inflight = self._launch(launched)
+            self._inflight = self._launch(launched, defer_processing=True)
             self.steps_launched_ahead += 1
         outputs = self._complete(launched)
         self._last_layout = launched.layout
         self._drop_dead_inflight()
+        if self._inflight is not None and self._inflight.deferred is not None:
+            # Logits processing reads this step's tokens: its choice is made now, while the
+            # device still runs the forward launched ahead.
+            self.runner.sample(self._inflight)
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return outputs
@@ -260,16 +264,18 @@ class Engine:
         if self._inflight is not None and not any(_live(r) for r, _ in self._inflight.sampling):
             self._inflight = None
 
-    def _launch(self, after: LaunchedStep | None) -> LaunchedStep | None:
+    def _launch(
+        self, after: LaunchedStep | None, defer_processing: bool = False
+    ) -> LaunchedStep | None:
         """Schedule the next step and launch it on the device; each request that samples in
         it gets a pending token. `after`: the step launched before, whose tokens are this
-        one's pending rows (overlapped decode)."""
+        one's pending rows (overlapped decode); `defer_processing`: see ModelRunner.launch."""
         plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting")
             return None
-        launched = self.runner.launch(plan, after)
+        launched = self.runner.launch(plan, after, defer_processing)
         for request, _ in launched.sampling:
             request.pending += 1
         return launched
@@ -296,7 +302,6 @@ class Engine:
             and r.num_computed == r.num_tokens - 1
             and len(r.output_ids) + 1 < r.params.max_tokens
             and not r.params.logprobs
-            and not r.params.processes_logits  # its next logits need this step's token
             for r in running
         )
 

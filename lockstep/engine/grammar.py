@@ -123,6 +123,28 @@ def _is_lark(text: str) -> bool:
     return "::=" not in text
 
 
+_EXECUTOR: list[Any] = []
+
+
+def fill_bitmasks(states: list[tuple[GrammarState, int]], bitmask: torch.Tensor) -> None:
+    """Write each state's allowed next tokens into row `index` of `bitmask` (int32 [R,
+    bitmask_words], contiguous, on the host): one state on this thread, several on
+    llguidance's thread pool (each row depends on its own matcher only)."""
+    if len(states) == 1:
+        state, index = states[0]
+        state.fill_bitmask(bitmask[index])
+        return
+    if not _EXECUTOR:
+        _EXECUTOR.append(_llguidance().LLExecutor())
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
+    _EXECUTOR[0].unsafe_compute_mask_ptr(
+        [(state._matcher, index) for state, index in states],
+        bitmask.data_ptr(),
+        row_bytes,
+        bitmask.shape[0],
+    )
+
+
 class GrammarState:
     """One request's matcher: which tokens may come next, and the tokens that came."""
 

@@ -17,7 +17,9 @@ the same bits. This runs eagerly after the forward (outside CUDA graphs), on the
 requests that process logits; the others are untouched. Reported logprobs stay those of the
 raw logits (vLLM's default `raw_logprobs`).
 
-The grammar's bitmask is computed on the host (llguidance) while the device runs the forward.
+The grammar's bitmask is computed on the host (llguidance) while the device runs the
+forward. With overlapped decode, a step launched ahead enqueues its forward at once and its
+processing and choice after the host has the previous step's tokens (`ModelRunner.sample`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lockstep.engine.grammar import bitmask_words
+from lockstep.engine.grammar import bitmask_words, fill_bitmasks
 
 if TYPE_CHECKING:
     from lockstep.engine.request import Request
@@ -90,8 +92,7 @@ def _apply_grammar(x: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     vocab = x.shape[1]
     bitmask = torch.full((len(requests), bitmask_words(vocab)), -1, dtype=torch.int32,
                          pin_memory=x.device.type == "cuda")  # fmt: skip
-    for i, grammar in constrained:
-        grammar.fill_bitmask(bitmask[i])
+    fill_bitmasks([(grammar, i) for i, grammar in constrained], bitmask)
     allowed = unpack_bitmask(bitmask.to(x.device, non_blocking=True), vocab)
     return torch.where(allowed, x, -torch.inf)
 

@@ -92,6 +92,9 @@ class LaunchedStep:
     logprobs: torch.Tensor  # [R, vocab] float32, on the device
     sampling: list[tuple[Request, int]]
     tokens: torch.Tensor | None = None
+    # Launched without its token choice (`ModelRunner.sample` makes it): the sampling rows'
+    # logits and logprobs, and how each row chooses.
+    deferred: tuple[torch.Tensor, torch.Tensor, list[RowSampling]] | None = None
     _host: torch.Tensor | None = field(default=None, repr=False)  # [2, n] float64
     _ready: torch.cuda.Event | None = field(default=None, repr=False)
 
@@ -144,10 +147,18 @@ class ModelRunner:
         self.graphs = graphs
         self.device = decoder.device
 
-    def launch(self, plan: list[ScheduledChunk], after: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(
+        self,
+        plan: list[ScheduledChunk],
+        after: LaunchedStep | None = None,
+        defer_processing: bool = False,
+    ) -> LaunchedStep:
         """Enqueue the forward, log-softmax and token choice of `plan` (which the scheduler
         has already counted as computed). `after`: the launched step whose tokens this plan's
-        pending rows take. No host wait, the eager CUDA path's patch indices aside."""
+        pending rows take. `defer_processing`: when a sampling request processes its logits
+        (its next logits need tokens the host has not seen yet), enqueue the forward only;
+        `sample` makes the choice once the host has them. No host wait, the eager CUDA path's
+        patch indices aside."""
         source = after.token_source() if after is not None else None
         logits, layout = self.forward(plan, source)
         logprobs = self.ops.log_softmax(logits)
@@ -170,8 +181,19 @@ class ModelRunner:
         else:
             rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
             picked, picked_lps = logits.index_select(0, rows), logprobs.index_select(0, rows)
-        # Penalties, biases, bans and grammars: eagerly, on each request's own row.
-        processed = process_logits(picked, [r for r, _ in sampling])
+        step.deferred = (picked, picked_lps, choices)
+        if not (defer_processing and any(r.params.processes_logits for r, _ in sampling)):
+            self.sample(step)
+        return step
+
+    def sample(self, step: LaunchedStep) -> None:
+        """Enqueue a launched step's token choice: logits processing (penalties, biases,
+        bans, grammars: eagerly, on each request's own row, from the tokens the host holds),
+        the choice, and the copy of tokens and logprobs to the host."""
+        assert step.deferred is not None, "the step's tokens are already chosen"
+        picked, picked_lps, choices = step.deferred
+        step.deferred = None
+        processed = process_logits(picked, [r for r, _ in step.sampling])
         step.tokens = choose_token_tensor(processed, choices)
         chosen = picked_lps.gather(1, step.tokens[:, None])[:, 0]
         # One transfer for tokens and their logprobs (float64 holds both exactly).
@@ -183,7 +205,6 @@ class ModelRunner:
             step._ready.record()
         else:
             step._host = both
-        return step
 
     def build(
         self, plan: list[ScheduledChunk], source: TokenSource | None = None
