@@ -195,7 +195,8 @@ def test_template_options_change_the_prompt_as_transformers_renders_them(
          "chat_template_kwargs.no_such"),
         ([{"role": "user", "content": "hi"}], {"chat_template_kwargs": {"messages": []}},
          "chat_template_kwargs.messages"),
-        ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]}, "tools"),
+        ([{"role": "user", "content": "hi"}],  # the template reads no `tools`
+         {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
 )  # fmt: skip
 def test_messages_that_do_not_fit_are_refused(

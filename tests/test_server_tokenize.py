@@ -46,6 +46,18 @@ def test_tokenize_gives_the_ids_the_generation_routes_use(
     assert bare.json()["count"] < chat_ids["count"]
 
 
+def test_tokenizer_info_names_the_special_tokens_tokenize_knows(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    """lm-evaluation-harness's remote tokenizer reads `eos_token` here and encodes it through
+    `/tokenize` to learn the EOS id (tests/test_lm_eval.py runs it)."""
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 512
+    assert "<|im_start|>" in info["chat_template"]
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [2]  # SmolLM2's <|im_end|>
+
+
 def test_detokenize_inverts_tokenize(http: httpx.Client) -> None:
     text = "Lockstep keeps every bit, même en français."
     tokenized = http.post("/tokenize", json={

@@ -58,6 +58,7 @@ from lockstep.server.protocol import (
 )
 from lockstep.server.request_bodies import MAX_BODY_BYTES, BodySizeLimit, big_body_route
 from lockstep.server.responses import ChoiceState, score_entry
+from lockstep.server.tool_parser import resolve_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_WAITING_PER_RUNNING = 4
 
 
-def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
+def build_app(
+    engine: Any, max_waiting: int | None = None, tool_call_parser: str = "auto"
+) -> FastAPI:
     """The app over a loaded engine. `max_waiting`: sequences admitted beyond the engine's
     `max_running` to wait for a running slot; more are refused with a 429 (default:
-    `DEFAULT_WAITING_PER_RUNNING` x max_running)."""
+    `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`: `--tool-call-parser`
+    (`tool_parser.resolve_tool_call_parser`)."""
     metrics = ServerMetrics()
     max_running = engine.config.resolved_max_running
     if max_waiting is None:
@@ -86,6 +90,9 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
         system_fingerprint=_system_fingerprint(engine),
         kv_tokens=engine.pool.num_slots,
         max_text_chars=text_bound(engine.tokenizer, engine.max_model_len),
+        tool_call_parser=resolve_tool_call_parser(
+            tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
+        ),
         grammars=getattr(engine, "grammars", None),
     )
 
@@ -187,6 +194,10 @@ def build_app(engine: Any, max_waiting: int | None = None) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return _tokenizer_info(served)
+
     add_native_routes(app, served, refresh_fingerprint)
     document_errors(app)
     return app
@@ -220,6 +231,22 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
         "max_model_len": served.max_model_len,
         "tokens": ids,
         "token_strs": strs,
+    }
+
+
+def _tokenizer_info(served: Served) -> dict[str, Any]:
+    """vLLM's `/tokenizer_info`: the special tokens and the chat template. lm-evaluation-harness
+    looks for it (with `/tokenize`) to tokenize through the server instead of loading a
+    Hugging Face tokenizer of the served model's name."""
+    tok = served.tokenizer
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": None,
+        "add_bos_token": tok.add_bos,
+        "chat_template": getattr(tok, "chat_template", None),
+        "model_max_length": served.max_model_len,
     }
 
 

@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: chat completions through the model's chat template,
-streamed or not (the template rendering and its options: chat_prompt.py)."""
+streamed or not (the template rendering and its options: chat_prompt.py; tools and the
+parsing of tool calls out of the reply: tools.py, tool_parser.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from lockstep.server.async_engine import RequestGroup
-from lockstep.server.chat_prompt import chat_options, chat_prompt, echoed_text, reply_role
+from lockstep.server.chat_prompt import (
+    chat_options,
+    chat_prompt,
+    echoed_text,
+    reply_role,
+    template_variables,
+)
 from lockstep.server.delivery import run_to_end, streaming
 from lockstep.server.preparation import (
     Served,
@@ -38,6 +45,15 @@ from lockstep.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
+from lockstep.server.tool_parser import HermesToolCallParser, ParserOutput, parse_whole
+from lockstep.server.tools import (
+    delta_tool_calls,
+    finish_reason,
+    message_tool_calls,
+    plan_tools,
+    tool_call_id,
+    with_tool_constraint,
+)
 
 
 def _check_logprobs(body: ChatCompletionRequest) -> None:
@@ -56,13 +72,18 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     requested, limit_param = requested_max_tokens(body)
     check_fan_out(served, 1, body.n)
     options = chat_options(body)
+    tools = plan_tools(body, served.tool_call_parser, template_variables(served))
     # A prompt to be truncated may be longer than the context before it is.
-    rendering = dataclasses.replace(options, bounded=body.truncate_prompt_tokens is None)
+    rendering = dataclasses.replace(
+        options, bounded=body.truncate_prompt_tokens is None, tools=tools.template_tools
+    )
     ids = await asyncio.to_thread(chat_prompt, served, body.messages, rendering)
     ids = truncate_prompt(served, ids, body.truncate_prompt_tokens, requested)
     max_tokens = max_tokens_for(served, requested, len(ids), "messages", limit_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    processing = await logits_processing(served, body)
+    processing = await with_tool_constraint(
+        served.grammars, await logits_processing(served, body), tools
+    )
     requests = [
         (
             ids,
@@ -72,6 +93,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                 choice=i,
                 logprobs=logprobs,
                 prompt_logprobs=body.prompt_logprobs,
+                extra_stop=tools.stop,
                 processing=processing,
             ),
         )
@@ -87,6 +109,11 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     role = reply_role(body, options)
     prefix = echoed_text(body, options)
     as_ids = body.return_tokens_as_token_ids
+
+    def ended_call(stop_reason: str | int | None) -> str:
+        """The end tag a `parallel_tool_calls: false` stop left out of the text."""
+        hit = stop_reason in tools.stop and not body.include_stop_str_in_output
+        return str(stop_reason) if hit else ""
 
     def wrap(obj: str, choice_list: list[dict], **extra: Any) -> dict[str, Any]:
         return envelope(
@@ -105,11 +132,21 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                 return Response(status_code=499)
         out = []
         for i, c in enumerate(choices):
+            message: dict[str, Any] = {"role": role, "content": prefix + c.text, "refusal": None}
+            reason = c.finish_reason
+            if tools.parse:
+                parsed = parse_whole(HermesToolCallParser(), c.text + ended_call(c.stop_reason))
+                text = prefix + parsed.content
+                message["content"] = None if parsed.calls and not text else text
+                if parsed.calls:
+                    call_ids = [tool_call_id() for _ in parsed.calls]
+                    message["tool_calls"] = message_tool_calls(parsed.calls, call_ids)
+                reason = finish_reason(reason, len(parsed.calls))
             item: dict[str, Any] = {
                 "index": i,
-                "message": {"role": role, "content": prefix + c.text, "refusal": None},
+                "message": message,
                 "logprobs": chat_logprobs(tok, c.logprobs, as_ids) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": reason,
                 "stop_reason": c.stop_reason,
             }
             if body.return_token_ids:
@@ -140,12 +177,23 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
             for i in range(body.n):
                 delta = {"content": prefix}
                 yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
+        parsers = [HermesToolCallParser() for _ in range(body.n)] if tools.parse else []
         async for index, output in group.outputs():
             choices[index].add(output)
-            if output.new_text or output.new_token_ids:
+            parsed = ParserOutput(content=output.new_text)
+            if parsers:
+                parsed = parsers[index].feed(output.new_text)
+                if output.finished:
+                    last = parsers[index].feed(ended_call(output.stop_reason))
+                    end = parsers[index].finish()
+                    parsed = ParserOutput(
+                        parsed.content + last.content + end.content,
+                        parsed.calls + last.calls + end.calls,
+                    )
+            if output.new_text or output.new_token_ids or parsed.content:
                 item = {
                     "index": index,
-                    "delta": {"content": output.new_text},
+                    "delta": {"content": parsed.content},
                     "logprobs": chat_logprobs(tok, output.new_logprobs or [], as_ids)
                     if body.logprobs
                     else None,
@@ -154,13 +202,26 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
                 if body.return_token_ids:
                     item["token_ids"] = output.new_token_ids
                 yield chunk(item)
+            if parsed.calls:
+                call_ids = [tool_call_id() for _ in parsed.calls]
+                first = parsers[index].num_calls - len(parsed.calls)
+                for delta in delta_tool_calls(first, parsed.calls, call_ids):
+                    yield chunk(
+                        {
+                            "index": index,
+                            "delta": {"tool_calls": [delta]},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
             if output.finished:
+                calls = parsers[index].num_calls if parsers else 0
                 yield chunk(
                     {
                         "index": index,
                         "delta": {},
                         "logprobs": None,
-                        "finish_reason": output.finish_reason,
+                        "finish_reason": finish_reason(output.finish_reason, calls),
                         "stop_reason": output.stop_reason,
                     }
                 )

@@ -3,7 +3,8 @@
 The messages reach the template as vLLM hands them to it: `developer` becomes `system`,
 content parts are joined into one string (null content is ""), `name` is passed as a field,
 an assistant's `tool_calls` carry their arguments as parsed JSON (an empty `tool_calls` list
-is dropped), a tool message carries its `tool_call_id`. What the template cannot show is
+is dropped), a tool message carries its `tool_call_id`; a request's `tools` become the
+template's `tools` (tools.py checks the template reads them). What the template cannot show is
 refused, never dropped: a tool call or a tool result when the template reads no
 `tool_calls` (a template that renders tools reads them: Qwen's and Hermes' do, SmolLM2's
 does not), `documents` or a `chat_template_kwargs` key that the template never reads.
@@ -46,6 +47,7 @@ class ChatOptions:
     add_special_tokens: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the template's `tools` (tools.py checks them)
     bounded: bool = True  # refuse text too long for the context before rendering it
 
 
@@ -109,6 +111,8 @@ def chat_prompt(
             extra["documents"] = options.documents
     if options.continue_final_message:
         extra["continue_final_message"] = True
+    if options.tools is not None:
+        extra["tools"] = options.tools
     rendered = tokenizer.apply_chat_template(
         rendered_messages, add_generation_prompt=options.add_generation_prompt, **extra
     )
@@ -118,6 +122,12 @@ def chat_prompt(
             "The messages render to an empty prompt.", param="messages", code="invalid_value"
         )
     return ids
+
+
+def template_variables(served: Served) -> frozenset[str] | None:
+    """The variables the model's chat template reads (None: it has no template)."""
+    template = getattr(served.tokenizer, "chat_template", None)
+    return None if template is None else template_names(template).variables
 
 
 def _all_text(messages: list[ChatMessage]) -> str:

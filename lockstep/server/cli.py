@@ -29,6 +29,7 @@ from typing import Any
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.config import EngineConfig
 from lockstep.errors import ConfigError, ModelLoadError
+from lockstep.server.tool_parser import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("lockstep.server")
 
@@ -86,6 +87,15 @@ def add_serve_parser(subparsers: Any) -> None:
         help="seconds an idle connection (new, or between requests) stays open",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=("auto", "none", *TOOL_CALL_PARSERS),
+        help="how tool calls are read out of the model's output: hermes (<tool_call> JSON, "
+        "Qwen's and Hermes' markup); auto (default): hermes when the chat template writes "
+        "<tool_call>, else none (requests with tools and tool_choice other than none are "
+        "refused)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     add_engine_arguments(parser)
@@ -118,7 +128,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from lockstep.server.api import build_app
     from lockstep.server.connections import guarded_protocol, raise_fd_limit
 
-    app = build_app(engine, max_waiting=args.max_waiting)
+    app = build_app(engine, max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser)
     raise_fd_limit(args.max_connections)
     protocol = guarded_protocol(
         args.request_read_timeout,

@@ -41,6 +41,7 @@ class Served:
     system_fingerprint: str
     kv_tokens: int  # the KV pool's slots: a sequence never holds more
     max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
+    tool_call_parser: str | None = None  # tool_parser.py's name for the model's markup
     grammars: Any = None  # the engine's GrammarCompiler (structured outputs)
 
 
@@ -253,10 +254,13 @@ def sampling_params(
     choice: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    extra_stop: tuple[str, ...] = (),
     processing: dict[str, Any] | None = None,
 ) -> SamplingParams:
+    """`extra_stop`: stop strings the server adds (tools.py)."""
     seed = choice_seed(body.seed, choice, "seed")
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
+    stop = tuple(stop) + tuple(s for s in extra_stop if s not in stop)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -264,7 +268,7 @@ def sampling_params(
         top_p=body.top_p,
         min_p=body.min_p,
         seed=seed,
-        stop=tuple(stop),
+        stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,

@@ -365,6 +365,31 @@ class ChatMessage(StrictModel):
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
+class FunctionDefinition(StrictModel):
+    """A function the model may call (tools.py: how it reaches the template and a grammar)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(
+        None, description="true: calls match `parameters`; needs tool_choice required or named"
+    )
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 def _neutral_message_fields(data: Any) -> Any:
     """Drops the neutral assistant fields a client echoing a reply back sends (`refusal:
     null`), refusing the others with their path (`messages.2.refusal`)."""
@@ -398,6 +423,13 @@ class ChatCompletionRequest(_SamplingFields):
     )
     documents: list[dict[str, str]] | None = Field(
         None, description="vLLM extension: the template's `documents` (RAG)"
+    )
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="default true; false: at most one call per reply"
     )
 
     @model_validator(mode="before")

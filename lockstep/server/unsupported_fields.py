@@ -35,11 +35,6 @@ def _false(value: Any) -> bool:
     return value is None or value is False
 
 
-def _any_bool(value: Any) -> bool:
-    """`parallel_tool_calls`: it only matters beside tool definitions, which are refused."""
-    return value is None or isinstance(value, bool)
-
-
 _SHARED: dict[str, Neutral] = {
     # Server-side Python logits processors, an allow-list, the grammar backend's name (one
     # backend: llguidance), a whitespace pattern (JSON's layout is fixed) and vLLM's
@@ -68,9 +63,6 @@ COMPLETION_UNSUPPORTED: dict[str, Neutral] = {
 
 CHAT_UNSUPPORTED: dict[str, Neutral] = {
     **_SHARED,
-    "tools": _empty,
-    "tool_choice": lambda v: v is None or v == "none",
-    "parallel_tool_calls": _any_bool,
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
     "chat_template": _none,
