@@ -17,7 +17,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np
 import pytest
 
 from lockstep.ops import fp8 as spec
@@ -33,28 +32,12 @@ TOL32 = spec.GPU_TOLERANCE[1] if GPU else 1e-6
 gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
 
 
-def _row_local_interpreter_dot() -> None:
-    """The interpreter's tl.dot on e4m3 is a float16 numpy matmul whose rounding depends on the
-    block's shape (BLAS). Replace it with a float64 one: a 128-long e4m3 block dot is exact in
-    float64 (products of 4-bit significands, 2**-18 .. 2**17, summed: < 53 bits), rounded once to
-    fp32, like one block of the GPU's fp32 result: row-local, so the bit tests below test the
-    kernel's indexing and block order."""
-    from triton.runtime import interpreter
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001
-        def wide(t):
-            if t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
-                half = interpreter._convert_float(t.data, t.dtype, interpreter.tl.float16, None)
-                return half.view(np.float16).astype(np.float64)
-            return t.data.astype(np.float64)
-
-        prod = np.matmul(wide(a), wide(b))
-        return interpreter.TensorHandle(prod.astype(d.data.dtype) + d.data, d.dtype.scalar)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-
 if not GPU:
+    # The interpreter's tl.dot on e4m3 is a float16 numpy matmul whose rounding depends on the
+    # block's shape (BLAS); the shared row-local dot is exact per 128-long e4m3 block, rounded
+    # once to fp32 like one block of the GPU's fp32 result.
+    from test_ops_triton import _row_local_interpreter_dot
+
     _row_local_interpreter_dot()
 
 

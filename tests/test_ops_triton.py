@@ -41,11 +41,20 @@ def _row_local_interpreter_dot() -> None:
     block's shape and a row's place in it (BLAS kernels), unlike the GPU's MMA. Replace it with
     a row-local dot (float64 products and sums, one rounding, then the fp32 accumulate), so that
     the bit-equality tests below test the kernels' logic: the order of K blocks, key blocks and
-    splits stays visible, and the negative controls still bite."""
+    splits stays visible, and the negative controls still bite. e4m3 operands (the FP8 GEMM)
+    are widened through float16, which holds every e4m3 value: a 128-long e4m3 block dot is
+    exact in float64. One patch for every test module that runs kernels in the interpreter
+    (they import this function), so the last module collected cannot change another's dot."""
     from triton.runtime import interpreter
 
+    def wide(t):
+        if t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
+            half = interpreter._convert_float(t.data, t.dtype, interpreter.tl.float16, None)
+            return half.view(np.float16).astype(np.float64)
+        return t.data.astype(np.float64)
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001
-        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        prod = np.matmul(wide(a), wide(b))
         return interpreter.TensorHandle(prod.astype(d.data.dtype) + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot

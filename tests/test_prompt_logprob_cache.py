@@ -378,13 +378,13 @@ class StoresAtTheLogitsPosition(RadixCache):
     """A realistic bug: each logprob stored at the position whose logits gave it (p - 1)
     instead of its token's position p; position 0, which takes none, drops its row."""
 
-    def insert(self, tokens, slots, namespace=None, logprobs=None):
+    def insert(self, tokens, slots, namespace=None, logprobs=None, states=None):
         if logprobs is not None and len(logprobs):
             n = len(logprobs)
             logprobs = StoredLogprobs.cat([logprobs.slice(1, n), StoredLogprobs.empty(1)])
             if n == len(tokens):
                 logprobs = StoredLogprobs.cat([StoredLogprobs.empty(1), logprobs.slice(1, n)])
-        return super().insert(tokens, slots, namespace, logprobs)
+        return super().insert(tokens, slots, namespace, logprobs, states)
 
 
 def test_negative_control_logprobs_stored_one_position_off_fail_the_property(
