@@ -123,6 +123,17 @@ class Fp8Weight:
         return [self.weight, self.weight_scale, *rest]
 
 
+def e4m3_weight(
+    scheme: str, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> Fp8Weight:
+    """The GPU backends' `prepare_fp8_linear`: checked, kept as e4m3 [N, K] (K contiguous)
+    with its fp32 scales, on their device."""
+    check_fp8_weight(scheme, weight, weight_scale, input_scale)
+    return Fp8Weight(
+        scheme, weight.contiguous(), weight_scale.contiguous(), input_scale, weight.shape[1]
+    )
+
+
 def check_fp8_weight(
     scheme: str,
     weight: torch.Tensor,

@@ -64,11 +64,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         weight_scale: torch.Tensor,
         input_scale: torch.Tensor | None,
     ) -> fp8.Fp8Weight:
-        """Kept as e4m3 [N, K] (K contiguous) with its fp32 scales, on the device."""
-        fp8.check_fp8_weight(scheme, weight, weight_scale, input_scale)
-        return fp8.Fp8Weight(
-            scheme, weight.contiguous(), weight_scale.contiguous(), input_scale, weight.shape[1]
-        )
+        return fp8.e4m3_weight(scheme, weight, weight_scale, input_scale)
 
     def fp8_linear(
         self, x: torch.Tensor, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None

@@ -36,10 +36,7 @@ class GpuFastOps(TorchRowOps):
         weight_scale: torch.Tensor,
         input_scale: torch.Tensor | None,
     ) -> fp8.Fp8Weight:
-        fp8.check_fp8_weight(scheme, weight, weight_scale, input_scale)
-        return fp8.Fp8Weight(
-            scheme, weight.contiguous(), weight_scale.contiguous(), input_scale, weight.shape[1]
-        )
+        return fp8.e4m3_weight(scheme, weight, weight_scale, input_scale)
 
     def fp8_linear(
         self, x: torch.Tensor, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None
