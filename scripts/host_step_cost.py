@@ -74,6 +74,7 @@ def main() -> None:
           f"{median / args.batch:.1f} us per request")  # fmt: skip
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

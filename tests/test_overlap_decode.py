@@ -194,6 +194,18 @@ def test_no_step_is_launched_past_max_tokens() -> None:
     assert len(tokens) == 9 and engine.steps_launched_ahead == 8
 
 
+def test_a_request_ending_on_max_tokens_does_not_stop_the_others_launching_ahead() -> None:
+    """Requests of max_tokens 5 and 9 decode together: the step in which the first ends is
+    launched ahead as well (its extra row is discarded), so all 8 decode steps of the second
+    are; tokens and logprobs are those of the plain loop."""
+    work = [(0, name, [3, 4, 5 + i], SamplingParams(max_tokens=k, temperature=0,
+             ignore_eos=True), -1) for i, (name, k) in enumerate((("a", 5), ("b", 9)))]  # fmt: skip
+    want = _drive(_engine(False), work)
+    engine = _engine(True)
+    assert _drive(engine, work) == want
+    assert engine.steps_launched_ahead == 8
+
+
 def test_no_step_is_launched_ahead_when_the_pool_would_preempt() -> None:
     """Two requests in a pool too small for both to finish: a schedule must preempt one, and a
     step launched ahead must never be that schedule (its pending token would be lost; the

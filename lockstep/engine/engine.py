@@ -12,6 +12,7 @@ a dedicated loop thread).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import secrets
@@ -153,6 +154,12 @@ class Engine:
         self.weights_source = loaded.source
         self.weight_updates = 0
         self.weight_version = "default"  # SGLang's name for the weights being served
+        # Everything alive now (torch, the tokenizer, the weights' Python objects: hundreds of
+        # thousands of objects) lives as long as the engine. Out of the collector's reach, a
+        # full collection walks only what requests create; otherwise each one, every few
+        # hundred steps at batch 256, stalls a step by 100-250 ms (docs/gpu.md).
+        gc.collect()
+        gc.freeze()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s mode=%s kv_tokens=%d",
             self.model_name, self.device, config.resolved_dtype, config.mode, kv_tokens,
@@ -270,13 +277,15 @@ class Engine:
         """Run one scheduled forward step and return its outputs.
 
         With `overlap_decode`, when the next step is sure to be a pure decode of the same
-        requests (nothing waiting, every running request sampled this step, none certain to
-        stop on max_tokens, free slots for all), it is scheduled and launched BEFORE this
+        requests (nothing waiting, every running request sampled this step, free slots for
+        all, not every one of them ending on max_tokens), it is scheduled and launched BEFORE this
         step's tokens are brought to the host: its pending rows take their tokens from this
         step's token tensor on the device. The host then handles this step's outputs while the
         device computes the next. Outputs are the same: each request computes the same
         positions from the same tokens, and a request that stops here computed one position
-        more, which its release discards (or caches: the KV of a real token)."""
+        more, which its release discards (or caches: the KV of a real token). That holds for a
+        request this step ends on max_tokens too: its extra position, P + max_tokens - 1, is
+        below max_model_len, and its slot is among the free ones counted."""
         launched = self._inflight or self._launch(None)
         self._inflight = None
         if launched is None:
@@ -338,12 +347,13 @@ class Engine:
             return False
         if any(part.prompt_positions for part in launched.layout):
             return False
+        if all(len(r.output_ids) + 1 >= r.params.max_tokens for r in running):
+            return False  # the step would compute nothing anyone reads
         sampled = {id(r) for r, _ in launched.sampling}
         return all(
             id(r) in sampled
             and r.pending == 1
             and r.num_computed == r.num_tokens - 1
-            and len(r.output_ids) + 1 < r.params.max_tokens
             and not r.params.logprobs
             for r in running
         )
