@@ -197,11 +197,16 @@ class Decoder:
         spec = loaded.spec
         if parallel is None:
             parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), default_reduction(ops))
-        if spec.hybrid and not hasattr(ops, "gated_delta_rule"):
-            raise ModelLoadError(
-                f"{loaded.source}: hybrid (linear-attention) models are not supported by the "
-                f"{ops.name} backend: supported on cpu_deterministic and cpu_fast"
-            )
+        if spec.hybrid:
+            problem = getattr(ops, "linear_attention_problem", None)
+            if not hasattr(ops, "gated_delta_rule"):
+                problem = "it has no gated delta rule"
+            if problem is not None:
+                raise ModelLoadError(
+                    f"{loaded.source}: hybrid (linear-attention) models are not supported by "
+                    f"the {ops.name} backend ({problem}): run them with the cpu_deterministic "
+                    "backend (--device cpu), or with --mode fast, which is not position invariant"
+                )
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
         parts = {
             target: _prepare(spec, target, kind, [got[n] for n in names], parallel, dtype, device)

@@ -37,6 +37,14 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     name = "gpu_deterministic"
     deterministic = True
+    # Why hybrid (linear-attention) models are refused on this backend, or None once they are
+    # served. The gated delta rule kernel keeps its contract under the Triton interpreter but
+    # not on an H200: one-token steps give other bits than one prefill of the same rows
+    # (tests/test_gated_delta_triton.py), so a hit or a decode step would move the outputs.
+    linear_attention_problem: str | None = (
+        "its gated delta rule kernel does not yet give a one-token decode step the bits of a "
+        "prefill on the GPU"
+    )
 
     def __init__(self, attention_config: AttentionConfig | None = None) -> None:
         if _IMPORT_ERROR is not None:
