@@ -15,7 +15,9 @@ the step it is computed in, goes through the same reductions of the same shapes:
 decode step and a prefill give the same bits. The bits differ from the CPU's (the contract is
 per device type). No program reads what another writes in the same launch: each reads the
 open keys and decays from a copy taken before the launch (tile 0 of a head writes them back),
-and each tile owns its value columns of S and of the open rows.
+and each tile owns its value columns of S and of the open rows. A call's row count and start
+are not specialized on and multiply-add contraction is off, so a one-row call runs the code a
+long one does.
 The rows run one after another (O(n C Dk) per program): correct, not yet fast; a chunked
 tensor-core form with the same per-row arithmetic is the next step (docs/gpu.md).
 """
@@ -26,13 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 
 # Value columns per program (a power of two; Dv is padded to it).
 BLOCK_V = 32
 
 
-@triton.jit
+# A call's row count and first position are runtime values: Triton would otherwise compile a
+# one-row call (n == 1) or a 16-aligned start as a kernel of its own, whose code the compiler
+# may contract differently (docs/gpu.md, "gated_delta.py").
+@triton.jit(do_not_specialize=["n", "start", "first_boundary"])
 def _gdn_rule_kernel(
     q, k, v, g, beta, state, open_k_in, open_gamma_in, open_k, open_gamma, open_u, out, bounds,
     n, start, first_boundary, HK, HV, DK, DV,
@@ -123,9 +128,19 @@ def gated_delta_rule(
             open_u, out, bounds,
             n, start, first, hk, hv, dk, dv,
             C=chunk, BK=triton.next_power_of_2(dk), BV=BLOCK_V, num_warps=4,
-            **pdl_launch(q.device, n),
+            **_opts(q.device, n),
         )  # fmt: skip
     return out, [(first + i * chunk, bounds[i]) for i in range(count)]
+
+
+def _opts(device: torch.device, rows: int) -> dict:
+    """Launch options of every kernel here: multiply-add contraction off, so each formula
+    rounds as written whatever code the compiler makes of a call's shape (the interpreter
+    takes no compiler options and never contracts); PDL as `pdl_launch` says."""
+    opts = pdl_launch(device, rows)
+    if not interpreting():
+        opts["enable_fp_fusion"] = False
+    return opts
 
 
 @triton.jit
@@ -150,7 +165,7 @@ def gdn_gates(
     if a.numel():
         _gates_kernel[(triton.cdiv(a.numel(), 1024),)](
             a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), g, beta, a.numel(),
-            a.shape[1], BLOCK=1024, **pdl_launch(a.device, a.shape[0]),
+            a.shape[1], BLOCK=1024, **_opts(a.device, a.shape[0]),
         )  # fmt: skip
     return g, beta
 
@@ -174,7 +189,7 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
         block = triton.next_power_of_2(x.shape[1])
         _l2_kernel[(x.shape[0],)](
             x, y, x.shape[1], float(eps), float(scale), BLOCK=block,
-            **pdl_launch(x.device, x.shape[0]),
+            **_opts(x.device, x.shape[0]),
         )  # fmt: skip
     return y
 
@@ -200,6 +215,6 @@ def gate_activation(x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Ten
     if x.numel():
         _gate_kernel[(triton.cdiv(x.numel(), 1024),)](
             x, gate, y, x.numel(), SIGMOID=kind == "sigmoid", BLOCK=1024,
-            **pdl_launch(x.device, x.shape[0]),
+            **_opts(x.device, x.shape[0]),
         )  # fmt: skip
     return y
