@@ -95,6 +95,54 @@ def test_step_accounting_adds_up_to_the_work_done() -> None:
     engine.check_integrity()
 
 
+def test_step_log_and_host_breakdown_account_for_every_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--step-log` writes one line per timed step; the lines add up to the phases of the JSON
+    document (steps, rows, seconds, device waits, steps not launched ahead), and no wait
+    exceeds its step. On the CPU nothing is launched ahead (overlapped decode is off)."""
+    log = tmp_path / "steps.jsonl"
+    status, doc, out = _bench(capsys, "--spot-check", "0", "--step-log", str(log))
+    assert status == 0, out
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    r = doc["results"]
+    pre, dec = r["prefill_steps"], r["decode_steps"]
+    assert len(steps) == pre["steps"] + dec["steps"]
+    assert sum(s["prefill_rows"] for s in steps) == r["input_tokens"]
+    decode = [s for s in steps if not s["prefill_rows"]]
+    assert sum(s["decode_rows"] for s in decode) == dec["decode_rows"]
+    assert sum(s["seconds"] for s in steps) == pytest.approx(r["steps_s"])
+    assert sum(s["wait_s"] for s in decode) == pytest.approx(dec["device_wait_s"])
+    assert all(0 <= s["wait_s"] <= s["seconds"] and s["gc_s"] >= 0 for s in steps)
+    assert not any(s["launched_ahead"] for s in steps)
+    assert dec["not_launched_ahead"] == dec["steps"]
+    assert "waited" in out and "garbage collection" in out
+
+
+def test_garbage_collections_in_a_step_are_charged_to_it() -> None:
+    """A full collection run inside one step shows in that step's record and in the run's
+    totals, which are the sum of the steps' records."""
+    import gc
+
+    engine = _engine()
+    requests, params = _workload(n=2)
+    step = engine.step
+    calls = [0]
+
+    def step_with_a_collection():
+        calls[0] += 1
+        if calls[0] == 3:
+            gc.collect()
+        return step()
+
+    engine.step = step_with_a_collection
+    run = throughput.run_requests(engine, [r.prompt_ids for r in requests], params,
+                                  progress=False)  # fmt: skip
+    assert run.gc_collections[2] >= 1 and run.gc_s > 0
+    assert run.steps[2].gc_s > 0
+    assert run.gc_s == pytest.approx(sum(s.gc_s for s in run.steps))
+
+
 def test_preempted_requests_still_repeat_their_bits() -> None:
     """A pool too small for the whole batch preempts and recomputes; the spot check over
     every request still passes (recomputation gives the same bits)."""

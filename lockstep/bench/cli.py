@@ -67,6 +67,9 @@ def _add_throughput_parser(kinds: argparse._SubParsersAction) -> None:
     tput.add_argument("--context-band", type=int, default=256,
                       help="width of the context bands of the decode step times")  # fmt: skip
     tput.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    tput.add_argument("--step-log", type=Path, default=None,
+                      help="write every timed step here, one JSON line each (seconds, device "
+                      "wait, garbage collection, launched ahead, rows)")  # fmt: skip
     tput.add_argument("--no-progress", dest="progress", action="store_false",
                       help="no progress bar on stderr")  # fmt: skip
     add_engine_arguments(tput)
@@ -110,6 +113,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         context_band=args.context_band, seed=args.seed, progress=args.progress,
     )  # fmt: skip
     figures = throughput.summary(run, len(requests))
+    if args.step_log is not None:
+        throughput.write_step_log(args.step_log, run)
     throughput.print_report(figures, engine.pool.num_slots, check)
     bench_options = {k: getattr(args, k) for k in _THROUGHPUT_OPTIONS} | {
         "num_prompts": len(requests),

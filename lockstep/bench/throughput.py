@@ -17,6 +17,13 @@ device work ends; its time lands in the next call, which continues the same pref
     their time, and the mean step time by context band (the batch's mean keys per row, in
     bands of `--context-band` tokens).
 
+Where a phase's time goes on the host: the seconds its steps waited for their tokens to reach
+the host (the rest is launching and the host's own work: scheduling, batch building, text; on
+the CPU launching is the computation), the steps whose
+successor was not launched ahead (overlapped decode), and over the run the seconds in Python's
+garbage collector. A phase whose wait is near zero is paced by the host, not the device.
+`--step-log` writes every timed step as a JSON line.
+
 The step times add up to the wall time less the queueing. An optional warm-up first runs
 requests of the same lengths with other tokens (Triton compilation and CUDA-graph capture,
 which a server pays once), then flushes the cache; a spot check last re-runs a few requests
@@ -26,12 +33,15 @@ alone and compares bits (lockstep/bench/spot_check.py). Neither is in the figure
 from __future__ import annotations
 
 import datetime as dt
+import gc
+import json
 import math
 import platform
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +50,6 @@ from tqdm.auto import tqdm
 from lockstep.bench.spot_check import Generation, SpotCheckResult, choose_requests, spot_check
 from lockstep.bench.workload import BenchRequest
 from lockstep.engine.engine import Engine
-from lockstep.engine.model_runner import StepShape
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.errors import ConfigError
 
@@ -57,12 +66,31 @@ class PhaseTotals:
     seconds: float = 0.0
     prefill_rows: int = 0
     decode_rows: int = 0
+    wait_s: float = 0.0  # of `seconds`, waiting for the device's tokens
+    not_ahead: int = 0  # steps whose successor was not launched ahead
 
-    def add(self, seconds: float, shape: StepShape) -> None:
+    def add(self, step: StepRecord) -> None:
         self.steps += 1
-        self.seconds += seconds
-        self.prefill_rows += shape.prefill_rows
-        self.decode_rows += shape.decode_rows
+        self.seconds += step.seconds
+        self.prefill_rows += step.prefill_rows
+        self.decode_rows += step.decode_rows
+        self.wait_s += step.wait_s
+        self.not_ahead += not step.launched_ahead
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One timed step (`--step-log` writes these): its wall seconds, the seconds it waited for
+    its tokens, the garbage collector's seconds within it, whether the next step was launched
+    before it returned, and what it computed."""
+
+    seconds: float
+    wait_s: float
+    gc_s: float
+    launched_ahead: bool
+    prefill_rows: int
+    decode_rows: int
+    decode_keys: int
 
 
 @dataclass
@@ -74,13 +102,13 @@ class StepTimes:
     decode: PhaseTotals = field(default_factory=PhaseTotals)
     by_context: dict[int, PhaseTotals] = field(default_factory=dict)
 
-    def add(self, seconds: float, shape: StepShape) -> None:
-        if shape.prefill_rows:
-            self.prefill.add(seconds, shape)
-        elif shape.decode_rows:
-            self.decode.add(seconds, shape)
-            band = (shape.decode_keys // shape.decode_rows) // self.band * self.band
-            self.by_context.setdefault(band, PhaseTotals()).add(seconds, shape)
+    def add(self, step: StepRecord) -> None:
+        if step.prefill_rows:
+            self.prefill.add(step)
+        elif step.decode_rows:
+            self.decode.add(step)
+            band = (step.decode_keys // step.decode_rows) // self.band * self.band
+            self.by_context.setdefault(band, PhaseTotals()).add(step)
 
 
 @dataclass
@@ -95,6 +123,9 @@ class RunResult:
     kv_peak_tokens: int
     times: StepTimes
     generations: list[Generation]
+    gc_s: float = 0.0  # in the garbage collector, over the run
+    gc_collections: tuple[int, int, int] = (0, 0, 0)  # by generation
+    steps: list[StepRecord] = field(default_factory=list)
 
 
 def request_params(
@@ -122,7 +153,8 @@ def run_requests(
     progress: bool = True,
     tag: str = "tput",
 ) -> RunResult:
-    """Queue every prompt at once and step the engine until all finish, timing each step."""
+    """Queue every prompt at once and step the engine until all finish, timing each step
+    (and, through a `gc` callback, the garbage collector's share)."""
     if engine.has_unfinished():
         raise RuntimeError("the throughput benchmark needs an idle engine")
     stats = engine.stats()
@@ -133,6 +165,9 @@ def run_requests(
     peak = pool.num_allocated
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress,
                leave=False)  # fmt: skip
+    collector = _CollectorClock()
+    records: list[StepRecord] = []
+    gc.callbacks.append(collector)
     t0 = time.perf_counter()
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -141,9 +176,18 @@ def run_requests(
             engine.add_request(rid, list(prompt), p)
         last = time.perf_counter()
         while engine.has_unfinished():
+            ahead = engine.steps_launched_ahead
             outputs = engine.step()
             now = time.perf_counter()
-            times.add(now - last, engine.last_step_shape())
+            shape = engine.last_step_shape()
+            record = StepRecord(
+                seconds=now - last, wait_s=engine.last_token_wait_s, gc_s=collector.take(),
+                launched_ahead=engine.steps_launched_ahead > ahead,
+                prefill_rows=shape.prefill_rows, decode_rows=shape.decode_rows,
+                decode_keys=shape.decode_keys,
+            )  # fmt: skip
+            records.append(record)
+            times.add(record)
             last = now
             peak = max(peak, pool.num_allocated)
             for out in outputs:
@@ -160,6 +204,7 @@ def run_requests(
             engine.abort_request(rid)
         raise
     finally:
+        gc.callbacks.remove(collector)
         bar.close()
     after = engine.stats()
     return RunResult(
@@ -171,7 +216,42 @@ def run_requests(
         kv_peak_tokens=peak,
         times=times,
         generations=generations,
+        gc_s=collector.total,
+        gc_collections=tuple(collector.collections),
+        steps=records,
     )
+
+
+class _CollectorClock:
+    """A `gc.callbacks` entry that times every collection: its total, and what has not been
+    taken yet (the step in which the collections ran)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.collections = [0, 0, 0]
+        self._pending = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        spent = time.perf_counter() - self._start
+        self.total += spent
+        self._pending += spent
+        self.collections[info["generation"]] += 1
+
+    def take(self) -> float:
+        spent, self._pending = self._pending, 0.0
+        return spent
+
+
+def write_step_log(path: Path, run: RunResult) -> None:
+    """The run's steps as JSON lines, in order (`StepRecord`'s fields)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for step in run.steps:
+            f.write(json.dumps(asdict(step)) + "\n")
 
 
 def warm_up(
@@ -228,7 +308,8 @@ def summary(run: RunResult, num_requests: int) -> dict[str, Any]:
 
     def per_step(p: PhaseTotals) -> dict[str, Any]:
         return {"steps": p.steps, "seconds": p.seconds,
-                "ms_per_step": 1000 * p.seconds / p.steps if p.steps else None}  # fmt: skip
+                "ms_per_step": 1000 * p.seconds / p.steps if p.steps else None,
+                "device_wait_s": p.wait_s, "not_launched_ahead": p.not_ahead}  # fmt: skip
 
     prefill = per_step(t.prefill) | {
         "prefill_rows": t.prefill.prefill_rows,
@@ -261,6 +342,8 @@ def summary(run: RunResult, num_requests: int) -> dict[str, Any]:
         "decode_by_context": bands,
         "preemptions": run.preemptions,
         "kv_peak_tokens": run.kv_peak_tokens,
+        "gc_s": run.gc_s,
+        "gc_collections": list(run.gc_collections),
     }
 
 
@@ -285,6 +368,12 @@ def print_report(figures: dict[str, Any], kv_capacity: int, check: SpotCheckResu
     print(
         f"decode-only steps {dec['steps']} steps, {dec['seconds']:.2f} s: "
         f"{_rate(dec['decode_tok_s'])} tok/s, {_ms(dec['ms_per_step'])} ms/step"
+    )
+    print(
+        f"host              decode steps waited {dec['device_wait_s']:.2f} s for their tokens "
+        f"(the rest: launching, host work), {dec['not_launched_ahead']} not overlapped; garbage "
+        f"collection {f['gc_s']:.2f} s ({sum(f['gc_collections'])} collections, "
+        f"{f['gc_collections'][2]} full)"
     )
     print(
         f"KV pool           {kv_capacity} tokens; peak {f['kv_peak_tokens']} in use "

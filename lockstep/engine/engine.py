@@ -16,6 +16,7 @@ import gc
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -147,6 +148,9 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # a step launched ahead (overlap_decode)
         self._last_layout: list[ChunkLogits] = []  # the last completed step's chunks
         self.steps_launched_ahead = 0
+        # Seconds the last `step()` waited for its tokens to reach the host: what is left of a
+        # step's wall time is the host's own work (benchmarks report both).
+        self.last_token_wait_s = 0.0
         self._arrival = itertools.count()
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
@@ -370,7 +374,9 @@ class Engine:
                 request.prompt_logprobs.extend(launched.prompt_logprobs(part, k))
                 request.prompt_logprobs_next = part.prompt_positions[-1] + 2
         outputs: list[StepOutput] = []
+        waited = time.perf_counter()
         tokens, chosen_lps = launched.chosen()
+        self.last_token_wait_s = time.perf_counter() - waited
         for (request, row), token, lp in zip(launched.sampling, tokens, chosen_lps, strict=True):
             request.pending -= 1
             if not _live(request):
