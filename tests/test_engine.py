@@ -258,3 +258,32 @@ def test_attention_meta_from_every_table_kind_matches_a_plain_reference() -> Non
         build_attention_meta([2], [3], [np.arange(3, dtype=np.int32)])
     with pytest.raises(ValueError, match="2 slot tables for 1 sequences"):
         build_attention_meta([2], [3], [np.arange(5, dtype=np.int32)] * 2)
+
+
+def test_objects_alive_before_an_engine_are_frozen_and_the_engine_stays_collectable() -> None:
+    """The engine freezes what exists before it (the collector's full passes then skip torch
+    and the rest of the process), never itself: an engine caught in a reference cycle is still
+    freed by a collection, weights included. Control: the same cycle around an object frozen
+    after it was made stays alive."""
+    import gc
+    import weakref
+
+    before = object.__new__(type("Before", (), {}))
+    engine = Engine(EngineConfig(model="random:tiny", device="cpu", kv_tokens=1024))
+    assert gc.is_tracked(before) and gc.get_freeze_count() > 0
+    engine.cycle = engine  # only the collector can free it now
+    dead_engine, dead_head = weakref.ref(engine), weakref.ref(engine.decoder.lm_head)
+    del engine
+    gc.collect()
+    assert dead_engine() is None and dead_head() is None
+
+    kept = type("Kept", (), {})()
+    kept.cycle = kept
+    alive = weakref.ref(kept)
+    gc.freeze()
+    del kept
+    gc.collect()
+    assert alive() is not None
+    gc.unfreeze()
+    gc.collect()
+    assert alive() is None

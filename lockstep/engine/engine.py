@@ -60,6 +60,16 @@ def _live(request: Request) -> bool:
 
 
 class Engine:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Engine:  # noqa: ARG004
+        # What is alive before the engine (torch, transformers, the caller's modules: some
+        # 200k objects) is put out of the collector's reach: otherwise every full collection
+        # walks it, 100-250 ms that stall a step every few hundred steps at batch 256
+        # (docs/gpu.md). Done before the instance exists, so that the engine and everything
+        # it makes stay collectable, cycles included.
+        gc.collect()
+        gc.freeze()
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads is not None:
@@ -158,12 +168,6 @@ class Engine:
         self.weights_source = loaded.source
         self.weight_updates = 0
         self.weight_version = "default"  # SGLang's name for the weights being served
-        # Everything alive now (torch, the tokenizer, the weights' Python objects: hundreds of
-        # thousands of objects) lives as long as the engine. Out of the collector's reach, a
-        # full collection walks only what requests create; otherwise each one, every few
-        # hundred steps at batch 256, stalls a step by 100-250 ms (docs/gpu.md).
-        gc.collect()
-        gc.freeze()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s mode=%s kv_tokens=%d",
             self.model_name, self.device, config.resolved_dtype, config.mode, kv_tokens,
