@@ -11,6 +11,7 @@ a dedicated loop thread).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import itertools
@@ -585,6 +586,11 @@ class Engine:
         torch.cuda.empty_cache()  # blocks cached while loading the weights are free memory
         free, _ = torch.cuda.mem_get_info(self.device)
         return memory.cuda_kv_budget(free, per_token, reserved, fraction)
+
+
+# The interpreter's last collection at exit reclaims what the engines froze (extension modules
+# that count their live objects at exit, Triton's among them, would otherwise report leaks).
+atexit.register(gc.unfreeze)
 
 
 def _state_budget(layout: LinearLayout, kv_tokens: int) -> int:
