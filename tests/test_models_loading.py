@@ -629,6 +629,10 @@ def test_named_preset_shapes():
     llama3 = PRESETS["llama3-8b"].spec
     assert llama3.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
     assert round(llama3.num_parameters / 1e9, 2) == 8.03
+    # Llama 3.1 70B's published count, exactly; Qwen3-32B's 32.8 B.
+    assert PRESETS["llama3-70b"].spec.num_parameters == 70_553_706_496
+    assert PRESETS["llama3-70b"].spec.rope_scaling == llama3.rope_scaling
+    assert round(PRESETS["qwen3-32b"].spec.num_parameters / 1e9, 1) == 32.8
     assert PRESETS["qwen2-0.5b"].spec.qkv_bias and PRESETS["tiny-qwen2"].spec.qkv_bias
     assert PRESETS["tiny-qwen3"].spec.qk_norm and not PRESETS["tiny"].spec.qk_norm
 

@@ -164,6 +164,26 @@ PRESETS: dict[str, Preset] = {
         ),
         add_bos=True,
     ),
+    # Models larger than one GPU, for tensor parallelism (Llama 3.1 70B, Qwen3-32B shapes).
+    "llama3-70b": Preset(
+        ModelSpec(
+            family="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+            num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+            rms_norm_eps=1e-5, max_position=131072, tie_word_embeddings=False,
+            rope_scaling=RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+            ),
+        ),
+        add_bos=True,
+    ),
+    "qwen3-32b": Preset(
+        ModelSpec(
+            family="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+            num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=False, qk_norm=True,
+        ),
+        add_bos=False,
+    ),
 }  # fmt: skip
 
 
