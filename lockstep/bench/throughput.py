@@ -19,10 +19,10 @@ device work ends; its time lands in the next call, which continues the same pref
 
 Where a phase's time goes on the host: the seconds its steps waited for their tokens to reach
 the host (the rest is launching and the host's own work: scheduling, batch building, text; on
-the CPU launching is the computation), the steps whose
-successor was not launched ahead (overlapped decode), and over the run the seconds in Python's
-garbage collector. A phase whose wait is near zero is paced by the host, not the device.
-`--step-log` writes every timed step as a JSON line.
+the CPU launching is the computation), the steps whose successor was not launched ahead
+(overlapped decode), and over the run the seconds in Python's garbage collector. A phase whose
+wait is near zero is paced by the host, not the device. `--step-log` writes every timed step
+as a JSON line.
 
 The step times add up to the wall time less the queueing. An optional warm-up first runs
 requests of the same lengths with other tokens (Triton compilation and CUDA-graph capture,

@@ -38,11 +38,11 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     name = "gpu_deterministic"
     deterministic = True
     # Why hybrid (linear-attention) models are refused on this backend, or None once they are
-    # served. The gated delta rule kernel keeps its contract under the Triton interpreter but
-    # not on an H200: one-token steps give other bits than one prefill of the same rows
-    # (tests/test_gated_delta_triton.py), so a hit or a decode step would move the outputs.
+    # served: the gated delta rule kernel's split invariance (tests/test_gated_delta_triton.py)
+    # holds under the Triton interpreter but has not passed on an H200, so a prefix hit or a
+    # decode step could move a hybrid model's outputs.
     linear_attention_problem: str | None = (
-        "its gated delta rule kernel does not yet give a one-token decode step the bits of a "
+        "its gated delta rule kernel has not yet shown a one-token decode step the bits of a "
         "prefill on the GPU"
     )
 

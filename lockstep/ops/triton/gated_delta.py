@@ -18,7 +18,7 @@ open keys and decays from a copy taken before the launch (tile 0 of a head write
 and each tile owns its value columns of S and of the open rows. A call's row count and start
 are not specialized on and multiply-add contraction is off, so a one-row call runs the code a
 long one does.
-The rows run one after another (O(n C Dk) per program): correct, not yet fast; a chunked
+The rows run one after another (O(n C Dk) per program): not yet fast; a chunked
 tensor-core form with the same per-row arithmetic is the next step (docs/gpu.md).
 """
 
