@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep.engine.engine import Engine
+from lockstep.engine.sampling_params import SamplingParams
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.ops.base import build_attention_meta
 
@@ -208,3 +209,32 @@ def mismatches(ref: Computed, got: Computed) -> list[str]:
         ):
             problems.append(f"linear-state snapshot at position {position} differs")
     return problems
+
+
+Requests = dict[str, tuple[list[int], SamplingParams]]
+
+
+def generate(engine: Engine, batch: Requests) -> dict[str, tuple[list[int], list[float]]]:
+    """Queue every request of `batch` at once and step the engine until all finish: each
+    request's generated tokens and their logprobs."""
+    for rid, (prompt, params) in batch.items():
+        engine.add_request(rid, prompt, params)
+    got: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in batch}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].extend(out.new_token_logprobs)
+    return got
+
+
+def differ_alone(engine: Engine, requests: Requests) -> list[str]:
+    """The requests whose tokens or logprobs scheduled together differ from the same request
+    run alone on a cold cache (flushed before each); the pool holds nothing afterwards."""
+    together = generate(engine, requests)
+    differing = []
+    for rid, request in requests.items():
+        engine.flush_cache()
+        if generate(engine, {rid: request})[rid] != together[rid]:
+            differing.append(rid)
+    assert engine.stats()["kv_in_use"] == 0
+    return differing

@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from invariance_harness import Plan, compute, mismatches, random_plan, reference
+from invariance_harness import Plan, compute, differ_alone, mismatches, random_plan, reference
 from tiny_hf import save_tiny
 
 from lockstep.check.compare import PASS, SKIP
@@ -306,22 +306,9 @@ def test_engine_schedules_with_preemption_match_alone(seed: int) -> None:
         debug_checks=True,
     )
 
-    def run(batch: dict) -> dict:
-        for rid, (prompt, params) in batch.items():
-            engine.add_request(rid, prompt, params)
-        got: dict[str, tuple[list, list]] = {rid: ([], []) for rid in batch}
-        while engine.has_unfinished():
-            for out in engine.step():
-                got[out.request_id][0].extend(out.new_token_ids)
-                got[out.request_id][1].extend(out.new_token_logprobs)
-        return got
-
-    together = run(requests)
-    for rid, request in requests.items():
-        engine.flush_cache()
-        assert run({rid: request})[rid] == together[rid], f"{rid} differs when scheduled together"
+    differing = differ_alone(engine, requests)
+    assert not differing, f"{differing} differ when scheduled together"
     engine.check_integrity()
-    assert engine.stats()["kv_in_use"] == 0
 
 
 _RESTART_SCRIPT = """

@@ -9,6 +9,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from invariance_harness import differ_alone
 
 from lockstep.config import EngineConfig
 from lockstep.engine.engine import Engine
@@ -74,24 +75,7 @@ def _mismatches(seed: int, mode: str) -> list[str]:
         )
     )  # fmt: skip
 
-    def run(batch: dict) -> dict:
-        for rid, (prompt, params) in batch.items():
-            engine.add_request(rid, prompt, params)
-        got: dict[str, tuple[list, list]] = {rid: ([], []) for rid in batch}
-        while engine.has_unfinished():
-            for out in engine.step():
-                got[out.request_id][0].extend(out.new_token_ids)
-                got[out.request_id][1].extend(out.new_token_logprobs)
-        return got
-
-    together = run(requests)
-    problems = []
-    for rid, request in requests.items():
-        engine.flush_cache()
-        if run({rid: request})[rid] != together[rid]:
-            problems.append(f"{rid} {request[1]}")
-    assert engine.stats()["kv_in_use"] == 0
-    return problems
+    return [f"{rid} {requests[rid][1]}" for rid in differ_alone(engine, requests)]
 
 
 @settings(
