@@ -77,7 +77,7 @@ def _decode_vs_scoring(llm: LLM, vocab: int) -> int:
 
 def _sync() -> None:
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _timings(llm: LLM, vocab: int, prefill: int) -> dict:

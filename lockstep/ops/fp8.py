@@ -76,8 +76,12 @@ exactly what the cold prefill wrote. Post-RMSNorm/RoPE keys and values of the su
 lie well inside +-448; larger values saturate. Checkpoint k/v scales are not used.
 
 Backends agree with the reference within the precision of fp32 accumulation (CPU, fp32
-activations: logits within 1e-5 of the float64 reference in tests/test_fp8_models.py) and of the output dtype
-(GPU, bf16/fp16: `GPU_TOLERANCE`); Xq is bit-identical in every backend, given the same x.
+activations: logits within 1e-5 of the float64 reference in tests/test_fp8_models.py); Xq is
+bit-identical in every backend, given the same x. On the GPU each block's e4m3 dot is what
+Hopper's tensor cores give, which is not exact: they sum FP8 products with reduced precision,
+off the exact dot by up to a few 1e-3 of the products' magnitude. cuBLAS's FP8 GEMM gives the
+same block dots bit for bit, so the GPU tests compare with the formula above evaluated on
+cuBLAS's block dots (tests/fp8_block_dots.py), within the kernel's fp32 roundings.
 """
 
 from __future__ import annotations
@@ -92,9 +96,6 @@ E4M3_MAX = 448.0
 BLOCK = 128  # the scale block, both along N and K ("block"), and the activation group
 # Smallest amax used for a dynamic scale, so an all-zero group gets a finite scale (its q is 0).
 AMAX_FLOOR = 1e-10
-# The GPU kernel versus `fp8_linear_reference` (bf16/fp16 outputs): rtol, and atol as a
-# fraction of the largest |reference| value in the output.
-GPU_TOLERANCE = (1.6e-2, 1e-2)
 
 
 @dataclass(frozen=True)
