@@ -528,6 +528,26 @@ def decode_path(config: AttentionConfig, programs: int, max_kv: int, device: tor
     return "fold" if programs >= config.fold_programs_per_sm * num_sms(device) else "split"
 
 
+# Shared memory a tile needs beyond its q rows and staged K/V blocks (layout conversions).
+_SMEM_SLACK = 4096
+
+
+def stages_that_fit(
+    num_stages: int, rows: int, block_n: int, q: torch.Tensor, k_cache: torch.Tensor
+) -> int:
+    """The most K/V pipeline stages, up to `num_stages`, whose buffers fit the device's shared
+    memory beside a tile's q rows: head_dim 256 (Qwen3.5's full attention) fits two prefill
+    stages on an H200 where head_dim 128 fits three. Stages move loads, not arithmetic, so
+    this changes speed only."""
+    if not compiled_for_gpu(q.device):
+        return num_stages
+    d = q.shape[-1]
+    limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+    per_stage = 2 * block_n * d * k_cache.element_size()
+    room = limit - _SMEM_SLACK - rows * d * q.element_size()
+    return max(1, min(num_stages, room // per_stage))
+
+
 def _launch_opts(num_warps: int, num_stages: int, device: torch.device, tokens: int) -> dict:
     opts = {"num_warps": num_warps, "num_stages": num_stages, **pdl_launch(device, tokens)}
     if not interpreting():  # no multiply-add contraction (module docstring)
@@ -575,9 +595,11 @@ def paged_attention(
         out.stride(1),
     )  # fmt: skip
     if path == "prefill":
-        opts = _launch_opts(config.num_warps, config.num_stages, q.device, q.shape[0])
+        stages = stages_that_fit(config.num_stages, rows, config.block_n, q, k_cache)
+        opts = _launch_opts(config.num_warps, stages, q.device, q.shape[0])
     else:  # decode tiles (fold and split paths)
-        opts = _launch_opts(config.num_warps_split, config.num_stages_split, q.device, q.shape[0])
+        stages = stages_that_fit(config.num_stages_split, rows, config.block_n, q, k_cache)
+        opts = _launch_opts(config.num_warps_split, stages, q.device, q.shape[0])
     if path in ("prefill", "fold"):
         ahead = config.experimental.slots_ahead if path == "prefill" else (
             split_slots_ahead(config, n_tiles * b * hkv, q.device))  # fmt: skip
