@@ -218,7 +218,8 @@ class Ops(Protocol):
         ...
 
     def gate_activation(self, x: Tensor, gate: Tensor, kind: str) -> Tensor:
-        """x * sigmoid(gate) (kind "sigmoid") or x * silu(gate) ("silu"), per element."""
+        """x * sigmoid(gate) (kind "sigmoid") or x * silu(gate) ("silu"), per element, in x's
+        dtype."""
         ...
 
     def gated_delta_rule(

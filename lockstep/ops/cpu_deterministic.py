@@ -157,7 +157,7 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
 
     def gate_activation(self, x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Tensor:
         mode = {"sigmoid": 0, "silu": 1}[kind]
-        return self._ext.gate_activation(_f32(x), _f32(gate), mode, self._simd)
+        return self._ext.gate_activation(_f32(x), _f32(gate), mode, self._simd).to(x.dtype)
 
     def gated_delta_rule(
         self,

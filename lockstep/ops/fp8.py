@@ -174,6 +174,14 @@ def activation_group(scheme: str, k: int) -> int:
     return BLOCK if scheme == "block" else k
 
 
+def _over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, AMAX_FLOOR) / 448, one correctly rounded fp32 division per element on every
+    device. The divisor is a tensor: PyTorch's CUDA kernels divide by a Python number as a
+    multiplication by its reciprocal, which rounds differently."""
+    floor = amax.clamp_min(AMAX_FLOOR)
+    return floor / torch.full_like(floor, E4M3_MAX)
+
+
 def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic row-local quantization: x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/group)]).
     Each scale is max(amax of its group, AMAX_FLOOR) / 448; q = e4m3_sat(x / scale)."""
@@ -182,7 +190,7 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x, (0, groups * group - k)).view(m, groups, group)
     amax = padded.abs().amax(dim=-1)
-    scale = amax.clamp_min(AMAX_FLOOR) / E4M3_MAX
+    scale = _over_e4m3_max(amax)
     q = e4m3_sat(x / scale.repeat_interleave(group, dim=1)[:, :k])
     return q, scale
 
@@ -270,13 +278,13 @@ def quantize_weight(
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
         padded = torch.nn.functional.pad(w, (0, kb * BLOCK - k, 0, nb * BLOCK - n))
         amax = padded.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))
-        scale = amax.clamp_min(AMAX_FLOOR) / E4M3_MAX
+        scale = _over_e4m3_max(amax)
         q = e4m3_sat(w / weight_scales("block", scale, n, k))
         return q, scale, None
     if scheme not in ("tensor", "channel"):
         raise ValueError(f"FP8 scheme {scheme!r} is invalid: expected one of {SCHEMES}")
     amax = w.abs().amax(dim=1) if scheme == "channel" else w.abs().amax().expand(n)
-    scale = amax.clamp_min(AMAX_FLOOR) / E4M3_MAX
+    scale = _over_e4m3_max(amax)
     q = e4m3_sat(w / scale[:, None])
     if scheme == "channel":
         return q, scale.contiguous(), None

@@ -54,7 +54,7 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     def gate_activation(self, x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Tensor:
         act = torch.sigmoid(gate.float()) if kind == "sigmoid" else F.silu(gate.float())
-        return x.float() * act
+        return (x.float() * act).to(x.dtype)
 
     def gated_delta_rule(
         self,

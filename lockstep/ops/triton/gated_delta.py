@@ -8,7 +8,8 @@ each row r of chunk c with the formula of the CPU kernel (`gdn_rule`, csrc/locks
 
     u_r   = beta_r (v_r - e^gamma_r S^T k_r) - sum_{j<r} beta_r (k_r.k_j) e^(gamma_r-gamma_j) u_j
     out_r = e^gamma_r S^T q_r + sum_{j<=r} (q_r.k_j) e^(gamma_r-gamma_j) u_j
-    S'    = e^gamma_(C-1) S + sum_j e^(gamma_(C-1)-gamma_j) k_j u_j^T    (after row C-1)
+    S'    = e^gamma_(C-1) S + sum_j e^(gamma_(C-1)-gamma_j) k_j u_j^T    (after row C-1,
+            one outer product after another, j ascending)
 
 Sums run over the whole chunk with the rows after r masked to zero, so every row, whatever
 the step it is computed in, goes through the same reductions of the same shapes: a one-row
@@ -79,8 +80,16 @@ def _gdn_rule_kernel(
         o = e * qs + tl.sum(c[:, None] * uu, axis=0)
         tl.store(out + (i * HV + h) * DV + dv, o, mask=mv)
         if r == C - 1:
-            w = tl.exp(gam - gammas)
-            s = s * e + tl.dot(tl.trans(kk * w[:, None]), uu, input_precision="ieee")
+            # S' = e S + sum_j (w_j k_j) u_j^T, one outer product at a time in ascending j:
+            # row j is taken out of the chunk tiles by a masked sum (exact: one value plus
+            # zeros), with no tl.dot, whose operand layout conversions gave a state that
+            # depended on which rows the call had loaded (an H200 test).
+            kw = kk * tl.exp(gam - gammas)[:, None]
+            s = s * e
+            for j in range(0, C):
+                kj = tl.sum(tl.where(rows[:, None] == j, kw, 0.0), axis=0)
+                uj = tl.sum(tl.where(rows[:, None] == j, uu, 0.0), axis=0)
+                s = s + kj[:, None] * uj[None, :]
             b = (p + 1 - first_boundary) // C
             tl.store(bounds + b * HV * DK * DV + h * DK * DV + dk[:, None] * DV + dv[None, :],
                      s, mask=mk[:, None] & mv[None, :])  # fmt: skip
@@ -128,16 +137,18 @@ def gated_delta_rule(
             open_u, out, bounds,
             n, start, first, hk, hv, dk, dv,
             C=chunk, BK=triton.next_power_of_2(dk), BV=BLOCK_V, num_warps=4,
-            **_opts(q.device, n),
+            **_opts(q.device),
         )  # fmt: skip
     return out, [(first + i * chunk, bounds[i]) for i in range(count)]
 
 
-def _opts(device: torch.device, rows: int) -> dict:
+def _opts(device: torch.device) -> dict:
     """Launch options of every kernel here: multiply-add contraction off, so each formula
     rounds as written whatever code the compiler makes of a call's shape (the interpreter
-    takes no compiler options and never contracts); PDL as `pdl_launch` says."""
-    opts = pdl_launch(device, rows)
+    takes no compiler options and never contracts); PDL on wherever the device has it, for
+    calls of every row count (elsewhere only up to `PDL_MAX_ROWS`), so that a one-row decode
+    step and a long prefill run one compiled kernel, not two variants."""
+    opts = pdl_launch(device, 0)
     if not interpreting():
         opts["enable_fp_fusion"] = False
     return opts
@@ -165,7 +176,7 @@ def gdn_gates(
     if a.numel():
         _gates_kernel[(triton.cdiv(a.numel(), 1024),)](
             a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), g, beta, a.numel(),
-            a.shape[1], BLOCK=1024, **_opts(a.device, a.shape[0]),
+            a.shape[1], BLOCK=1024, **_opts(a.device),
         )  # fmt: skip
     return g, beta
 
@@ -189,7 +200,7 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
         block = triton.next_power_of_2(x.shape[1])
         _l2_kernel[(x.shape[0],)](
             x, y, x.shape[1], float(eps), float(scale), BLOCK=block,
-            **_opts(x.device, x.shape[0]),
+            **_opts(x.device),
         )  # fmt: skip
     return y
 
@@ -215,6 +226,6 @@ def gate_activation(x: torch.Tensor, gate: torch.Tensor, kind: str) -> torch.Ten
     if x.numel():
         _gate_kernel[(triton.cdiv(x.numel(), 1024),)](
             x, gate, y, x.numel(), SIGMOID=kind == "sigmoid", BLOCK=1024,
-            **_opts(x.device, x.shape[0]),
+            **_opts(x.device),
         )  # fmt: skip
     return y
