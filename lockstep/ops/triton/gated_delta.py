@@ -80,10 +80,10 @@ def _gdn_rule_kernel(
         o = e * qs + tl.sum(c[:, None] * uu, axis=0)
         tl.store(out + (i * HV + h) * DV + dv, o, mask=mv)
         if r == C - 1:
-            # S' = e S + sum_j (w_j k_j) u_j^T, one outer product at a time in ascending j:
-            # row j is taken out of the chunk tiles by a masked sum (exact: one value plus
-            # zeros), with no tl.dot, whose operand layout conversions gave a state that
-            # depended on which rows the call had loaded (an H200 test).
+            # S' = e S + sum_j (w_j k_j) u_j^T, one outer product at a time in ascending j,
+            # row j taken out of the chunk tiles by a masked sum (exact: one value plus
+            # zeros). Not a tl.dot: with one, on an H200, the boundary state (though no row's
+            # output) depended on how many open rows the call had loaded from memory.
             kw = kk * tl.exp(gam - gammas)[:, None]
             s = s * e
             for j in range(0, C):
