@@ -22,12 +22,19 @@ def _block_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """a [M, k], w [N, k] e4m3 -> [M, N] float64: cuBLAS's fp32 dot on CUDA, else exact."""
     if not a.is_cuda:
         return a.double() @ w.double().T
-    width = -(-a.shape[1] // 16) * 16  # cuBLAS wants K % 16 == 0: zero columns appended
-    pad = [torch.zeros(t.shape[0], width, device=t.device).to(fp8.E4M3) for t in (a, w)]
-    pad[0][:, : a.shape[1]], pad[1][:, : a.shape[1]] = a, w
+
+    # cuBLAS's FP8 GEMM wants every dimension a multiple of 16: zero rows and columns are
+    # appended (their products are exact zeros) and the result cut back.
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        rows, cols = (-(-d // 16) * 16 for d in t.shape)
+        out = torch.zeros(rows, cols, device=t.device).to(fp8.E4M3)
+        out[: t.shape[0], : t.shape[1]] = t
+        return out
+
     one = torch.ones(1, device=a.device)
-    dot = torch._scaled_mm(pad[0], pad[1].T, scale_a=one, scale_b=one, out_dtype=torch.float32)
-    return dot.double()
+    dot = torch._scaled_mm(padded(a), padded(w).T, scale_a=one, scale_b=one,
+                           out_dtype=torch.float32)  # fmt: skip
+    return dot[: a.shape[0], : w.shape[0]].double()
 
 
 def block_dots_reference(

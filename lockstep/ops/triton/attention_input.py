@@ -37,9 +37,9 @@ def _attention_input_kernel(
     # A negative slot marks a padding row (as in write_kv): nothing is written to the caches.
     writes = (dd * 0 + slot) >= 0  # broadcast: the interpreter wants a tensor mask
     if head >= HQ + HKV:  # v: an exact copy (to an FP8 cache: `_to_cache`)
-        dst = v_cache + slot * svc + (head - HQ - HKV) * svh
-        tl.store(dst + dd, _to_cache(x1, v_cache), mask=writes)
-        tl.store(dst + HALF + dd, _to_cache(x2, v_cache), mask=writes)
+        v_dst = v_cache + slot * svc + (head - HQ - HKV) * svh
+        tl.store(v_dst + dd, _to_cache(x1, v_cache), mask=writes)
+        tl.store(v_dst + HALF + dd, _to_cache(x2, v_cache), mask=writes)
     else:
         y1 = x1.to(tl.float32)
         y2 = x2.to(tl.float32)
@@ -57,14 +57,16 @@ def _attention_input_kernel(
         s = tl.load(sin + pos * sc + dd)
         o1 = (y1 * c - y2 * s).to(x1.dtype)
         o2 = (y2 * c + y1 * s).to(x1.dtype)
+        # One name per pointer type: Triton's compiler refuses a variable that is a bf16
+        # pointer in one branch and an e4m3 pointer in the other (an FP8 cache).
         if head < HQ:
-            dst = q_out + t * sqt + head * sqh
-            tl.store(dst + dd, o1)
-            tl.store(dst + HALF + dd, o2)
+            q_dst = q_out + t * sqt + head * sqh
+            tl.store(q_dst + dd, o1)
+            tl.store(q_dst + HALF + dd, o2)
         else:
-            dst = k_cache + slot * skc + (head - HQ) * skh
-            tl.store(dst + dd, _to_cache(o1, k_cache), mask=writes)
-            tl.store(dst + HALF + dd, _to_cache(o2, k_cache), mask=writes)
+            k_dst = k_cache + slot * skc + (head - HQ) * skh
+            tl.store(k_dst + dd, _to_cache(o1, k_cache), mask=writes)
+            tl.store(k_dst + HALF + dd, _to_cache(o2, k_cache), mask=writes)
 
 
 @triton.jit
