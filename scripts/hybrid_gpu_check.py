@@ -114,10 +114,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    from lockstep.ops.gpu_deterministic import GpuDeterministicOps
-
-    # This script is the check the backend's refusal of hybrid models waits for: lift it here.
-    GpuDeterministicOps.linear_attention_problem = None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report: dict = {"model": args.model, "device": name, "torch": torch.__version__,
                     "dtype": args.dtype}  # fmt: skip

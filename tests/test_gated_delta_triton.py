@@ -60,11 +60,6 @@ def _run(chunks: list[int], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Ten
     return torch.cat(outs), bounds
 
 
-@pytest.mark.xfail(
-    GPU, strict=True,
-    reason="on an H200 one-token steps give other bits than one prefill: the engine refuses "
-    "hybrid models on the deterministic GPU backend until this passes",
-)  # fmt: skip
 def test_any_split_gives_the_bits_of_one_prefill() -> None:
     n = 2 * SHAPE[4] + 7
     inputs = _inputs(n)
@@ -142,7 +137,6 @@ def test_tiny_hybrid_decoder_split_equals_one_prefill() -> None:
 
     dtype = torch.bfloat16 if GPU else torch.float32
     ops = GpuDeterministicOps()
-    ops.linear_attention_problem = None  # the kernels under test, past the backend's refusal
     decoder = Decoder.load(resolve_model("random:tiny-qwen3.5"), ops, dtype, DEV)
     # Chunks of 16 keep every pass within 32 rows: under the interpreter the matmul's tile
     # table changes its K block above 32 rows, which changes the interpreter's (not the

@@ -37,14 +37,11 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     name = "gpu_deterministic"
     deterministic = True
-    # Why hybrid (linear-attention) models are refused on this backend, or None once they are
-    # served: the gated delta rule kernel's split invariance (tests/test_gated_delta_triton.py)
-    # holds under the Triton interpreter but has not passed on an H200, so a prefix hit or a
-    # decode step could move a hybrid model's outputs.
-    linear_attention_problem: str | None = (
-        "its gated delta rule kernel has not yet shown a one-token decode step the bits of a "
-        "prefill on the GPU"
-    )
+    # Why hybrid (linear-attention) models would be refused on this backend (`Decoder.load`),
+    # or None: they are served. The gated delta rule kernel's split invariance
+    # (tests/test_gated_delta_triton.py) and the property suite on random:qwen3.5-9b
+    # (scripts/hybrid_gpu_check.py) passed on an H200 (docs/gpu.md).
+    linear_attention_problem: str | None = None
 
     def __init__(self, attention_config: AttentionConfig | None = None) -> None:
         if _IMPORT_ERROR is not None:
