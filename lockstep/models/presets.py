@@ -71,6 +71,11 @@ def _hybrid_layers(num_layers: int, interval: int) -> tuple[str, ...]:
                  for i in range(num_layers))  # fmt: skip
 
 
+# Llama 3.1's RoPE scaling (its 8B and 70B configs).
+_LLAMA31_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+)
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(_tiny("llama"), add_bos=True),
     "tiny-qwen2": Preset(_tiny("qwen2", qkv_bias=True, tie=True), add_bos=False),
@@ -158,9 +163,7 @@ PRESETS: dict[str, Preset] = {
             family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
             rms_norm_eps=1e-5, max_position=131072, tie_word_embeddings=False,
-            rope_scaling=RopeScaling(
-                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-            ),
+            rope_scaling=_LLAMA31_ROPE,
         ),
         add_bos=True,
     ),
@@ -170,9 +173,7 @@ PRESETS: dict[str, Preset] = {
             family="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
             num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
             rms_norm_eps=1e-5, max_position=131072, tie_word_embeddings=False,
-            rope_scaling=RopeScaling(
-                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-            ),
+            rope_scaling=_LLAMA31_ROPE,
         ),
         add_bos=True,
     ),

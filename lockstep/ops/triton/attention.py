@@ -51,6 +51,7 @@ from lockstep.ops.triton.launch import (
     interpreting,
     num_sms,
     pdl_launch,
+    shared_memory_per_block,
     wait_for_inputs,
 )
 
@@ -542,7 +543,7 @@ def stages_that_fit(
     if not compiled_for_gpu(q.device):
         return num_stages
     d = q.shape[-1]
-    limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+    limit = shared_memory_per_block(q.device)
     per_stage = 2 * block_n * d * k_cache.element_size()
     room = limit - _SMEM_SLACK - rows * d * q.element_size()
     return max(1, min(num_stages, room // per_stage))

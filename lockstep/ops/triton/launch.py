@@ -28,15 +28,30 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _ENABLED: dict[int, bool] = {}
 _NUM_SMS: dict[int, int] = {}
+_SHARED_MEMORY: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached): persistent grids and the attention
     kernel's residency rule size themselves by it."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """The most shared memory one program may use on a CUDA device, in bytes (cached; the
+    opt-in limit: 232,448 on an H100/H200)."""
+    idx = _index(device)
+    if idx not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(idx)
+        _SHARED_MEMORY[idx] = props.shared_memory_per_block_optin
+    return _SHARED_MEMORY[idx]
 
 
 def interpreting() -> bool:
@@ -55,7 +70,7 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on this device are launched with PDL (cached per device)."""
     if not compiled_for_gpu(device):
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     if idx not in _ENABLED:
         major, _ = torch.cuda.get_device_capability(idx)
         _ENABLED[idx] = major >= 9
