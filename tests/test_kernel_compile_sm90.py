@@ -5,6 +5,8 @@ refuses (a type the interpreter never checks) fails here, in CI, rather than on 
 Covers the specializations an engine launch asks for that the GPU tests could miss: the
 attention input and attention kernels with an FP8 (e4m3) KV cache and with a bf16 one (decode
 and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule at Qwen3.5's head sizes.
+And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
+as over a bf16 cache (`attention.widen_kv` says why), which the interpreter cannot show.
 The compiles run in one child process: the test session runs Triton's interpreter
 (TRITON_INTERPRET=1, conftest.py), under which kernels cannot be compiled."""
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,14 +34,16 @@ def _attention_input(cache: str) -> tuple[str, dict, dict]:
                                                               "PDL": True}  # fmt: skip
 
 
-def _attention(cache: str, d: int, write_partials: int) -> tuple[str, dict, dict]:
+def _attention(
+    cache: str, d: int, write_partials: int, q: str = "*bf16", decode_tiles: bool = False
+) -> tuple[str, dict, dict]:
     from lockstep.ops.triton.attention import DEFAULT_CONFIG as cfg
 
-    types = {"q": "*bf16", "k_cache": cache, "v_cache": cache, "out": "*bf16",
+    types = {"q": q, "k_cache": cache, "v_cache": cache, "out": q,
              "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "qk_scale": "fp32"}  # fmt: skip
     types |= dict.fromkeys(("cu_q", "q_start", "cu_kv", "slot_table"), "*i32")
     types |= dict.fromkeys(("wave_base", "R", "sqt", "sqh", "skc", "skh", "sot", "soh"), "i32")
-    rows = cfg.rows_split if write_partials else cfg.rows
+    rows = cfg.rows_split if write_partials or decode_tiles else cfg.rows
     constexprs = {"HKV": 4, "G": 4, "ROWS": rows, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split,
                   "D": d, "WRITE_PARTIALS": write_partials, "WIDE": False, "ROW_SUM_MMA": True,
                   "SLOTS_AHEAD": False, "PDL": False}  # fmt: skip
@@ -51,6 +56,11 @@ def _gated_delta() -> tuple[str, dict, dict]:
     types = dict.fromkeys(pointers, "*fp32")
     types |= dict.fromkeys(("n", "start", "first_boundary", "HK", "HV", "DK", "DV"), "i32")
     return "gated_delta._gdn_rule_kernel", types, {"C": 32, "BK": 128, "BV": 32, "PDL": True}
+
+
+def _widened_dot() -> tuple[str, dict, dict]:
+    """The layout control: a dot over e4m3 values widened by a plain conversion."""
+    return "widened_dot", {"q": "*bf16", "k": "*fp8e4nv", "out": "*fp32"}, {}
 
 
 def _two_ways() -> tuple[str, dict, dict]:
@@ -66,16 +76,35 @@ CASES = {
     "gated delta rule": _gated_delta(),
     "negative control": _two_ways(),
 }
+_STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh")
+# Decode tiles as the engine launches them (num_warps_split warps): the dots' operand layouts.
+LAYOUTS = {
+    **{f"decode tiles {c} q {q} partials={p}": _attention(c, 128, p, q, decode_tiles=True)
+       for c in (*CACHES, "*fp32") for q in ("*bf16", "*fp32") for p in (0, 1)
+       if c in (q, "*fp8e4nv") and (q == "*bf16" or p)},  # fmt: skip
+    "widened dot (control)": _widened_dot(),
+}
 
 
 def _compile_all(names: list[str]) -> dict[str, str]:
-    """Child process: compile each case for sm_90; "ok" or the error's last line."""
+    """Child process: compile each case for sm_90: "ok" or the error's last line; for the
+    LAYOUTS cases, the kWidth of every dot operand in the compiled TTGIR, joined by commas."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from lockstep.ops.triton import attention, attention_input, gated_delta
+
+    @triton.jit
+    def widened_dot(q, k, out):
+        offs_m = tl.arange(0, 16)
+        offs_n = tl.arange(0, 64)
+        offs_d = tl.arange(0, 128)
+        qt = tl.load(q + offs_m[:, None] * 128 + offs_d[None, :])
+        kt = tl.load(k + offs_n[:, None] * 128 + offs_d[None, :]).to(tl.bfloat16)
+        s = tl.dot(qt, tl.trans(kt))
+        tl.store(out + offs_m[:, None] * 64 + offs_n[None, :], s)
 
     @triton.jit
     def two_ways(a, b, n):
@@ -87,26 +116,41 @@ def _compile_all(names: list[str]) -> dict[str, str]:
 
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta}  # fmt: skip
+    local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
-        path, types, constexprs = CASES[name]
+        path, types, constexprs = CASES[name] if name in CASES else LAYOUTS[name]
         mod, _, attr = path.rpartition(".")
-        kernel = getattr(modules[mod], attr) if mod else two_ways
+        kernel = getattr(modules[mod], attr) if mod else local[path]
         signature = {a: types.get(a, "constexpr") for a in kernel.arg_names}
+        options, aligned = {}, {}
+        if name in LAYOUTS:  # as the engine launches them: decode tiles on num_warps_split
+            # warps, contraction off (attention._launch_opts), pointers and strides
+            # 16-divisible (Triton specializes them so at launch)
+            options = {"num_warps": attention.DEFAULT_CONFIG.num_warps_split,
+                       "enable_fp_fusion": False}  # fmt: skip
+            aligned = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]]
+                       for a, t in types.items() if t.startswith("*") or a in _STRIDES}  # fmt: skip
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", 90, 32))  # fmt: skip
-            results[name] = "ok" if "cubin" in compiled.asm else "no cubin"
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned),
+                target=GPUTarget("cuda", 90, 32), options=options,
+            )  # fmt: skip
         except Exception as exc:  # reported to the parent
             results[name] = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            continue
+        if name in LAYOUTS:
+            results[name] = ",".join(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
+        else:
+            results[name] = "ok" if "cubin" in compiled.asm else "no cubin"
     return results
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, __file__, *CASES, *LAYOUTS], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -114,6 +158,24 @@ def compiled() -> dict[str, str]:
 @pytest.mark.parametrize("name", [n for n in CASES if n != "negative control"])
 def test_kernel_compiles_for_sm90(compiled: dict[str, str], name: str) -> None:
     assert compiled[name] == "ok", compiled[name]
+
+
+@pytest.mark.parametrize(("q", "partials"), [("*bf16", 0), ("*bf16", 1), ("*fp32", 1)])
+def test_decode_tile_dots_over_an_fp8_cache_are_laid_out_as_over_the_q_dtype(
+    compiled: dict[str, str], q: str, partials: int
+) -> None:
+    """Every dot operand's kWidth as with a cache of q's dtype: the same K order in every
+    MMA instruction, so decode tiles keep the prefill tiles' bits over an FP8 cache."""
+    fp8 = compiled[f"decode tiles *fp8e4nv q {q} partials={partials}"]
+    same = compiled[f"decode tiles {q} q {q} partials={partials}"]
+    assert fp8 and same and "error" not in fp8.lower(), (fp8, same)
+    assert fp8 == same
+
+
+def test_layout_control_a_plain_widening_changes_the_dot_layout(compiled: dict[str, str]) -> None:
+    """The control: a dot over e4m3 values widened by .to(bf16) gets 4 consecutive K
+    elements per thread (kWidth 4), where bf16 values get 2: what widen_kv avoids."""
+    assert set(compiled["widened dot (control)"].split(",")) == {"4"}
 
 
 def test_negative_control_a_branch_typed_two_ways_is_refused(compiled: dict[str, str]) -> None:

@@ -96,3 +96,31 @@ def test_attention_over_fp8_cache_equals_the_widened_cache(path: str) -> None:
         assert torch.equal(run(k8, v8, start, count), full[start : start + count])
     # Control: the cache before rounding gives other bits.
     assert not torch.equal(run(k_wide + 1e-2, v_wide, 0, n), full)
+
+
+def test_decode_rows_over_several_splits_equal_the_prefill_tiles() -> None:
+    """One query per sequence over contexts of several splits: the decode tiles (fold and
+    split paths) give the prefill tiles' bits over an FP8 cache, as over the widened one.
+    On the GPU this is the layout `attention.widen_kv` keeps (the decode tiles' dots over a
+    plainly widened e4m3 cache permuted the K order inside each MMA and differed in every
+    row); tests/test_kernel_compile_sm90.py checks that layout in CI."""
+    split = CFG.split
+    lens = [2 * split + 1, 2 * split + 37, 3 * split - 5, 3 * split + 40, split + 3]
+    total = sum(lens) + 8
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(7)).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at : at + n])
+        at += n
+    k8 = e4m3_sat(_randn(total, HKV, HD, seed=8, scale=2.0).float())
+    v8 = e4m3_sat(_randn(total, HKV, HD, seed=9, scale=2.0).float())
+    q = _randn(len(lens), HKV * GROUP, HD, seed=10)
+    meta = build_attention_meta([1] * len(lens), [n - 1 for n in lens], tables).to(DEV)
+
+    def run(k: torch.Tensor, v: torch.Tensor, path: str) -> torch.Tensor:
+        return paged_attention(q, k, v, meta, HD**-0.5, CFG, path, torch.float32)
+
+    prefill = run(k8, v8, "prefill")
+    assert torch.equal(prefill, run(k8.to(DTYPE), v8.to(DTYPE), "prefill"))
+    for path in ("fold", "split"):
+        assert torch.equal(run(k8, v8, path), prefill), path

@@ -225,8 +225,7 @@ def _block_update(
         k = tl.load(k_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
         k = tl.load(k_cache + kv_offs)
-    # An FP8 cache (scale 1.0) widens exactly to q's dtype; a cache of q's dtype is unchanged.
-    k = k.to(q.dtype)
+    k = widen_kv(k, q.dtype)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
@@ -240,12 +239,79 @@ def _block_update(
         v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
         v = tl.load(v_cache + kv_offs)
-    v = v.to(q.dtype)
+    v = widen_kv(v, q.dtype)
     pv = p.to(v.dtype)
     if ROW_SUM_MMA:
         lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
     acc = tl.dot(pv, v, acc * alpha[:, None])
     return m_new, lsum, acc
+
+
+# The e4m3 -> fp16 pairs of sm_89+, then to the activation dtype: exact (every e4m3 value is
+# an fp16, a bf16 and an fp32 value). Four cache bytes in one 32-bit register per instance.
+_E4M3_TO_F16 = """
+    .reg .b16 lo, hi;
+    .reg .b32 h01, h23;
+    .reg .f16 a0, a1, a2, a3;
+    mov.b32 {lo, hi}, $%d;
+    cvt.rn.f16x2.e4m3x2 h01, lo;
+    cvt.rn.f16x2.e4m3x2 h23, hi;
+    mov.b32 {a0, a1}, h01;
+    mov.b32 {a2, a3}, h23;
+"""
+_E4M3_TO_BF16 = tl.constexpr(
+    "{"
+    + _E4M3_TO_F16 % 2
+    + """
+    .reg .b16 b0, b1, b2, b3;
+    cvt.bf16.f16 b0, a0;
+    cvt.bf16.f16 b1, a1;
+    cvt.bf16.f16 b2, a2;
+    cvt.bf16.f16 b3, a3;
+    mov.b32 $0, {b0, b1};
+    mov.b32 $1, {b2, b3};
+    }"""
+)
+_E4M3_TO_F32 = tl.constexpr(
+    "{"
+    + _E4M3_TO_F16 % 4
+    + """
+    cvt.f32.f16 $0, a0;
+    cvt.f32.f16 $1, a1;
+    cvt.f32.f16 $2, a2;
+    cvt.f32.f16 $3, a3;
+    }"""
+)
+_COMPILED = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def widen_kv(x, dtype: tl.constexpr):
+    """Cache values in the activation dtype: unchanged for a cache of that dtype; an FP8
+    (e4m3, scale 1.0) cache widened exactly.
+
+    Why not `x.to(dtype)` (the same values): Triton lays out a dot operand for the narrowest
+    type it was loaded as, so a dot over values loaded as e4m3 gets 4 consecutive K elements
+    per thread instead of 2 on the decode tiles' mma.sync, which permutes the K order inside
+    each MMA instruction, and the tensor cores' fp32 sums follow that order: decode tiles
+    then disagree with the prefill tiles' wgmma (whose B operand comes from shared memory in
+    order) in the last bits. A widening the compiler cannot see through (an inline PTX
+    conversion with side effects, which ends its search for the loaded type) keeps every
+    dot laid out as for a cache of the activation dtype. tests/test_kernel_compile_sm90.py
+    checks the layouts; the interpreter has no PTX and no layouts, so it converts."""
+    if x.dtype == dtype:
+        y = x
+    elif not _COMPILED:
+        y = x.to(dtype)
+    elif dtype == tl.float32:
+        y = tl.inline_asm_elementwise(
+            _E4M3_TO_F32, "=r,=r,=r,=r,r", [x], dtype=tl.float32, is_pure=False, pack=4
+        )
+    else:  # bfloat16 (`_check`)
+        y = tl.inline_asm_elementwise(
+            _E4M3_TO_BF16, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4
+        )
+    return y
 
 
 @triton.jit
@@ -480,6 +546,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
             f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}; the caches "
             "must have q's dtype or both be float8_e4m3fn"
         )
+    if fp8_cache and q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"an FP8 cache widens to bfloat16 or float32 queries, not {q.dtype}")
     if q.stride(2) != 1 or k_cache.stride(2) != 1:
         raise ValueError("attention wants the head_dim axis contiguous")
     if v_cache.stride() != k_cache.stride():
