@@ -112,7 +112,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
 
     def ended_call(stop_reason: str | int | None) -> str:
         """The end tag a `parallel_tool_calls: false` stop left out of the text."""
-        hit = stop_reason in tools.stop and not body.include_stop_str_in_output
+        hit = stop_reason in tools.stop and not body.keeps_stop_string
         return str(stop_reason) if hit else ""
 
     def wrap(obj: str, choice_list: list[dict], **extra: Any) -> dict[str, Any]:

@@ -3,7 +3,8 @@
     POST /generate                  token ids or text in; text, output_ids, meta_info out
     POST /abort_request             finish one request (by rid) or all, with what they have
     POST /update_weights_from_disk  new weights of the same architecture, no restart
-    GET  /get_model_info, /get_server_info, /health_generate
+    GET  /model_info, /server_info  (and their older names /get_model_info, /get_server_info)
+    GET  /get_load, /health_generate
 
 Shapes follow SGLang's (docs/server.md, "SGLang-native API"): a logprob entry is
 `[logprob, token_id, text or null]`; `input_token_logprobs` covers prompt positions
@@ -50,7 +51,7 @@ from lockstep.server.preparation import (
     max_tokens_for,
 )
 from lockstep.server.processing_fields import compile_constraint, native_processing_options
-from lockstep.server.protocol import APIError, clip
+from lockstep.server.protocol import INT64_MAX, APIError, clip
 from lockstep.server.responses import json_logprob, sse
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def add_native_routes(
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Response | dict | list:
         engine.refuse_if_full()
+        body = _seed_from_header(body, request.headers.get(SEED_HEADER))
         items, batched = await _prepare(served, body, active)
         group = RequestGroup(engine, engine.new_request_id("generate"))
         requests = [(item.prompt_ids, _sampling_params(item, j)) for item, j in items]
@@ -168,6 +170,7 @@ def add_native_routes(
         engine.finish_aborted([group.request_ids[i] for i in indices])
         return {"aborted": [body.rid]}
 
+    @app.get("/model_info")  # SGLang's current name; routers ask it first
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         core = engine.engine
@@ -182,6 +185,7 @@ def add_native_routes(
             "max_model_len": served.max_model_len,
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         def snapshot(e: Any) -> dict[str, Any]:
@@ -211,6 +215,14 @@ def add_native_routes(
                 {"num_running_reqs": stats["num_running"], "num_waiting_reqs": stats["num_waiting"]}
             ],
         }
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        """SGLang's load report (one entry per data-parallel rank; Lockstep has one), which
+        load-aware router policies read: requests running and waiting, KV tokens in use."""
+        stats = await engine.call(lambda e: e.stats())
+        return [{"dp_rank": 0, "num_reqs": stats["num_running"],
+                 "num_waiting_reqs": stats["num_waiting"], "num_tokens": stats["kv_in_use"]}]  # fmt: skip
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -288,6 +300,36 @@ def _check_update_options(body: UpdateWeightsFromDiskRequest) -> None:
                 param=name,
                 code="unsupported_parameter",
             )
+
+
+# A request's seed as an HTTP header, for routers that rebuild `/generate` bodies from a
+# fixed set of fields and drop `sampling_seed` (vllm-router 0.1.17; docs/scale-out.md).
+SEED_HEADER = "X-Sampling-Seed"
+
+
+def _seed_from_header(body: GenerateRequest, header: str | None) -> GenerateRequest:
+    """`body` with `SEED_HEADER`'s seed as the `sampling_seed` of every prompt that has none;
+    a 400 when the header is not a seed or disagrees with a seed the body gives."""
+    if header is None:
+        return body
+    try:
+        seed = int(header.strip())
+    except ValueError:
+        seed = -1
+    if not 0 <= seed <= INT64_MAX:
+        raise APIError(f"{SEED_HEADER}: {clip(repr(header))} is not a seed: expected an "
+                       "integer from 0 to 2**63-1", param=SEED_HEADER, code="invalid_value")  # fmt: skip
+    given = body.sampling_params
+    params = given if isinstance(given, list) else [given or NativeSamplingParams()]
+    for p in params:
+        if p.sampling_seed is not None and p.sampling_seed != seed:
+            raise APIError(f"sampling_params.sampling_seed={p.sampling_seed} and {SEED_HEADER}: "
+                           f"{seed} disagree: send one, or the same seed in both",
+                           param=SEED_HEADER, code="invalid_value")  # fmt: skip
+    seeded = [p.model_copy(update={"sampling_seed": seed}) for p in params]
+    return body.model_copy(
+        update={"sampling_params": seeded if isinstance(given, list) else seeded[0]}
+    )
 
 
 def _per_item(value: Any, count: int, name: str, default: Any) -> list[Any]:

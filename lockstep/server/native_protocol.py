@@ -64,6 +64,7 @@ UNSUPPORTED_GENERATE: dict[str, Any] = {
     "routed_dp_rank": _none,
     "priority": _none,
     "background": _false,
+    "return_bytes": _false,
 }
 
 
@@ -120,6 +121,10 @@ class GenerateRequest(RequestBody):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    no_logs: bool = Field(False, description="accepted: the request log holds no prompt text")
+    model: str | None = Field(
+        None, max_length=256, description="a router's field: one model is served, any name"
+    )
     extra_key: str | None = Field(
         None,
         max_length=256,

@@ -271,7 +271,7 @@ def sampling_params(
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
-        include_stop_str_in_output=body.include_stop_str_in_output,
+        include_stop_str_in_output=body.keeps_stop_string,
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,

@@ -275,6 +275,9 @@ class _SamplingFields(ProcessingFields):
     user: str | None = Field(None, max_length=256, description="recorded in the request log")
     ignore_eos: bool = Field(False, description="vLLM extension: do not stop at EOS")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension")
+    no_stop_trim: bool = Field(
+        False, description="SGLang extension: the same as include_stop_str_in_output"
+    )
     skip_special_tokens: bool = Field(
         True, description="vLLM extension: leave control tokens out of the text"
     )
@@ -305,6 +308,12 @@ class _SamplingFields(ProcessingFields):
         le=INT64_MAX,
         description="vLLM extension: keep the last k prompt tokens (-1: as many as fit)",
     )
+
+    @property
+    def keeps_stop_string(self) -> bool:
+        """Whether the matched stop string stays in the text: vLLM's and SGLang's names for
+        it, either one asking (routers send SGLang's at its default, false)."""
+        return self.include_stop_str_in_output or self.no_stop_trim
 
 
 class CompletionRequest(_SamplingFields):

@@ -35,6 +35,10 @@ def _false(value: Any) -> bool:
     return value is None or value is False
 
 
+def _bool(value: Any) -> bool:
+    return value is None or isinstance(value, bool)
+
+
 _SHARED: dict[str, Neutral] = {
     # Server-side Python logits processors, an allow-list, the grammar backend's name (one
     # backend: llguidance), a whitespace pattern (JSON's layout is fixed) and vLLM's
@@ -53,6 +57,8 @@ _SHARED: dict[str, Neutral] = {
     "request_id": _none,
     "kv_transfer_params": _none,
     "vllm_xargs": _none,
+    # SGLang's: hidden states are not returned.
+    "return_hidden_states": _false,
 }
 
 COMPLETION_UNSUPPORTED: dict[str, Neutral] = {
@@ -81,6 +87,10 @@ CHAT_UNSUPPORTED: dict[str, Neutral] = {
     "prompt_cache_key": _none,
     "prompt_cache_retention": _none,
     "safety_identifier": _none,
+    # SGLang's reasoning-parser switches (routers send them at SGLang's defaults, true): with
+    # no reasoning parser, which Lockstep has not, SGLang leaves the reply whole either way.
+    "separate_reasoning": _bool,
+    "stream_reasoning": _bool,
 }
 
 STREAM_OPTIONS_UNSUPPORTED: dict[str, Neutral] = {"include_obfuscation": _false}
