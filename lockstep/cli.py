@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # The one-time kernel build takes half a minute: say so instead of sitting silent.
+    # The one-time kernel build takes about a minute: say so instead of sitting silent.
     logging.getLogger("lockstep.ops.cpu_build").setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
