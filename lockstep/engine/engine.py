@@ -78,7 +78,7 @@ class Engine:
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
         self.kv_dtype = getattr(torch, config.resolved_kv_dtype)
-        loaded = resolve_model(config.model, random_seed=config.random_seed)
+        loaded = resolve_model(config.model, config.random_seed, config.revision)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

@@ -129,7 +129,7 @@ def worker_main(config: EngineConfig, rank: int, store_port: int, conn: Connecti
         store = dist.TCPStore("127.0.0.1", store_port, config.tp, is_master=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
         collectives = join_group(config, rank, store)
-        loaded = resolve_model(config.model, random_seed=config.random_seed)
+        loaded = resolve_model(config.model, config.random_seed, config.revision)
         max_position = config.max_model_len or loaded.spec.max_position
         decoder = load_rank_decoder(config, loaded, rank, max_position, collectives)
         conn.send(("ready", None))
