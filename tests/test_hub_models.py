@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "tiny-org/tiny-qwen3"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TAGGED = "fedcba9876543210fedcba9876543210fedcba98"
-ARGS = ["--raw", "--max-tokens", "4", "--kv-tokens", "256", "--device", "cpu"]
+ARGS = ["--raw", "--max-tokens", "4", "--kv-tokens", "256", "--max-model-len", "256",
+        "--device", "cpu"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
