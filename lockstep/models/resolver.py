@@ -140,9 +140,9 @@ def resolve_model(
         else:
             what = "is not a .gguf file" if path.is_file() else "does not exist"
             raise ModelLoadError(
-                f"--model {model!r} {what}; supported: a Hugging Face hub id (org/name), "
-                "a .gguf file, a Hugging Face folder "
-                f"(config.json, *.safetensors, tokenizer.json), or "
+                f"--model {model!r} {what}; supported: a .gguf file, a Hugging Face folder "
+                f"(config.json, *.safetensors, tokenizer.json), a Hugging Face hub id "
+                "(org/name), or "
                 f"{', '.join(RANDOM_PREFIX + p for p in PRESETS)}"
             )
         loaded = LoadedModel(name, str(path), spec, tokenizer, weights)
