@@ -42,7 +42,7 @@ from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
-from lockstep.errors import ConfigError, ModelLoadError, RequestError
+from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.resolver import resolve_model
@@ -500,7 +500,10 @@ class Engine:
         """`update_weights` from a checkpoint (a Hugging Face folder, a .gguf file or a
         random preset) whose architecture equals the served one; a different architecture is
         a `ModelLoadError` naming the first field that differs. The tokenizer stays."""
-        loaded = resolve_model(model, random_seed=self.config.random_seed)
+        try:
+            loaded = resolve_model(model, random_seed=self.config.random_seed)
+        except ModelLoadError as exc:
+            raise UnreadableWeights(str(exc)) from None
         mismatch = _spec_mismatch(self.decoder.spec, loaded.spec)
         if mismatch:
             raise ModelLoadError(
