@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from lockstep import __version__
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.errors import LockstepError
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lockstep",
         description="LLM inference whose outputs are bit-identical however work is scheduled.",
     )
+    parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion and stream it to the terminal")

@@ -52,3 +52,12 @@ def test_a_pool_below_the_model_context_is_said_at_start(caplog, capsys) -> None
     with caplog.at_level(logging.WARNING, logger="lockstep.engine"):
         assert cli.main(argv) == 0
     assert "kv_tokens=16 is less than one prefill chunk (512 tokens)" in caplog.text
+
+
+def test_version(capsys) -> None:
+    import lockstep
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"lockstep {lockstep.__version__}\n"
