@@ -106,8 +106,8 @@ def _add_unavailable_subcommand(
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 

@@ -61,3 +61,19 @@ def test_version(capsys) -> None:
         cli.main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"lockstep {lockstep.__version__}\n"
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    import argparse
+
+    def undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += undocumented(sub, f"{path} {name}")
+            elif action.option_strings and not action.help:
+                found.append(f"{path} {action.option_strings[0]}")
+        return found
+
+    assert undocumented(cli.build_parser(), "lockstep") == []

@@ -53,7 +53,11 @@ def add_serve_parser(subparsers: Any) -> None:
         help="serve the OpenAI-compatible HTTP API",
         description="Serve an OpenAI-compatible HTTP API (see docs/server.md).",
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0: all)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
         "--shutdown-timeout",
@@ -111,7 +115,10 @@ def add_serve_parser(subparsers: Any) -> None:
         "$LOCKSTEP_ADMIN_API_KEY; unset: --api-key guards them)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="Lockstep's and uvicorn's log level (default: info; debug also logs each request)",
     )
     add_engine_arguments(parser)
     parser.set_defaults(func=run_serve_command)
