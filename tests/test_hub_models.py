@@ -123,3 +123,4 @@ def test_an_existing_folder_is_a_path_not_a_hub_id(tmp_path: Path, monkeypatch) 
     (tmp_path / REPO_ID).mkdir(parents=True)
     assert not is_hub_id(REPO_ID)
     assert not is_hub_id("./org/name") and not is_hub_id("org/../name")
+    assert not is_hub_id("models/missing.gguf")  # a missing file, said as such

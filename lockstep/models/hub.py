@@ -35,8 +35,14 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def is_hub_id(model: str) -> bool:
-    """Whether `model` is to be read as a hub id: of the form org/name and not a local path."""
-    return bool(_HUB_ID.fullmatch(model)) and ".." not in model and not Path(model).exists()
+    """Whether `model` is to be read as a hub id: of the form org/name and not a local path
+    (nor a missing GGUF file's path, which is reported as a missing file)."""
+    return (
+        bool(_HUB_ID.fullmatch(model))
+        and ".." not in model
+        and not model.lower().endswith(".gguf")
+        and not Path(model).exists()
+    )
 
 
 def describe(repo_id: str, revision: str | None) -> str:
@@ -96,9 +102,9 @@ def _not_cached(wanted: str, repo_id: str, revision: str | None, cache: Path, of
     repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
     if not repo_dir.is_dir():
         return (
-            f"{wanted}: not in the Hugging Face cache (no {repo_dir}) and {why}; download it "
-            "where the network allows, or point HF_HUB_CACHE or HF_HOME at the cache that "
-            "holds it"
+            f"{wanted}: no local folder of that name, not in the Hugging Face cache (no "
+            f"{repo_dir}) and {why}; download it where the network allows, or point "
+            "HF_HUB_CACHE or HF_HOME at the cache that holds it"
         )
     refs = " ".join(sorted(p.name for p in (repo_dir / "refs").glob("*")))
     snapshots = " ".join(sorted(p.name[:12] for p in (repo_dir / "snapshots").glob("*")))
