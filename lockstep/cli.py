@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from lockstep import __version__
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.errors import LockstepError
 
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # The one-time kernel build takes half a minute: say so instead of sitting silent.
+    # The one-time kernel build takes about a minute: say so instead of sitting silent.
     logging.getLogger("lockstep.ops.cpu_build").setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lockstep",
         description="LLM inference whose outputs are bit-identical however work is scheduled.",
     )
+    parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion and stream it to the terminal")
@@ -104,8 +106,8 @@ def _add_unavailable_subcommand(
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 

@@ -14,7 +14,9 @@ from typing import Any
 from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, TP_REDUCTIONS, EngineConfig
 
 _HELP = {
-    "model": "GGUF file, Hugging Face folder or random:PRESET (default: embedded SmolLM2-135M)",
+    "model": "Hugging Face hub id (org/name, read from the HF cache or downloaded), GGUF file, "
+    "Hugging Face folder or random:PRESET (default: the embedded SmolLM2-135M-Instruct)",
+    "revision": "branch, tag or commit of a hub id (default: main)",
     "mode": "deterministic (default) or fast (plain torch/cuBLAS; the yardstick)",
     "device": "auto, cpu or cuda",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16",

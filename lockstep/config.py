@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.errors import ConfigError
+from lockstep.models.hub import is_hub_id
 
 MODES = ("deterministic", "fast")
 TP_REDUCTIONS = ("chunked", "ranks", "all_reduce")  # lockstep.parallel.layers
@@ -56,6 +57,7 @@ DEVICE_DEFAULTS = {
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct, GGUF)
+    revision: str | None = None  # a hub id's branch, tag or commit; None: main
     mode: str = "deterministic"
     device: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
@@ -86,6 +88,11 @@ class EngineConfig:
     tp_reduction: str | None = None
 
     def __post_init__(self) -> None:
+        if self.revision is not None and not (self.model and is_hub_id(self.model)):
+            raise ConfigError(
+                f"revision={self.revision!r} is invalid with model={self.model!r}: a revision"
+                " names a version of a Hugging Face hub id (model='org/name')"
+            )
         _choice("mode", self.mode, MODES)
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)

@@ -14,5 +14,10 @@ class ModelLoadError(LockstepError):
     """A model could not be resolved or loaded: missing file, unsupported format or type."""
 
 
+class UnreadableWeights(ModelLoadError):
+    """A weight update's path names nothing that loads. The message says what exists on the
+    server's disk: for the server's log and in-process callers, not for remote clients."""
+
+
 class RequestError(LockstepError, ValueError):
     """A request cannot be served as given (too long for the context, bad sampling values)."""

@@ -287,6 +287,10 @@ def test_weight_update_changes_outputs_then_restores_them(
     assert "architecture" in bad.json()["message"]
     missing = update(folders["a"] / "nope")
     assert missing.status_code == 400 and missing.json()["success"] is False
+    # Whether a path exists on the server, or what it holds, is not for a client to learn.
+    not_a_model = update(Path("/etc/passwd"))
+    assert not_a_model.json()["message"] == missing.json()["message"]
+    assert "passwd" not in not_a_model.text and "nope" not in missing.text
     assert run() == on_a
     server.wait_idle()
 

@@ -89,3 +89,26 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
         json.dumps({"bos_token": None, "eos_token": "<|eos|>", "chat_template": CHATML_TEMPLATE})
     )
     return model
+
+
+def write_hub_cache(
+    cache: Path, repo_id: str, folder: Path, commit: str, ref: str = "main"
+) -> Path:
+    """Lay `folder`'s files out in a Hugging Face hub cache as `huggingface_hub` writes them:
+    `models--org--name/blobs/<sha256>`, `snapshots/<commit>/<file>` as relative links to the
+    blobs, and `refs/<ref>` holding the commit. Returns the snapshot folder."""
+    import hashlib
+    import os
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for path in sorted(folder.iterdir()):
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / path.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot

@@ -19,8 +19,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--modes", default="deterministic,fast",
                         help="comma-separated modes to compare")  # fmt: skip
     decode.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
-    decode.add_argument("--prompt-len", type=int, default=128)
-    decode.add_argument("--gen-len", type=int, default=64)
+    decode.add_argument("--prompt-len", type=int, default=128,
+                        help="prompt tokens per sequence (default 128)")  # fmt: skip
+    decode.add_argument("--gen-len", type=int, default=64,
+                        help="tokens generated per sequence (default 64)")  # fmt: skip
     decode.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     decode.add_argument("--temperature", type=float, default=0.0,
                         help="sample at this temperature (default 0: greedy)")  # fmt: skip

@@ -145,11 +145,22 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     engine = p.add_argument_group("engine options (with --serve, passed to lockstep serve)")
-    engine.add_argument("--mode", choices=("deterministic", "fast"))
-    engine.add_argument("--kv-tokens", type=_positive_int)
-    engine.add_argument("--no-prefix-cache", action="store_true")
-    engine.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
+    engine.add_argument(
+        "--mode",
+        choices=("deterministic", "fast"),
+        help="the server's mode (default: deterministic)",
+    )
+    engine.add_argument(
+        "--kv-tokens", type=_positive_int, help="the server's KV pool in tokens (default: its own)"
+    )
+    engine.add_argument(
+        "--no-prefix-cache", action="store_true", help="serve without the prefix cache"
+    )
+    engine.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), help="the server's device (default: auto)"
+    )
+    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                        help="the server's dtype (default: auto)")  # fmt: skip
     engine.add_argument(
         "--serve-arg",
         action="append",

@@ -42,7 +42,7 @@ from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
-from lockstep.errors import ConfigError, ModelLoadError, RequestError
+from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.resolver import resolve_model
@@ -76,13 +76,24 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            build = " (a CPU-only build)" if torch.version.cuda is None else ""
+            raise ConfigError(
+                f"device='cuda' is invalid: torch {torch.__version__}{build} sees no CUDA "
+                "device; expected auto or cpu"
+            )
         self.dtype = getattr(torch, config.resolved_dtype)
         self.kv_dtype = getattr(torch, config.resolved_kv_dtype)
-        loaded = resolve_model(config.model, random_seed=config.random_seed)
+        loaded = resolve_model(config.model, config.random_seed, config.revision)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         spec = loaded.spec
+        if config.max_model_len is not None and config.max_model_len > spec.max_position:
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} is invalid for {loaded.name}: its "
+                f"context is {spec.max_position} tokens; expected at most {spec.max_position}"
+            )
         self.max_model_len = config.max_model_len or spec.max_position
         self.ops = get_ops(self.device.type, config.mode)
         head_dims = getattr(self.ops, "supported_head_dims", None)
@@ -117,6 +128,7 @@ class Engine:
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
+        _check_pool_holds_a_context(config, kv_tokens, self.max_model_len)
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         kv_heads = self.decoder.plan.num_local_kv_heads  # rank 0's; every rank holds as many
@@ -488,7 +500,10 @@ class Engine:
         """`update_weights` from a checkpoint (a Hugging Face folder, a .gguf file or a
         random preset) whose architecture equals the served one; a different architecture is
         a `ModelLoadError` naming the first field that differs. The tokenizer stays."""
-        loaded = resolve_model(model, random_seed=self.config.random_seed)
+        try:
+            loaded = resolve_model(model, random_seed=self.config.random_seed)
+        except ModelLoadError as exc:
+            raise UnreadableWeights(str(exc)) from None
         mismatch = _spec_mismatch(self.decoder.spec, loaded.spec)
         if mismatch:
             raise ModelLoadError(
@@ -616,3 +631,26 @@ def _device_name(device: torch.device) -> str:
 
 
 __all__ = ["Engine"]
+
+
+def _check_pool_holds_a_context(config: EngineConfig, kv_tokens: int, max_model_len: int) -> None:
+    """A pool smaller than one full context refuses every longer request. Both sizes given:
+    a contradiction, refused. Only the pool given, as benchmarks and tests do: said at start
+    when the pool cannot hold even one prefill chunk (`--kv-tokens 10`), so that the
+    refusals that follow are no surprise."""
+    if kv_tokens >= max_model_len:
+        return
+    if config.max_model_len is not None:
+        raise ConfigError(
+            f"kv_tokens={kv_tokens} is invalid with max_model_len={max_model_len}: the KV pool "
+            f"must hold one whole context; expected kv_tokens >= {max_model_len} or a smaller "
+            "max_model_len"
+        )
+    chunk = min(config.resolved_chunk_size, max_model_len)
+    if kv_tokens < chunk:
+        logger.warning(
+            "kv_tokens=%d is less than one prefill chunk (%d tokens) and than the model's "
+            "context (%d): a request whose prompt and output need more than %d tokens is "
+            "refused",
+            kv_tokens, chunk, max_model_len, kv_tokens,
+        )  # fmt: skip

@@ -17,6 +17,8 @@ from lockstep.errors import RequestError
 # overflow float64, leaving a row of infinities with no distribution to sample. A refusal
 # says so; quietly sampling or quietly switching to greedy would not.
 MIN_TEMPERATURE = 1e-5
+# OpenAI's limit, which the HTTP server's schema enforces too: one rule for every entry point.
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,10 @@ class SamplingParams:
         )
         _check(
             _finite(self.temperature)
-            and (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE),
+            and (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
             "temperature",
             self.temperature,
-            f"0 (greedy) or a number >= {MIN_TEMPERATURE:g}",
+            f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}",
         )
         _check(
             isinstance(self.top_k, int) and self.top_k >= 0,

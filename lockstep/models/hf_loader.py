@@ -198,9 +198,8 @@ class SafetensorsWeights:
         for file_name in files:
             path = folder / file_name
             if not path.exists():
-                raise ModelLoadError(
-                    f"{folder}: weight file {file_name} named in the index is missing"
-                )
+                named = " named in the index" if index.exists() else ""
+                raise ModelLoadError(f"{folder}: weight file {file_name}{named} is missing")
             with safe_open(path, framework="pt") as handle:
                 keys = list(handle.keys())
                 fp8 = {k for k in keys if handle.get_slice(k).get_dtype() == "F8_E4M3"}

@@ -4,6 +4,8 @@
     "random:NAME"     -> a random-weight preset (presets.py), seeded by random_seed
     path to a .gguf   -> gguf_loader
     path to a folder  -> hf_loader (config.json, *.safetensors, tokenizer.json)
+    "org/name"        -> a Hugging Face hub id (hub.py): its cached or downloaded snapshot
+                         folder, then hf_loader; served under the id
 
 Resolving reads metadata only; weights are produced tensor by tensor when the decoder asks
 (`LoadedModel.iter_weights`), so an 8B preset never needs the whole model in host memory.
@@ -21,6 +23,7 @@ import torch
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.hf_loader import load_hf_folder
+from lockstep.models.hub import describe, hub_snapshot, is_hub_id
 from lockstep.models.presets import PRESETS, load_preset
 from lockstep.models.spec import ModelSpec, expected_weight_names
 from lockstep.models.tokenizer import Tokenizer
@@ -100,12 +103,26 @@ def _is_gguf(path: Path) -> bool:
         return handle.read(4) == b"GGUF"
 
 
-def resolve_model(model: str | None, random_seed: int = 0) -> LoadedModel:
-    """Resolve `--model` (see the module docstring); anything else is a ModelLoadError."""
+def resolve_model(
+    model: str | None, random_seed: int = 0, revision: str | None = None
+) -> LoadedModel:
+    """Resolve `--model` (see the module docstring); anything else is a ModelLoadError.
+    `revision` applies to hub ids only."""
     if model is not None and model.startswith(RANDOM_PREFIX):
         preset = model[len(RANDOM_PREFIX) :]
         spec, tokenizer, weights = load_preset(preset, random_seed)
         loaded = LoadedModel(model, preset, spec, tokenizer, weights)
+    elif model is not None and is_hub_id(model):
+        folder = hub_snapshot(model, revision)
+        try:
+            spec, tokenizer, weights = load_hf_folder(folder)
+            loaded = LoadedModel(model, str(folder), spec, tokenizer, weights)
+            _check_complete(loaded)
+        except ModelLoadError as exc:
+            raise ModelLoadError(
+                f"{describe(model, revision)}: the snapshot is incomplete or not a supported "
+                f"model (download it again where the network allows): {exc}"
+            ) from None
     else:
         if model is None:
             path, name = default_model_path(), DEFAULT_MODEL_NAME
@@ -124,7 +141,8 @@ def resolve_model(model: str | None, random_seed: int = 0) -> LoadedModel:
             what = "is not a .gguf file" if path.is_file() else "does not exist"
             raise ModelLoadError(
                 f"--model {model!r} {what}; supported: a .gguf file, a Hugging Face folder "
-                f"(config.json, *.safetensors, tokenizer.json), or "
+                f"(config.json, *.safetensors, tokenizer.json), a Hugging Face hub id "
+                "(org/name), or "
                 f"{', '.join(RANDOM_PREFIX + p for p in PRESETS)}"
             )
         loaded = LoadedModel(name, str(path), spec, tokenizer, weights)

@@ -77,9 +77,14 @@ class WorkerGroup:
         # would SIGTERM the workers and read as their failure.
         atexit.register(self.close)
         try:
+            # Joining blocks until every rank has joined; a worker that died on its way would
+            # leave rank 0 waiting out the store's timeout, so wait for each to say it started.
+            self._wait_until_started()
             self.collectives = worker.join_group(config, 0, store)
         except Exception as exc:
             self.close()
+            if isinstance(exc, TensorParallelError):
+                raise
             raise TensorParallelError(self.failure or f"joining the tp={config.tp} process "
                                       f"group failed: {exc}") from exc  # fmt: skip
         self._store = store
@@ -94,6 +99,34 @@ class WorkerGroup:
         self._callbacks.append(callback)
         if self.failure is not None:
             callback(self.failure)
+
+    def _wait_until_started(self) -> None:
+        """Return once every worker has said "joining"; raise `TensorParallelError` naming the
+        first that died or failed before it (within a second of its death), or that is not
+        there after STORE_TIMEOUT_S."""
+        pending = dict(enumerate(zip(self.conns, self.processes, strict=True), start=1))
+        deadline = time.monotonic() + STORE_TIMEOUT_S
+        while pending:
+            left = deadline - time.monotonic()
+            handles = [h for conn, p in pending.values() for h in (conn, p.sentinel)]
+            if left <= 0 or not wait(handles, timeout=left):
+                raise TensorParallelError(
+                    f"tensor-parallel worker rank(s) {', '.join(map(str, pending))} did not start "
+                    f"within {STORE_TIMEOUT_S} s"
+                )
+            for rank, (conn, process) in list(pending.items()):
+                try:
+                    message = conn.recv() if conn.poll() else None
+                except (EOFError, OSError):  # its end of the pipe closed: it is exiting
+                    process.join(2.0)  # the pipe closes a moment before the status is readable
+                    raise TensorParallelError(_died_at_start(rank, process)) from None
+                if message is not None and message[0] == "joining":
+                    del pending[rank]
+                elif message is not None:  # ("error", text): worker_main caught it
+                    raise TensorParallelError(f"tensor-parallel worker rank {rank} failed at "
+                                              f"start: {message[1]}")  # fmt: skip
+                elif not process.is_alive():
+                    raise TensorParallelError(_died_at_start(rank, process))
 
     def wait_ready(self) -> None:
         """Wait until every worker has loaded its shard; a worker that failed raises
@@ -249,3 +282,15 @@ class ShardedDecoder:
             f"updating weights is not supported at tp={self.group.config.tp}: expected tp=1"
             " (or restart the server with the new --model)"
         )
+
+
+def _died_at_start(rank: int, process: Any) -> str:
+    """The line for a worker that exited before running Lockstep's code: the cause is in its
+    traceback on stderr; the usual one is a script without a `__main__` guard, which every
+    spawned worker re-runs when it imports the script."""
+    return (
+        f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with status "
+        f"{process.exitcode} before it started (its error is above, on stderr); a script that "
+        'starts an engine with tp > 1 must do so under `if __name__ == "__main__":`, '
+        "since each worker process re-imports the script"
+    )

@@ -5,6 +5,11 @@ runs every command rank 0 sends through its pipe, in order, until "stop". Rank 0
 step's forward batch (the scheduler's plan, laid out) before running the same step itself, so
 every rank enters the same collectives in the same order.
 
+    message to rank 0         when
+    ("joining", None)         started, about to join the process group
+    ("ready", None)           its shard is loaded
+    ("error", text)           it failed (then it exits with status 1)
+
     command                   the worker                         rank 0 (lockstep.parallel.group)
     ("kv_slots", n)           allocates its KV store of n slots   after sizing its pool
     ("forward", batch)        Decoder.forward(batch, its store)   the same, then samples
@@ -128,8 +133,9 @@ def worker_main(config: EngineConfig, rank: int, store_port: int, conn: Connecti
         set_threads(config)
         store = dist.TCPStore("127.0.0.1", store_port, config.tp, is_master=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
+        conn.send(("joining", None))  # rank 0 joins only once every worker got this far
         collectives = join_group(config, rank, store)
-        loaded = resolve_model(config.model, random_seed=config.random_seed)
+        loaded = resolve_model(config.model, config.random_seed, config.revision)
         max_position = config.max_model_len or loaded.spec.max_position
         decoder = load_rank_decoder(config, loaded, rank, max_position, collectives)
         conn.send(("ready", None))

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.server.async_engine import AsyncEngine, RequestGroup
+from lockstep.server.auth import RequireApiKey
 from lockstep.server.chat_completions import chat_completions
 from lockstep.server.chat_prompt import ChatOptions, chat_prompt
 from lockstep.server.completions import completions
@@ -69,12 +70,17 @@ DEFAULT_WAITING_PER_RUNNING = 4
 
 
 def build_app(
-    engine: Any, max_waiting: int | None = None, tool_call_parser: str = "auto"
+    engine: Any,
+    max_waiting: int | None = None,
+    tool_call_parser: str = "auto",
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> FastAPI:
     """The app over a loaded engine. `max_waiting`: sequences admitted beyond the engine's
     `max_running` to wait for a running slot; more are refused with a 429 (default:
     `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`: `--tool-call-parser`
-    (`tool_parser.resolve_tool_call_parser`)."""
+    (`tool_parser.resolve_tool_call_parser`). `api_key`, `admin_api_key`: the keys routes
+    require (auth.py); None: open."""
     metrics = ServerMetrics()
     max_running = engine.config.resolved_max_running
     if max_waiting is None:
@@ -117,6 +123,10 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(HeadAsGet)
     app.add_middleware(RefuseWhenFull, engine=async_engine, metrics=metrics)
+    if api_key or admin_api_key:  # outermost: a caller without a key reaches nothing
+        app.add_middleware(
+            RequireApiKey, api_key=api_key, admin_api_key=admin_api_key, metrics=metrics
+        )
     install_error_handlers(app, metrics)
 
     @app.get("/health")

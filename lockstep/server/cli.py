@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -51,7 +53,11 @@ def add_serve_parser(subparsers: Any) -> None:
         help="serve the OpenAI-compatible HTTP API",
         description="Serve an OpenAI-compatible HTTP API (see docs/server.md).",
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0: all)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
         "--shutdown-timeout",
@@ -96,7 +102,23 @@ def add_serve_parser(subparsers: Any) -> None:
         "refused)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--api-key",
+        default=os.environ.get("LOCKSTEP_API_KEY") or None,
+        help="require 'Authorization: Bearer <key>' on every route but /health (default: "
+        "$LOCKSTEP_API_KEY; unset: no key)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("LOCKSTEP_ADMIN_API_KEY") or None,
+        help="the key of the admin routes (/abort_request, /update_weights_from_disk, "
+        "/flush_cache, /get_model_info), which then do not take --api-key (default: "
+        "$LOCKSTEP_ADMIN_API_KEY; unset: --api-key guards them)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="Lockstep's and uvicorn's log level (default: info; debug also logs each request)",
     )
     add_engine_arguments(parser)
     parser.set_defaults(func=run_serve_command)
@@ -113,6 +135,13 @@ def run_serve_command(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"lockstep serve: error: {exc}", file=sys.stderr)
         return 2
+    if not args.api_key and not _is_loopback(args.host):  # said before the model loads
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach this port can use the "
+            "model%s; set --api-key or LOCKSTEP_API_KEY",
+            args.host,
+            "" if args.admin_api_key else ", abort others' requests and replace the weights",
+        )
     from lockstep.engine.engine import Engine
     from lockstep.parallel.group import TensorParallelError
 
@@ -128,7 +157,13 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from lockstep.server.api import build_app
     from lockstep.server.connections import guarded_protocol, raise_fd_limit
 
-    app = build_app(engine, max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser)
+    app = build_app(
+        engine,
+        max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+    )
     raise_fd_limit(args.max_connections)
     protocol = guarded_protocol(
         args.request_read_timeout,
@@ -240,3 +275,13 @@ def _bind(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` (an address to listen on) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it resolves beyond this machine

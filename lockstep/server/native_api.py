@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.errors import ModelLoadError, RequestError
+from lockstep.errors import ModelLoadError, RequestError, UnreadableWeights
 from lockstep.server.async_engine import AsyncEngine, Overloaded, RequestGroup
 from lockstep.server.delivery import run_to_end, streaming
 from lockstep.server.native_protocol import (
@@ -261,8 +261,15 @@ def add_native_routes(
                     await engine.call(lambda e: e.update_weights_from_disk(path, version))
                 except (ModelLoadError, RequestError) as exc:
                     logger.warning("weight update refused: %s", exc)
+                    message = str(exc)
+                    if isinstance(exc, UnreadableWeights):  # never tell what exists on disk
+                        message = (
+                            "model_path names no model this server can load (a Hugging Face "
+                            "folder, a .gguf file, a hub id or a random: preset); the server's "
+                            "log says why"
+                        )
                     return JSONResponse(
-                        {"success": False, "message": str(exc), "num_paused_requests": 0},
+                        {"success": False, "message": message, "num_paused_requests": 0},
                         status_code=400,
                     )
                 refresh_fingerprint()
