@@ -48,6 +48,11 @@ names; embeddings, the LM head, norms, biases and routers are never quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lockstep.models.blocks import LayerPlan
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -223,6 +228,17 @@ class ModelSpec:
         )
 
     @property
+    def layer_plans(self) -> tuple[LayerPlan, ...]:
+        """Each layer's mixer and MLP (lockstep/models/blocks), from the flags above."""
+        return _layer_plans(self)
+
+    @property
+    def norm_kind(self) -> str:
+        """How RMSNorm weights are prepared (decoder.py's `weight_layout`): "norm1p" where the
+        family stores w - 1 (Qwen3.5), else "norm"."""
+        return "norm1p" if self.hybrid else "norm"
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -273,36 +289,33 @@ class ModelSpec:
         return total
 
 
-_LINEAR_TENSORS = (
-    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-    "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight",
-)  # fmt: skip
+@lru_cache(maxsize=64)
+def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
+    # Cached by spec (frozen, hashable): weight names and shapes ask for every tensor.
+    # Imported here: the blocks import modules that import this one.
+    from lockstep.models.blocks import Attention, DenseMlp, GatedDeltaNet, LayerPlan, MoeMlp
+
+    attention = Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid)
+    return tuple(
+        LayerPlan(
+            GatedDeltaNet() if spec.is_linear(i) else attention,
+            MoeMlp() if spec.is_sparse(i) else DenseMlp(),
+        )
+        for i in range(spec.num_layers)
+    )
 
 
 def expected_weight_names(spec: ModelSpec) -> list[str]:
-    """Every canonical tensor name (spec.py) a model of this spec has, in layer order."""
+    """Every canonical tensor name (spec.py) a model of this spec has, in layer order: each
+    layer's norms and its blocks' tensors (lockstep/models/blocks), FP8 scales after their
+    weight."""
     names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
+    for i, plan in enumerate(spec.layer_plans):
         prefix = f"model.layers.{i}."
         names.append(prefix + "input_layernorm.weight")
-        if spec.is_linear(i):
-            names += [prefix + "linear_attn." + n for n in _LINEAR_TENSORS]
-        else:
-            names += [f"{prefix}self_attn.{proj}_proj.weight" for proj in ("q", "k", "v", "o")]
-        if spec.qkv_bias:
-            names += [f"{prefix}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
-        if spec.qk_norm and not spec.is_linear(i):
-            names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
+        names += [prefix + n for n in plan.mixer.weight_names(spec)]
         names.append(prefix + "post_attention_layernorm.weight")
-        if spec.is_sparse(i):
-            assert spec.moe is not None
-            names.append(prefix + "mlp.gate.weight")
-            for e in range(spec.moe.num_experts):
-                names += [
-                    f"{prefix}mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")
-                ]
-        else:
-            names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        names += [prefix + n for n in plan.mlp.weight_names(spec)]
     if spec.fp8 is not None:
         names = [extra for name in names for extra in _with_fp8_scales(spec, name)]
     names.append("model.norm.weight")
@@ -329,47 +342,14 @@ def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
             return ()
         n, k = expected_weight_shape(spec, name.removesuffix("_scale"))
         return (-(-n // 128), -(-k // 128)) if spec.fp8.scheme == "block" else (n,)
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    if ".linear_attn." in name:
-        assert spec.linear is not None, name
-        lin = spec.linear
-        leaf = name.split(".linear_attn.")[1]
-        return {
-            "in_proj_qkv.weight": (lin.conv_dim, h),
-            "in_proj_z.weight": (lin.value_dim, h),
-            "in_proj_b.weight": (lin.num_value_heads, h),
-            "in_proj_a.weight": (lin.num_value_heads, h),
-            "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
-            "A_log": (lin.num_value_heads,),
-            "dt_bias": (lin.num_value_heads,),
-            "norm.weight": (lin.value_head_dim,),
-            "out_proj.weight": (h, lin.value_dim),
-        }[leaf]
-    if spec.hybrid and name.endswith("self_attn.q_proj.weight"):
-        return (2 * q, h)  # each head's query rows, then its gate rows
-    leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
+    h = spec.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (spec.vocab_size, h)
-    if name.endswith(".bias"):
-        return (q,) if leaf == "q_proj" else (kv,)
-    inter = spec.intermediate_size
-    if ".mlp.experts." in name:
-        assert spec.moe is not None, name
-        inter = spec.moe.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "input_layernorm": (h,),
-        "post_attention_layernorm": (h,),
-        "norm": (h,),
-        "q_norm": (spec.head_dim,),
-        "k_norm": (spec.head_dim,),
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
-    }
-    if spec.moe is not None:
-        shapes["gate"] = (spec.moe.num_experts, h)  # the router
-    return shapes[leaf]
+    if name == "model.norm.weight":
+        return (h,)
+    layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+    if leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return (h,)
+    plan = spec.layer_plans[int(layer)]
+    block = plan.mixer if leaf.startswith(plan.mixer.prefix + ".") else plan.mlp
+    return block.weight_shape(spec, leaf)
