@@ -130,22 +130,17 @@ class Decoder:
         self.embed = parts.pop("embed")
         self.final_norm = parts.pop("final_norm")
         self.lm_head = parts.pop("lm_head")
-        kv_layers, linear_layers = spec.kv_layers, [i for i in range(spec.num_layers)
-                                                    if spec.is_linear(i)]  # fmt: skip
         self.layers: list[Layer] = []
+        caches: Counter[str] = Counter()  # layers so far per kind of mixer cache
         for i, plan in enumerate(spec.layer_plans):
-            cache = linear_layers if spec.is_linear(i) else kv_layers
-            context = BuildContext(spec, self.plan, self.rope_cos, self.rope_sin, cache.index(i))
-            built = {}
-            for role in ("mixer", "mlp"):
-                prefix = f"layers.{i}.{role}."
-                fields = {k.removeprefix(prefix): parts.pop(k) for k in list(parts)
-                          if k.startswith(prefix)}  # fmt: skip
-                built[role] = getattr(plan, role).build(fields, context)
-            self.layers.append(
-                Layer(plan, parts.pop(f"layers.{i}.input_norm"), built["mixer"],
-                      parts.pop(f"layers.{i}.post_norm"), built["mlp"])
-            )  # fmt: skip
+            cache_index = caches[plan.mixer.cache]
+            caches[plan.mixer.cache] += 1
+            context = BuildContext(spec, self.plan, self.rope_cos, self.rope_sin, cache_index)
+            mixer = plan.mixer.build(_fields(parts, f"layers.{i}.mixer."), context)
+            mlp = plan.mlp.build(_fields(parts, f"layers.{i}.mlp."), context)
+            input_norm = parts.pop(f"layers.{i}.input_norm")
+            post_norm = parts.pop(f"layers.{i}.post_norm")
+            self.layers.append(Layer(plan, input_norm, mixer, post_norm, mlp))
         assert not parts, f"prepared weights no layer took: {sorted(parts)[:3]}"
 
     @classmethod
@@ -330,6 +325,13 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     layout.append(LayoutEntry("lm_head", "linear", [head]))
     layout.append(LayoutEntry("final_norm", norm, ["model.norm.weight"]))
     return layout
+
+
+def _fields(parts: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Take the prepared weights whose target starts with `prefix`, by the rest of the name."""
+    return {
+        t.removeprefix(prefix): parts.pop(t) for t in [t for t in parts if t.startswith(prefix)]
+    }
 
 
 def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:

@@ -1,38 +1,20 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5) is the same pre-norm decoder
-with rotary embeddings, grouped-query attention and SwiGLU MLPs; they differ only in the flags
-below. A hybrid model (Qwen3.5, `ModelSpec.linear`) replaces the attention of most layers by
-a Gated DeltaNet linear-attention layer (lockstep.models.linear_attention); its full-attention
-layers have an output gate, partial rotary embeddings and RMSNorm weights stored as w - 1. In a mixture-of-experts model (`ModelSpec.moe`) the MLP of each sparse layer is a router
-and a set of routed SwiGLU experts; the other layers keep the dense MLP. Loaders produce a
-`ModelSpec` plus a state dict in the canonical (Hugging Face) naming:
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5) is a pre-norm decoder with
+rotary embeddings whose layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each
+layer's mixer and MLP block (lockstep/models/blocks), chosen from the flags below: attention
+(q/k/v biases, q/k norm, Qwen3.5's output gate and partial rotary embeddings), or in a hybrid
+model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU MLP, or in the
+sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed experts.
+Qwen3.5 stores its RMSNorm weights as w - 1 (`norm_kind`). Loaders produce a `ModelSpec` plus
+a state dict in the canonical (Hugging Face) naming: each block's module docstring lists its
+tensors (after "model.layers.{i}."); around them
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
-    model.layers.{i}.self_attn.{q,k,v}_proj.bias   (qkv_bias only)
-    model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qk_norm only)
     model.layers.{i}.post_attention_layernorm.weight
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight  (dense layers)
-    model.layers.{i}.mlp.gate.weight               [experts, hidden] (sparse layers: the router)
-    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   (sparse layers, e < experts)
     model.norm.weight
     lm_head.weight                                 (absent when tie_word_embeddings)
-
-Hybrid models (Qwen3.5): a full-attention layer's q_proj has 2 * num_heads * head_dim rows,
-each head's query rows followed by its gate rows; a linear-attention layer has, instead of
-self_attn.*,
-
-    model.layers.{i}.linear_attn.in_proj_qkv.weight  [2 Hk Dk + Hv Dv, hidden]  (q | k | v)
-    model.layers.{i}.linear_attn.in_proj_z.weight    [Hv Dv, hidden]  (output gate)
-    model.layers.{i}.linear_attn.in_proj_b.weight    [Hv, hidden]     (beta = sigmoid(b))
-    model.layers.{i}.linear_attn.in_proj_a.weight    [Hv, hidden]     (decay)
-    model.layers.{i}.linear_attn.conv1d.weight       [2 Hk Dk + Hv Dv, 1, conv_kernel]
-    model.layers.{i}.linear_attn.A_log               [Hv]
-    model.layers.{i}.linear_attn.dt_bias             [Hv]
-    model.layers.{i}.linear_attn.norm.weight         [Dv]  (gated RMSNorm, plain weight)
-    model.layers.{i}.linear_attn.out_proj.weight     [hidden, Hv Dv]
 
 An FP8 model (`ModelSpec.fp8`, lockstep/ops/fp8.py) stores each quantized linear's weight as
 float8_e4m3fn and adds, beside `{linear}.weight`, in canonical names and shapes:
@@ -253,8 +235,9 @@ class ModelSpec:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep K/V (every layer but the linear-attention ones)."""
-        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+        """The layers whose mixer keeps K/V per token (every layer but the linear-attention
+        ones), in order: the KV pool's layers."""
+        return tuple(i for i, plan in enumerate(self.layer_plans) if plan.mixer.cache == "kv")
 
     @property
     def q_size(self) -> int:

@@ -11,16 +11,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from lockstep.models.blocks.attention import Attention
-from lockstep.models.blocks.base import Block
+from lockstep.models.blocks.base import Block, Mixer
 from lockstep.models.blocks.gated_deltanet import GatedDeltaNet
 from lockstep.models.blocks.mlp import DenseMlp
 from lockstep.models.blocks.moe import MoeMlp
 
-__all__ = ["Attention", "Block", "DenseMlp", "GatedDeltaNet", "LayerPlan", "MoeMlp"]
+__all__ = ["Attention", "Block", "DenseMlp", "GatedDeltaNet", "LayerPlan", "Mixer", "MoeMlp"]
 
 
 class LayerPlan(NamedTuple):
     """One decoder layer: its mixer (attention or linear attention) and its MLP."""
 
-    mixer: Block
+    mixer: Mixer
     mlp: Block

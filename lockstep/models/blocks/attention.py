@@ -73,6 +73,7 @@ class Attention:
     output_gate: bool = False
 
     prefix: ClassVar[str] = "self_attn"
+    cache: ClassVar[str] = "kv"  # K/V per token in the KV pool
 
     @property
     def requires(self) -> tuple[type, ...]:

@@ -13,6 +13,9 @@ not, ...); the model's shapes come from the `ModelSpec` passed to each method. I
     build(parts, context)   the layer's weights object from its prepared fields (by field name)
     forward(ops, x, w, step)  x [T, hidden] -> [T, hidden], this layer's part of one step
     requires                the op capabilities (lockstep/ops/base.py) its forward calls
+    cache                   mixers only: "kv" (K/V per token, in the KV pool) or "state" (a
+                            linear-attention state per sequence); `BuildContext.cache_index`
+                            counts the layers before it with the same kind
 
 A block's forward must keep the contract of docs/design.md by itself: each
 output row depends only on its own row and its own sequence's earlier tokens.
@@ -131,3 +134,9 @@ class Block(Protocol):
     def build(self, parts: dict[str, Any], context: BuildContext) -> Any: ...
 
     def forward(self, ops: Ops, x: torch.Tensor, weights: Any, step: Step) -> torch.Tensor: ...
+
+
+class Mixer(Block, Protocol):
+    """A block that mixes positions (attention, linear attention), with the cache it keeps."""
+
+    cache: str

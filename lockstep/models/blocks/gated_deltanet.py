@@ -52,6 +52,7 @@ class GatedDeltaNet:
     """Gated DeltaNet over `ModelSpec.linear`'s shapes."""
 
     prefix: ClassVar[str] = "linear_attn"
+    cache: ClassVar[str] = "state"  # a LinearState per sequence
     requires: ClassVar[tuple[type, ...]] = (DenseOps, LinearAttentionOps, GatedOutputOps)
 
     def weight_names(self, spec: ModelSpec) -> list[str]:
