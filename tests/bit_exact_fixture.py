@@ -14,6 +14,12 @@ deterministic CPU backend in float32. Recorded per case:
                      changed input (a new transformers drawing tests/tiny_hf.py's weights
                      differently) is told apart from a changed decoder
 
+The recording runs in a child process with torch's CPU kernels pinned to AVX2
+(ATEN_CPU_CAPABILITY=avx2): torch.randn draws different bits under its AVX2 and AVX-512/default
+kernels, and it makes the presets' and tiny folders' weights. Lockstep's own C++ kernels give
+the same bits on every SIMD path (docs/cpu_ops.md). The child imports this repository's
+lockstep, whatever is installed.
+
 Regenerate (only on code whose bits are meant to change, and say why in the commit):
 
     python tests/bit_exact_fixture.py        # rewrites tests/bit_exact_fixture.json
@@ -21,9 +27,12 @@ Regenerate (only on code whose bits are meant to change, and say why in the comm
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import struct
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -39,7 +48,10 @@ from lockstep.ops import Ops, get_ops
 from lockstep.parallel.layers import TensorParallel
 from lockstep.parallel.sharding import ShardPlan
 
-FIXTURE = Path(__file__).with_name("bit_exact_fixture.json")
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+FIXTURE = TESTS / "bit_exact_fixture.json"
+CPU_CAPABILITY = "avx2"
 TEXT = "The quick brown fox jumps over the lazy dog; 0123456789."  # 56 bytes: past one chunk
 GGUF_TEXT = "The capital of France is Paris, and the capital of Italy is Rome."
 
@@ -158,19 +170,78 @@ def record(case: Case, loaded: LoadedModel, ops: Ops | None = None) -> dict[str,
     }
 
 
-def record_all() -> dict[str, dict[str, Any]]:
-    out = {}
+class OneBitFlipped:
+    """A weight source with the lowest mantissa bit of one element of one tensor flipped."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def iter(self, dtype: torch.dtype, device: torch.device | str) -> Iterator[Any]:
+        for name, tensor in self.inner.iter(dtype, device):
+            if name == self.name:
+                tensor = tensor.clone()
+                tensor.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+            yield name, tensor
+
+
+FLIPPED = ("model.layers.1.mlp.down_proj.weight", "model.layers.0.linear_attn.A_log")
+
+
+def _controls() -> dict[str, dict[str, Any]]:
+    """What must differ from the recording: the fast backend on random:tiny-qwen3, and
+    random:tiny-qwen3.5 with one bit of one weight flipped (`FLIPPED`)."""
+    by_name = {case.name: case for case in CASES}
+    fast_case, flip_case = by_name["random:tiny-qwen3"], by_name["random:tiny-qwen3.5"]
+    loaded, _ = load_case(fast_case, Path())
+    out = {"fast mode": record(fast_case, loaded, get_ops("cpu", "fast"))}
+    for weight in FLIPPED:
+        loaded, _ = load_case(flip_case, Path())
+        flipped = dataclasses.replace(loaded, weights=OneBitFlipped(loaded.weights, weight))
+        out[f"flipped {weight}"] = record(flip_case, flipped)
+    return out
+
+
+def _record_here() -> dict[str, Any]:
+    """Every case and control, in this process (the child of `record_pinned`)."""
+    import lockstep
+
+    if Path(lockstep.__file__).resolve().parents[1] != ROOT:
+        raise SystemExit(f"imported {lockstep.__file__}, not this repository's lockstep ({ROOT})")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != CPU_CAPABILITY.upper():
+        raise SystemExit(
+            f"torch runs its {capability} CPU kernels, the recording needs "
+            f"ATEN_CPU_CAPABILITY={CPU_CAPABILITY} on a CPU that has it"
+        )
+    cases = {}
     with tempfile.TemporaryDirectory() as tmp:
         for index, case in enumerate(CASES):
             folder = Path(tmp) / str(index)
             folder.mkdir()
             loaded, weights = load_case(case, folder)
-            out[case.name] = record(case, loaded)
+            cases[case.name] = record(case, loaded)
             if weights is not None:
-                out[case.name]["weights_sha256"] = weights
-    return out
+                cases[case.name]["weights_sha256"] = weights
+    return {"cases": cases, "controls": _controls()}
+
+
+def record_pinned() -> dict[str, Any]:
+    """`_record_here` in a child process with torch pinned to `CPU_CAPABILITY` and this
+    repository's lockstep first on the path; its JSON is the last line of its output."""
+    path = os.pathsep.join(p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": CPU_CAPABILITY, "PYTHONPATH": path}
+    code = "import json, bit_exact_fixture as f; print(json.dumps(f._record_here()))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"recording failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 if __name__ == "__main__":
-    FIXTURE.write_text(json.dumps(record_all(), indent=1) + "\n")
+    FIXTURE.write_text(json.dumps(record_pinned()["cases"], indent=1) + "\n")
     print(f"wrote {FIXTURE} ({len(CASES)} cases)", file=sys.stderr)
