@@ -42,6 +42,7 @@ import torch
 from lockstep.errors import ModelLoadError
 from lockstep.models.blocks import LayerPlan
 from lockstep.models.blocks.base import (
+    SHARDS,
     BuildContext,
     KVStorage,
     LayoutEntry,
@@ -166,8 +167,10 @@ class Decoder:
             parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), default_reduction(ops))
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
         parts = {
-            target: _prepare(spec, target, kind, [got[n] for n in names], parallel, dtype, device)
-            for target, kind, names in _consume(weight_layout(spec), got)
+            entry.target: _prepare(
+                spec, entry, [got[n] for n in entry.sources], parallel, dtype, device
+            )
+            for entry in _consume(weight_layout(spec), got)
         }
         return cls(
             spec, ops, dtype, device, parts, max_position or spec.max_position, parallel, kv_dtype
@@ -191,10 +194,10 @@ class Decoder:
         cpu = torch.device("cpu")
         got = _collect(((n, t.detach()) for n, t in weights), spec, source, self.dtype, cpu)
         with torch.no_grad():
-            for target, kind, names in _consume(weight_layout(spec), got):
-                parts = [got[n] for n in names]
-                new = _prepare(spec, target, kind, parts, self.parallel, self.dtype, self.device)
-                old = self._tensor_at(target)
+            for entry in _consume(weight_layout(spec), got):
+                parts = [got[n] for n in entry.sources]
+                new = _prepare(spec, entry, parts, self.parallel, self.dtype, self.device)
+                old = self._tensor_at(entry.target)
                 if isinstance(old, Fp8Weight):
                     assert isinstance(new, Fp8Weight)
                     for live, fresh in zip(old.tensors(), new.tensors(), strict=True):
@@ -302,10 +305,11 @@ FLOAT32_TENSORS = ("norm.weight", ".bias", ".A_log", ".dt_bias", ".conv1d.weight
 
 
 def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
-    """How canonical tensors become the decoder's: (target, kind, source names), in load
-    order; each layer's norms here, its mixer's and MLP's entries from their blocks. Kinds:
-    "norm" (float32), "norm1p" (float32, plus one: Qwen3.5 stores w - 1), "conv" (float32
-    [channels, kernel]), "bias" (float32, concatenated), "embed" (as is), "linear" (rows
+    """How canonical tensors become the decoder's: `LayoutEntry`s (target, kind, source names,
+    tensor-parallel shard rule), in load order; each layer's norms here, its mixer's and
+    MLP's entries from their blocks. Kinds: "norm" (float32), "norm1p" (float32, plus one:
+    Qwen3.5 stores w - 1), "conv" (float32 [channels, kernel]), "bias" (float32,
+    concatenated), "embed" (as is), "linear" (rows
     concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
     gate rows separated: q | k | v | gate, then "linear"), "row_attention" and "row_mlp"
     (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
@@ -320,9 +324,9 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
         layout += plan.mixer.layout(spec, i, "mixer")
         layout.append(LayoutEntry(t + "post_norm", norm, [p + "post_attention_layernorm.weight"]))
         layout += plan.mlp.layout(spec, i, "mlp")
-    layout.append(LayoutEntry("embed", "embed", ["model.embed_tokens.weight"]))
+    layout.append(LayoutEntry("embed", "embed", ["model.embed_tokens.weight"], "vocab"))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    layout.append(LayoutEntry("lm_head", "linear", [head]))
+    layout.append(LayoutEntry("lm_head", "linear", [head], "vocab"))
     layout.append(LayoutEntry("final_norm", norm, ["model.norm.weight"]))
     return layout
 
@@ -354,18 +358,19 @@ def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:
 
 def _prepare(
     spec: ModelSpec,
-    target: str,
-    kind: str,
+    entry: LayoutEntry,
     parts: list[torch.Tensor],
     parallel: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
 ) -> Linear | RowParallelWeight:
+    """One `weight_layout` entry's prepared weight from its source tensors `parts`."""
+    kind = entry.kind
     ops = parallel.ops
     if kind == "fp8":  # FP8 models run at tp=1 (lockstep.parallel.sharding): never sharded
         assert spec.fp8 is not None
         return _fuse_fp8(spec.fp8.scheme, parts, ops, device)
-    parts = _shard(parallel.plan, target, parts)
+    parts = _shard(parallel.plan, entry.shard, parts)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
     if kind == "norm1p":
@@ -415,35 +420,28 @@ def _fuse_fp8(scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.de
     return ops.prepare_fp8_linear(scheme, weight, weight_scale, input_scale)
 
 
-def _shard(plan: ShardPlan, target: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's rows of a column-parallel or vocabulary-parallel target's sources (q | k | v
-    by heads, gate | up by intermediate columns, the embedding and LM head by vocabulary
-    rows); every other target whole (row-parallel ones are cut by `row_weight`)."""
-    if plan.tp == 1:
+def _shard(plan: ShardPlan, shard: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's rows of an entry's sources, by the entry's `shard` rule (`LayoutEntry`)."""
+    if shard not in SHARDS:
+        raise ValueError(f"shard={shard!r} is invalid: expected one of {SHARDS}")
+    if plan.tp == 1 or shard == "whole":
         return parts
-    d = plan.spec.head_dim
-    if target.endswith((".qkv", ".qkv_bias")):
+    if shard == "heads":
+        d = plan.spec.head_dim
         (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
         q, k, v = parts
         return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
-    if target.endswith(".gate_up"):
-        lo, hi = plan.intermediate
-        return [p[lo:hi] for p in parts]
-    if target in ("embed", "lm_head"):
-        lo, hi = plan.vocab_rows()
-        return [p[lo:hi] for p in parts]
-    return parts
+    lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[shard]
+    return [p[lo:hi] for p in parts]
 
 
-def _consume(
-    layout: list[tuple[str, str, list[str]]], got: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, str, list[str]]]:
+def _consume(layout: list[LayoutEntry], got: dict[str, torch.Tensor]) -> Iterator[LayoutEntry]:
     """Yield the layout's entries, dropping each source tensor from `got` after its last use
     (so a load holds one copy of the model, not two)."""
-    uses = Counter(n for _, _, names in layout for n in names)
+    uses = Counter(n for entry in layout for n in entry.sources)
     for entry in layout:
         yield entry
-        for name in entry[2]:
+        for name in entry.sources:
             uses[name] -= 1
             if not uses[name]:
                 del got[name]

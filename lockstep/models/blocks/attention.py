@@ -105,13 +105,15 @@ class Attention:
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
         a, t = f"model.layers.{layer}.self_attn.", f"layers.{layer}.{role}."
         if self.output_gate:
-            qkv = LayoutEntry(t + "qkv", "qkv_gate", [a + f"{x}_proj.weight" for x in "qkv"])
+            qkv = LayoutEntry(
+                t + "qkv", "qkv_gate", [a + f"{x}_proj.weight" for x in "qkv"], "heads"
+            )
         else:
-            qkv = linear_entry(spec, t + "qkv", [a + f"{x}_proj" for x in "qkv"])
+            qkv = linear_entry(spec, t + "qkv", [a + f"{x}_proj" for x in "qkv"], "heads")
         entries = [qkv]
         if self.bias:
             entries.append(
-                LayoutEntry(t + "qkv_bias", "bias", [a + f"{x}_proj.bias" for x in "qkv"])
+                LayoutEntry(t + "qkv_bias", "bias", [a + f"{x}_proj.bias" for x in "qkv"], "heads")
             )
         if self.qk_norm:
             entries.append(LayoutEntry(t + "q_norm", spec.norm_kind, [a + "q_norm.weight"]))

@@ -42,13 +42,24 @@ if TYPE_CHECKING:
 Linear = torch.Tensor | Fp8Weight  # a prepared linear weight, plain or FP8
 
 
+SHARDS = ("whole", "heads", "intermediate", "vocab")
+
+
 class LayoutEntry(NamedTuple):
     """One prepared weight: `target` ("layers.3.mixer.qkv", "embed"), the preparation `kind`
-    (decoder.py's `weight_layout`) and the canonical source tensors, in order."""
+    (decoder.py's `weight_layout`), the canonical source tensors, in order, and which rows of
+    them a tensor-parallel rank keeps (`shard`, lockstep/parallel/sharding.py's plan):
+
+        whole         all of them (row-parallel kinds are cut later, by reduction chunks)
+        heads         q | k | v sources: this rank's query heads' rows of q, KV heads' of k, v
+        intermediate  each source's rows of this rank's intermediate columns
+        vocab         each source's rows of this rank's vocabulary slice
+    """
 
     target: str
     kind: str
     sources: list[str]
+    shard: str = "whole"
 
 
 def linear(ops: Ops, x: torch.Tensor, w: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,13 +69,15 @@ def linear(ops: Ops, x: torch.Tensor, w: Linear, bias: torch.Tensor | None = Non
     return ops.linear(x, w, bias)
 
 
-def linear_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:
+def linear_entry(
+    spec: ModelSpec, target: str, modules: list[str], shard: str = "whole"
+) -> LayoutEntry:
     """The entry of one fused linear over `modules` (canonical module names): "linear" when
     none is FP8, "fp8" (weights, then weight scales, then input scales) when all are; a mix
     cannot share one matmul and is refused."""
     fp8 = [spec.is_fp8_linear(m) for m in modules]
     if not any(fp8):
-        return LayoutEntry(target, "linear", [m + ".weight" for m in modules])
+        return LayoutEntry(target, "linear", [m + ".weight" for m in modules], shard)
     if not all(fp8):
         raise ModelLoadError(
             f"{modules[fp8.index(False)]} is not FP8 but {modules[fp8.index(True)]} is: "
@@ -74,7 +87,7 @@ def linear_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntr
     suffixes = [".weight", ".weight_scale"] + (
         [".input_scale"] if spec.fp8.scheme == "tensor" else []
     )
-    return LayoutEntry(target, "fp8", [m + s for s in suffixes for m in modules])
+    return LayoutEntry(target, "fp8", [m + s for s in suffixes for m in modules], shard)
 
 
 def row_linear_entry(spec: ModelSpec, target: str, module: str, kind: str) -> LayoutEntry:

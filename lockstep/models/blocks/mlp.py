@@ -57,7 +57,7 @@ class DenseMlp:
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
         p, t = f"model.layers.{layer}.mlp.", f"layers.{layer}.{role}."
         return [
-            linear_entry(spec, t + "gate_up", [p + "gate_proj", p + "up_proj"]),
+            linear_entry(spec, t + "gate_up", [p + "gate_proj", p + "up_proj"], "intermediate"),
             row_linear_entry(spec, t + "down", p + "down_proj", "row_mlp"),
         ]
 
