@@ -7,9 +7,9 @@ not, ...); the model's shapes come from the `ModelSpec` passed to each method. I
     prefix                  its canonical names' part after "model.layers.{i}." ("self_attn")
     weight_names(spec)      its canonical tensors, relative to "model.layers.{i}.", in load order
     weight_shape(spec, n)   the shape of one of them
-    layout(spec, i)         how those tensors become prepared weights: `LayoutEntry`s whose
-                            target is "layers.{i}.{role}.{field}" (decoder.py's `_prepare`
-                            knows the kinds)
+    layout(spec, i, role)   how those tensors become prepared weights: `LayoutEntry`s whose
+                            target is "layers.{i}.{role}.{field}", with their preparation kind
+                            (decoder.py's `_prepare` knows the kinds) and shard rule
     build(parts, context)   the layer's weights object from its prepared fields (by field name)
     forward(ops, x, w, step)  x [T, hidden] -> [T, hidden], this layer's part of one step
     requires                the op capabilities (lockstep/ops/base.py) its forward calls
