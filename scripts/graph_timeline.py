@@ -117,7 +117,8 @@ def apply_variant(decoder, opts: dict) -> None:
     """Route the named projections' small-M matmuls to the given configs (by weight shape),
     and the decode attention to the table's config with the given fields."""
     w = decoder.layers[0]
-    shapes = {name: tuple(getattr(w, name).shape) for name in LAYER_MATMULS}
+    owners = {"qkv": w.mixer, "o": w.mixer, "gate_up": w.mlp, "down": w.mlp}
+    shapes = {name: tuple(getattr(owners[name], name).shape) for name in LAYER_MATMULS}
     overrides = {shapes[p]: parse_config(c) for p, c in opts.items() if p in LAYER_MATMULS}
     fields = {ATTENTION_KEYS[k]: _field_value(k, v) for k, v in opts.items() if k in ATTENTION_KEYS}
     variants = {

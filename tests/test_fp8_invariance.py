@@ -38,7 +38,7 @@ CASES = 200 if LONG else 12
 def block_fp8_kv() -> Engine:
     engine = _engine(BLOCK, kv_dtype="fp8_e4m3")
     assert engine.pool.k_cache(0).dtype == E4M3
-    assert isinstance(engine.decoder.layers[0].qkv, Fp8Weight)
+    assert isinstance(engine.decoder.layers[0].mixer.qkv, Fp8Weight)
     return engine
 
 

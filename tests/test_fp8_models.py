@@ -43,8 +43,8 @@ def test_fp8_folder_matches_float64_reference(tmp_path: Path, fmt: str) -> None:
     skip = SKIP if fmt == "compressed-tensors" else ()
     model = write_fp8_folder(tmp_path, fmt, skip)
     got, decoder = _lockstep_logits(tmp_path)
-    assert isinstance(decoder.layers[0].qkv, Fp8Weight)
-    assert isinstance(decoder.layers[1].down, Fp8Weight) == (not skip)
+    assert isinstance(decoder.layers[0].mixer.qkv, Fp8Weight)
+    assert isinstance(decoder.layers[1].mlp.down, Fp8Weight) == (not skip)
     with torch.no_grad():
         plain = model.to(torch.float64)(torch.tensor([TOKENS])).logits[0]
         reference = float64_reference(model, tmp_path, fmt, skip)

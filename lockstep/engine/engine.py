@@ -562,7 +562,6 @@ class Engine:
         """What the results depend on (docs/design.md, "The contract")."""
         return {
             "engine_version": lockstep.__version__,
-            "kernel_table_version": getattr(self.ops, "kernel_table_version", self.ops.name),
             "ops_backend": self.ops.name,
             "mode": self.config.mode,
             "tp_reduction": self.config.resolved_tp_reduction,

@@ -1,7 +1,6 @@
-"""The one decoder for the Llama, Qwen2, Qwen3, Qwen3-MoE and Qwen3.5 families.
-
-A pre-norm transformer with rotary embeddings, grouped-query attention and a SwiGLU MLP, or in
-the sparse layers of a mixture-of-experts model a router and routed SwiGLU experts (`Ops.moe`).
+"""The one decoder for every family: a pre-norm transformer whose layers are (norm, mixer,
+norm, MLP), the mixer and MLP being blocks (lockstep/models/blocks) named by the spec's
+`layer_plans`: attention and its variants or Gated DeltaNet; a SwiGLU MLP or routed experts.
 All arithmetic goes through an `Ops` backend (lockstep.ops), so the same model code runs the
 deterministic CPU kernels, the Triton kernels, the fast yardstick and the float64 reference.
 
@@ -9,8 +8,10 @@ Weights are loaded strictly: every tensor the loader yields must be expected and
 tensor must arrive, else `ModelLoadError`. q/k/v are fused into one projection and gate/up into
 another at load time (fewer, larger matmuls); fusing concatenates rows, so each output element's
 reduction is unchanged. FP8 linears (lockstep/ops/fp8.py) fuse the same way: weights by rows,
-per-row and per-block scales with their rows (`_fuse_fp8`). A sparse layer's experts are stacked into one gate_up [E, 2I, K] and one
-down [E, H, I] tensor (lockstep.ops.moe, "Weights").
+per-row and per-block scales with their rows (`_fuse_fp8`). A sparse layer's experts are
+stacked into one gate_up [E, 2I, K] and one down [E, H, I] tensor (lockstep.ops.moe,
+"Weights"). Each block says how its tensors are prepared (`weight_layout`); the kinds of
+preparation, fusing and sharding live here, so every block prepares the same way.
 
 Position invariance: every op here is row-local (its row's bits depend only on that row) except
 attention, whose rows depend only on the keys 0..p of their own sequence. New K/V are written to
@@ -30,71 +31,50 @@ are still reduced chunk by chunk (deterministic mode), so that TP 1 gives the bi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.forward_batch import ForwardBatch
-from lockstep.models.linear_attention import (
-    LinearLayout,
-    LinearState,
-    LinearWeights,
-    gated_deltanet,
+from lockstep.models.blocks import LayerPlan
+from lockstep.models.blocks.base import (
+    SHARDS,
+    BuildContext,
+    KVStorage,
+    LayoutEntry,
+    Linear,
+    Step,
 )
+from lockstep.models.forward_batch import ForwardBatch
+from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
-from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops, build_attention_meta
+from lockstep.ops.base import AttentionMeta, DenseOps, Fp8Ops, Ops, build_attention_meta
 from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
-from lockstep.ops.moe import MoeLayer, prepare_expert_weights
+from lockstep.ops.moe import prepare_expert_weights
 from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
 from lockstep.parallel.sharding import ShardPlan
 
 if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
 
-
-class KVStorage(Protocol):
-    def k_cache(self, layer: int) -> torch.Tensor: ...
-
-    def v_cache(self, layer: int) -> torch.Tensor: ...
-
-
-Linear = torch.Tensor | Fp8Weight  # a prepared linear weight, plain or FP8
-
-
-def linear(ops: Ops, x: torch.Tensor, w: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) through the backend's plain or FP8 linear, by the weight's kind."""
-    if isinstance(w, Fp8Weight):
-        return ops.fp8_linear(x, w, bias)
-    return ops.linear(x, w, bias)
+__all__ = ["Decoder", "KVStorage", "Layer", "ScratchKV"]
 
 
 @dataclass
-class LayerWeights:
+class Layer:
+    """One decoder layer's prepared weights: its two norms (float32) and the weights objects
+    of its plan's mixer and MLP (each block's `build`)."""
+
+    plan: LayerPlan
     input_norm: torch.Tensor
-    qkv: Linear | None  # prepared linear weight, rows q | k | v (| gate: hybrid models)
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: Linear | RowParallelWeight | None
+    mixer: Any
     post_norm: torch.Tensor
-    gate_up: Linear | None  # dense layers: prepared linear weight, rows gate | up
-    down: Linear | RowParallelWeight | None
-    router: torch.Tensor | None  # sparse layers: prepared linear weight [E, H]
-    experts_gate_up: torch.Tensor | None  # sparse layers: [E, 2I, K'] (lockstep.ops.moe)
-    experts_down: torch.Tensor | None  # sparse layers: [E, H, I']
-    gdn_in: torch.Tensor | None = None  # linear-attention layers (LinearWeights)
-    gdn_conv: torch.Tensor | None = None
-    gdn_a_log: torch.Tensor | None = None
-    gdn_dt_bias: torch.Tensor | None = None
-    gdn_norm: torch.Tensor | None = None
-    gdn_out: torch.Tensor | None = None
+    mlp: Any
 
 
 def rope_tables(spec: ModelSpec, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,54 +109,40 @@ class Decoder:
         ops: Ops,
         dtype: torch.dtype,
         device: torch.device,
-        embed: torch.Tensor,
-        layers: list[LayerWeights],
-        final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        parts: dict[str, Any],
         max_position: int,
         parallel: TensorParallel,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`parts`: every prepared weight by `weight_layout` target (consumed)."""
         self.spec = spec
         self.parallel = parallel
         self.plan = parallel.plan
         self.ops = ops
         self.dtype = dtype
         self.device = device
-        self.embed = embed
-        self.layers = layers
-        self.final_norm = final_norm
-        self.lm_head = lm_head
         self.max_position = max_position
         self.kv_dtype = kv_dtype or dtype  # the KV cache's (float8_e4m3fn: lockstep/ops/fp8.py)
         self.act_dtype = torch.float32 if device.type == "cpu" else dtype
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
-        self.attention_inputs = [
-            AttentionInput(self.plan.heads[1] - self.plan.heads[0], w.q_norm, w.k_norm, spec.rms_norm_eps,
-                           self.rope_cos, self.rope_sin)
-            for w in layers
-        ]  # fmt: skip
-        self.moe_layers = [
-            None if w.router is None or spec.moe is None
-            else MoeLayer(w.router, w.experts_gate_up, w.experts_down, spec.moe.top_k,
-                          spec.moe.renormalize)
-            for w in layers
-        ]  # fmt: skip
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
-        kv_layers = spec.kv_layers
-        self.kv_index = [kv_layers.index(i) if i in kv_layers else -1 for i in range(len(layers))]
         self.linear_layout = LinearLayout.of(spec, device) if spec.hybrid else None
-        self.linear_weights = [
-            None if w.gdn_in is None
-            else LinearWeights(w.gdn_in, w.gdn_conv, w.gdn_a_log, w.gdn_dt_bias, w.gdn_norm,
-                               w.gdn_out)
-            for w in layers
-        ]  # fmt: skip
-        linear_index = [i for i in range(len(layers)) if spec.is_linear(i)]
-        self.linear_index = [linear_index.index(i) if i in linear_index else -1
-                             for i in range(len(layers))]  # fmt: skip
+        self.embed = parts.pop("embed")
+        self.final_norm = parts.pop("final_norm")
+        self.lm_head = parts.pop("lm_head")
+        self.layers: list[Layer] = []
+        caches: Counter[str] = Counter()  # layers so far per kind of mixer cache
+        for i, plan in enumerate(spec.layer_plans):
+            cache_index = caches[plan.mixer.cache]
+            caches[plan.mixer.cache] += 1
+            context = BuildContext(spec, self.plan, self.rope_cos, self.rope_sin, cache_index)
+            mixer = plan.mixer.build(_fields(parts, f"layers.{i}.mixer."), context)
+            mlp = plan.mlp.build(_fields(parts, f"layers.{i}.mlp."), context)
+            input_norm = parts.pop(f"layers.{i}.input_norm")
+            post_norm = parts.pop(f"layers.{i}.post_norm")
+            self.layers.append(Layer(plan, input_norm, mixer, post_norm, mlp))
+        assert not parts, f"prepared weights no layer took: {sorted(parts)[:3]}"
 
     @classmethod
     def load(
@@ -192,34 +158,23 @@ class Decoder:
         """Load `loaded`'s weights strictly, keep `parallel`'s shard of them (default: TP 1,
         the mode's default reduction), convert them to `dtype` on `device` (FP8 weights and
         their scales keep theirs) and fuse the projections. Missing or unexpected tensors raise
-        `ModelLoadError`. `kv_dtype`: the KV cache's dtype (default `dtype`)."""
+        `ModelLoadError`, and so does a backend that lacks an op capability one of the model's
+        blocks requires. `kv_dtype`: the KV cache's dtype (default `dtype`)."""
         device = torch.device(device)
         spec = loaded.spec
+        _refuse_missing_capability(spec, ops, loaded.source)
         if parallel is None:
             parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), default_reduction(ops))
-        if spec.hybrid:
-            problem = getattr(ops, "linear_attention_problem", None)
-            if not hasattr(ops, "gated_delta_rule"):
-                problem = "it has no gated delta rule"
-            if problem is not None:
-                raise ModelLoadError(
-                    f"{loaded.source}: hybrid (linear-attention) models are not supported by "
-                    f"the {ops.name} backend ({problem}): run them with the cpu_deterministic "
-                    "backend (--device cpu), or with --mode fast, which is not position invariant"
-                )
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
         parts = {
-            target: _prepare(spec, target, kind, [got[n] for n in names], parallel, dtype, device)
-            for target, kind, names in _consume(weight_layout(spec), got)
+            entry.target: _prepare(
+                spec, entry, [got[n] for n in entry.sources], parallel, dtype, device
+            )
+            for entry in _consume(weight_layout(spec), got)
         }
-        layers = [
-            LayerWeights(**{f: parts.pop(f"layers.{i}.{f}", None) for f in _LAYER_FIELDS})
-            for i in range(spec.num_layers)
-        ]
         return cls(
-            spec, ops, dtype, device, parts["embed"], layers, parts["final_norm"],
-            parts["lm_head"], max_position or spec.max_position, parallel, kv_dtype,
-        )  # fmt: skip
+            spec, ops, dtype, device, parts, max_position or spec.max_position, parallel, kv_dtype
+        )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Replace every weight, in place, from canonical (name, tensor) pairs (spec.py): the
@@ -239,10 +194,10 @@ class Decoder:
         cpu = torch.device("cpu")
         got = _collect(((n, t.detach()) for n, t in weights), spec, source, self.dtype, cpu)
         with torch.no_grad():
-            for target, kind, names in _consume(weight_layout(spec), got):
-                parts = [got[n] for n in names]
-                new = _prepare(spec, target, kind, parts, self.parallel, self.dtype, self.device)
-                old = self._tensor_at(target)
+            for entry in _consume(weight_layout(spec), got):
+                parts = [got[n] for n in entry.sources]
+                new = _prepare(spec, entry, parts, self.parallel, self.dtype, self.device)
+                old = self._tensor_at(entry.target)
                 if isinstance(old, Fp8Weight):
                     assert isinstance(new, Fp8Weight)
                     for live, fresh in zip(old.tensors(), new.tensors(), strict=True):
@@ -251,10 +206,12 @@ class Decoder:
                     old.copy_(new)  # type: ignore[arg-type]
 
     def _tensor_at(self, target: str) -> Linear | RowParallelWeight:
-        """The live tensor a `weight_layout` target names ("layers.3.qkv", "embed", ...)."""
+        """The live tensor a `weight_layout` target names ("layers.3.mixer.qkv", "embed")."""
         if target.startswith("layers."):
-            _, index, name = target.split(".")
-            tensor = getattr(self.layers[int(index)], name)
+            _, index, *path = target.split(".")
+            tensor = self.layers[int(index)]
+            for name in path:
+                tensor = getattr(tensor, name)
         else:
             tensor = getattr(self, target)
         assert tensor is not None, target
@@ -268,30 +225,16 @@ class Decoder:
         residual: torch.Tensor | None = None
         # Rows per sequence on the host, once per step (the linear layers loop over them).
         rows = None if batch.linear_states is None else batch.meta.cu_q.diff().tolist()
-        for i, w in enumerate(self.layers):
+        step = Step(batch, kv, parallel, self.linear_layout, rows)
+        for layer in self.layers:
             if residual is None:
                 residual = h
-                x = ops.rms_norm(h, w.input_norm, spec.rms_norm_eps)
+                x = ops.rms_norm(h, layer.input_norm, spec.rms_norm_eps)
             else:
-                x, residual = ops.add_rms_norm(h, residual, w.input_norm, spec.rms_norm_eps)
-            gdn = self.linear_weights[i]
-            if gdn is not None:
-                assert self.linear_layout is not None
-                h = gated_deltanet(ops, x, gdn, self.linear_index[i], batch,
-                                   self.linear_layout, spec.rms_norm_eps, rows)  # fmt: skip
-            else:
-                h = self._attention(x, w, i, batch, kv)
-            x, residual = ops.add_rms_norm(h, residual, w.post_norm, spec.rms_norm_eps)
-            moe = self.moe_layers[i]
-            if moe is not None:
-                h = ops.moe(x, moe)
-            else:
-                assert w.gate_up is not None and w.down is not None
-                act = ops.silu_mul(linear(ops, x, w.gate_up))
-                if isinstance(w.down, Fp8Weight):
-                    h = linear(ops, act, w.down)
-                else:
-                    h = parallel.row_linear(act, w.down, "mlp")
+                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, spec.rms_norm_eps)
+            h = layer.plan.mixer.forward(ops, x, layer.mixer, step)
+            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, spec.rms_norm_eps)
+            h = layer.plan.mlp.forward(ops, x, layer.mlp, step)
         assert residual is not None
         if batch.linear_states is not None and rows is not None:
             for state, n in zip(batch.linear_states, rows, strict=True):
@@ -307,29 +250,6 @@ class Decoder:
         k = torch.stack([kv.k_cache(i).index_select(0, index) for i in layers])
         v = torch.stack([kv.v_cache(i).index_select(0, index) for i in layers])
         return k, v
-
-    def _attention(
-        self, x: torch.Tensor, w: LayerWeights, i: int, batch: ForwardBatch, kv: KVStorage
-    ) -> torch.Tensor:
-        """Layer i's attention: K/V written to the cache, then causal attention, the output
-        gate (hybrid models) and o_proj."""
-        spec, ops, t = self.spec, self.ops, batch.num_tokens
-        assert w.qkv is not None and w.o is not None
-        qkv = linear(ops, x, w.qkv, w.qkv_bias)
-        gate = None
-        if spec.hybrid:
-            gate = qkv[:, -spec.q_size :].contiguous()
-            qkv = qkv[:, : -spec.q_size].contiguous()
-        layer_kv = LayerKV(kv.k_cache(self.kv_index[i]), kv.v_cache(self.kv_index[i]))
-        q = ops.attention_input(
-            qkv, self.attention_inputs[i], batch.positions, batch.out_slots, layer_kv
-        )
-        o = ops.attention(q, layer_kv, batch.meta, self.scale).reshape(t, -1)
-        if gate is not None:
-            o = ops.gate_activation(o, gate, "sigmoid")
-        if isinstance(w.o, Fp8Weight):
-            return linear(ops, o, w.o)
-        return self.parallel.row_linear(o, w.o, "attention")
 
     def new_linear_state(self) -> LinearState | None:
         """A fresh linear-attention state at position 0 (None for a model without)."""
@@ -380,103 +300,77 @@ class ScratchKV:
         return self.v[layer]
 
 
-_LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerWeights))
 # Tensors kept in float32 whatever the model dtype (name endings).
 FLOAT32_TENSORS = ("norm.weight", ".bias", ".A_log", ".dt_bias", ".conv1d.weight")
 
 
-def weight_layout(spec: ModelSpec) -> list[tuple[str, str, list[str]]]:
-    """How canonical tensors become the decoder's: (target, kind, source names), in load
-    order. Kinds: "norm" (float32), "norm1p" (float32, plus one: Qwen3.5 stores w - 1),
-    "conv" (float32 [channels, kernel]), "bias" (float32, concatenated), "embed" (as is),
-    "linear" (rows concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's
-    per-head query and gate rows separated: q | k | v | gate, then "linear"), "row_attention"
-    and "row_mlp" (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are
-    expert-major, the same number per expert: each expert's rows concatenated, then stacked
-    and prepared by `prepare_expert_weights`) and "fp8" (an FP8 linear: its parts' weights,
-    then their weight scales, then their input scales ("tensor"), fused by `_fuse_fp8`)."""
-    layout: list[tuple[str, str, list[str]]] = []
-    norm = "norm1p" if spec.hybrid else "norm"
-
-    def add_linear(target: str, modules: list[str]) -> None:
-        fp8 = [spec.is_fp8_linear(m) for m in modules]
-        if not any(fp8):
-            layout.append((target, "linear", [m + ".weight" for m in modules]))
-            return
-        if not all(fp8):
-            raise ModelLoadError(
-                f"{modules[fp8.index(False)]} is not FP8 but {modules[fp8.index(True)]} is: "
-                "projections fused into one matmul must share one format"
-            )
-        assert spec.fp8 is not None
-        suffixes = [".weight", ".weight_scale"] + (
-            [".input_scale"] if spec.fp8.scheme == "tensor" else []
-        )
-        layout.append((target, "fp8", [m + s for s in suffixes for m in modules]))
-
-    for i in range(spec.num_layers):
+def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
+    """How canonical tensors become the decoder's: `LayoutEntry`s (target, kind, source names,
+    tensor-parallel shard rule), in load order; each layer's norms here, its mixer's and
+    MLP's entries from their blocks. Kinds: "norm" (float32), "norm1p" (float32, plus one:
+    Qwen3.5 stores w - 1), "conv" (float32 [channels, kernel]), "bias" (float32,
+    concatenated), "embed" (as is), "linear" (rows
+    concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
+    gate rows separated: q | k | v | gate, then "linear"), "row_attention" and "row_mlp"
+    (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
+    the same number per expert: each expert's rows concatenated, then stacked and prepared by
+    `prepare_expert_weights`) and "fp8" (an FP8 linear: its parts' weights, then their weight
+    scales, then their input scales ("tensor"), fused by `_fuse_fp8`)."""
+    layout: list[LayoutEntry] = []
+    norm = spec.norm_kind
+    for i, plan in enumerate(spec.layer_plans):
         p, t = f"model.layers.{i}.", f"layers.{i}."
-        a = p + "self_attn."
-        layout.append((t + "input_norm", norm, [p + "input_layernorm.weight"]))
-        if spec.is_linear(i):
-            g = p + "linear_attn."
-            ins = [g + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
-            layout.append((t + "gdn_in", "linear", ins))
-            layout.append((t + "gdn_conv", "conv", [g + "conv1d.weight"]))
-            layout.append((t + "gdn_a_log", "norm", [g + "A_log"]))
-            layout.append((t + "gdn_dt_bias", "norm", [g + "dt_bias"]))
-            layout.append((t + "gdn_norm", "norm", [g + "norm.weight"]))
-            layout.append((t + "gdn_out", "linear", [g + "out_proj.weight"]))
-        else:
-            if spec.hybrid:
-                layout.append((t + "qkv", "qkv_gate", [a + f"{x}_proj.weight" for x in "qkv"]))
-            else:
-                add_linear(t + "qkv", [a + f"{x}_proj" for x in "qkv"])
-            if spec.qkv_bias:
-                layout.append((t + "qkv_bias", "bias", [a + f"{x}_proj.bias" for x in "qkv"]))
-            if spec.qk_norm:
-                layout.append((t + "q_norm", norm, [a + "q_norm.weight"]))
-                layout.append((t + "k_norm", norm, [a + "k_norm.weight"]))
-            if spec.is_fp8_linear(a + "o_proj"):
-                add_linear(t + "o", [a + "o_proj"])
-            else:
-                layout.append((t + "o", "row_attention", [a + "o_proj.weight"]))
-        layout.append((t + "post_norm", norm, [p + "post_attention_layernorm.weight"]))
-        if spec.is_sparse(i):
-            assert spec.moe is not None
-            experts = [f"{p}mlp.experts.{e}." for e in range(spec.moe.num_experts)]
-            layout.append((t + "router", "linear", [p + "mlp.gate.weight"]))
-            gate_up = [e + f"{proj}_proj.weight" for e in experts for proj in ("gate", "up")]
-            layout.append((t + "experts_gate_up", "experts", gate_up))
-            down = [e + "down_proj.weight" for e in experts]
-            layout.append((t + "experts_down", "experts", down))
-        else:
-            add_linear(t + "gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
-            if spec.is_fp8_linear(p + "mlp.down_proj"):
-                add_linear(t + "down", [p + "mlp.down_proj"])
-            else:
-                layout.append((t + "down", "row_mlp", [p + "mlp.down_proj.weight"]))
-    layout.append(("embed", "embed", ["model.embed_tokens.weight"]))
+        layout.append(LayoutEntry(t + "input_norm", norm, [p + "input_layernorm.weight"]))
+        layout += plan.mixer.layout(spec, i, "mixer")
+        layout.append(LayoutEntry(t + "post_norm", norm, [p + "post_attention_layernorm.weight"]))
+        layout += plan.mlp.layout(spec, i, "mlp")
+    layout.append(LayoutEntry("embed", "embed", ["model.embed_tokens.weight"], "vocab"))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    layout.append(("lm_head", "linear", [head]))
-    layout.append(("final_norm", norm, ["model.norm.weight"]))
+    layout.append(LayoutEntry("lm_head", "linear", [head], "vocab"))
+    layout.append(LayoutEntry("final_norm", norm, ["model.norm.weight"]))
     return layout
+
+
+def _fields(parts: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Take the prepared weights whose target starts with `prefix`, by the rest of the name."""
+    return {
+        t.removeprefix(prefix): parts.pop(t) for t in [t for t in parts if t.startswith(prefix)]
+    }
+
+
+def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:
+    """Refuse, in one line, a backend that lacks an op capability (lockstep/ops/base.py) one of
+    the model's blocks, or its FP8 linears, call."""
+    needs: list[tuple[type, str]] = [(DenseOps, "every model")]
+    if spec.fp8 is not None:
+        needs.append((Fp8Ops, "its FP8 linears"))
+    for plan in spec.layer_plans:
+        for block in plan:
+            needs += [(cap, f"its {type(block).__name__} layers") for cap in block.requires]
+    for cap, user in needs:
+        if not isinstance(ops, cap):
+            raise ModelLoadError(
+                f"{source}: the {ops.name} backend cannot run this model: {user} need "
+                f"{cap.__name__}, which it lacks; the cpu_deterministic and gpu_deterministic "
+                "backends have every capability"
+            )
 
 
 def _prepare(
     spec: ModelSpec,
-    target: str,
-    kind: str,
+    entry: LayoutEntry,
     parts: list[torch.Tensor],
     parallel: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
 ) -> Linear | RowParallelWeight:
+    """One `weight_layout` entry's prepared weight from its source tensors `parts`."""
+    kind = entry.kind
     ops = parallel.ops
     if kind == "fp8":  # FP8 models run at tp=1 (lockstep.parallel.sharding): never sharded
         assert spec.fp8 is not None
         return _fuse_fp8(spec.fp8.scheme, parts, ops, device)
-    parts = _shard(parallel.plan, target, parts)
+    parts = _shard(parallel.plan, entry.shard, parts)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
     if kind == "norm1p":
@@ -526,35 +420,28 @@ def _fuse_fp8(scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.de
     return ops.prepare_fp8_linear(scheme, weight, weight_scale, input_scale)
 
 
-def _shard(plan: ShardPlan, target: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's rows of a column-parallel or vocabulary-parallel target's sources (q | k | v
-    by heads, gate | up by intermediate columns, the embedding and LM head by vocabulary
-    rows); every other target whole (row-parallel ones are cut by `row_weight`)."""
-    if plan.tp == 1:
+def _shard(plan: ShardPlan, shard: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's rows of an entry's sources, by the entry's `shard` rule (`LayoutEntry`)."""
+    if shard not in SHARDS:
+        raise ValueError(f"shard={shard!r} is invalid: expected one of {SHARDS}")
+    if plan.tp == 1 or shard == "whole":
         return parts
-    d = plan.spec.head_dim
-    if target.endswith((".qkv", ".qkv_bias")):
+    if shard == "heads":
+        d = plan.spec.head_dim
         (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
         q, k, v = parts
         return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
-    if target.endswith(".gate_up"):
-        lo, hi = plan.intermediate
-        return [p[lo:hi] for p in parts]
-    if target in ("embed", "lm_head"):
-        lo, hi = plan.vocab_rows()
-        return [p[lo:hi] for p in parts]
-    return parts
+    lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[shard]
+    return [p[lo:hi] for p in parts]
 
 
-def _consume(
-    layout: list[tuple[str, str, list[str]]], got: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, str, list[str]]]:
+def _consume(layout: list[LayoutEntry], got: dict[str, torch.Tensor]) -> Iterator[LayoutEntry]:
     """Yield the layout's entries, dropping each source tensor from `got` after its last use
     (so a load holds one copy of the model, not two)."""
-    uses = Counter(n for _, _, names in layout for n in names)
+    uses = Counter(n for entry in layout for n in entry.sources)
     for entry in layout:
         yield entry
-        for name in entry[2]:
+        for name in entry.sources:
             uses[name] -= 1
             if not uses[name]:
                 del got[name]

@@ -1,18 +1,12 @@
 """Loading a Hugging Face model folder: config.json, *.safetensors and tokenizer.json.
 
-Supported: model_type llama, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm, explicit head_dim),
-qwen3_moe (Qwen3 attention, routed experts: lockstep.models.moe) and the Qwen3.5 hybrids:
-qwen3_5_text (Qwen3_5ForCausalLM) and the text model of qwen3_5 (Qwen3_5ForConditionalGeneration,
-its `text_config`). Tensor names in these checkpoints are the canonical ones (spec.py), except
-a Qwen3.5 multimodal checkpoint's `model.language_model.*`, read as `model.*`. The loader lists
-exactly what the files hold, so the decoder's strict load sees any tensor this loader does not
-understand. The only tensors left out, each for a stated reason, are old checkpoints' rotary
-inv_freq buffers, an lm_head.weight stored beside tied embeddings, and a Qwen3.5 checkpoint's
-vision tower (`model.visual.*`: text only is served) and multi-token-prediction head (`mtp.*`,
-which transformers does not load either), and FP8 checkpoints' k/v cache scales.
-
-Qwen3.5's multimodal RoPE (`mrope_section`) gives text tokens the same position on all three
-axes, which is plain RoPE on the rotated dims: text-only serving needs nothing more.
+Which families are served, how their configs become a `ModelSpec` and how their tensor names
+become canonical (spec.py) is each family's (lockstep/models/families); this module reads the
+files. The loader lists exactly what the files hold, so the decoder's strict load sees any
+tensor this loader does not understand. The only tensors left out, each for a stated reason,
+are old checkpoints' rotary inv_freq buffers, an lm_head.weight stored beside tied embeddings,
+FP8 checkpoints' k/v cache scales, and what a family says it does not serve (Qwen3.5's vision
+tower).
 
 FP8 checkpoints (a `quantization_config`): the formats, their refusals and their tensor names
 are in fp8_formats.py; which projections are FP8 is read from the stored dtypes.
@@ -32,21 +26,17 @@ import torch
 from safetensors import safe_open
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.families import Family, family_of
 from lockstep.models.fp8_formats import KV_SCALE_SUFFIXES, Fp8Format, fp8_format
-from lockstep.models.moe import hf_moe_spec, refuse_unsupported_moe
 from lockstep.models.spec import (
-    MOE_FAMILIES,
     QUANTIZABLE,
     Fp8Spec,
-    LinearAttentionSpec,
     ModelSpec,
-    RopeScaling,
 )
 from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text")
 _INDEX_FILE = "model.safetensors.index.json"
 # Read as float32 whatever the model dtype: norms, and Gated DeltaNet's decay parameters and
 # convolution (small, and kept in float32 by the decoder).
@@ -60,126 +50,20 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
-def _rope(config: dict[str, Any], folder: Path) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from either transformers 5's rope_parameters or the older
-    rope_theta + rope_scaling keys."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise ModelLoadError(
-            f"{folder}/config.json: rope_type {rope_type!r} is not supported; supported: "
-            "default, llama3"
-        )
-    try:
-        scaling = RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position=int(params["original_max_position_embeddings"]),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(
-            f"{folder}/config.json: llama3 RoPE scaling lacks {exc.args[0]}"
-        ) from None
-    return theta, scaling
-
-
-def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """A Qwen3.5 multimodal config's text model, as a qwen3_5_text config."""
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        raise ModelLoadError(f"{where}: model_type 'qwen3_5' without a text_config object")
-    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
-
-
-def _linear_spec(config: dict[str, Any], layers: int, where: str) -> LinearAttentionSpec:
-    """The Gated DeltaNet layers of a Qwen3.5 config (layer_types, or transformers' default
-    pattern from full_attention_interval)."""
-    types = config.get("layer_types")
-    if types is None:
-        interval = int(config.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention"
-                 for i in range(layers)]  # fmt: skip
-    if not isinstance(types, list):
-        raise ModelLoadError(f"{where}: layer_types={types!r} is not a list")
-    return LinearAttentionSpec(
-        layer_types=tuple(types),
-        num_key_heads=int(config.get("linear_num_key_heads", 16)),
-        num_value_heads=int(config.get("linear_num_value_heads", 32)),
-        key_head_dim=int(config.get("linear_key_head_dim", 128)),
-        value_head_dim=int(config.get("linear_value_head_dim", 128)),
-        conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
-    )
-
-
-def hf_spec(config: dict[str, Any], folder: Path) -> ModelSpec:
+def hf_spec(config: dict[str, Any], folder: Path) -> tuple[ModelSpec, Family]:
+    """The folder's spec and family (lockstep/models/families), from its config.json."""
     where = f"{folder}/config.json"
-    if config.get("model_type") == "qwen3_5":
-        config = _text_config(config, where)
-    model_type = config.get("model_type")
-    # Before the model_type: "a shared expert" says more than "deepseek_v3 is not supported".
-    refuse_unsupported_moe(config, where)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{where}: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    refused = {
-        "hidden_act": config.get("hidden_act", "silu") != "silu",
-        # Llama and Qwen3 put this bias on o_proj too, which ModelSpec has no flag for.
-        "attention_bias": bool(config.get("attention_bias")) and model_type != "qwen2",
-        "mlp_bias": bool(config.get("mlp_bias")),
-        "use_sliding_window": bool(config.get("use_sliding_window")),
-    }
-    for key, bad in refused.items():
-        if bad:
-            raise ModelLoadError(
-                f"{where}: {key}={config.get(key)!r} is not supported; supported: Llama/Qwen2/Qwen3"
-                "/Qwen3-MoE models with silu MLPs, no o_proj/MLP bias, no sliding window"
-            )
-    theta, scaling = _rope(config, folder)
-    hybrid = model_type == "qwen3_5_text"
-    rope_params = config.get("rope_parameters") or {}
-    rotary = rope_params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    try:
-        heads = int(config["num_attention_heads"])
-        layers = int(config["num_hidden_layers"])
-        moe = hf_moe_spec(config, layers, where) if model_type in MOE_FAMILIES else None
-        return ModelSpec(
-            family="qwen3_5" if hybrid else model_type,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            rope_theta=theta,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
-            rope_scaling=scaling,
-            moe=moe,
-            linear=_linear_spec(config, layers, where) if hybrid else None,
-            partial_rotary_factor=float(rotary if rotary is not None else (0.25 if hybrid else 1)),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{where}: required key {exc.args[0]} is missing") from None
-    except ValueError as exc:
-        raise ModelLoadError(f"{where}: inconsistent model shape: {exc}") from None
+    family = family_of(config, where)
+    return family.spec(config, where), family
 
 
 class SafetensorsWeights:
     """The folder's tensors, read one at a time from memory-mapped safetensors files, in
     canonical names (an FP8 format's scale names and shapes made canonical)."""
 
-    def __init__(self, folder: Path, spec: ModelSpec, fmt: Fp8Format | None = None) -> None:
+    def __init__(
+        self, folder: Path, spec: ModelSpec, family: Family, fmt: Fp8Format | None = None
+    ) -> None:
         self._fmt = fmt
         index = folder / _INDEX_FILE
         if index.exists():
@@ -214,12 +98,9 @@ class SafetensorsWeights:
                 if key in fp8:
                     self._check_fp8_weight(folder, key)
                     self.fp8_modules.add(key.removesuffix(".weight"))
-                name = key if fmt is None else fmt.canonical(key)
-                if spec.hybrid:
-                    if key.startswith(("model.visual.", "mtp.")):
-                        continue  # vision tower and multi-token prediction: not served
-                    if key.startswith("model.language_model."):
-                        name = "model." + key[len("model.language_model.") :]
+                name = family.tensor_name(key if fmt is None else fmt.canonical(key))
+                if name is None:
+                    continue  # the family does not serve it (a vision tower)
                 self._where[name] = (path, key)
         if kv_scales:
             logger.warning(
@@ -347,10 +228,10 @@ def load_hf_folder(folder: Path) -> tuple[ModelSpec, Tokenizer, SafetensorsWeigh
             "*.safetensors and tokenizer.json"
         )
     config = _read_json(config_path)
-    spec = hf_spec(config, folder)
+    spec, family = hf_spec(config, folder)
     fmt = fp8_format(config, f"{folder}/config.json")
     tokenizer = hf_tokenizer(folder, config)
-    weights = SafetensorsWeights(folder, spec, fmt)
+    weights = SafetensorsWeights(folder, spec, family, fmt)
     if fmt is not None:
         spec = _fp8_spec(spec, fmt, weights, folder)
     return spec, tokenizer, weights

@@ -1,38 +1,20 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5) is the same pre-norm decoder
-with rotary embeddings, grouped-query attention and SwiGLU MLPs; they differ only in the flags
-below. A hybrid model (Qwen3.5, `ModelSpec.linear`) replaces the attention of most layers by
-a Gated DeltaNet linear-attention layer (lockstep.models.linear_attention); its full-attention
-layers have an output gate, partial rotary embeddings and RMSNorm weights stored as w - 1. In a mixture-of-experts model (`ModelSpec.moe`) the MLP of each sparse layer is a router
-and a set of routed SwiGLU experts; the other layers keep the dense MLP. Loaders produce a
-`ModelSpec` plus a state dict in the canonical (Hugging Face) naming:
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5) is a pre-norm decoder with
+rotary embeddings whose layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each
+layer's mixer and MLP block (lockstep/models/blocks), chosen from the flags below: attention
+(q/k/v biases, q/k norm, Qwen3.5's output gate and partial rotary embeddings), or in a hybrid
+model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU MLP, or in the
+sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed experts.
+Qwen3.5 stores its RMSNorm weights as w - 1 (`norm_kind`). Loaders produce a `ModelSpec` plus
+a state dict in the canonical (Hugging Face) naming: each block's module docstring lists its
+tensors (after "model.layers.{i}."); around them
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
-    model.layers.{i}.self_attn.{q,k,v}_proj.bias   (qkv_bias only)
-    model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim] (qk_norm only)
     model.layers.{i}.post_attention_layernorm.weight
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight  (dense layers)
-    model.layers.{i}.mlp.gate.weight               [experts, hidden] (sparse layers: the router)
-    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   (sparse layers, e < experts)
     model.norm.weight
     lm_head.weight                                 (absent when tie_word_embeddings)
-
-Hybrid models (Qwen3.5): a full-attention layer's q_proj has 2 * num_heads * head_dim rows,
-each head's query rows followed by its gate rows; a linear-attention layer has, instead of
-self_attn.*,
-
-    model.layers.{i}.linear_attn.in_proj_qkv.weight  [2 Hk Dk + Hv Dv, hidden]  (q | k | v)
-    model.layers.{i}.linear_attn.in_proj_z.weight    [Hv Dv, hidden]  (output gate)
-    model.layers.{i}.linear_attn.in_proj_b.weight    [Hv, hidden]     (beta = sigmoid(b))
-    model.layers.{i}.linear_attn.in_proj_a.weight    [Hv, hidden]     (decay)
-    model.layers.{i}.linear_attn.conv1d.weight       [2 Hk Dk + Hv Dv, 1, conv_kernel]
-    model.layers.{i}.linear_attn.A_log               [Hv]
-    model.layers.{i}.linear_attn.dt_bias             [Hv]
-    model.layers.{i}.linear_attn.norm.weight         [Dv]  (gated RMSNorm, plain weight)
-    model.layers.{i}.linear_attn.out_proj.weight     [hidden, Hv Dv]
 
 An FP8 model (`ModelSpec.fp8`, lockstep/ops/fp8.py) stores each quantized linear's weight as
 float8_e4m3fn and adds, beside `{linear}.weight`, in canonical names and shapes:
@@ -48,6 +30,11 @@ names; embeddings, the LM head, norms, biases and routers are never quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lockstep.models.blocks import LayerPlan
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -223,6 +210,17 @@ class ModelSpec:
         )
 
     @property
+    def layer_plans(self) -> tuple[LayerPlan, ...]:
+        """Each layer's mixer and MLP (lockstep/models/blocks), from the flags above."""
+        return _layer_plans(self)
+
+    @property
+    def norm_kind(self) -> str:
+        """How RMSNorm weights are prepared (decoder.py's `weight_layout`): "norm1p" where the
+        family stores w - 1 (Qwen3.5), else "norm"."""
+        return "norm1p" if self.hybrid else "norm"
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -237,8 +235,9 @@ class ModelSpec:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep K/V (every layer but the linear-attention ones)."""
-        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+        """The layers whose mixer keeps K/V per token (every layer but the linear-attention
+        ones), in order: the KV pool's layers."""
+        return tuple(i for i, plan in enumerate(self.layer_plans) if plan.mixer.cache == "kv")
 
     @property
     def q_size(self) -> int:
@@ -273,36 +272,33 @@ class ModelSpec:
         return total
 
 
-_LINEAR_TENSORS = (
-    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-    "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight",
-)  # fmt: skip
+@lru_cache(maxsize=64)
+def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
+    # Cached by spec (frozen, hashable): weight names and shapes ask for every tensor.
+    # Imported here: the blocks import modules that import this one.
+    from lockstep.models.blocks import Attention, DenseMlp, GatedDeltaNet, LayerPlan, MoeMlp
+
+    attention = Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid)
+    return tuple(
+        LayerPlan(
+            GatedDeltaNet() if spec.is_linear(i) else attention,
+            MoeMlp() if spec.is_sparse(i) else DenseMlp(),
+        )
+        for i in range(spec.num_layers)
+    )
 
 
 def expected_weight_names(spec: ModelSpec) -> list[str]:
-    """Every canonical tensor name (spec.py) a model of this spec has, in layer order."""
+    """Every canonical tensor name (spec.py) a model of this spec has, in layer order: each
+    layer's norms and its blocks' tensors (lockstep/models/blocks), FP8 scales after their
+    weight."""
     names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
+    for i, plan in enumerate(spec.layer_plans):
         prefix = f"model.layers.{i}."
         names.append(prefix + "input_layernorm.weight")
-        if spec.is_linear(i):
-            names += [prefix + "linear_attn." + n for n in _LINEAR_TENSORS]
-        else:
-            names += [f"{prefix}self_attn.{proj}_proj.weight" for proj in ("q", "k", "v", "o")]
-        if spec.qkv_bias:
-            names += [f"{prefix}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
-        if spec.qk_norm and not spec.is_linear(i):
-            names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
+        names += [prefix + n for n in plan.mixer.weight_names(spec)]
         names.append(prefix + "post_attention_layernorm.weight")
-        if spec.is_sparse(i):
-            assert spec.moe is not None
-            names.append(prefix + "mlp.gate.weight")
-            for e in range(spec.moe.num_experts):
-                names += [
-                    f"{prefix}mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")
-                ]
-        else:
-            names += [f"{prefix}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        names += [prefix + n for n in plan.mlp.weight_names(spec)]
     if spec.fp8 is not None:
         names = [extra for name in names for extra in _with_fp8_scales(spec, name)]
     names.append("model.norm.weight")
@@ -329,47 +325,14 @@ def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
             return ()
         n, k = expected_weight_shape(spec, name.removesuffix("_scale"))
         return (-(-n // 128), -(-k // 128)) if spec.fp8.scheme == "block" else (n,)
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    if ".linear_attn." in name:
-        assert spec.linear is not None, name
-        lin = spec.linear
-        leaf = name.split(".linear_attn.")[1]
-        return {
-            "in_proj_qkv.weight": (lin.conv_dim, h),
-            "in_proj_z.weight": (lin.value_dim, h),
-            "in_proj_b.weight": (lin.num_value_heads, h),
-            "in_proj_a.weight": (lin.num_value_heads, h),
-            "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
-            "A_log": (lin.num_value_heads,),
-            "dt_bias": (lin.num_value_heads,),
-            "norm.weight": (lin.value_head_dim,),
-            "out_proj.weight": (h, lin.value_dim),
-        }[leaf]
-    if spec.hybrid and name.endswith("self_attn.q_proj.weight"):
-        return (2 * q, h)  # each head's query rows, then its gate rows
-    leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
+    h = spec.hidden_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (spec.vocab_size, h)
-    if name.endswith(".bias"):
-        return (q,) if leaf == "q_proj" else (kv,)
-    inter = spec.intermediate_size
-    if ".mlp.experts." in name:
-        assert spec.moe is not None, name
-        inter = spec.moe.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "input_layernorm": (h,),
-        "post_attention_layernorm": (h,),
-        "norm": (h,),
-        "q_norm": (spec.head_dim,),
-        "k_norm": (spec.head_dim,),
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
-    }
-    if spec.moe is not None:
-        shapes["gate"] = (spec.moe.num_experts, h)  # the router
-    return shapes[leaf]
+    if name == "model.norm.weight":
+        return (h,)
+    layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+    if leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return (h,)
+    plan = spec.layer_plans[int(layer)]
+    block = plan.mixer if leaf.startswith(plan.mixer.prefix + ".") else plan.mlp
+    return block.weight_shape(spec, leaf)

@@ -30,7 +30,7 @@ consecutive absolute positions):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -123,9 +123,11 @@ def build_attention_meta(
     )
 
 
-class Ops(Protocol):
-    """One backend of the numeric layer. Activations are float32 on the CPU backends and the
-    model dtype (bfloat16 or float32) on the GPU; accumulation is always float32."""
+@runtime_checkable
+class DenseOps(Protocol):
+    """Dense math every block needs: linears, norms, SiLU-mul, log-softmax. Activations are
+    float32 on the CPU backends and the model dtype (bfloat16 or float32) on the GPU;
+    accumulation is always float32."""
 
     name: str
     deterministic: bool
@@ -138,25 +140,6 @@ class Ops(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [M, K] @ weight.T -> [M, N] (+ bias). Row m depends only on x[m]."""
-        ...
-
-    def prepare_fp8_linear(
-        self,
-        scheme: str,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        input_scale: torch.Tensor | None,
-    ) -> Fp8Weight:
-        """An FP8 linear (e4m3 weight [N, K] and fp32 scales in the canonical form of
-        `lockstep.ops.fp8`) in whatever form `fp8_linear` wants (called once at load)."""
-        ...
-
-    def fp8_linear(
-        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x [M, K] @ W.T -> [M, N] (+ bias) as `lockstep.ops.fp8` defines it: the activation
-        quantized row-locally (or with the static scale), scales applied per 128-wide K
-        block. Row m depends only on x[m] in a deterministic backend."""
         ...
 
     def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -179,6 +162,39 @@ class Ops(Protocol):
         """gate_up [M, 2I] (gate first) -> silu(gate) * up, [M, I]."""
         ...
 
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] -> float32 log-probabilities, one row at a time."""
+        ...
+
+
+@runtime_checkable
+class Fp8Ops(Protocol):
+    """FP8 linears (lockstep/ops/fp8.py)."""
+
+    def prepare_fp8_linear(
+        self,
+        scheme: str,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> Fp8Weight:
+        """An FP8 linear (e4m3 weight [N, K] and fp32 scales in the canonical form of
+        `lockstep.ops.fp8`) in whatever form `fp8_linear` wants (called once at load)."""
+        ...
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] @ W.T -> [M, N] (+ bias) as `lockstep.ops.fp8` defines it: the activation
+        quantized row-locally (or with the static scale), scales applied per 128-wide K
+        block. Row m depends only on x[m] in a deterministic backend."""
+        ...
+
+
+@runtime_checkable
+class PagedAttentionOps(Protocol):
+    """Causal attention over the paged K/V cache (lockstep/models/blocks/attention.py)."""
+
     def attention_input(
         self, qkv: Tensor, layer: AttentionInput, positions: Tensor, slots: Tensor, kv: LayerKV
     ) -> Tensor:
@@ -196,12 +212,20 @@ class Ops(Protocol):
         chunk; workspace never grows with the context length."""
         ...
 
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [R, V] -> float32 log-probabilities, one row at a time."""
+
+@runtime_checkable
+class GatedOutputOps(Protocol):
+    """An elementwise output gate (Qwen3.5's gated attention and gated DeltaNet norm)."""
+
+    def gate_activation(self, x: Tensor, gate: Tensor, kind: str) -> Tensor:
+        """x * sigmoid(gate) (kind "sigmoid") or x * silu(gate) ("silu"), per element, in x's
+        dtype."""
         ...
 
-    # Hybrid models (Gated DeltaNet, lockstep.models.linear_attention); float32 throughout.
-    # A backend without these refuses hybrid models at load.
+
+@runtime_checkable
+class LinearAttentionOps(Protocol):
+    """Gated DeltaNet (lockstep/models/linear_attention.py), float32 throughout."""
 
     def gdn_gates(
         self, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor
@@ -215,11 +239,6 @@ class Ops(Protocol):
 
     def silu(self, x: Tensor) -> Tensor:
         """x / (1 + exp(-x)) per element."""
-        ...
-
-    def gate_activation(self, x: Tensor, gate: Tensor, kind: str) -> Tensor:
-        """x * sigmoid(gate) (kind "sigmoid") or x * silu(gate) ("silu"), per element, in x's
-        dtype."""
         ...
 
     def gated_delta_rule(
@@ -243,6 +262,11 @@ class Ops(Protocol):
         (`gdn_rule`) and returns every boundary; a fast one may return fewer."""
         ...
 
+
+@runtime_checkable
+class MoeOps(Protocol):
+    """The routed-experts MLP (lockstep/ops/moe.py)."""
+
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """The routed-experts MLP of one sparse layer: x [T, H] -> [T, H] (x's dtype on the
         GPU, float32 on the CPU). fp32 router logits, each token's top-k experts (ties toward
@@ -251,6 +275,14 @@ class Ops(Protocol):
         backend computes every token from its own row alone: the contract is in
         `lockstep.ops.moe`."""
         ...
+
+
+class Ops(
+    DenseOps, Fp8Ops, PagedAttentionOps, GatedOutputOps, LinearAttentionOps, MoeOps, Protocol
+):
+    """A full backend: every capability above. A block declares the capabilities its forward
+    calls (`Block.requires`); a model whose blocks need one the backend lacks is refused at load
+    (lockstep/models/decoder.py)."""
 
 
 class IndexCopyKVWrite:

@@ -37,11 +37,6 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     name = "gpu_deterministic"
     deterministic = True
-    # Why hybrid (linear-attention) models would be refused on this backend (`Decoder.load`),
-    # or None: they are served. The gated delta rule kernel's split invariance
-    # (tests/test_gated_delta_triton.py) and the property suite on random:qwen3.5-9b
-    # (scripts/hybrid_gpu_check.py) passed on an H200 (docs/gpu.md).
-    linear_attention_problem: str | None = None
 
     def __init__(self, attention_config: AttentionConfig | None = None) -> None:
         if _IMPORT_ERROR is not None:

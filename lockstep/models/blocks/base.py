@@ -1,0 +1,155 @@
+"""What every block (one part of a decoder layer: a mixer or an MLP) provides, and the helpers
+blocks share.
+
+A block is a small frozen dataclass holding only its variant flags (bias or not, q/k norm or
+not, ...); the model's shapes come from the `ModelSpec` passed to each method. It owns:
+
+    prefix                  its canonical names' part after "model.layers.{i}." ("self_attn")
+    weight_names(spec)      its canonical tensors, relative to "model.layers.{i}.", in load order
+    weight_shape(spec, n)   the shape of one of them
+    layout(spec, i, role)   how those tensors become prepared weights: `LayoutEntry`s whose
+                            target is "layers.{i}.{role}.{field}", with their preparation kind
+                            (decoder.py's `_prepare` knows the kinds) and shard rule
+    build(parts, context)   the layer's weights object from its prepared fields (by field name)
+    forward(ops, x, w, step)  x [T, hidden] -> [T, hidden], this layer's part of one step
+    requires                the op capabilities (lockstep/ops/base.py) its forward calls
+    cache                   mixers only: "kv" (K/V per token, in the KV pool) or "state" (a
+                            linear-attention state per sequence); `BuildContext.cache_index`
+                            counts the layers before it with the same kind
+
+A block's forward must keep the contract of docs/design.md by itself: each
+output row depends only on its own row and its own sequence's earlier tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+from lockstep.errors import ModelLoadError
+from lockstep.ops.fp8 import Fp8Weight
+
+if TYPE_CHECKING:
+    from lockstep.models.forward_batch import ForwardBatch
+    from lockstep.models.linear_attention import LinearLayout
+    from lockstep.models.spec import ModelSpec
+    from lockstep.ops.base import Ops
+    from lockstep.parallel.layers import TensorParallel
+    from lockstep.parallel.sharding import ShardPlan
+
+Linear = torch.Tensor | Fp8Weight  # a prepared linear weight, plain or FP8
+
+
+SHARDS = ("whole", "heads", "intermediate", "vocab")
+
+
+class LayoutEntry(NamedTuple):
+    """One prepared weight: `target` ("layers.3.mixer.qkv", "embed"), the preparation `kind`
+    (decoder.py's `weight_layout`), the canonical source tensors, in order, and which rows of
+    them a tensor-parallel rank keeps (`shard`, lockstep/parallel/sharding.py's plan):
+
+        whole         all of them (row-parallel kinds are cut later, by reduction chunks)
+        heads         q | k | v sources: this rank's query heads' rows of q, KV heads' of k, v
+        intermediate  each source's rows of this rank's intermediate columns
+        vocab         each source's rows of this rank's vocabulary slice
+    """
+
+    target: str
+    kind: str
+    sources: list[str]
+    shard: str = "whole"
+
+
+def linear(ops: Ops, x: torch.Tensor, w: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) through the backend's plain or FP8 linear, by the weight's kind."""
+    if isinstance(w, Fp8Weight):
+        return ops.fp8_linear(x, w, bias)
+    return ops.linear(x, w, bias)
+
+
+def linear_entry(
+    spec: ModelSpec, target: str, modules: list[str], shard: str = "whole"
+) -> LayoutEntry:
+    """The entry of one fused linear over `modules` (canonical module names): "linear" when
+    none is FP8, "fp8" (weights, then weight scales, then input scales) when all are; a mix
+    cannot share one matmul and is refused."""
+    fp8 = [spec.is_fp8_linear(m) for m in modules]
+    if not any(fp8):
+        return LayoutEntry(target, "linear", [m + ".weight" for m in modules], shard)
+    if not all(fp8):
+        raise ModelLoadError(
+            f"{modules[fp8.index(False)]} is not FP8 but {modules[fp8.index(True)]} is: "
+            "projections fused into one matmul must share one format"
+        )
+    assert spec.fp8 is not None
+    suffixes = [".weight", ".weight_scale"] + (
+        [".input_scale"] if spec.fp8.scheme == "tensor" else []
+    )
+    return LayoutEntry(target, "fp8", [m + s for s in suffixes for m in modules], shard)
+
+
+def row_linear_entry(spec: ModelSpec, target: str, module: str, kind: str) -> LayoutEntry:
+    """A row-parallel linear (o_proj, down_proj): FP8 ones run whole (FP8 models are TP 1),
+    plain ones are cut into reduction chunks ("row_attention" or "row_mlp")."""
+    if spec.is_fp8_linear(module):
+        return linear_entry(spec, target, [module])
+    return LayoutEntry(target, kind, [module + ".weight"])
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a block's `build` may need beyond its prepared fields: the spec, this rank's shard
+    plan, the RoPE tables (float32 [max_position, rotary_dim / 2]) and where the layer's cache
+    lives (its index among the K/V layers or among the linear-attention layers)."""
+
+    spec: ModelSpec
+    plan: ShardPlan
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    cache_index: int
+
+
+class KVStorage(Protocol):
+    """K/V caches by K/V layer index (the KV pool, or a scratch cache)."""
+
+    def k_cache(self, layer: int) -> torch.Tensor: ...
+
+    def v_cache(self, layer: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward step as the blocks see it: the batch, the K/V caches, tensor parallelism
+    (row-parallel reductions), the linear-attention state layout (hybrid models) and each
+    sequence's row count on the host (read once per step; None without linear layers)."""
+
+    batch: ForwardBatch
+    kv: KVStorage
+    parallel: TensorParallel
+    linear_layout: LinearLayout | None
+    rows: list[int] | None
+
+
+class Block(Protocol):
+    """One part of a decoder layer (module docstring)."""
+
+    prefix: str
+    requires: tuple[type, ...]
+
+    def weight_names(self, spec: ModelSpec) -> list[str]: ...
+
+    def weight_shape(self, spec: ModelSpec, name: str) -> tuple[int, ...]: ...
+
+    def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]: ...
+
+    def build(self, parts: dict[str, Any], context: BuildContext) -> Any: ...
+
+    def forward(self, ops: Ops, x: torch.Tensor, weights: Any, step: Step) -> torch.Tensor: ...
+
+
+class Mixer(Block, Protocol):
+    """A block that mixes positions (attention, linear attention), with the cache it keeps."""
+
+    cache: str

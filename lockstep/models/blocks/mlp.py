@@ -1,0 +1,71 @@
+"""The dense SwiGLU MLP: down(silu(gate x) * up x).
+
+Canonical tensors (after "model.layers.{i}.", H hidden, I intermediate):
+
+    mlp.{gate,up}_proj.weight   [I, H]
+    mlp.down_proj.weight        [H, I]
+
+Prepared: gate | up fused by rows into one linear (each output element's reduction is
+unchanged), down row-parallel (or FP8). Every op is row-local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from lockstep.models.blocks.base import (
+    BuildContext,
+    LayoutEntry,
+    Linear,
+    Step,
+    linear,
+    linear_entry,
+    row_linear_entry,
+)
+from lockstep.ops.base import DenseOps
+from lockstep.ops.fp8 import Fp8Weight
+from lockstep.parallel.layers import RowParallelWeight
+
+if TYPE_CHECKING:
+    from lockstep.models.spec import ModelSpec
+    from lockstep.ops.base import Ops
+
+
+@dataclass
+class DenseMlpWeights:
+    gate_up: Linear  # rows gate | up
+    down: Linear | RowParallelWeight
+
+
+@dataclass(frozen=True)
+class DenseMlp:
+    """SwiGLU of width `ModelSpec.intermediate_size`."""
+
+    prefix: ClassVar[str] = "mlp"
+    requires: ClassVar[tuple[type, ...]] = (DenseOps,)
+
+    def weight_names(self, spec: ModelSpec) -> list[str]:
+        return [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+
+    def weight_shape(self, spec: ModelSpec, name: str) -> tuple[int, ...]:
+        h, i = spec.hidden_size, spec.intermediate_size
+        return (h, i) if name == "mlp.down_proj.weight" else (i, h)
+
+    def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
+        p, t = f"model.layers.{layer}.mlp.", f"layers.{layer}.{role}."
+        return [
+            linear_entry(spec, t + "gate_up", [p + "gate_proj", p + "up_proj"], "intermediate"),
+            row_linear_entry(spec, t + "down", p + "down_proj", "row_mlp"),
+        ]
+
+    def build(self, parts: dict[str, Any], context: BuildContext) -> DenseMlpWeights:
+        return DenseMlpWeights(parts["gate_up"], parts["down"])
+
+    def forward(self, ops: Ops, x: torch.Tensor, w: DenseMlpWeights, step: Step) -> torch.Tensor:
+        act = ops.silu_mul(linear(ops, x, w.gate_up))
+        if isinstance(w.down, Fp8Weight):
+            return linear(ops, act, w.down)
+        return step.parallel.row_linear(act, w.down, "mlp")

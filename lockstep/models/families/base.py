@@ -1,0 +1,125 @@
+"""What a model family is, as Hugging Face checkpoints describe it, and the config reading the
+families share.
+
+A `Family` maps a config.json (its `model_type`, or its `architectures`) to a `ModelSpec`, and
+each tensor name its checkpoints store to the canonical name (lockstep/models/spec.py), or to
+None for a tensor that is not served (a vision tower). Everything a family does not understand
+is refused with one line naming the key, the value and what is supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.errors import ModelLoadError
+from lockstep.models.spec import ModelSpec, RopeScaling
+
+# Config keys every family here refuses when set (each would change the math without a flag
+# in ModelSpec to carry it), with the value that is supported.
+_REFUSED = (
+    ("hidden_act", lambda v: v not in (None, "silu")),
+    ("mlp_bias", bool),
+    ("use_sliding_window", bool),
+)
+SUPPORTED_FEATURES = (
+    "supported: Llama/Qwen2/Qwen3/Qwen3-MoE models with silu MLPs, no o_proj/MLP bias, no "
+    "sliding window"
+)
+
+
+def same_name(key: str) -> str | None:
+    """The checkpoint stores canonical names (what `save_pretrained` writes for these families)."""
+    return key
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family: the `model_types` and `architectures` its configs carry, the config -> spec
+    mapping (`spec(config, where)`, `where` naming the file for errors) and the checkpoint
+    tensor name -> canonical name mapping (None: not served)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    spec: Callable[[dict[str, Any], str], ModelSpec]
+    tensor_name: Callable[[str], str | None] = same_name
+
+
+def rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either transformers 5's rope_parameters or the older
+    rope_theta + rope_scaling keys."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelLoadError(
+            f"{where}: rope_type {rope_type!r} is not supported; supported: default, llama3"
+        )
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{where}: llama3 RoPE scaling lacks {exc.args[0]}") from None
+    return theta, scaling
+
+
+def decoder_spec(
+    config: dict[str, Any],
+    where: str,
+    family: str,
+    attention_bias: bool = False,
+    rotary_default: float = 1.0,
+    **flags: Any,
+) -> ModelSpec:
+    """The spec of a pre-norm RoPE decoder from the config keys every family here shares;
+    `flags`: the family's own `ModelSpec` fields (qkv_bias, moe, ...), or callables of the
+    layer count that make them. `attention_bias`: whether the config's attention_bias key may
+    be true (Qwen2's q/k/v biases); elsewhere it would put a bias on o_proj too, which no
+    block has. `rotary_default`: the share of each head RoPE rotates when the config does not
+    say (partial_rotary_factor)."""
+    for key, refused in _REFUSED:
+        if refused(config.get(key)):
+            raise ModelLoadError(
+                f"{where}: {key}={config.get(key)!r} is not supported; {SUPPORTED_FEATURES}"
+            )
+    if config.get("attention_bias") and not attention_bias:
+        raise ModelLoadError(
+            f"{where}: attention_bias={config.get('attention_bias')!r} is not supported; "
+            f"{SUPPORTED_FEATURES}"
+        )
+    theta, scaling = rope(config, where)
+    rope_params = config.get("rope_parameters") or {}
+    rotary = rope_params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    try:
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        made = {k: v(layers) if callable(v) else v for k, v in flags.items()}
+        return ModelSpec(
+            family=family,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            rope_theta=theta,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            partial_rotary_factor=float(rotary if rotary is not None else rotary_default),
+            **made,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{where}: required key {exc.args[0]} is missing") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{where}: inconsistent model shape: {exc}") from None

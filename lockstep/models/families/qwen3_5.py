@@ -1,0 +1,73 @@
+"""Qwen3.5, the hybrid: Gated DeltaNet layers with gated full attention every few layers
+(Qwen3_5ForCausalLM, model_type qwen3_5_text), and the text model of the multimodal
+checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5, its `text_config`).
+
+A multimodal checkpoint stores the text model as `model.language_model.*` (read as `model.*`);
+its vision tower (`model.visual.*`: text only is served) and multi-token-prediction head
+(`mtp.*`, which transformers does not load either) are left out. Its multimodal RoPE
+(`mrope_section`) gives text tokens the same position on all three axes, which is plain RoPE
+on the rotated dims: text-only serving needs nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lockstep.errors import ModelLoadError
+from lockstep.models.families.base import Family, decoder_spec
+from lockstep.models.spec import LinearAttentionSpec, ModelSpec
+
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A multimodal config's text model, as a qwen3_5_text config."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{where}: model_type 'qwen3_5' without a text_config object")
+    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
+
+
+def _linear_spec(config: dict[str, Any], layers: int, where: str) -> LinearAttentionSpec:
+    """The Gated DeltaNet layers (layer_types, or transformers' default pattern from
+    full_attention_interval)."""
+    types = config.get("layer_types")
+    if types is None:
+        interval = int(config.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    if not isinstance(types, list):
+        raise ModelLoadError(f"{where}: layer_types={types!r} is not a list")
+    return LinearAttentionSpec(
+        layer_types=tuple(types),
+        num_key_heads=int(config.get("linear_num_key_heads", 16)),
+        num_value_heads=int(config.get("linear_num_value_heads", 32)),
+        key_head_dim=int(config.get("linear_key_head_dim", 128)),
+        value_head_dim=int(config.get("linear_value_head_dim", 128)),
+        conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+def spec(config: dict[str, Any], where: str) -> ModelSpec:
+    if config.get("model_type") == "qwen3_5":
+        config = _text_config(config, where)
+    linear = lambda layers: _linear_spec(config, layers, where)  # noqa: E731
+    return decoder_spec(config, where, "qwen3_5", rotary_default=0.25, qk_norm=True, linear=linear)
+
+
+def tensor_name(key: str) -> str | None:
+    if key.startswith(("model.visual.", "mtp.")):
+        return None
+    if key.startswith(_LANGUAGE_MODEL):
+        return "model." + key[len(_LANGUAGE_MODEL) :]
+    return key
+
+
+FAMILY = Family(
+    "qwen3_5",
+    ("qwen3_5_text", "qwen3_5"),
+    ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    spec,
+    tensor_name,
+)

@@ -1,0 +1,40 @@
+"""The family registry (lockstep/models/families): a config finds its family by model_type or,
+without one, by its architectures; anything else is refused in one line naming the supported
+model types."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.errors import ModelLoadError
+from lockstep.models.families import SUPPORTED_MODEL_TYPES, family_of
+
+
+def test_unknown_model_type_is_refused_in_one_line_listing_the_supported_ones() -> None:
+    config = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(ModelLoadError) as err:
+        family_of(config, "x/config.json")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("x/config.json: model_type 'gemma3_text' is not supported")
+    assert ", ".join(SUPPORTED_MODEL_TYPES) in message and "Gemma3ForCausalLM" in message
+
+
+@pytest.mark.parametrize(
+    ("config", "family"),
+    [
+        ({"model_type": "qwen3_5"}, "qwen3_5"),
+        ({"model_type": "qwen3_5_text"}, "qwen3_5"),
+        ({"architectures": ["Qwen2ForCausalLM"]}, "qwen2"),
+        ({"architectures": ["MistralForCausalLM", "LlamaForCausalLM"]}, "llama"),
+    ],
+)
+def test_family_by_model_type_else_architectures(config: dict, family: str) -> None:
+    assert family_of(config, "config.json").name == family
+
+
+def test_a_model_type_wins_over_architectures() -> None:
+    """A config whose model_type is unknown is refused even if an architecture is known: the
+    model_type names the config's keys, which another family would misread."""
+    with pytest.raises(ModelLoadError, match="model_type 'mistral' is not supported"):
+        family_of({"model_type": "mistral", "architectures": ["LlamaForCausalLM"]}, "c")
