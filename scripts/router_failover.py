@@ -41,9 +41,11 @@ def _serve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _wait_healthy(url: str, timeout: float = 300) -> None:
+def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the replica at {url} exited with status {server.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -116,8 +118,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     ports = [args.port + 1, args.port + 2]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     replicas = [_serve(args.model, p, extra) for p in ports]
-    for url in urls:
-        _wait_healthy(url)
+    for url, proc in zip(urls, replicas, strict=True):
+        _wait_healthy(url, proc)
     served = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -139,7 +141,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             killed_at = sum(t.done() for t in tasks)
             replicas[1].wait()
             replicas[1] = _serve(args.model, ports[1], extra)
-            await asyncio.to_thread(_wait_healthy, urls[1])
+            await asyncio.to_thread(_wait_healthy, urls[1], replicas[1])
             restarted_at = sum(t.done() for t in tasks)
             results = await asyncio.gather(*tasks)
             # The reference: each request asked directly of the replica that never died.

@@ -19,6 +19,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -60,14 +61,17 @@ def _free_port() -> int:
 
 def _launch(module: str, policy: str, urls: list[str]) -> tuple[subprocess.Popen, str]:
     """A router on free ports (its own and its Prometheus exporter's: two routers at once
-    would both take the default) in front of `urls`."""
+    would both take the default) in front of `urls`. Its log goes to a temporary file: a pipe
+    nobody drains would fill with its per-request lines and stall it."""
     port, metrics = _free_port(), _free_port()
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", f"{module}.launch_router", "--host", "127.0.0.1",
          "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
          str(metrics), "--policy", policy, "--worker-urls", *urls],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=log, text=True,
     )  # fmt: skip
+    proc.log = log  # type: ignore[attr-defined]
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -96,8 +100,8 @@ def router(request: pytest.FixtureRequest, replicas: list[ServerProcess]) -> Ite
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read() if proc.stderr and proc.poll() is not None else ""
-                pytest.fail(f"{request.param} did not start: {err[-2000:]}")
+                proc.log.seek(0)  # type: ignore[attr-defined]
+                pytest.fail(f"{request.param} did not start: {proc.log.read()[-2000:]}")  # type: ignore[attr-defined]
             time.sleep(0.3)
         yield url
     finally:
