@@ -3,9 +3,10 @@ and what a decode attention call costs, bf16 cache beside FP8 in one run.
 
     python scripts/fp8_kv_gpu_check.py [--engine] [--timing]
 
-1. Widening: the kernels' e4m3 -> bf16 conversion (`attention.widen_kv`) of every finite
-   e4m3 value, plain and as a dot operand (mma.sync tiles of 16 rows on 2 warps, wgmma tiles
-   of 64 and 128 rows), each against torch's conversion.
+1. Widening: the kernels' e4m3 -> bf16 widening (`attention.widen_kv`, exact times
+   2**-KV_WIDEN_EXP) of every finite e4m3 value, plain and as a dot operand scaled back the
+   way attention's dots scale it (mma.sync tiles of 16 rows on 2 warps, wgmma tiles of 64 and
+   128 rows; e4m3's subnormals become bf16 subnormals there), each against torch's conversion.
 2. Paths: paged attention over 96 sequences of 1,000-2,100 keys (several splits), Qwen3-8B's
    heads, one query each, on every decode path (fold, split; slot ids a block ahead or not)
    and the prefill tiles, alone and among batch-mates; every row against the bf16 cache of
@@ -37,6 +38,7 @@ from lockstep.ops.base import build_attention_meta  # noqa: E402
 from lockstep.ops.fp8 import E4M3, e4m3_sat  # noqa: E402
 from lockstep.ops.triton.attention import (  # noqa: E402
     DEFAULT_CONFIG,
+    KV_WIDEN_EXP,
     AttentionConfig,
     ExperimentalAttentionOptions,
     paged_attention,
@@ -44,6 +46,7 @@ from lockstep.ops.triton.attention import (  # noqa: E402
 )
 
 DEV = "cuda"
+WIDEN_EXP = int(KV_WIDEN_EXP.value)  # the widening scales by 2**-WIDEN_EXP
 WIDE = tl.bfloat16  # the activation dtype the cache widens to (float32 under the interpreter)
 HKV, G, D = 8, 4, 128
 PROMPT_LO, PROMPT_HI, MATES = 600, 1500, 64  # --engine
@@ -58,20 +61,22 @@ def _widen_plain(src, dst, N: tl.constexpr, WIDE: tl.constexpr):
 @triton.jit
 def _widen_dot(
     src, dst_k, dst_v, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, Q_ONE: tl.constexpr, P_ONE: tl.constexpr,
 ):  # fmt: skip
     """k [BLOCK_N, D] widened, read through two dots with one-hot rows: q @ k^T picks k's
     columns (k as the B operand, transposed, as attention's scores take it) and p @ v picks
-    its rows (as attention's p @ V takes it). Each output is one product by 1.0 plus zeros."""
+    its rows (as attention's p @ V takes it). The hot entries are Q_ONE and P_ONE, the
+    factors attention's q and p carry over a scaled widening; each output is one product
+    plus zeros."""
     pid = tl.program_id(0)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     k = widen_kv(tl.load(src + offs_n[:, None] * D + offs_d[None, :]), WIDE)
     r = pid * ROWS + tl.arange(0, ROWS)
-    q = tl.where(offs_d[None, :] == r[:, None], 1.0, 0.0).to(WIDE)
+    q = tl.where(offs_d[None, :] == r[:, None], Q_ONE, 0.0).to(WIDE)
     s = tl.dot(q, tl.trans(k))
     tl.store(dst_k + r[:, None] * BLOCK_N + offs_n[None, :], s, mask=r[:, None] < D)
-    p = tl.where(offs_n[None, :] == r[:, None], 1.0, 0.0).to(WIDE)
+    p = tl.where(offs_n[None, :] == r[:, None], P_ONE, 0.0).to(WIDE)
     o = tl.dot(p, k)
     tl.store(dst_v + r[:, None] * D + offs_d[None, :], o, mask=r[:, None] < BLOCK_N)
 
@@ -85,10 +90,8 @@ def widening() -> list[dict]:
     padded[: vals.numel()] = vals
     out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
     _widen_plain[(1,)](padded, out, N=n, WIDE=WIDE)
-    got = out[: vals.numel()]
-    rows = [
-        {"variant": "plain", "differ": int((got.view(torch.int16) != want.view(torch.int16)).sum())}
-    ]
+    got = out[: vals.numel()].double() * 2.0**WIDEN_EXP
+    rows = [{"variant": "plain", "differ": int((got != want.double()).sum())}]
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vals.numel(), (64, D), generator=g)
     k8 = vals.cpu()[idx].to(DEV)
@@ -97,7 +100,10 @@ def widening() -> list[dict]:
         dk = torch.full((D, 64), float("nan"), device=DEV)
         dv = torch.full((64, D), float("nan"), device=DEV)
         grid = (triton.cdiv(max(D, 64), rows_),)
-        _widen_dot[grid](k8, dk, dv, ROWS=rows_, BLOCK_N=64, D=D, WIDE=WIDE, num_warps=warps)
+        half = WIDEN_EXP // 2
+        _widen_dot[grid](k8, dk, dv, ROWS=rows_, BLOCK_N=64, D=D, WIDE=WIDE, Q_ONE=2.0**half,
+                         P_ONE=2.0**WIDEN_EXP, num_warps=warps)  # fmt: skip
+        dk = dk.double() * 2.0**half  # q's factor leaves 2**-half on the scores
         rows.append({"variant": f"dot {rows_} rows / {warps} warps",
                      "differ": int((dk != ref.T).sum()) + int((dv != ref).sum())})  # fmt: skip
     return rows
@@ -229,6 +235,10 @@ def timing() -> list[dict]:
             num_warps_split=warps, num_stages_split=stages,
             slots_ahead_programs_per_sm=10**6 if ahead else 1,
             experimental=ExperimentalAttentionOptions(slots_ahead_split=ahead))))  # fmt: skip
+    # Other key blocks (part of the numerics: a cache dtype could take its own, prefill too).
+    variants += [("bn32 w2", AttentionConfig(block_n=32)),
+                 ("bn128 w4 s2", AttentionConfig(block_n=128, num_warps_split=4,
+                                                 num_stages_split=2))]  # fmt: skip
     for cache, (k, v) in (("bf16", (kb, vb)), ("fp8", (k8, v8))):
         floor_ms = 2 * total * HKV * D * k.element_size() / 4.3e12 * 1e3
         for (name, cfg), path in itertools.product(variants, ("fold", "split")):

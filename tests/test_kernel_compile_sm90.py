@@ -165,11 +165,13 @@ def test_decode_tile_dots_over_an_fp8_cache_are_laid_out_as_over_the_q_dtype(
     compiled: dict[str, str], q: str, partials: int
 ) -> None:
     """Every dot operand's kWidth as with a cache of q's dtype: the same K order in every
-    MMA instruction, so decode tiles keep the prefill tiles' bits over an FP8 cache."""
+    MMA instruction, so decode tiles keep the prefill tiles' bits over an FP8 cache. (The
+    FP8 kernel has more dot-operand layouts than the other: p's rescaling before p @ V runs
+    in one, `attention.widen_kv` says why; what must match is the widths they use.)"""
     fp8 = compiled[f"decode tiles *fp8e4nv q {q} partials={partials}"]
     same = compiled[f"decode tiles {q} q {q} partials={partials}"]
     assert fp8 and same and "error" not in fp8.lower(), (fp8, same)
-    assert fp8 == same
+    assert set(fp8.split(",")) == set(same.split(",")), (fp8, same)
 
 
 def test_layout_control_a_plain_widening_changes_the_dot_layout(compiled: dict[str, str]) -> None:

@@ -48,6 +48,8 @@ def _row_local_interpreter_dot() -> None:
     from triton.runtime import interpreter
 
     def wide(t):
+        if t.dtype.is_bf16():  # held as its bits (numpy has no bfloat16)
+            return (t.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
         if t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
             half = interpreter._convert_float(t.data, t.dtype, interpreter.tl.float16, None)
             return half.view(np.float16).astype(np.float64)

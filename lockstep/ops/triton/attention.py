@@ -243,39 +243,49 @@ def _block_update(
     pv = p.to(v.dtype)
     if ROW_SUM_MMA:
         lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
+    if scaled_kv(v_cache, q.dtype):  # undo the widening's 2**-KV_WIDEN_EXP (exact; pv <= 1)
+        pv = (pv.to(tl.float32) * (2.0**KV_WIDEN_EXP)).to(v.dtype)
     acc = tl.dot(pv, v, acc * alpha[:, None])
     return m_new, lsum, acc
 
 
-# The e4m3 -> fp16 pairs of sm_89+, then to the activation dtype: exact (every e4m3 value is
-# an fp16, a bf16 and an fp32 value). Four cache bytes in one 32-bit register per instance.
-_E4M3_TO_F16 = """
+# An FP8 (e4m3) cache read by bfloat16 queries is widened by moving bits, not by conversion
+# instructions (one e4m3 -> bf16 conversion per value made the decode tiles conversion-bound):
+# e4m3's sign, 4-bit exponent and 3-bit mantissa become a bf16's sign, exponent field
+# 0000EEEE and mantissa MMM0000, which is the exact value times 2**-KV_WIDEN_EXP (bias 127
+# against 7; e4m3's subnormals land on bf16 subnormals, the same factor). The dots undo the
+# factor at no cost: q is multiplied by 2**(KV_WIDEN_EXP/2) once per program and the score
+# scale by the same power (exact: powers of two), and p by 2**KV_WIDEN_EXP before p @ V, so
+# every product the tensor cores form is the one the exact widening gives (bit for bit on the
+# H200, subnormals included: docs/gpu.md; only a |q| of 2**68 or more, which no model has,
+# would overflow).
+# Per 32-bit register of four cache bytes [b3 b2 b1 b0]: prmt builds [sign(b1) b1 sign(b0) b0]
+# (selector nibbles 8-B replicate a byte's sign), a shift by 4 moves each byte's low 7 bits
+# to bf16 bits 10..4 and a sign copy to bit 15, and the mask drops the rest. Three integer
+# instructions per two values.
+KV_WIDEN_EXP = tl.constexpr(120)
+_E4M3_TO_BF16_SCALED = tl.constexpr(
+    """{
+    .reg .b32 t;
+    prmt.b32 t, $2, 0, 0x9180;
+    shl.b32 t, t, 4;
+    and.b32 $0, t, 0x87F087F0;
+    prmt.b32 t, $2, 0, 0xB3A2;
+    shl.b32 t, t, 4;
+    and.b32 $1, t, 0x87F087F0;
+    }"""
+)
+# e4m3 -> fp32 for float32 queries (rare; exact, unscaled): the e4m3 -> fp16 pairs of sm_89+.
+_E4M3_TO_F32 = tl.constexpr(
+    """{
     .reg .b16 lo, hi;
     .reg .b32 h01, h23;
     .reg .f16 a0, a1, a2, a3;
-    mov.b32 {lo, hi}, $%d;
+    mov.b32 {lo, hi}, $4;
     cvt.rn.f16x2.e4m3x2 h01, lo;
     cvt.rn.f16x2.e4m3x2 h23, hi;
     mov.b32 {a0, a1}, h01;
     mov.b32 {a2, a3}, h23;
-"""
-_E4M3_TO_BF16 = tl.constexpr(
-    "{"
-    + _E4M3_TO_F16 % 2
-    + """
-    .reg .b16 b0, b1, b2, b3;
-    cvt.bf16.f16 b0, a0;
-    cvt.bf16.f16 b1, a1;
-    cvt.bf16.f16 b2, a2;
-    cvt.bf16.f16 b3, a3;
-    mov.b32 $0, {b0, b1};
-    mov.b32 $1, {b2, b3};
-    }"""
-)
-_E4M3_TO_F32 = tl.constexpr(
-    "{"
-    + _E4M3_TO_F16 % 4
-    + """
     cvt.f32.f16 $0, a0;
     cvt.f32.f16 $1, a1;
     cvt.f32.f16 $2, a2;
@@ -287,31 +297,43 @@ _COMPILED = tl.constexpr(not interpreting())
 
 @triton.jit
 def widen_kv(x, dtype: tl.constexpr):
-    """Cache values in the activation dtype: unchanged for a cache of that dtype; an FP8
-    (e4m3, scale 1.0) cache widened exactly.
+    """Cache values for dots in the activation dtype: unchanged for a cache of that dtype; an
+    FP8 (e4m3, scale 1.0) cache exactly, times 2**-KV_WIDEN_EXP for bfloat16 (see
+    `scaled_kv`; the dots undo it), unscaled for float32.
 
-    Why not `x.to(dtype)` (the same values): Triton lays out a dot operand for the narrowest
-    type it was loaded as, so a dot over values loaded as e4m3 gets 4 consecutive K elements
-    per thread instead of 2 on the decode tiles' mma.sync, which permutes the K order inside
-    each MMA instruction, and the tensor cores' fp32 sums follow that order: decode tiles
-    then disagree with the prefill tiles' wgmma (whose B operand comes from shared memory in
-    order) in the last bits. A widening the compiler cannot see through (an inline PTX
-    conversion with side effects, which ends its search for the loaded type) keeps every
-    dot laid out as for a cache of the activation dtype. tests/test_kernel_compile_sm90.py
-    checks the layouts; the interpreter has no PTX and no layouts, so it converts."""
+    Why not `x.to(dtype)`: Triton lays out a dot operand for the narrowest type it was loaded
+    as, so a dot over values loaded as e4m3 gets 4 consecutive K elements per thread instead
+    of 2 on the decode tiles' mma.sync, which permutes the K order inside each MMA
+    instruction, and the tensor cores' fp32 sums follow that order: decode tiles then
+    disagree with the prefill tiles' wgmma (whose B operand comes from shared memory in
+    order) in the last bits. A widening the compiler cannot see through (inline PTX with side
+    effects, which ends its search for the loaded type) keeps every dot laid out as for a
+    cache of the activation dtype. tests/test_kernel_compile_sm90.py checks the layouts; the
+    interpreter has no PTX and no layouts, so it makes the same bit moves in Triton ops."""
     if x.dtype == dtype:
         y = x
-    elif not _COMPILED:
-        y = x.to(dtype)
     elif dtype == tl.float32:
+        if _COMPILED:
+            y = tl.inline_asm_elementwise(
+                _E4M3_TO_F32, "=r,=r,=r,=r,r", [x], dtype=tl.float32, is_pure=False, pack=4
+            )
+        else:
+            y = x.to(tl.float32)
+    elif _COMPILED:  # bfloat16 (`_check`)
         y = tl.inline_asm_elementwise(
-            _E4M3_TO_F32, "=r,=r,=r,=r,r", [x], dtype=tl.float32, is_pure=False, pack=4
+            _E4M3_TO_BF16_SCALED, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4
         )
-    else:  # bfloat16 (`_check`)
-        y = tl.inline_asm_elementwise(
-            _E4M3_TO_BF16, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4
-        )
+    else:  # the same bit moves (the interpreter's float32 -> bf16 rounds subnormals wrongly)
+        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        y = (((b & 0x80) << 8) | ((b & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
     return y
+
+
+@triton.jit
+def scaled_kv(cache_ptr, dtype: tl.constexpr):
+    """Whether `widen_kv` scales this cache's values for `dtype` dots (an FP8 cache read by
+    bfloat16 queries)."""
+    return cache_ptr.dtype.element_ty == tl.float8e4nv and dtype == tl.bfloat16
 
 
 @triton.jit
@@ -411,6 +433,9 @@ def _attn_fwd(
     offs_d = tl.arange(0, D)
     qrow = tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh
     qt = tl.load(q + qrow[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if scaled_kv(k_cache, qt.dtype):  # the keys are widened times 2**-KV_WIDEN_EXP: undo it
+        qt = (qt.to(tl.float32) * (2.0 ** (KV_WIDEN_EXP // 2))).to(qt.dtype)
+        qk_scale = qk_scale * (2.0 ** (KV_WIDEN_EXP // 2))
     slots_ptr = slot_table + tl.load(cu_kv + b)
     pos_lo = tl.min(tl.where(valid, pos, hi), 0)  # first position of the tile
     if WRITE_PARTIALS:
