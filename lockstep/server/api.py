@@ -23,6 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lockstep.engine.sampling_params import SamplingParams
+from lockstep.models.tokenizer import Tokenizer
+from lockstep.models.tokenizer_folder import tokenizer_folder
+from lockstep.ops.cpu_build import cache_root
 from lockstep.server.async_engine import AsyncEngine, RequestGroup
 from lockstep.server.auth import RequireApiKey
 from lockstep.server.chat_completions import chat_completions
@@ -100,6 +103,7 @@ def build_app(
             tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
         ),
         grammars=getattr(engine, "grammars", None),
+        tokenizer_path=_tokenizer_path(engine),
     )
 
     def refresh_fingerprint() -> None:
@@ -242,6 +246,15 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
         "tokens": ids,
         "token_strs": strs,
     }
+
+
+def _tokenizer_path(engine: Any) -> str | None:
+    """The Hugging Face tokenizer folder routers load (`/server_info`'s `tokenizer_path`):
+    the model's own folder, or one written into Lockstep's cache for a GGUF file or preset."""
+    loaded = getattr(engine, "loaded", None)
+    if loaded is None or not isinstance(engine.tokenizer, Tokenizer):
+        return None
+    return tokenizer_folder(engine.tokenizer, loaded.source, engine.max_model_len, cache_root())
 
 
 def _tokenizer_info(served: Served) -> dict[str, Any]:

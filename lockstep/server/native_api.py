@@ -176,7 +176,7 @@ def add_native_routes(
         core = engine.engine
         return {
             "model_path": core.weights_source,
-            "tokenizer_path": core.loaded.source,
+            "tokenizer_path": served.tokenizer_path,
             "served_model_name": served.model_name,
             "is_generation": True,
             "model_type": core.decoder.spec.family,
@@ -198,7 +198,12 @@ def add_native_routes(
         return {
             "version": __version__,
             "served_model_name": served.model_name,
-            "model_path": snap["fingerprint"]["weights_source"],
+            # SGLang's routers load their tokenizer from this field (they read no other over
+            # HTTP, docs/scale-out.md): a tokenizer folder, the weights' own where they are
+            # one. `weights_path` and /model_info's `model_path` name the weights.
+            "model_path": served.tokenizer_path or snap["fingerprint"]["weights_source"],
+            "weights_path": snap["fingerprint"]["weights_source"],
+            "tokenizer_path": served.tokenizer_path,
             "weight_version": snap["fingerprint"]["weight_version"],
             "context_length": served.max_model_len,
             "max_total_num_tokens": stats["kv_total"],

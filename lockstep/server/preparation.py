@@ -43,6 +43,7 @@ class Served:
     max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
     tool_call_parser: str | None = None  # tool_parser.py's name for the model's markup
     grammars: Any = None  # the engine's GrammarCompiler (structured outputs)
+    tokenizer_path: str | None = None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
 
 
 # A tokenizer's normalizer can shorten text before it is split (NFC composes a letter and its
