@@ -59,6 +59,7 @@ from lockstep.server.protocol import (
     DetokenizeRequest,
     ScoreRequest,
     TokenizeRequest,
+    cache_namespace,
 )
 from lockstep.server.request_bodies import MAX_BODY_BYTES, BodySizeLimit, big_body_route
 from lockstep.server.responses import ChoiceState, score_entry
@@ -302,7 +303,7 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
     group_id = served.engine.new_request_id("score")
     log_request("score", group_id, None, prompts)
     group = RequestGroup(served.engine, group_id)
-    await group.add([(ids, params) for ids in prompts], body.cache_salt)
+    await group.add([(ids, params) for ids in prompts], cache_namespace(None, body.cache_salt))
     async with group:
         if not await run_to_end(group, choices, request):
             return Response(status_code=499)
