@@ -45,7 +45,7 @@ def _bool(value: Any) -> bool:
 # router that sends them expects a prefill or decode worker, which Lockstep is not.
 DISAGGREGATION_FIELDS = frozenset(
     {"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
-     "decode_tp_size", "disagg_prefill_dp_rank", "kv_transfer_params"}
+     "decode_tp_size", "disagg_prefill_dp_rank", "kv_transfer_params", "ec_transfer_params"}
 )  # fmt: skip
 
 _SHARED: dict[str, Neutral] = {
@@ -66,6 +66,21 @@ _SHARED: dict[str, Neutral] = {
     "request_id": _none,
     "kv_transfer_params": _none,
     "vllm_xargs": _none,
+    "ec_transfer_params": _none,
+    # vLLM 0.34's: watermarks, thinking budgets, more outputs, repetition detection (the
+    # newer form of the fields above), chunked streaming, multimodal payloads. Lockstep cuts
+    # a prompt on the left (`truncate_prompt_tokens` keeps the last tokens), vLLM's default.
+    "watermarking": _false,
+    "thinking_token_budget": _none,
+    "truncation_side": lambda v: v is None or v == "left",
+    "logprob_token_ids": _none,
+    "return_weight_versions": _false,
+    "routed_experts_prompt_start": _zero,
+    "return_token_offsets": _false,
+    "repetition_detection": _none,
+    "stream_interval": _one,
+    "mm_payload": lambda v: v is None or v == "tensors",
+    "return_mm_kwargs": _bool,
     # SGLang's (0.5.5, and what 0.5.23 added): hidden states and other extra outputs, stop
     # regexes, LoRA, sessions, server-side logits processors, watermarks, multimodal
     # settings, disaggregation (DISAGGREGATION_FIELDS) and data-parallel ranks (one here).
@@ -136,6 +151,8 @@ CHAT_UNSUPPORTED: dict[str, Neutral] = {
     "use_audio_in_video": _false,
     "video_config": _none,
     "input_ids": _none,
+    # vLLM 0.34's: the rendered prompt text in the response.
+    "return_prompt_text": _false,
 }
 
 STREAM_OPTIONS_UNSUPPORTED: dict[str, Neutral] = {"include_obfuscation": _false}
