@@ -1,9 +1,11 @@
 """Request bodies of SGLang's native API (`/generate` and its companions, docs/server.md).
 
-The fields are SGLang's, with its names and defaults, held to the same three kinds as the
-OpenAI bodies (protocol.py): implemented fields are declared; SGLang fields Lockstep does not
-implement are accepted only at their neutral value and otherwise refused with a 400 naming
-them (`UNSUPPORTED_*`); anything else is refused as unrecognized. Strict types, strings
+The fields are SGLang's (0.5.5, and what 0.5.23 added), with its names and defaults, held to
+the same kinds as the OpenAI bodies (protocol.py): implemented fields are declared; fields
+that cannot change the output (ids, labels, routing hints) are declared too, with a
+description that starts "accepted:"; SGLang fields Lockstep does not implement are accepted
+only at their neutral value and otherwise refused with a 400 naming them (`UNSUPPORTED_*`);
+anything else is refused as unrecognized. Strict types, strings
 checked to be valid Unicode, integers below 2**63.
 """
 
@@ -131,7 +133,7 @@ class NativeSamplingParams(StrictModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = Field(
-        True, description="accepted for compatibility: the fast tokenizers decode the same"
+        True, description="accepted: the fast tokenizers decode the same either way"
     )
     no_stop_trim: bool = Field(False, description="keep the matched stop string in the text")
     n: int = Field(1, ge=1, le=16, description="sample i of n uses sampling_seed + i")
@@ -173,10 +175,10 @@ class GenerateRequest(RequestBody):
     top_logprobs_num: int | Annotated[list[int], Field(min_length=1)] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
-    log_metrics: bool = True
+    log_metrics: bool = Field(True, description="accepted: the metrics count every request")
     no_logs: bool = Field(False, description="accepted: the request log holds no prompt text")
     model: str | None = Field(
-        None, max_length=256, description="a router's field: one model is served, any name"
+        None, max_length=256, description="accepted: a router's field; one model is served"
     )
     extra_key: str | None = Field(
         None,

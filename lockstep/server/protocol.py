@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API, as strict pydantic models.
 
-Three kinds of field, each handled on purpose (STYLE.md: honour the API you claim):
+Four kinds of field, each handled on purpose (STYLE.md: honour the API you claim):
 
 - implemented fields, declared below with their ranges (the OpenAPI schema shows them);
-- OpenAI and vLLM fields Lockstep does not implement (`unsupported_fields.py`): accepted
+- fields that cannot change the output (SGLang's request ids and labels), declared with a
+  description saying "accepted:";
+- OpenAI, vLLM and SGLang fields Lockstep does not implement (`unsupported_fields.py`): accepted
   only at their neutral value (e.g. `presence_penalty: 0`), otherwise refused with a 400
   naming the field;
 - anything else: refused as an unrecognized argument (`extra="forbid"`).
