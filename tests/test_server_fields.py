@@ -282,38 +282,91 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Router:
+    """A real sglang-router on free ports (its own and its Prometheus exporter's), its log in
+    a temporary file (a pipe nobody drains would stall it)."""
+
+    def __init__(self, *args: str) -> None:
+        pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", self.url.rsplit(":", 1)[1], "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(_free_port()), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return re.sub(r"\x1b\[[0-9;]*m", "", self._log.read())
+
+    def wait_for_log(self, *outcomes: str) -> str:
+        """The log once one of `outcomes` is in it (a failure after 60 s or an exit)."""
+        deadline = time.monotonic() + 60
+        while not any(outcome in (text := self.log()) for outcome in outcomes):
+            assert self.proc.poll() is None and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.3)
+        return text
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """`body` through the router, once it routes (it answers 503 until its workers are
+        registered)."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                resp = httpx.post(self.url + path, json=body, timeout=60)
+                if resp.status_code != 503 or time.monotonic() > deadline:
+                    return resp
+            except httpx.TransportError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def test_sglang_router_loads_the_tokenizer_of_a_gguf_replica(server: ServerProcess) -> None:
     """sglang-router reads `model_path` from /server_info and loads its tokenizer from it;
     a GGUF path there gives "GGUF format not yet supported" and no tokenizer."""
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
-    port = _free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-         "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-         str(_free_port()), "--policy", "cache_aware", "--worker-urls", server.base_url],
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    router = Router("--policy", "cache_aware", "--worker-urls", server.base_url)
     folder = httpx.get(server.base_url + "/server_info", timeout=30).json()["tokenizer_path"]
     try:
-        deadline = time.monotonic() + 60
-        text = ""
-        outcomes = ("registered tokenizer", "Failed to load tokenizer", "No tokenizer_path")
-        while not any(outcome in text for outcome in outcomes):
-            assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
-            time.sleep(0.3)
-            log.seek(0)
-            text = re.sub(r"\x1b\[[0-9;]*m", "", log.read())
+        text = router.wait_for_log(
+            "registered tokenizer", "Failed to load tokenizer", "No tokenizer_path"
+        )
         body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-        resp = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        resp = router.post("/generate", body)
         assert resp.status_code == 200, resp.text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        router.stop()
     assert "GGUF" not in text
     assert re.search(rf"Successfully registered tokenizer '{re.escape(server.model)}'", text)
     assert f"Loading tokenizer '{server.model}' from source: {folder}" in text
+
+
+def test_sglang_router_pd_mode_gets_the_disaggregation_refusal(server: ServerProcess) -> None:
+    """sglang-router's PD mode adds the bootstrap fields to every request it sends a prefill
+    and a decode worker: through it each route answers Lockstep's 400, which says why."""
+    prefill = ServerProcess(["--model", "random:tiny", "--device", "cpu", "--kv-tokens", "512",
+                             "--max-model-len", "128"]).start()  # fmt: skip
+    router = Router("--pd-disaggregation", "--prefill", prefill.base_url, "--decode",
+                    server.base_url, "--policy", "random")  # fmt: skip
+    try:
+        for path, body in (
+            ("/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}),
+            ("/v1/completions", {"model": server.model, "prompt": "Hello", "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": server.model, "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": "Hi"}]}),
+        ):  # fmt: skip
+            resp = router.post(path, body)
+            assert resp.status_code == 400, (path, resp.text)
+            assert "does not support prefill/decode disaggregation" in resp.text, resp.text
+    finally:
+        router.stop()
+        prefill.stop()
