@@ -28,7 +28,12 @@ import pytest
 import test_server
 from test_server import ServerProcess
 
-from lockstep.server.native_protocol import UNSUPPORTED_GENERATE, UNSUPPORTED_SAMPLING
+from lockstep.server.native_protocol import (
+    UNSUPPORTED_GENERATE,
+    UNSUPPORTED_SAMPLING,
+    GenerateRequest,
+)
+from lockstep.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from lockstep.server.unsupported_fields import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
@@ -119,27 +124,57 @@ def test_openai_neutral_and_accepted_fields_change_no_bit(
 # --- refused: a 400 naming the field ----------------------------------------------------------
 
 
-def test_every_unsupported_field_is_refused_by_name_at_any_other_value(
-    http: httpx.Client, server: ServerProcess
-) -> None:
+def _unsupported_cases(model: str) -> list[tuple[str, dict[str, Any], str]]:
+    """(route, body, the param its refusal must name): every not-implemented field of every
+    table at a value other than its neutral one."""
     cases: list[tuple[str, dict[str, Any], str]] = []
     for name in UNSUPPORTED_GENERATE:
         cases.append(("/generate", {"text": "a", name: NOT_NEUTRAL}, name))
     for name in UNSUPPORTED_SAMPLING:
         body = {"text": "a", "sampling_params": {name: NOT_NEUTRAL}}
         cases.append(("/generate", body, f"sampling_params.{name}"))
-    completion = {"model": server.model, "prompt": "a"}
-    chat = {"model": server.model, "messages": [{"role": "user", "content": "a"}]}
+    completion = {"model": model, "prompt": "a"}
+    chat = {"model": model, "messages": [{"role": "user", "content": "a"}]}
     for name in COMPLETION_UNSUPPORTED:
         cases.append(("/v1/completions", {**completion, name: NOT_NEUTRAL}, name))
     for name in CHAT_UNSUPPORTED:
         cases.append(("/v1/chat/completions", {**chat, name: NOT_NEUTRAL}, name))
-    for path, body, param in cases:
-        status, got, code, message = _refusal(http.post(path, json=body))
-        assert (status, got, code) == (400, param, "unsupported_parameter"), (path, message)
-        name = param.rsplit(".", 1)[-1]
-        wanted = "disaggregation" if name in DISAGGREGATION_FIELDS else "not supported"
-        assert wanted in message, (path, param, message)
+    return cases
+
+
+BODIES = {
+    "/generate": GenerateRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def _check_refusal(path: str, param: str, got: tuple) -> None:
+    status, got_param, code, message = got
+    assert (status, got_param, code) == (400, param, "unsupported_parameter"), (path, message)
+    name = param.rsplit(".", 1)[-1]
+    wanted = "disaggregation" if name in DISAGGREGATION_FIELDS else "not supported"
+    assert wanted in message, (path, param, message)
+
+
+def test_every_unsupported_field_is_refused_by_name_at_any_other_value() -> None:
+    """Every case through the request models the routes parse bodies with (the refusal is
+    raised there, before any engine work; the next test sends some to a real server)."""
+    for path, body, param in _unsupported_cases("m"):
+        with pytest.raises(APIError) as caught:
+            BODIES[path].model_validate(body)
+        error = caught.value
+        _check_refusal(path, param, (error.status, error.param, error.code, error.message))
+
+
+def test_refusals_reach_the_client_as_400s_naming_the_field(
+    http: httpx.Client, server: ServerProcess
+) -> None:
+    cases = _unsupported_cases(server.model)
+    for path in BODIES:  # the first and last case of each route
+        mine = [case for case in cases if case[0] == path]
+        for _, body, param in (mine[0], mine[-1]):
+            _check_refusal(path, param, _refusal(http.post(path, json=body)))
 
 
 @pytest.mark.parametrize(
@@ -243,7 +278,7 @@ def test_extra_key_separates_prefix_cache_entries_and_keeps_the_bits(
 def test_sglang_constraints_on_the_completions_route(
     http: httpx.Client, server: ServerProcess, field: str, value: str, pattern: str
 ) -> None:
-    body = {"model": server.model, "prompt": "Answer:", "max_tokens": 30, "temperature": 0}
+    body = {"model": server.model, "prompt": "Answer:", "max_tokens": 12, "temperature": 0}
     text = http.post("/v1/completions", json={**body, field: value}).json()["choices"][0]["text"]
     assert re.fullmatch(pattern, text), text
     control = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
