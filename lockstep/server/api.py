@@ -23,6 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lockstep.engine.sampling_params import SamplingParams
+from lockstep.models.tokenizer import Tokenizer
+from lockstep.models.tokenizer_folder import tokenizer_folder
+from lockstep.ops.cpu_build import cache_root
 from lockstep.server.async_engine import AsyncEngine, RequestGroup
 from lockstep.server.auth import RequireApiKey
 from lockstep.server.chat_completions import chat_completions
@@ -56,6 +59,7 @@ from lockstep.server.protocol import (
     DetokenizeRequest,
     ScoreRequest,
     TokenizeRequest,
+    cache_namespace,
 )
 from lockstep.server.request_bodies import MAX_BODY_BYTES, BodySizeLimit, big_body_route
 from lockstep.server.responses import ChoiceState, score_entry
@@ -100,6 +104,7 @@ def build_app(
             tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
         ),
         grammars=getattr(engine, "grammars", None),
+        tokenizer_path=_tokenizer_path(engine),
     )
 
     def refresh_fingerprint() -> None:
@@ -244,6 +249,15 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
     }
 
 
+def _tokenizer_path(engine: Any) -> str | None:
+    """The Hugging Face tokenizer folder routers load (`/server_info`'s `tokenizer_path`):
+    the model's own folder, or one written into Lockstep's cache for a GGUF file or preset."""
+    loaded = getattr(engine, "loaded", None)
+    if loaded is None or not isinstance(engine.tokenizer, Tokenizer):
+        return None
+    return tokenizer_folder(engine.tokenizer, loaded.source, engine.max_model_len, cache_root())
+
+
 def _tokenizer_info(served: Served) -> dict[str, Any]:
     """vLLM's `/tokenizer_info`: the special tokens and the chat template. lm-evaluation-harness
     looks for it (with `/tokenize`) to tokenize through the server instead of loading a
@@ -289,7 +303,7 @@ async def _score(served: Served, body: ScoreRequest, request: Request) -> Any:
     group_id = served.engine.new_request_id("score")
     log_request("score", group_id, None, prompts)
     group = RequestGroup(served.engine, group_id)
-    await group.add([(ids, params) for ids in prompts], body.cache_salt)
+    await group.add([(ids, params) for ids in prompts], cache_namespace(None, body.cache_salt))
     async with group:
         if not await run_to_end(group, choices, request):
             return Response(status_code=499)

@@ -101,9 +101,9 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     ]
     choices = [ChoiceState(prompt_index=0, prompt_ids=ids) for _ in range(body.n)]
     group_id = served.engine.new_request_id("chatcmpl")
-    log_request("chat", group_id, body.user, [ids])
+    log_request("chat", group_id, body.user, [ids], body.rid)
     group = RequestGroup(served.engine, group_id)
-    await group.add(requests, body.cache_salt)
+    await group.add(requests, body.cache_namespace)
     created = int(time.time())
     tok = served.tokenizer
     role = reply_role(body, options)

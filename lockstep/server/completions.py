@@ -123,9 +123,9 @@ async def completions(served: Served, body: CompletionRequest, request: Request)
             requests.append((ids, params))
             choices.append(ChoiceState(prompt_index=p_index, prompt_ids=ids, scores_only=scoring))
     group_id = served.engine.new_request_id("cmpl")
-    log_request("completion", group_id, body.user, prompts)
+    log_request("completion", group_id, body.user, prompts, body.rid)
     group = RequestGroup(served.engine, group_id)
-    await group.add(requests, body.cache_salt)
+    await group.add(requests, body.cache_namespace)
     created = int(time.time())
     tok = served.tokenizer
 

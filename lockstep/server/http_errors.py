@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lockstep.errors import RequestError
 from lockstep.server.async_engine import EngineFailure, Overloaded
 from lockstep.server.metrics import ServerMetrics
-from lockstep.server.protocol import APIError, clip
+from lockstep.server.protocol import APIError, StrictModel, clip
 from lockstep.server.request_bodies import BodyRefused
 
 logger = logging.getLogger(__name__)
@@ -224,6 +224,17 @@ _UNION_FIELDS = {
 }
 
 
+def _model_branch_names() -> set[str]:
+    """The class names of every request model: how pydantic names a model branch of a union
+    in an error's location."""
+    names, todo = set(), [StrictModel]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """pydantic's errors (the first one) as the 400 that names the field the client wrote."""
     errors = exc.errors()
@@ -231,7 +242,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError("invalid request body", code="invalid_value")
     first = errors[0]
     kind = first.get("type", "")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A request model inside a union is named by its class ("sampling_params.
+    # NativeSamplingParams.temprature"): the client wrote no such key, so it is left out.
+    loc = [
+        str(part)
+        for part in first.get("loc", ())
+        if part != "body" and part not in _model_branch_names()
+    ]
     # Inside a union pydantic names the branch ("prompt.list[int].0", "stop.str"): the field
     # the client wrote is the path before the first branch name.
     branch = next((i for i, p in enumerate(loc) if p == "str" or "[" in p), None)

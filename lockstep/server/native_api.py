@@ -51,7 +51,7 @@ from lockstep.server.preparation import (
     max_tokens_for,
 )
 from lockstep.server.processing_fields import compile_constraint, native_processing_options
-from lockstep.server.protocol import INT64_MAX, APIError, clip
+from lockstep.server.protocol import INT64_MAX, APIError, cache_namespace, clip
 from lockstep.server.responses import json_logprob, sse
 
 logger = logging.getLogger(__name__)
@@ -114,10 +114,12 @@ def add_native_routes(
         body = _seed_from_header(body, request.headers.get(SEED_HEADER))
         items, batched = await _prepare(served, body, active)
         group = RequestGroup(engine, engine.new_request_id("generate"))
-        requests = [(item.prompt_ids, _sampling_params(item, j)) for item, j in items]
+        requests = [
+            (item.prompt_ids, _sampling_params(item, j, served.vocab_size)) for item, j in items
+        ]
         for _, params in requests:  # off the event loop; each distinct spec once (cached)
             await compile_constraint(served.grammars, params.structured_output)
-        await group.add(requests, body.extra_key or body.cache_salt)
+        await group.add(requests, cache_namespace(body.extra_key, body.cache_salt))
         flat = [item for item, _ in items]
         for index, item in enumerate(flat):
             for rid in {item.rid, item.base_rid}:  # a sample, and the prompt's n samples
@@ -176,7 +178,7 @@ def add_native_routes(
         core = engine.engine
         return {
             "model_path": core.weights_source,
-            "tokenizer_path": core.loaded.source,
+            "tokenizer_path": served.tokenizer_path,
             "served_model_name": served.model_name,
             "is_generation": True,
             "model_type": core.decoder.spec.family,
@@ -198,7 +200,12 @@ def add_native_routes(
         return {
             "version": __version__,
             "served_model_name": served.model_name,
-            "model_path": snap["fingerprint"]["weights_source"],
+            # SGLang's routers load their tokenizer from this field (they read no other over
+            # HTTP, docs/scale-out.md): a tokenizer folder, the weights' own where they are
+            # one. `weights_path` and /model_info's `model_path` name the weights.
+            "model_path": served.tokenizer_path or snap["fingerprint"]["weights_source"],
+            "weights_path": snap["fingerprint"]["weights_source"],
+            "tokenizer_path": served.tokenizer_path,
             "weight_version": snap["fingerprint"]["weight_version"],
             "context_length": served.max_model_len,
             "max_total_num_tokens": stats["kv_total"],
@@ -427,7 +434,7 @@ def _rids(rid: str | list[str] | None, count: int, batched: bool) -> list[str]:
     return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
 
 
-def _sampling_params(item: _Item, sample: int) -> SamplingParams:
+def _sampling_params(item: _Item, sample: int, vocab_size: int) -> SamplingParams:
     p = item.params
     seed = choice_seed(p.sampling_seed, sample, "sampling_params.sampling_seed")
     stop = () if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
@@ -451,7 +458,7 @@ def _sampling_params(item: _Item, sample: int) -> SamplingParams:
             # SGLang leaves the first returned position's logprob out: not computed either,
             # so a rollout's cached prompt serves the scoring of its output.
             prompt_logprobs_start=item.logprob_start_len + 1,
-            **native_processing_options(p),
+            **native_processing_options(p, vocab_size),
         )
     except RequestError as exc:
         raise APIError(str(exc), param="sampling_params", code="invalid_value") from None

@@ -43,6 +43,7 @@ class Served:
     max_text_chars: int = 0  # longer text cannot fit the context (`text_bound`); 0: no bound
     tool_call_parser: str | None = None  # tool_parser.py's name for the model's markup
     grammars: Any = None  # the engine's GrammarCompiler (structured outputs)
+    tokenizer_path: str | None = None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
 
 
 # A tokenizer's normalizer can shorten text before it is split (NFC composes a letter and its
@@ -319,13 +320,21 @@ def stream_usage(body: CompletionRequest | ChatCompletionRequest) -> StreamUsage
     return StreamUsage(final=final, continuous=options.continuous_usage_stats)
 
 
-def log_request(kind: str, group_id: str, user: str | None, prompts: list[list[int]]) -> None:
-    """One log line per admitted request: what it is, whose (`user`), how big."""
+def log_request(
+    kind: str,
+    group_id: str,
+    user: str | None,
+    prompts: list[list[int]],
+    rid: str | list[str] | None = None,
+) -> None:
+    """One log line per admitted request: what it is, whose (`user`), the client's own id
+    for it (SGLang's `rid`), how big."""
     logger.info(
-        "%s %s user=%r prompts=%d prompt_tokens=%d",
+        "%s %s user=%r rid=%r prompts=%d prompt_tokens=%d",
         kind,
         group_id,
         user,
+        rid,
         len(prompts),
         sum(len(p) for p in prompts),
     )

@@ -1,6 +1,7 @@
 """Request fields that process the logits: penalties, `min_tokens`, `logit_bias`,
 `bad_words` and structured outputs (OpenAI's `response_format`, vLLM's `guided_*` and
-`structured_outputs`, SGLang's `regex` / `json_schema` / `ebnf`), and their translation into
+`structured_outputs`, SGLang's `regex` / `json_schema` / `ebnf`, on /generate and on the
+OpenAI routes), and their translation into
 `SamplingParams` keyword arguments (lockstep/engine/logits_processing.py applies them).
 
 A request carries at most one structured-output constraint; a second is a 400 naming it. A
@@ -66,6 +67,14 @@ def _structured(body: ProcessingFields) -> StructuredOutput | None:
         found.append(_guard(StructuredOutput.choice, body.guided_choice, "guided_choice"))
     if body.guided_grammar is not None:
         found.append(_guard(StructuredOutput.grammar, body.guided_grammar, "guided_grammar"))
+    # SGLang's names on its OpenAI routes (json_schema on completions only, as in SGLang).
+    if body.regex is not None:
+        found.append(_guard(StructuredOutput.regex, body.regex, "regex"))
+    if body.ebnf is not None:
+        found.append(_guard(StructuredOutput.grammar, body.ebnf, "ebnf"))
+    json_schema = getattr(body, "json_schema", None)
+    if json_schema is not None:
+        found.append(_schema(json_schema, "json_schema"))
     return _one(found)
 
 
@@ -86,20 +95,23 @@ def _one(found: list[StructuredOutput]) -> StructuredOutput | None:
     return found[0] if found else None
 
 
-def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple:
-    """OpenAI's logit_bias (token id as a string -> bias) as (id, bias) pairs, checked."""
+def logit_bias_pairs(
+    bias: dict[str, float] | None, vocab_size: int, param: str = "logit_bias"
+) -> tuple:
+    """OpenAI's logit_bias (token id as a string -> bias) as (id, bias) pairs, checked;
+    `param` names the field in errors."""
     pairs = []
     for key, value in (bias or {}).items():
         if not key.isascii() or not key.isdigit() or int(key) >= vocab_size:
             raise APIError(
-                f"logit_bias: key {clip(repr(key))} is not a token id: expected an integer"
+                f"{param}: key {clip(repr(key))} is not a token id: expected an integer"
                 f" 0..{vocab_size - 1} written as a string",
-                param="logit_bias",
+                param=param,
                 code="invalid_value",
             )
         if not -100.0 <= value <= 100.0:
-            raise APIError(f"logit_bias[{key!r}]={value!r} is out of range: expected a number "
-                           "in [-100, 100]", param="logit_bias", code="invalid_value")  # fmt: skip
+            raise APIError(f"{param}[{key!r}]={value!r} is out of range: expected a number "
+                           "in [-100, 100]", param=param, code="invalid_value")  # fmt: skip
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 
@@ -117,9 +129,11 @@ def processing_options(body: ProcessingFields, vocab_size: int) -> dict[str, Any
     }
 
 
-def native_processing_options(params: Any, field: str = "sampling_params") -> dict[str, Any]:
+def native_processing_options(
+    params: Any, vocab_size: int, field: str = "sampling_params"
+) -> dict[str, Any]:
     """SamplingParams keyword arguments for SGLang's `sampling_params` penalties,
-    `min_new_tokens` and `regex` / `json_schema` / `ebnf` (at most one of these)."""
+    `min_new_tokens`, `logit_bias` and `regex` / `json_schema` / `ebnf` (at most one)."""
     found = []
     if params.regex is not None:
         found.append(_guard(StructuredOutput.regex, params.regex, f"{field}.regex"))
@@ -132,6 +146,7 @@ def native_processing_options(params: Any, field: str = "sampling_params") -> di
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
         "min_tokens": params.min_new_tokens,
+        "logit_bias": logit_bias_pairs(params.logit_bias, vocab_size, f"{field}.logit_bias"),
         "structured_output": _one(found),
     }
 

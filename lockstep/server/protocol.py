@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API, as strict pydantic models.
 
-Three kinds of field, each handled on purpose (STYLE.md: honour the API you claim):
+Four kinds of field, each handled on purpose (STYLE.md: honour the API you claim):
 
 - implemented fields, declared below with their ranges (the OpenAPI schema shows them);
-- OpenAI and vLLM fields Lockstep does not implement (`unsupported_fields.py`): accepted
+- fields that cannot change the output (SGLang's request ids and labels), declared with a
+  description saying "accepted:";
+- OpenAI, vLLM and SGLang fields Lockstep does not implement (`unsupported_fields.py`): accepted
   only at their neutral value (e.g. `presence_penalty: 0`), otherwise refused with a 400
   naming the field;
 - anything else: refused as an unrecognized argument (`extra="forbid"`).
@@ -18,6 +20,7 @@ Response bodies are plain dicts built in `responses.py`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lockstep.server.unsupported_fields import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
+    DISAGGREGATION_FIELDS,
     MESSAGE_UNSUPPORTED,
     STREAM_OPTIONS_UNSUPPORTED,
     Neutral,
@@ -139,6 +143,14 @@ def strip_neutral_unsupported(data: Any, unsupported: dict[str, Neutral], prefix
         neutral = unsupported.get(key)
         if neutral is None:
             kept[key] = value
+        elif key in DISAGGREGATION_FIELDS and value is not None:
+            raise APIError(
+                f"{prefix}{key}={clip(repr(value))}: Lockstep does not support prefill/decode"
+                " disaggregation yet; run its replicas as regular workers behind a router"
+                " without a PD mode (docs/scale-out.md)",
+                param=prefix + key,
+                code="unsupported_parameter",
+            )
         elif not neutral(value):
             raise APIError(
                 f"{prefix}{key}={clip(repr(value))} is not supported by Lockstep; leave it out"
@@ -252,6 +264,10 @@ class ProcessingFields(RequestBody):
     guided_grammar: str | None = Field(
         None, description="vLLM extension: a Lark or GBNF grammar the output follows"
     )
+    regex: str | None = Field(None, description="SGLang extension: the output matches this regex")
+    ebnf: str | None = Field(
+        None, description="SGLang extension: the output follows this GBNF/EBNF grammar"
+    )
 
 
 class _SamplingFields(ProcessingFields):
@@ -308,6 +324,28 @@ class _SamplingFields(ProcessingFields):
         le=INT64_MAX,
         description="vLLM extension: keep the last k prompt tokens (-1: as many as fit)",
     )
+    extra_key: str | None = Field(
+        None,
+        max_length=256,
+        description="SGLang extension: requests share prefix-cache entries only with the same"
+        " key (and cache_salt)",
+    )
+    # Accepted with any value: ids and labels that cannot change the output.
+    rid: str | Annotated[list[str], Field(max_length=256)] | None = Field(
+        None, description="SGLang extension, accepted: the client's request id, logged"
+    )
+    session_id: str | None = Field(
+        None, max_length=256, description="SGLang extension, accepted: an identity only"
+    )
+    custom_labels: dict[str, str] | None = Field(
+        None, max_length=64, description="SGLang extension, accepted: metric labels"
+    )
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """The prefix-cache namespace: vLLM's `cache_salt` and SGLang's `extra_key`
+        together (`cache_namespace`)."""
+        return cache_namespace(self.extra_key, self.cache_salt)
 
     @property
     def keeps_stop_string(self) -> bool:
@@ -316,8 +354,19 @@ class _SamplingFields(ProcessingFields):
         return self.include_stop_str_in_output or self.no_stop_trim
 
 
+def cache_namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """One prefix-cache namespace from SGLang's `extra_key` and vLLM's `cache_salt`:
+    requests share cache entries only when both are equal (None when neither is sent)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    return json.dumps([extra_key, cache_salt])
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
+    json_schema: str | None = Field(
+        None, description="SGLang extension: the output follows this JSON schema (its text)"
+    )
     max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, description="0: with echo, scoring only")
     max_completion_tokens: int | None = Field(
         None, ge=1, le=INT64_MAX, description="Lockstep extension: the same limit as max_tokens"
