@@ -179,3 +179,18 @@ def test_fp8_moe_with_one_unquantized_expert_is_refused(folder, tmp_path: Path) 
                           e + "weight_scale_inv": None})  # fmt: skip
     with pytest.raises(ModelLoadError, match="experts.3.up_proj is not FP8"):
         Decoder.load(resolve_model(str(path)), get_ops("cpu", "reference"), torch.float32, "cpu")
+
+
+def test_fp8_moe_weight_update_in_place_gives_the_new_models_bits() -> None:
+    """`Decoder.update_weights` replaces FP8 experts (weights and block scales) in place: the
+    updated decoder computes the bits of one loaded from the new weights."""
+    name, ops = "random:tiny-qwen3-moe-fp8", get_ops("cpu", "deterministic")
+    old, new = resolve_model(name, random_seed=1), resolve_model(name, random_seed=2)
+    decoder = Decoder.load(old, ops, torch.float32, "cpu")
+    gate_up = decoder.layers[0].mlp.layer.gate_up
+    before = decoder.logits_for_sequence(TOKENS)
+    decoder.update_weights(new.iter_weights(torch.float32, "cpu"), "seed 2")
+    assert decoder.layers[0].mlp.layer.gate_up is gate_up  # the same storage
+    want = Decoder.load(new, ops, torch.float32, "cpu").logits_for_sequence(TOKENS)
+    got = decoder.logits_for_sequence(TOKENS)
+    assert torch.equal(got, want) and not torch.equal(before, want)
