@@ -41,10 +41,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from lockstep.ops.fp8 import BLOCK, Fp8Weight
 
 Linear = Callable[[Tensor, Tensor], Tensor]
 SiluMul = Callable[[Tensor], Tensor]
@@ -91,8 +93,11 @@ class Fp8Experts:
         return [self.weight, self.scale]
 
 
+PrepareFp8 = Callable[[str, Tensor, Tensor, "Tensor | None"], Fp8Weight]
+
+
 def prepare_fp8_experts(
-    prepare: Callable[..., Any], weights: list[Tensor], scales: list[Tensor], experts: int
+    prepare: PrepareFp8, weights: list[Tensor], scales: list[Tensor], experts: int
 ) -> Fp8Experts:
     """Stack block-FP8 expert weights: `weights` and `scales` list the experts' part tensors
     expert-major (gate, up per expert for gate_up; down), e4m3 [N_p, K] and fp32
@@ -120,12 +125,13 @@ def dequantized_experts(layer: MoeLayer, dtype: torch.dtype) -> MoeLayer:
         out = []
         for w, s in expert_parts_stacked(weight, scale, parts):
             e, n, k = w.shape
-            sw = s.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+            sw = s.repeat_interleave(BLOCK, 1)[:, :n].repeat_interleave(BLOCK, 2)[:, :, :k]
             out.append((w.to(torch.float32) * sw).to(dtype))
         return torch.cat(out, dim=1)
 
-    return MoeLayer(layer.router, widen(layer.gate_up, layer.gate_up_scale, 2),
-                    widen(layer.down, layer.down_scale, 1), layer.top_k, layer.renormalize)  # fmt: skip
+    gate_up = widen(layer.gate_up, layer.gate_up_scale, 2)
+    down = widen(layer.down, layer.down_scale, 1)
+    return MoeLayer(layer.router, gate_up, down, layer.top_k, layer.renormalize)
 
 
 def expert_parts_stacked(weight: Tensor, scale: Tensor, parts: int) -> list[tuple[Tensor, Tensor]]:
@@ -139,8 +145,7 @@ def expert_parts(weight: Tensor, scale: Tensor, parts: int) -> list[tuple[Tensor
     """One expert's stacked weight [N, K] and block scales [SB, KB] (`Fp8Experts`, slice e)
     split back into its `parts` checkpoint tensors (gate | up: 2; down: 1), each with its own
     block scales."""
-    n, sb = weight.shape[0] // parts, scale.shape[0] // parts
-    return [(weight[i * n : (i + 1) * n], scale[i * sb : (i + 1) * sb]) for i in range(parts)]
+    return [(w[0], s[0]) for w, s in expert_parts_stacked(weight[None], scale[None], parts)]
 
 
 def prepare_expert_weights(prepare: Callable[[Tensor], Tensor], stacked: Tensor) -> Tensor:
