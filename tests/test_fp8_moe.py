@@ -1,8 +1,8 @@
 """Block-FP8 mixture of experts on the CPU: a tiny Qwen3-MoE folder quantized as
 Qwen3-30B-A3B-FP8 is (tests/tiny_fp8.py) loads with its experts in FP8 and its routers
 unquantized, gives the logits of an independent float64 reference of the quantized model,
-and keeps the contract (random schedules equal one cold prefill, with the bf16-width and the
-FP8 KV cache). A token's expert GEMM row is the dense FP8 linear's row, and its MoE output
+and keeps the contract (random schedules equal one cold prefill, with the float32, bf16 and
+FP8 KV caches). A token's expert GEMM row is the dense FP8 linear's row, and its MoE output
 does not depend on its batch-mates. Negative controls: fast mode, and the deterministic
 backend with only its MoE op replaced by the stock loop, fail the same checks."""
 
@@ -23,6 +23,8 @@ from invariance_harness import compute, mismatches, random_plan, reference  # no
 from test_position_invariance import _check_case, _engine  # noqa: E402
 from tiny_fp8 import edit_tensors, float64_reference, write_fp8_folder  # noqa: E402
 
+from lockstep.config import EngineConfig  # noqa: E402
+from lockstep.engine.engine import Engine  # noqa: E402
 from lockstep.errors import ModelLoadError  # noqa: E402
 from lockstep.models.decoder import Decoder  # noqa: E402
 from lockstep.models.presets import PRESETS  # noqa: E402
@@ -63,11 +65,22 @@ def test_fp8_moe_folder_matches_float64_reference(folder) -> None:
     assert (got - plain).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
-def test_fp8_moe_folder_any_schedule_matches_cold_prefill(folder, kv_dtype: str) -> None:
-    engine = _engine(str(folder[0]), kv_dtype=kv_dtype)
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "cache"),
+    [("float32", "auto", torch.float32), ("bfloat16", "auto", torch.bfloat16),
+     ("float32", "fp8_e4m3", torch.float8_e4m3fn)],
+)  # fmt: skip
+def test_fp8_moe_folder_any_schedule_matches_cold_prefill(
+    folder, dtype: str, kv_dtype: str, cache: torch.dtype
+) -> None:
+    """The property suite with the float32, bf16 (bf16 router and embeddings too) and FP8 KV
+    caches."""
+    config = EngineConfig(model=str(folder[0]), device="cpu", dtype=dtype, kv_dtype=kv_dtype,
+                          kv_tokens=4096)  # fmt: skip
+    engine = Engine(config)
+    assert engine.pool.k_cache(0).dtype == cache
     assert engine.decoder.layers[0].mlp.layer.gate_up.dtype == torch.float32  # dequantized
-    for seed in range(5):
+    for seed in range(3):
         _check_case(engine, seed, max_len=64, max_mates=3)
 
 
