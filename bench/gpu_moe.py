@@ -1,6 +1,6 @@
 """Benchmark the deterministic GPU MoE on Qwen3-30B-A3B shapes: the layer, and batch-1 decode.
 
-    python -m bench.gpu_moe [--sweep] [--skip-decode] [--out results.json]   (repository root)
+    python -m bench.gpu_moe [--fp8] [--sweep] [--skip-decode] [--out results.json]   (repo root)
 
 Layer (128 experts, top 8, hidden 2048, expert width 768, bf16, random weights): at T tokens
 in {1, 8, 32, 256, 2048, 8192}, `GpuDeterministicOps.moe` (routing kernel, device grouping,
@@ -12,6 +12,12 @@ measured copy rate. With --sweep, candidate tile configs of each grouped GEMM pe
 Decode: `random:qwen3-30b-a3b` through the engine (CUDA graphs, greedy, batch 1, 512-token
 prompt, 64 timed steps), deterministic and fast, against the batch-1 floor: the bytes one
 token must read at the mean context (`decode_floor`), at the measured copy rate.
+
+--fp8: the same with block-FP8 experts (`lockstep/ops/triton/fp8_moe.py`; every expert part
+quantized in 128x128 blocks, the router bf16) and `random:qwen3-30b-a3b-fp8`; the floors
+count one byte per FP8 weight (block scales, under 0.03% of the bytes, left out). Fast mode
+dequantizes every expert at each call there: a control, not a yardstick. --sweep is for the
+bf16 layer only.
 
 Prints a table and ONE JSON document on the last line. torch + triton only (no server).
 """
@@ -30,9 +36,10 @@ import triton
 
 from bench.gpu_kernels import copy_bandwidth, graph_ms
 from lockstep.models.spec import ModelSpec
+from lockstep.ops import fp8
 from lockstep.ops.gpu_deterministic import GpuDeterministicOps
 from lockstep.ops.gpu_fast import GpuFastOps, grouped_mm_runs
-from lockstep.ops.moe import MoeLayer, experts_dense, prepare_expert_weights
+from lockstep.ops.moe import MoeLayer, experts_dense, prepare_expert_weights, prepare_fp8_experts
 from lockstep.ops.triton import moe as gm
 
 E, TOP_K, H, INTER = 128, 8, 2048, 768
@@ -59,19 +66,20 @@ def decode_floor(spec: ModelSpec, context: int) -> dict[str, int]:
     layer's attention projections, q/k norms, two norms, and MLP (a sparse layer: its router
     and top_k experts' gate, up and down; a dense layer: its MLP); the final norm, one
     embedding row, the LM head (the embedding matrix when tied); the K and V of `context`
-    positions in every layer."""
+    positions in every layer. FP8 models (`spec.fp8`): one byte per projection weight."""
     h, d = spec.hidden_size, spec.head_dim
+    w = 1 if spec.fp8 is not None else 2  # bytes per projection weight
     attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
     norms = 4 * (2 * h + (2 * d if spec.qk_norm else 0))
     layers = {"attention": 0, "norms": 0, "router": 0, "experts": 0, "dense_mlp": 0}
     for i in range(spec.num_layers):
-        layers["attention"] += 2 * attn
+        layers["attention"] += w * attn
         layers["norms"] += norms
         if spec.moe is not None and i in spec.moe.sparse_layers:
             layers["router"] += 2 * spec.moe.num_experts * h
-            layers["experts"] += 2 * spec.moe.top_k * 3 * spec.moe.intermediate_size * h
+            layers["experts"] += w * spec.moe.top_k * 3 * spec.moe.intermediate_size * h
         else:
-            layers["dense_mlp"] += 2 * 3 * spec.intermediate_size * h
+            layers["dense_mlp"] += w * 3 * spec.intermediate_size * h
     return layers | {
         "final_norm_embedding_row": 4 * h + 2 * h,
         "lm_head": 2 * spec.vocab_size * h,
@@ -91,6 +99,30 @@ def make_layer(seed: int = 0) -> MoeLayer:
     return MoeLayer(prep(randn(E, H, fan_in=H)), gate_up, down, TOP_K, True)
 
 
+def make_fp8_layer(seed: int = 0) -> MoeLayer:
+    """Block-FP8 experts of the same shapes: every expert's gate, up and down quantized in
+    128x128 blocks (`fp8.quantize_weight`), prepared as `Decoder.load` does; router bf16."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    det = GpuDeterministicOps()
+    shapes = {"gate": (INTER, H), "up": (INTER, H), "down": (H, INTER)}
+
+    def stacked(parts: tuple[str, ...]):
+        weights, scales = [], []
+        for _ in range(E):
+            for p in parts:
+                n, k = shapes[p]
+                w = torch.randn(n, k, generator=g, device="cuda") / k**0.5
+                q, s, _ = fp8.quantize_weight(w, "block")
+                weights.append(q)
+                scales.append(s)
+        return prepare_fp8_experts(det.prepare_fp8_linear, weights, scales, E)
+
+    gate_up, down = stacked(("gate", "up")), stacked(("down",))
+    router = (torch.randn(E, H, generator=g, device="cuda") / H**0.5).to(torch.bfloat16)
+    return MoeLayer(det.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K, True,
+                    gate_up.scale, down.scale)  # fmt: skip
+
+
 def _try_graph_ms(fn, log) -> float | None:
     """graph_ms, or None (logged) where the yardstick cannot be captured or run."""
     try:
@@ -108,16 +140,18 @@ def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
         x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
         experts = gm.route(gm.router_logits(x, layer), TOP_K, True).experts
         distinct = int(experts.unique().numel())
-        floor_bytes = 2 * (E * H + distinct * 3 * INTER * H + 2 * t * H)
+        expert_bytes = 1 if layer.fp8 else 2
+        floor_bytes = 2 * (E * H + 2 * t * H) + expert_bytes * distinct * 3 * INTER * H
         row = {
             "tokens": t,
             "distinct_experts": distinct,
             "floor_ms": floor_bytes / bandwidth / 1e9,
             "det_ms": graph_ms(lambda x=x: det.moe(x, layer)),
             "fast_ms": _try_graph_ms(lambda x=x: fast.moe(x, layer), log),
-            "fast_impl": "torch._grouped_mm" if grouped_mm_runs(x, layer) else "every expert",
-        }
-        if t <= DENSE_MAX_T:
+            "fast_impl": "dequantized every call" if layer.fp8
+            else "torch._grouped_mm" if grouped_mm_runs(x, layer) else "every expert",
+        }  # fmt: skip
+        if t <= DENSE_MAX_T and not layer.fp8:
             routed = experts
 
             def dense(x=x, routed=routed):
@@ -191,13 +225,13 @@ def run_sweep(layer: MoeLayer, log) -> dict[str, dict[str, float | None]]:
     return rows
 
 
-def run_decode(bandwidth: float, log) -> list[dict]:
+def run_decode(bandwidth: float, log, model: str = MODEL) -> list[dict]:
     """bandwidth: TB/s."""
 
     rows = []
     for mode in ("deterministic", "fast"):
         try:
-            rows.append(_decode_mode(mode, bandwidth, log))
+            rows.append(_decode_mode(mode, bandwidth, log, model))
         except Exception as exc:  # report the other mode anyway
             log(f"decode batch 1 {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             rows.append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -206,22 +240,22 @@ def run_decode(bandwidth: float, log) -> list[dict]:
     return rows
 
 
-def _decode_mode(mode: str, bandwidth: float, log) -> dict:
+def _decode_mode(mode: str, bandwidth: float, log, model: str) -> dict:
     from lockstep.bench.decode import run_decode_bench
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=MODEL, device="cuda", dtype="bfloat16", mode=mode,
+    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
                                  kv_tokens=16384, max_model_len=4096, max_running=1))  # fmt: skip
     run_decode_bench(engine, 1, PROMPT_LEN, 2, seed=99)  # compile, capture
     result = run_decode_bench(engine, 1, PROMPT_LEN, GEN_LEN)
     floor = decode_floor(engine.decoder.spec, PROMPT_LEN + GEN_LEN // 2)
     floor_ms = sum(floor.values()) / bandwidth / 1e9
-    log(f"decode batch 1 {mode:<13} {result.decode_ms_per_step:.3f} ms/token  floor "
+    log(f"decode batch 1 {model} {mode:<13} {result.decode_ms_per_step:.3f} ms/token  floor "
         f"{floor_ms:.3f} ms ({sum(floor.values()) / 1e9:.3f} GB)  "
         f"{100 * floor_ms / result.decode_ms_per_step:.0f}% of the floor")  # fmt: skip
     ms = result.decode_ms_per_step
-    return {"mode": mode, "ms_per_token": ms, "floor_ms": floor_ms, "floor_bytes": floor,
+    return {"model": model, "mode": mode, "ms_per_token": ms, "floor_ms": floor_ms, "floor_bytes": floor,
             "fraction_of_floor": floor_ms / ms}  # fmt: skip
 
 
@@ -238,6 +272,7 @@ def _rounded(value):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fp8", action="store_true", help="block-FP8 experts (module doc)")
     parser.add_argument("--sweep", action="store_true", help="time candidate tile configs")
     parser.add_argument("--skip-decode", action="store_true", help="layer figures only")
     parser.add_argument("--out", default=None, help="also write the JSON document here")
@@ -248,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
 
     bandwidth = copy_bandwidth()
     log(f"device copy {bandwidth:.2f} TB/s ({torch.cuda.get_device_name()})")
-    layer = make_layer()
+    if args.fp8 and args.sweep:
+        parser.error("--sweep times the bf16 grouped GEMM's candidates; drop --fp8 or --sweep")
+    layer = make_fp8_layer() if args.fp8 else make_layer()
     doc = {
         "benchmark": "gpu_moe",
         "command": " ".join(["python -m bench.gpu_moe", *(sys.argv[1:] if argv is None else argv)]),
@@ -266,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     del layer
     torch.cuda.empty_cache()
     if not args.skip_decode:
-        doc["decode"] = run_decode(bandwidth, log)
+        doc["decode"] = run_decode(bandwidth, log, MODEL + ("-fp8" if args.fp8 else ""))
     text = json.dumps(_rounded(doc))
     if args.out:
         with open(args.out, "w") as f:

@@ -75,10 +75,12 @@ def _tiny_folder(family: str) -> Callable[[Path], Any]:
     return lambda folder: save_tiny(family, folder)
 
 
-def _fp8_folder(fmt: str, skip: tuple[str, ...] = ()) -> Callable[[Path], Any]:
+def _fp8_folder(
+    fmt: str, skip: tuple[str, ...] = (), family: str = "qwen3"
+) -> Callable[[Path], Any]:
     from tiny_fp8 import write_fp8_folder
 
-    return lambda folder: write_fp8_folder(folder, fmt, skip)
+    return lambda folder: write_fp8_folder(folder, fmt, skip, family)
 
 
 CASES = (
@@ -92,6 +94,7 @@ CASES = (
     Case("random:tiny-qwen3-fp8 fp8-kv", "random:tiny-qwen3-fp8", kv_dtype=torch.float8_e4m3fn),
     Case("random:tiny-qwen3-fp8-static", "random:tiny-qwen3-fp8-static"),
     Case("random:tiny-qwen3-fp8-channel", "random:tiny-qwen3-fp8-channel"),
+    Case("random:tiny-qwen3-moe-fp8", "random:tiny-qwen3-moe-fp8"),
     Case("folder:llama", None, _tiny_folder("llama")),
     Case("folder:qwen2", None, _tiny_folder("qwen2")),
     Case("folder:qwen3", None, _tiny_folder("qwen3")),
@@ -104,6 +107,7 @@ CASES = (
         None,
         _fp8_folder("compressed-tensors", ("model.layers.1.mlp.down_proj",)),
     ),
+    Case("folder:fp8-block qwen3_moe", None, _fp8_folder("fp8-block", family="qwen3_moe")),
     Case("gguf:default", None, text=GGUF_TEXT),
 )
 

@@ -10,7 +10,12 @@ shapes (128 experts, top 8, hidden 2048, expert width 768), bf16:
   * CUDA-graph replays with new routings equal to eager calls (offsets built on the device);
   * the property suite through the engine on `random:tiny-qwen3-moe` and a 2-layer model with
     Qwen3-30B-A3B's shapes: random schedules equal a cold prefill (fast mode must fail),
-    whole generations with CUDA graphs equal eager ones, and generation equals scoring.
+    whole generations with CUDA graphs equal eager ones, and generation equals scoring;
+  * the same for block-FP8 experts (`lockstep/ops/triton/fp8_moe.py`; Qwen3-30B-A3B-FP8's
+    format): the layer against the float64 reference, every table config the same bits, the
+    grouped path equal to the dense FP8 composition (the FP8 linear per checkpoint part,
+    silu_mul, the FP8 linear), load invariance, graph replays, and the engine suite on the
+    FP8 twins of both models, with the bf16 and the FP8 KV cache.
 
 Only where CUDA is present; the interpreter versions are in tests/test_moe_triton.py.
 """
@@ -32,7 +37,7 @@ pytestmark = [
 
 E, TOP_K, H, INTER = 128, 8, 2048, 768
 CASES = int(os.environ.get("LOCKSTEP_GPU_CASES", "12"))
-SMALL_30B = "qwen3-30b-a3b-2l"  # registered by the `small_30b` fixture
+SMALL_30B = "qwen3-30b-a3b-2l"  # registered by the `small_30b` fixture (and its "-fp8" twin)
 
 
 def _layer(seed: int, dtype: torch.dtype = torch.bfloat16, prepare=None):
@@ -211,19 +216,150 @@ def test_fast_mode_moe_replays_in_cuda_graphs(layer) -> None:
     assert float((out.double() - want).norm() / want.norm()) < 2e-2
 
 
+# --------------------------------------------------------------------- block-FP8 experts
+
+
+def _fp8_layer(seed: int, ops=None, dtype: torch.dtype = torch.bfloat16):
+    """Qwen3-30B-A3B-FP8's expert shapes: every expert part quantized in 128x128 blocks, as
+    `Decoder.load` prepares them for `ops` (default the deterministic backend), and the
+    quantized parts ((expert, "gate" | "up" | "down") -> (e4m3, scales))."""
+    from lockstep.ops import fp8
+    from lockstep.ops.gpu_deterministic import GpuDeterministicOps
+    from lockstep.ops.moe import MoeLayer, prepare_fp8_experts
+
+    ops = ops or GpuDeterministicOps()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = {"gate": (INTER, H), "up": (INTER, H), "down": (H, INTER)}
+    parts = {
+        (e, p): fp8.quantize_weight(
+            torch.randn(*shape, generator=g, device="cuda") / shape[1] ** 0.5, "block"
+        )[:2]
+        for e in range(E) for p, shape in shapes.items()
+    }  # fmt: skip
+
+    def stacked(names: tuple[str, ...]):
+        w = [parts[e, p][0] for e in range(E) for p in names]
+        s = [parts[e, p][1] for e in range(E) for p in names]
+        return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E)
+
+    router = torch.randn(E, H, generator=g, device="cuda") / H**0.5
+    router = ops.prepare_linear_weight(router.to(torch.bfloat16).to(dtype))
+    gate_up, down = stacked(("gate", "up")), stacked(("down",))
+    layer = MoeLayer(router, gate_up.weight, down.weight, TOP_K, True, gate_up.scale, down.scale)
+    return layer, parts
+
+
+@pytest.fixture(scope="module")
+def fp8_layer():
+    return _fp8_layer(11)
+
+
+def test_fp8_moe_matches_a_float64_reference(ops, fp8_layer) -> None:
+    from lockstep.ops.reference import ReferenceOps
+
+    reference, _ = _fp8_layer(11, ReferenceOps(), torch.float64)
+    for t in (1, 5, 300):
+        x = _tokens(t, 20 + t)
+        want = ReferenceOps().moe(x.double(), reference)
+        got = ops.moe(x, fp8_layer[0])
+        assert got.dtype == torch.bfloat16 and got.shape == (t, H)
+        err = float((got.double() - want).norm() / want.norm())
+        assert err < 3e-2, (t, err)
+
+
+def test_every_fp8_table_config_gives_the_same_bits(fp8_layer) -> None:
+    from lockstep.ops.triton import fp8_moe as fm
+
+    layer = fp8_layer[0]
+    x = _tokens(300, 21)
+    first = fm.moe_fp8(x, layer, fm.FP8_GATE_UP_TABLE[0][1], fm.FP8_DOWN_TABLE[0][1])
+    for _, gate_up in fm.FP8_GATE_UP_TABLE:
+        for _, down in fm.FP8_DOWN_TABLE:
+            got = fm.moe_fp8(x, layer, gate_up, down)
+            assert torch.equal(got, first), f"{gate_up} {down}: {_differing_rows(got, first)}"
+    wide = fm.Fp8GroupedConfig(128, 128, 8, 3)  # the other wgmma tile height
+    got = fm.moe_fp8(x, layer, wide, wide)
+    assert torch.equal(got, first), _differing_rows(got, first)
+
+
+def test_fp8_grouped_path_equals_the_dense_fp8_composition(ops, fp8_layer) -> None:
+    """Every slot's row is the dense FP8 linear's (`fp8_gemm.py`, tiles by M, TMA) over the
+    expert's checkpoint parts: gate and up, silu_mul, down; then the rank-order combine."""
+    from lockstep.ops.moe import combine_in_rank_order, experts_dense
+    from lockstep.ops.triton import moe as gm
+
+    layer, parts = fp8_layer
+    dense = {
+        (e, p): ops.prepare_fp8_linear("block", *parts[e, p], None)
+        for e in range(E) for p in ("gate", "up", "down")
+    }  # fmt: skip
+
+    def expert(rows: torch.Tensor, e: int) -> torch.Tensor:
+        gate_up = torch.cat([ops.fp8_linear(rows, dense[e, p]) for p in ("gate", "up")], 1)
+        return ops.fp8_linear(ops.silu_mul(gate_up), dense[e, "down"])
+
+    x = _tokens(300, 22)
+    routing = gm.route(gm.router_logits(x, layer), TOP_K, True)
+    slots = experts_dense(x, routing.experts, layer, ops.linear, ops.silu_mul, expert)
+    want = combine_in_rank_order(slots, routing.weights).to(x.dtype)
+    got = ops.moe(x, layer)
+    assert torch.equal(got, want), _differing_rows(got, want)
+
+
+def test_a_tokens_fp8_bits_ignore_its_experts_load(ops, fp8_layer) -> None:
+    changed = _changed_loads(lambda x: ops.moe(x, fp8_layer[0]))
+    assert changed == [], f"the probe's bits changed at expert loads {changed}"
+
+
+def test_negative_control_a_batch_wide_activation_scale_changes_the_bits(ops, fp8_layer) -> None:
+    """The FP8 failure the contract forbids, built on purpose: activations first rounded on a
+    grid set by the whole batch's amax (a dynamic per-tensor scale, which loaders refuse:
+    fp8_formats.py), then the deterministic layer. The batch-mates change the amax, so the
+    load check must see the probe's bits move."""
+    from lockstep.ops import fp8
+
+    layer = fp8_layer[0]
+
+    def per_tensor(x: torch.Tensor) -> torch.Tensor:
+        scale = x.float().abs().amax() / fp8.E4M3_MAX
+        rounded = (fp8.e4m3_sat(x.float() / scale).float() * scale).to(x.dtype)
+        return ops.moe(rounded, layer)
+
+    assert _changed_loads(per_tensor), "a batch-wide FP8 scale kept the bits: check is blind"
+
+
+def test_fp8_cuda_graph_replays_equal_eager_calls(ops, fp8_layer) -> None:
+    layer = fp8_layer[0]
+    for t in (1, 4, 64):
+        static = _tokens(t, 30).clone()
+        ops.moe(static, layer)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.moe(static, layer)
+        for seed in range(3):
+            x = _tokens(t, 300 * t + seed)
+            static.copy_(x)
+            graph.replay()
+            assert torch.equal(out, ops.moe(x, layer)), (t, seed)
+
+
 # ------------------------------------------------------------------ the engine, end to end
 
 
 @pytest.fixture(scope="module")
 def small_30b():
-    """`random:qwen3-30b-a3b` with 2 layers (both sparse): its real shapes, quick to load."""
+    """`random:qwen3-30b-a3b` with 2 layers (both sparse): its real shapes, quick to load;
+    "random:qwen3-30b-a3b-2l-fp8" its block-FP8 twin."""
     from lockstep.models.presets import PRESETS
 
-    full = PRESETS["qwen3-30b-a3b"]
-    moe = replace(full.spec.moe, sparse_layers=(0, 1))
-    PRESETS[SMALL_30B] = replace(full, spec=replace(full.spec, num_layers=2, moe=moe))
+    for suffix in ("", "-fp8"):
+        full = PRESETS["qwen3-30b-a3b" + suffix]
+        moe = replace(full.spec.moe, sparse_layers=(0, 1))
+        spec = replace(full.spec, num_layers=2, moe=moe)
+        PRESETS[SMALL_30B + suffix] = replace(full, spec=spec)
     yield "random:" + SMALL_30B
-    del PRESETS[SMALL_30B]
+    del PRESETS[SMALL_30B], PRESETS[SMALL_30B + "-fp8"]
 
 
 def _engine(model: str, mode: str = "deterministic", **options):
@@ -235,9 +371,14 @@ def _engine(model: str, mode: str = "deterministic", **options):
     return Engine(EngineConfig(**settings))
 
 
-@pytest.fixture(scope="module", params=["random:tiny-qwen3-moe", "30b-shapes"])
+MODELS = ["random:tiny-qwen3-moe", "30b-shapes", "random:tiny-qwen3-moe-fp8", "30b-shapes-fp8"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def model(request, small_30b) -> str:
-    return small_30b if request.param == "30b-shapes" else request.param
+    if request.param.startswith("30b-shapes"):
+        return small_30b + request.param.removeprefix("30b-shapes")
+    return request.param
 
 
 def _schedule_failures(engine, cases: int, wide_mates: bool = False) -> list[str]:
@@ -266,6 +407,18 @@ def test_random_schedules_match_cold_prefill(model) -> None:
     random lengths and decode steps: every position's logits and K/V equal a cold prefill."""
     failures = _schedule_failures(_engine(model), CASES)
     assert not failures, "; ".join(failures)
+
+
+def test_fp8_kv_cache_random_schedules_match_cold_prefill(model) -> None:
+    """The same with K/V stored as e4m3 (`--kv-dtype fp8_e4m3`), bf16 and FP8 experts."""
+    failures = _schedule_failures(_engine(model, kv_dtype="fp8_e4m3"), CASES)
+    assert not failures, "; ".join(failures)
+
+
+def test_negative_control_fast_mode_fp8_kv_fails_the_property(model) -> None:
+    engine = _engine(model, mode="fast", kv_dtype="fp8_e4m3")
+    failures = _schedule_failures(engine, CASES, wide_mates=True)
+    assert failures, "fast mode matched every schedule: the property lost its teeth"
 
 
 def test_negative_control_fast_mode_fails_the_property(model) -> None:

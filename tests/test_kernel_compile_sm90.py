@@ -69,11 +69,25 @@ def _two_ways() -> tuple[str, dict, dict]:
     return "two_ways", {"a": "*bf16", "b": "*fp8e4nv", "n": "i32"}, {}
 
 
+def _fp8_grouped_moe() -> tuple[str, dict, dict]:
+    """The grouped FP8 MoE GEMM as `moe_fp8` launches its gate_up: gathered e4m3 rows, gate
+    and up in one program, SiLU in the epilogue, Qwen3-30B-A3B's top 8 of 128 experts."""
+    types = {"a": "*fp8e4nv", "a_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp32",
+             "out": "*bf16", "order": "*i64", "offsets": "*i64"}  # fmt: skip
+    types |= dict.fromkeys(("N", "K", "E", "M_TILES", "UP_ROWS", "sa", "s_as", "swe", "swn",
+                            "s_wse", "s_wsn", "so"), "i32")  # fmt: skip
+    return "fp8_moe._grouped_fp8_kernel", types, {
+        "GATHER": True, "SCATTER": False, "SILU": True, "TOP_K": 8, "EVEN_K": True,
+        "E_PAD": 128, "BM": 64, "BN": 64, "BK": 128, "PDL": True,
+    }  # fmt: skip
+
+
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
     **{f"attention {c} d={d} partials={p}": _attention(c, d, p)
        for c in CACHES for d, p in ((128, 0), (128, 1), (256, 0))},  # fmt: skip
     "gated delta rule": _gated_delta(),
+    "fp8 grouped moe gate_up": _fp8_grouped_moe(),
     "negative control": _two_ways(),
 }
 _STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh")
@@ -94,7 +108,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lockstep.ops.triton import attention, attention_input, gated_delta
+    from lockstep.ops.triton import attention, attention_input, fp8_moe, gated_delta
 
     @triton.jit
     def widened_dot(q, k, out):
@@ -115,7 +129,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         tl.store(dst, 0.0)
 
     modules = {"attention": attention, "attention_input": attention_input,
-               "gated_delta": gated_delta}  # fmt: skip
+               "gated_delta": gated_delta, "fp8_moe": fp8_moe}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:

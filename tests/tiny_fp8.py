@@ -4,7 +4,8 @@ with its projections replaced by FP8 emulations written here, not with lockstep'
 
 The model is a tiny random Qwen3 (tests/tiny_hf.py) with hidden size 192, so the 128-wide K
 blocks of q/k/v and gate/up end in a partial block, and every fused part has a multiple of 128
-rows. Its projections are quantized here the way each format's tools do: block-wise (Qwen/
+rows; or a tiny Qwen3-MoE of the same width whose experts (block-FP8 only, as
+Qwen3-30B-A3B-FP8) are quantized one checkpoint tensor each. Its projections are quantized here the way each format's tools do: block-wise (Qwen/
 DeepSeek "fp8"), per-tensor with static input scales (ModelOpt), per-channel with dynamic
 per-token activations (compressed-tensors). `skip` leaves projections unquantized (a config's
 ignore list).
@@ -25,6 +26,10 @@ FORMATS = ("fp8-block", "modelopt", "compressed-tensors")
 SCHEME = {"fp8-block": "block", "modelopt": "tensor", "compressed-tensors": "channel"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = dict(hidden_size=192, intermediate_size=256)
+# The MoE folder: 8 experts of width 160, so each expert's gate and up (and down's K) end in a
+# partial 128-row block, which the published format stores with its own scale row; hidden 192
+# as above; layer 2 dense (tiny_hf.py's qwen3_moe), its gate | up fused by 128-row blocks.
+MOE_SHAPE = dict(hidden_size=192, intermediate_size=256, moe_intermediate_size=160)
 INPUT_AMAX = 8.0  # the static activation range of the ModelOpt folder's input scales
 
 
@@ -74,10 +79,15 @@ def _quant_config(fmt: str, skip: list[str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def write_fp8_folder(folder: Path, fmt: str, skip: tuple[str, ...] = ()) -> Any:
-    """Write a tiny Qwen3 quantized in format `fmt` (FORMATS) to `folder`; `skip`: module
-    names left unquantized. Returns the float32 transformers model it was made from."""
-    model = save_tiny("qwen3", folder, **SHAPE)
+def write_fp8_folder(
+    folder: Path, fmt: str, skip: tuple[str, ...] = (), family: str = "qwen3"
+) -> Any:
+    """Write a tiny Qwen3 (or, family "qwen3_moe", a tiny Qwen3-MoE: MOE_SHAPE) quantized in
+    format `fmt` (FORMATS) to `folder`; `skip`: module names left unquantized. Every
+    projection is quantized, each expert's too (transformers saves them one tensor per
+    expert, the published layout); routers and norms stay as they are. Returns the float32
+    transformers model it was made from."""
+    model = save_tiny(family, folder, **(MOE_SHAPE if family == "qwen3_moe" else SHAPE))
     scheme = SCHEME[fmt]
     files = sorted(folder.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
@@ -100,7 +110,11 @@ def write_fp8_folder(folder: Path, fmt: str, skip: tuple[str, ...] = ()) -> Any:
             out[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)  # KV scales: not used
     save_file(out, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = _quant_config(fmt, list(skip))
+    unconverted = list(skip)
+    if family == "qwen3_moe":  # as Qwen3-30B-A3B-FP8's config lists its routers
+        layers = config["num_hidden_layers"]
+        unconverted += [f"model.layers.{i}.mlp.gate" for i in range(layers)]
+    config["quantization_config"] = _quant_config(fmt, unconverted)
     (folder / "config.json").write_text(json.dumps(config))
     return model
 
@@ -172,12 +186,50 @@ class Fp8Emulation(torch.nn.Module):
         return out
 
 
+class Fp8ExpertsEmulation(torch.nn.Module):
+    """transformers' experts module (forward(hidden_states, top_k_index, top_k_weights)) with
+    every expert's gate, up and down an `Fp8Emulation` of its checkpoint tensors: a token's
+    output is the sum over its k experts of weight * down(silu(gate x) * up x), float64."""
+
+    def __init__(self, experts: list[dict[str, Fp8Emulation]]) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            x = hidden_states[t : t + 1]
+            for e, w in zip(top_k_index[t].tolist(), top_k_weights[t], strict=True):
+                proj = self.experts[e]
+                h = torch.nn.functional.silu(proj["gate_proj"](x)) * proj["up_proj"](x)
+                out[t] += w.to(out.dtype) * proj["down_proj"](h)[0]
+        return out
+
+
 def float64_reference(model: Any, folder: Path, fmt: str, skip: tuple[str, ...] = ()) -> Any:
     """`model` (from write_fp8_folder) in float64 with its quantized projections replaced by
-    `Fp8Emulation`s built from the folder's tensors."""
+    `Fp8Emulation`s built from the folder's tensors (a MoE model's experts modules by
+    `Fp8ExpertsEmulation`s)."""
     model = model.to(torch.float64)
     tensors = load_file(folder / "model.safetensors")
     scale_key = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+    for name, module in list(model.named_modules()):
+        if not name.endswith(".mlp.experts"):
+            continue
+        experts = [
+            {
+                p: Fp8Emulation(SCHEME[fmt], {
+                    "weight": tensors[f"{name}.{e}.{p}.weight"],
+                    "weight_scale": tensors[f"{name}.{e}.{p}.{scale_key}"],
+                })
+                for p in ("gate_proj", "up_proj", "down_proj")
+            }
+            for e in range(module.num_experts)
+        ]  # fmt: skip
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        parent.experts = Fp8ExpertsEmulation(experts)
     for name, _ in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in PROJECTIONS or name in skip:

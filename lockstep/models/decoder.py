@@ -10,7 +10,7 @@ another at load time (fewer, larger matmuls); fusing concatenates rows, so each 
 reduction is unchanged. FP8 linears (lockstep/ops/fp8.py) fuse the same way: weights by rows,
 per-row and per-block scales with their rows (`_fuse_fp8`). A sparse layer's experts are
 stacked into one gate_up [E, 2I, K] and one down [E, H, I] tensor (lockstep.ops.moe,
-"Weights"). Each block says how its tensors are prepared (`weight_layout`); the kinds of
+"Weights"; block-FP8 experts with their block scales beside them). Each block says how its tensors are prepared (`weight_layout`); the kinds of
 preparation, fusing and sharding live here, so every block prepares the same way.
 
 Position invariance: every op here is row-local (its row's bits depend only on that row) except
@@ -55,7 +55,7 @@ from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import AttentionMeta, DenseOps, Fp8Ops, Ops, build_attention_meta
 from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
-from lockstep.ops.moe import prepare_expert_weights
+from lockstep.ops.moe import Fp8Experts, prepare_expert_weights, prepare_fp8_experts
 from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
 from lockstep.parallel.sharding import ShardPlan
 
@@ -198,14 +198,14 @@ class Decoder:
                 parts = [got[n] for n in entry.sources]
                 new = _prepare(spec, entry, parts, self.parallel, self.dtype, self.device)
                 old = self._tensor_at(entry.target)
-                if isinstance(old, Fp8Weight):
-                    assert isinstance(new, Fp8Weight)
+                if isinstance(old, (Fp8Weight, Fp8Experts)):
+                    assert isinstance(new, type(old))
                     for live, fresh in zip(old.tensors(), new.tensors(), strict=True):
                         live.copy_(fresh)
                 else:
                     old.copy_(new)  # type: ignore[arg-type]
 
-    def _tensor_at(self, target: str) -> Linear | RowParallelWeight:
+    def _tensor_at(self, target: str) -> Linear | RowParallelWeight | Fp8Experts:
         """The live tensor a `weight_layout` target names ("layers.3.mixer.qkv", "embed")."""
         if target.startswith("layers."):
             _, index, *path = target.split(".")
@@ -314,8 +314,10 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     gate rows separated: q | k | v | gate, then "linear"), "row_attention" and "row_mlp"
     (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
     the same number per expert: each expert's rows concatenated, then stacked and prepared by
-    `prepare_expert_weights`) and "fp8" (an FP8 linear: its parts' weights, then their weight
-    scales, then their input scales ("tensor"), fused by `_fuse_fp8`)."""
+    `prepare_expert_weights`), "fp8_experts" (block-FP8 experts: the expert-major weights,
+    then their block scales, `prepare_fp8_experts`) and "fp8" (an FP8 linear: its parts'
+    weights, then their weight scales, then their input scales ("tensor"), fused by
+    `_fuse_fp8`)."""
     layout: list[LayoutEntry] = []
     norm = spec.norm_kind
     for i, plan in enumerate(spec.layer_plans):
@@ -363,13 +365,19 @@ def _prepare(
     parallel: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
-) -> Linear | RowParallelWeight:
+) -> Linear | RowParallelWeight | Fp8Experts:
     """One `weight_layout` entry's prepared weight from its source tensors `parts`."""
     kind = entry.kind
     ops = parallel.ops
     if kind == "fp8":  # FP8 models run at tp=1 (lockstep.parallel.sharding): never sharded
         assert spec.fp8 is not None
         return _fuse_fp8(spec.fp8.scheme, parts, ops, device)
+    if kind == "fp8_experts":
+        assert spec.moe is not None
+        half = len(parts) // 2
+        weights = [w.to(device) for w in parts[:half]]
+        scales = [s.to(device=device, dtype=torch.float32) for s in parts[half:]]
+        return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales, spec.moe.num_experts)
     parts = _shard(parallel.plan, entry.shard, parts)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)

@@ -14,7 +14,9 @@ uniform in [1, 16).
 FP8 presets ("-fp8": block-wise, "-fp8-static": per-tensor with static input scales,
 "-fp8-channel": per-channel weights) draw the same float32 projections and quantize them as
 the checkpoint formats do (`lockstep.ops.fp8.quantize_weight`); a static input scale covers
-activations up to +-STATIC_INPUT_AMAX. Embeddings, LM head and norms stay unquantized.
+activations up to +-STATIC_INPUT_AMAX. Embeddings, LM head, norms and MoE routers stay
+unquantized; the MoE presets' "-fp8" twins quantize every expert block-wise, as
+Qwen3-30B-A3B-FP8 does.
 
 The tokenizer is byte-level: ids 0-255 are the bytes, then a few special tokens, then unused
 ids up to the vocabulary size, with a ChatML template, so text prompts work end to end.
@@ -191,7 +193,7 @@ PRESETS: dict[str, Preset] = {
 def _fp8_variants() -> dict[str, Preset]:
     """FP8 twins of the Qwen3 presets: "-fp8" block-wise (Qwen's own FP8 release format),
     "-fp8-static" per-tensor static (ModelOpt), "-fp8-channel" per-channel (compressed-tensors
-    FP8_DYNAMIC)."""
+    FP8_DYNAMIC); of the Qwen3-MoE presets, "-fp8" (block-wise experts and attention)."""
     variants = {"-fp8": "block", "-fp8-static": "tensor", "-fp8-channel": "channel"}
     out = {}
     for base in ("tiny-qwen3", "qwen3-0.6b", "qwen3-8b"):
@@ -199,6 +201,12 @@ def _fp8_variants() -> dict[str, Preset]:
         for suffix, scheme in variants.items():
             spec = dataclasses.replace(preset.spec, fp8=Fp8Spec(scheme))
             out[base + suffix] = Preset(spec, preset.add_bos)
+    # Mixture of experts: block-FP8 only (Qwen3-30B-A3B-FP8's format), router unquantized.
+    for base in ("tiny-qwen3-moe", "qwen3-30b-a3b"):
+        preset = PRESETS[base]
+        out[base + "-fp8"] = Preset(
+            dataclasses.replace(preset.spec, fp8=Fp8Spec("block")), preset.add_bos
+        )
     return out
 
 

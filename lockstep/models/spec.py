@@ -23,8 +23,9 @@ float8_e4m3fn and adds, beside `{linear}.weight`, in canonical names and shapes:
                                      "tensor": []  (one scalar per checkpoint tensor)
     {linear}.input_scale    float32  [] ("tensor" only: the static activation scale)
 
-Quantized linears are the attention and dense MLP projections, less those `Fp8Spec.skipped`
-names; embeddings, the LM head, norms, biases and routers are never quantized.
+Quantized linears are the attention and dense MLP projections and (block scheme only) every
+expert's projections, less those `Fp8Spec.skipped` names; embeddings, the LM head, norms,
+biases and routers (`mlp.gate`) are never quantized.
 """
 
 from __future__ import annotations
@@ -196,9 +197,11 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.fp8 is not None and self.moe is not None:
+        if self.fp8 is not None and self.moe is not None and self.fp8.scheme != "block":
             raise ValueError(
-                "FP8 weights are supported for dense models only, not mixture of experts"
+                f"FP8 scheme {self.fp8.scheme!r} with mixture of experts: FP8 experts are "
+                "supported in the block scheme only (quant_method fp8, weight_block_size "
+                "[128, 128])"
             )
 
     def is_fp8_linear(self, module: str) -> bool:

@@ -182,12 +182,14 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """Router logits by `linear`, routing by the C++ `moe_route` (its formula is in the
-        kernel's header), each expert's rows through `linear` and `silu_mul` once per step,
-        then the rank-order fp32 combine."""
+        kernel's header), each expert's rows through `linear` (FP8 experts: `fp8_expert_linear`,
+        the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
+        fp32 combine."""
         x = _f32(x)
         logits = self.linear(x, layer.router)
         experts, weights = self._ext.moe_route(logits, layer.top_k, layer.renormalize, self._simd)
-        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul)
+        linear = self.fp8_expert_linear if layer.fp8 else self.linear
+        slots = experts_grouped(x, experts, layer, linear, self.silu_mul)
         return combine_in_rank_order(slots, weights)
 
 

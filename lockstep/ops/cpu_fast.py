@@ -60,14 +60,16 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         return out
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
-        """transformers' eager loop: each expert that got tokens runs F.linear on them, and
-        its weighted rows are index_add_-ed into the output in expert order."""
+        """transformers' eager loop: each expert that got tokens runs F.linear on them (FP8
+        experts: on the dequantized activation, `fp8_expert_linear`), and its weighted rows
+        are index_add_-ed into the output in expert order."""
         experts, weights = stock_route(self.linear(x, layer.router), layer.top_k,
                                        layer.renormalize)  # fmt: skip
+        linear = self.fp8_expert_linear if layer.fp8 else self.linear
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in experts.unique().tolist():
             token, rank = torch.where(experts == e)
-            gate, up = self.linear(x[token], layer.gate_up[e]).chunk(2, dim=-1)
-            y = self.linear(F.silu(gate) * up, layer.down[e])
+            gate, up = linear(x[token], layer.gate_up[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, layer.down[e])
             out.index_add_(0, token, y * weights[token, rank, None])
         return out

@@ -345,3 +345,10 @@ class DequantizedFp8Linear:
         xhat = dequantized_activation(x.reshape(-1, k), weight.scheme, weight.input_scale)
         out = self.linear(xhat, weight.weight, bias)  # type: ignore[attr-defined]
         return out.reshape(*lead, weight.out_features)
+
+    def fp8_expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One block-FP8 expert's GEMM (lockstep/ops/moe.py, "FP8 experts"): x [M, K] and the
+        expert's prepared weight [N, K'] (its `Fp8Weight.weight` parts, stacked): the
+        arithmetic of `fp8_linear`, so a row equals the dense FP8 linear's row."""
+        xhat = dequantized_activation(x, "block", None)
+        return self.linear(xhat, weight)  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ try:
     from lockstep.ops.triton import moe as grouped_moe
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
+    from lockstep.ops.triton.fp8_moe import moe_fp8
 
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # triton missing: report when the backend is asked for
@@ -148,5 +149,8 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         """fp32 router logits from the Triton matmul, the routing kernel, slots grouped by
         expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
         combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
-        experts' weights read."""
+        experts' weights read. Block-FP8 experts: the same pipeline with grouped FP8 GEMMs
+        (`lockstep/ops/triton/fp8_moe.py`)."""
+        if layer.fp8:
+            return moe_fp8(x, layer)
         return grouped_moe.moe(x, layer)

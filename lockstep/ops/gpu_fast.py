@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lockstep.ops import fp8
 from lockstep.ops.base import AttentionMeta, LayerKV
-from lockstep.ops.moe import MoeLayer, experts_dense
+from lockstep.ops.moe import MoeLayer, dequantized_experts, experts_dense
 from lockstep.ops.torch_fast import TorchRowOps, stock_route
 
 
@@ -78,10 +78,21 @@ class GpuFastOps(TorchRowOps):
         either way, so decode graphs can hold it."""
         logits = F.linear(x, layer.router).float()
         experts, weights = stock_route(logits, layer.top_k, layer.renormalize)
+        silu_mul = self.silu_mul
+        if layer.fp8:
+            # Block-FP8 experts: every expert dequantized to x's dtype at each call, and the
+            # activations quantized and dequantized (`lockstep.ops.fp8`) before each GEMM: the
+            # negative control, not a speed yardstick for FP8 experts.
+            layer = dequantized_experts(layer, x.dtype)
+            x = fp8.dequantized_activation(x, "block", None).to(x.dtype)
+
+            def silu_mul(g: torch.Tensor) -> torch.Tensor:
+                return fp8.dequantized_activation(self.silu_mul(g), "block", None).to(g.dtype)
+
         if grouped_mm_runs(x, layer):
-            slots = experts_grouped_mm(x, experts, layer, self.silu_mul)
+            slots = experts_grouped_mm(x, experts, layer, silu_mul)
         else:
-            slots = experts_dense(x, experts, layer, self.linear, self.silu_mul)
+            slots = experts_dense(x, experts, layer, self.linear, silu_mul)
         return (slots.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
 
     def attention(

@@ -25,6 +25,16 @@ gate_up [E, 2I, K'] (rows gate | up) and down [E, H, I'], where slice [e] is exa
 prepared linear weight `Ops.linear` takes (the backend's `prepare_linear_weight` of the
 concatenated rows, so K' is the backend's padded K). One tensor per projection keeps in-place
 weight updates a single copy and is the layout a grouped GEMM over experts reads.
+
+FP8 experts (block-FP8 checkpoints, lockstep/ops/fp8.py scheme "block"): `gate_up_scale`
+fp32 [E, 2 * ceil(I/128), ceil(H/128)] (gate's block scales, then up's: each part keeps the
+scales its checkpoint tensor had, so a partial last block of I is honoured) and `down_scale`
+fp32 [E, ceil(H/128), ceil(I/128)] sit beside gate_up and down, which hold each expert's
+part weights as the backend's `prepare_fp8_linear` gives them (`Fp8Weight.weight`: e4m3 on
+the GPU, the dequantized fp32 weight with padded K on the CPU), stacked. A slot's expert
+GEMM is the backend's FP8 linear (activation quantized per token and 128-column group, scales
+per 128-wide K block), so its row equals the dense FP8 linear's row over the same weights;
+steps 1-3 and 5 are unchanged (the router is never quantized).
 """
 
 from __future__ import annotations
@@ -36,8 +46,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lockstep.ops.fp8 import BLOCK, Fp8Weight
+
 Linear = Callable[[Tensor, Tensor], Tensor]
 SiluMul = Callable[[Tensor], Tensor]
+ExpertFn = Callable[[Tensor, int], Tensor]  # (rows [M, H], expert id) -> expert output [M, H]
 
 
 @dataclass(frozen=True)
@@ -49,10 +62,90 @@ class MoeLayer:
     down: Tensor  # [E, H, I']: down[e] is expert e's prepared down weight
     top_k: int
     renormalize: bool
+    gate_up_scale: Tensor | None = None  # FP8 experts: fp32 [E, 2 * ceil(I/128), ceil(H/128)]
+    down_scale: Tensor | None = None  # FP8 experts: fp32 [E, ceil(H/128), ceil(I/128)]
+
+    def __post_init__(self) -> None:
+        if (self.gate_up_scale is None) != (self.down_scale is None):
+            raise ValueError("FP8 experts need both gate_up_scale and down_scale, or neither")
 
     @property
     def num_experts(self) -> int:
         return int(self.gate_up.shape[0])
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the experts are block-FP8 (module docstring, "FP8 experts")."""
+        return self.gate_up_scale is not None
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """One stacked FP8 expert projection as the decoder prepares it (`prepare_fp8_experts`):
+    weight [E, N, K'] (the backend's `Fp8Weight.weight` of each expert, parts concatenated by
+    rows) and fp32 block scales [E, SB, KB] (the parts' scales concatenated by rows)."""
+
+    weight: Tensor
+    scale: Tensor
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor it holds (for in-place weight updates)."""
+        return [self.weight, self.scale]
+
+
+PrepareFp8 = Callable[[str, Tensor, Tensor, "Tensor | None"], Fp8Weight]
+
+
+def prepare_fp8_experts(
+    prepare: PrepareFp8, weights: list[Tensor], scales: list[Tensor], experts: int
+) -> Fp8Experts:
+    """Stack block-FP8 expert weights: `weights` and `scales` list the experts' part tensors
+    expert-major (gate, up per expert for gate_up; down), e4m3 [N_p, K] and fp32
+    [ceil(N_p/128), ceil(K/128)]. Each part goes through the backend's `prepare_fp8_linear`
+    ("block", so every backend checks it as it checks a dense FP8 linear) and the parts of an
+    expert are concatenated by rows: the weight rows of a part keep the scale rows of their
+    checkpoint tensor."""
+    parts = len(weights) // experts
+    stacked_w, stacked_s = [], []
+    for e in range(experts):
+        mine = range(e * parts, (e + 1) * parts)
+        prepared = [prepare("block", weights[i], scales[i], None) for i in mine]
+        stacked_w.append(torch.cat([p.weight for p in prepared], dim=0))
+        stacked_s.append(torch.cat([p.weight_scale for p in prepared], dim=0))
+    return Fp8Experts(torch.stack(stacked_w).contiguous(), torch.stack(stacked_s).contiguous())
+
+
+def dequantized_experts(layer: MoeLayer, dtype: torch.dtype) -> MoeLayer:
+    """A block-FP8 layer whose experts hold e4m3 weights, with every expert dequantized
+    (fp32(Wq) * sw, `lockstep.ops.fp8.dequantize_weight`, each part with its own block
+    scales) and cast to `dtype`: the stock backends' experts."""
+    assert layer.gate_up_scale is not None and layer.down_scale is not None
+
+    def widen(weight: Tensor, scale: Tensor, parts: int) -> Tensor:
+        out = []
+        for w, s in expert_parts_stacked(weight, scale, parts):
+            e, n, k = w.shape
+            sw = s.repeat_interleave(BLOCK, 1)[:, :n].repeat_interleave(BLOCK, 2)[:, :, :k]
+            out.append((w.to(torch.float32) * sw).to(dtype))
+        return torch.cat(out, dim=1)
+
+    gate_up = widen(layer.gate_up, layer.gate_up_scale, 2)
+    down = widen(layer.down, layer.down_scale, 1)
+    return MoeLayer(layer.router, gate_up, down, layer.top_k, layer.renormalize)
+
+
+def expert_parts_stacked(weight: Tensor, scale: Tensor, parts: int) -> list[tuple[Tensor, Tensor]]:
+    """`expert_parts` for every expert at once: [E, N, K] and [E, SB, KB] -> the parts'
+    [E, N/parts, K] and [E, SB/parts, KB]."""
+    n, sb = weight.shape[1] // parts, scale.shape[1] // parts
+    return [(weight[:, i * n : (i + 1) * n], scale[:, i * sb : (i + 1) * sb]) for i in range(parts)]
+
+
+def expert_parts(weight: Tensor, scale: Tensor, parts: int) -> list[tuple[Tensor, Tensor]]:
+    """One expert's stacked weight [N, K] and block scales [SB, KB] (`Fp8Experts`, slice e)
+    split back into its `parts` checkpoint tensors (gate | up: 2; down: 1), each with its own
+    block scales."""
+    return [(w[0], s[0]) for w, s in expert_parts_stacked(weight[None], scale[None], parts)]
 
 
 def prepare_expert_weights(prepare: Callable[[Tensor], Tensor], stacked: Tensor) -> Tensor:
@@ -96,11 +189,19 @@ def route_sorted(logits: Tensor, top_k: int, renormalize: bool) -> Routing:
     return Routing(ids[:, :top_k].contiguous(), e / total[:, None])
 
 
+def swiglu_expert(layer: MoeLayer, linear: Linear, silu_mul: SiluMul) -> ExpertFn:
+    """Expert e on rows [M, H]: linear(silu_mul(linear(rows, gate_up[e])), down[e])."""
+    return lambda rows, e: linear(silu_mul(linear(rows, layer.gate_up[e])), layer.down[e])
+
+
 def experts_grouped(
-    x: Tensor, experts: Tensor, layer: MoeLayer, linear: Linear, silu_mul: SiluMul
-) -> Tensor:
+    x: Tensor, experts: Tensor, layer: MoeLayer, linear: Linear, silu_mul: SiluMul,
+    expert: ExpertFn | None = None,
+) -> Tensor:  # fmt: skip
     """Every (token, rank) slot's expert output [T, k, H] (contract step 4), each expert run
-    once on the rows routed to it. Reads the per-expert counts on the host."""
+    once on the rows routed to it: `expert` (default `swiglu_expert` of `linear` and
+    `silu_mul`). Reads the per-expert counts on the host."""
+    run = expert or swiglu_expert(layer, linear, silu_mul)
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending within
@@ -113,22 +214,24 @@ def experts_grouped(
         slots = order[start : start + n]
         start += n
         rows = x.index_select(0, torch.div(slots, k, rounding_mode="floor"))
-        y = linear(silu_mul(linear(rows, layer.gate_up[e])), layer.down[e])
+        y = run(rows, e)
         out.index_copy_(0, slots, y.to(out.dtype))
     return out.view(t, k, -1)
 
 
 def experts_dense(
-    x: Tensor, experts: Tensor, layer: MoeLayer, linear: Linear, silu_mul: SiluMul
-) -> Tensor:
+    x: Tensor, experts: Tensor, layer: MoeLayer, linear: Linear, silu_mul: SiluMul,
+    expert: ExpertFn | None = None,
+) -> Tensor:  # fmt: skip
     """The same slots as `experts_grouped`, computed by running every expert on every row and
     keeping the rows routed to it: E/k times the arithmetic, but no host synchronization, so
     a CUDA graph can hold it. A slot's bits equal `experts_grouped`'s wherever `linear` is
-    M-invariant (other rows in the call change nothing)."""
+    M-invariant (other rows in the call change nothing). `expert` as in `experts_grouped`."""
+    run = expert or swiglu_expert(layer, linear, silu_mul)
     t, k = experts.shape
     out = torch.zeros(t, k, layer.down.shape[1], dtype=x.dtype, device=x.device)
     for e in range(layer.num_experts):
-        y = linear(silu_mul(linear(x, layer.gate_up[e])), layer.down[e]).to(out.dtype)
+        y = run(x, e).to(out.dtype)
         out = torch.where((experts == e)[:, :, None], y[:, None, :], out)
     return out
 

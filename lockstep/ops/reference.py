@@ -10,7 +10,7 @@ import torch
 
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.fp8 import Fp8Weight, check_fp8_weight, fp8_linear_reference
-from lockstep.ops.moe import MoeLayer, experts_grouped
+from lockstep.ops.moe import ExpertFn, MoeLayer, expert_parts, experts_grouped
 
 f64 = torch.float64
 
@@ -108,5 +108,20 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         weights = torch.softmax(logits, dim=-1).gather(1, experts)
         if layer.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul)
+        expert = self._fp8_expert(layer) if layer.fp8 else None
+        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul, expert)
         return (slots * weights[:, :, None]).sum(dim=1)
+
+    def _fp8_expert(self, layer: MoeLayer) -> ExpertFn:
+        """A block-FP8 expert by `fp8_linear_reference`, each checkpoint part (gate, up, down)
+        with its own block scales."""
+        assert layer.gate_up_scale is not None and layer.down_scale is not None
+        gate_up_scale, down_scale = layer.gate_up_scale, layer.down_scale
+
+        def run(rows: torch.Tensor, e: int) -> torch.Tensor:
+            parts = expert_parts(layer.gate_up[e], gate_up_scale[e], 2)
+            gate_up = torch.cat([fp8_linear_reference(rows, w, s, "block") for w, s in parts], 1)
+            ((w, s),) = expert_parts(layer.down[e], down_scale[e], 1)
+            return fp8_linear_reference(self.silu_mul(gate_up), w, s, "block")
+
+        return run
