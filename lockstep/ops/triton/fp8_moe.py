@@ -44,7 +44,15 @@ from lockstep.ops.fp8 import BLOCK, E4M3
 from lockstep.ops.moe import MoeLayer
 from lockstep.ops.triton.fp8_gemm import quantize_activation
 from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
-from lockstep.ops.triton.moe import _expert_pad, combine, group_slots, route, router_logits
+from lockstep.ops.triton.moe import (
+    combine,
+    expert_pad,
+    expert_tile_rows,
+    group_slots,
+    route,
+    router_logits,
+    store_tile,
+)
 
 
 @dataclass(frozen=True)
@@ -108,21 +116,8 @@ def _grouped_fp8_kernel(
     pid = tl.program_id(0)
     tile_m = pid % M_TILES
     pid_n = pid // M_TILES
-    # Which expert owns row tile `tile_m`: experts' tiles are laid end to end in id order.
-    eids = tl.arange(0, E_PAD)
-    lo = tl.load(offsets + eids, mask=eids < E, other=0)
-    hi = tl.load(offsets + eids + 1, mask=eids < E, other=0)
-    tiles = (hi - lo + BM - 1) // BM
-    ends = tl.cumsum(tiles, axis=0)
-    e = tl.sum((ends <= tile_m).to(tl.int32), axis=0)
+    e, pos, in_rows = expert_tile_rows(offsets, tile_m, E, E_PAD, BM)
     if e < E:
-        mine = eids == e
-        first_tile = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
-        row_lo = tl.sum(tl.where(mine, lo, 0), axis=0) + (tile_m - first_tile) * BM
-        row_hi = tl.sum(tl.where(mine, hi, 0), axis=0)
-        pos = row_lo + tl.arange(0, BM)
-        in_rows = pos < row_hi
-        pos = tl.where(in_rows, pos, row_lo)  # padding rows read a real row, never stored
         if GATHER:
             src = (tl.load(order + pos) // TOP_K).to(tl.int64)
         else:
@@ -150,17 +145,7 @@ def _grouped_fp8_kernel(
             if SILU:
                 total_up = _block_step(total_up, a_t, w_up + kb, kb, K, sx_b, sw_up, blk,
                                        EVEN_K, BK)  # fmt: skip
-        dtype = out.dtype.element_ty
-        if SILU:
-            g = total.to(dtype).to(tl.float32)
-            u = total_up.to(dtype).to(tl.float32)
-            total = g / (1.0 + tl.exp(-g)) * u  # activation.py's formula
-        if SCATTER:
-            dst = tl.load(order + pos)
-        else:
-            dst = pos
-        ptrs = out + dst.to(tl.int64)[:, None] * so + rn[None, :]
-        tl.store(ptrs, total.to(dtype), mask=in_rows[:, None] & (rn[None, :] < N))
+        store_tile(total, total_up, out, order, pos, in_rows, rn, N, so, SILU, SCATTER)
 
 
 def grouped_fp8_gemm(
@@ -206,7 +191,7 @@ def grouped_fp8_gemm(
         q, sx, w, w_scale, out, order, offsets, half, k, e, m_tiles, rows // 2 if silu else 0,
         q.stride(0), sx.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
         w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SILU=silu,
-        TOP_K=top_k, EVEN_K=k % BLOCK == 0, E_PAD=_expert_pad(e), BM=config.bm, BN=config.bn,
+        TOP_K=top_k, EVEN_K=k % BLOCK == 0, E_PAD=expert_pad(e), BM=config.bm, BN=config.bn,
         BK=BLOCK, **opts,
     )  # fmt: skip
     return out

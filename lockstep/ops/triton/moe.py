@@ -86,7 +86,7 @@ def pick_grouped_config(table: tuple[tuple[int, GroupedConfig], ...], slots: int
     raise AssertionError("a grouped-GEMM table must end with an unbounded bucket")
 
 
-def _expert_pad(experts: int) -> int:
+def expert_pad(experts: int) -> int:
     """The vector width over experts in the kernels (padding lanes hold no expert)."""
     return max(16, triton.next_power_of_2(experts))
 
@@ -144,7 +144,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
         _route_kernel[(t,)](
             logits, experts, weights, e, logits.stride(0), TOP_K=top_k,
             K_PAD=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
-            E_PAD=_expert_pad(e), num_warps=1 if e <= 256 else 4,
+            E_PAD=expert_pad(e), num_warps=1 if e <= 256 else 4,
             **pdl_launch(logits.device, t),
         )  # fmt: skip
     return Routing(experts, weights)
@@ -169,6 +169,45 @@ def _k_loop(a_rows, w_cols, k_lo, k_hi, K, acc, EVEN_K: tl.constexpr, BK: tl.con
     return acc
 
 
+@triton.jit
+def expert_tile_rows(offsets, tile_m, E, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """Which expert owns row tile `tile_m` of a grouped product (experts' tiles laid end to
+    end in id order; e >= E: a spare tile, nothing to do), and the tile's sorted positions:
+    in_rows marks the expert's own; padding rows point at a real row (read, never stored)."""
+    eids = tl.arange(0, E_PAD)
+    lo = tl.load(offsets + eids, mask=eids < E, other=0)
+    hi = tl.load(offsets + eids + 1, mask=eids < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= tile_m).to(tl.int32), axis=0)
+    mine = eids == e
+    first_tile = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(mine, lo, 0), axis=0) + (tile_m - first_tile) * BM
+    row_hi = tl.sum(tl.where(mine, hi, 0), axis=0)
+    pos = row_lo + tl.arange(0, BM)
+    in_rows = pos < row_hi
+    return e, tl.where(in_rows, pos, row_lo), in_rows
+
+
+@triton.jit
+def store_tile(total, total_up, out, order, pos, in_rows, rn, N, so, SILU: tl.constexpr,
+               SCATTER: tl.constexpr):  # fmt: skip
+    """A grouped product's epilogue: with SILU, out = silu(gate) * up from the two fp32
+    accumulators each rounded to out's dtype first; rows stored at out[order[pos]] (SCATTER)
+    or out[pos], the expert's rows and the N real columns only."""
+    dtype = out.dtype.element_ty
+    if SILU:
+        g = total.to(dtype).to(tl.float32)
+        u = total_up.to(dtype).to(tl.float32)
+        total = g / (1.0 + tl.exp(-g)) * u  # activation.py's formula
+    if SCATTER:
+        dst = tl.load(order + pos)
+    else:
+        dst = pos
+    ptrs = out + dst.to(tl.int64)[:, None] * so + rn[None, :]
+    tl.store(ptrs, total.to(dtype), mask=in_rows[:, None] & (rn[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M_TILES"])
 def _grouped_kernel(
     a, w, out, order, offsets, N, K, E, M_TILES, SPLIT_LEN, NUM_SPLITS, sa, swe, swn, so,
@@ -184,21 +223,8 @@ def _grouped_kernel(
     pid = tl.program_id(0)
     tile_m = pid % M_TILES
     pid_n = pid // M_TILES
-    # Which expert owns row tile `tile_m`: experts' tiles are laid end to end in id order.
-    eids = tl.arange(0, E_PAD)
-    lo = tl.load(offsets + eids, mask=eids < E, other=0)
-    hi = tl.load(offsets + eids + 1, mask=eids < E, other=0)
-    tiles = (hi - lo + BM - 1) // BM
-    ends = tl.cumsum(tiles, axis=0)
-    e = tl.sum((ends <= tile_m).to(tl.int32), axis=0)
+    e, pos, in_rows = expert_tile_rows(offsets, tile_m, E, E_PAD, BM)
     if e < E:
-        mine = eids == e
-        first_tile = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
-        row_lo = tl.sum(tl.where(mine, lo, 0), axis=0) + (tile_m - first_tile) * BM
-        row_hi = tl.sum(tl.where(mine, hi, 0), axis=0)
-        pos = row_lo + tl.arange(0, BM)
-        in_rows = pos < row_hi
-        pos = tl.where(in_rows, pos, row_lo)  # padding rows read a real row, never stored
         if GATHER:
             src = tl.load(order + pos) // TOP_K
         else:
@@ -217,17 +243,7 @@ def _grouped_kernel(
             if SILU:
                 w_up = w_gate + N * swn
                 total_up = total_up + _k_loop(a_rows, w_up, k_lo, k_hi, K, zero, EVEN_K, BK)
-        dtype = out.dtype.element_ty
-        if SILU:
-            g = total.to(dtype).to(tl.float32)
-            u = total_up.to(dtype).to(tl.float32)
-            total = g / (1.0 + tl.exp(-g)) * u  # activation.py's formula
-        if SCATTER:
-            dst = tl.load(order + pos)
-        else:
-            dst = pos
-        ptrs = out + dst.to(tl.int64)[:, None] * so + rn[None, :]
-        tl.store(ptrs, total.to(dtype), mask=in_rows[:, None] & (rn[None, :] < N))
+        store_tile(total, total_up, out, order, pos, in_rows, rn, N, so, SILU, SCATTER)
 
 
 def grouped_gemm(
@@ -259,7 +275,7 @@ def grouped_gemm(
         a, w, out, order, offsets, half, k, e, m_tiles, split_len,
         triton.cdiv(k, split_len), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATHER=gather, SCATTER=scatter, SILU=silu, TOP_K=top_k, EVEN_K=k % config.bk == 0,
-        E_PAD=_expert_pad(e), BM=config.bm, BN=config.bn, BK=config.bk,
+        E_PAD=expert_pad(e), BM=config.bm, BN=config.bn, BK=config.bk,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch(a.device, slots),
     )  # fmt: skip
@@ -395,7 +411,7 @@ def group_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     dev = flat.device
     order = torch.empty(slots, dtype=torch.int64, device=dev)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
-    e_pad = _expert_pad(num_experts)
+    e_pad = expert_pad(num_experts)
     pdl = pdl_launch(dev, slots)
     if slots <= GROUP_KERNEL_MAX_SLOTS:
         s_pad = max(16, triton.next_power_of_2(slots))
