@@ -181,21 +181,25 @@ def test_negative_control_a_load_dependent_split_changes_the_bits(layer) -> None
     assert _changed_loads(split_by_load), "a load-dependent split kept the bits: check is blind"
 
 
-def test_cuda_graph_replays_equal_eager_calls(ops, layer) -> None:
+def _assert_graph_replays_equal_eager_calls(ops, layer, seed: int) -> None:
     """A graph captured at T tokens, replayed with new tokens (new routings, new expert
     loads), equals the eager call: the grouping and tile schedule live on the device."""
     for t in (1, 4, 64):
-        static = _tokens(t, 7).clone()
+        static = _tokens(t, seed).clone()
         ops.moe(static, layer)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = ops.moe(static, layer)
-        for seed in range(3):
-            x = _tokens(t, 100 * t + seed)
+        for rep in range(3):
+            x = _tokens(t, 100 * seed * t + rep)
             static.copy_(x)
             graph.replay()
-            assert torch.equal(out, ops.moe(x, layer)), (t, seed)
+            assert torch.equal(out, ops.moe(x, layer)), (t, rep)
+
+
+def test_cuda_graph_replays_equal_eager_calls(ops, layer) -> None:
+    _assert_graph_replays_equal_eager_calls(ops, layer, seed=7)
 
 
 def test_fast_mode_moe_replays_in_cuda_graphs(layer) -> None:
@@ -329,19 +333,7 @@ def test_negative_control_a_batch_wide_activation_scale_changes_the_bits(ops, fp
 
 
 def test_fp8_cuda_graph_replays_equal_eager_calls(ops, fp8_layer) -> None:
-    layer = fp8_layer[0]
-    for t in (1, 4, 64):
-        static = _tokens(t, 30).clone()
-        ops.moe(static, layer)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ops.moe(static, layer)
-        for seed in range(3):
-            x = _tokens(t, 300 * t + seed)
-            static.copy_(x)
-            graph.replay()
-            assert torch.equal(out, ops.moe(x, layer)), (t, seed)
+    _assert_graph_replays_equal_eager_calls(ops, fp8_layer[0], seed=30)
 
 
 # ------------------------------------------------------------------ the engine, end to end
