@@ -92,7 +92,7 @@ def tokenizer_folder(
     except OSError as exc:
         logger.warning(
             "could not write the tokenizer folder %s (%s): routers that load the tokenizer "
-            "from /server_info's tokenizer_path will not find one; set LOCKSTEP_CACHE_DIR to a "
+            "from /server_info's model_path will not find one; set LOCKSTEP_CACHE_DIR to a "
             "writable folder",
             folder,
             exc.strerror or exc,

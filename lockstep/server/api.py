@@ -250,7 +250,8 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
 
 
 def _tokenizer_path(engine: Any) -> str | None:
-    """The Hugging Face tokenizer folder routers load (`/server_info`'s `tokenizer_path`):
+    """The Hugging Face tokenizer folder routers load (`/server_info`'s `model_path`, also
+    reported as `tokenizer_path`):
     the model's own folder, or one written into Lockstep's cache for a GGUF file or preset."""
     loaded = getattr(engine, "loaded", None)
     if loaded is None or not isinstance(engine.tokenizer, Tokenizer):
