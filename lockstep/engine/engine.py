@@ -44,7 +44,7 @@ from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
-from lockstep.models.linear_attention import LinearLayout, LinearState
+from lockstep.models.linear_attention import LinearLayout, LinearState, LinearStatePool
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
@@ -125,6 +125,12 @@ class Engine:
         self.decoder: Decoder | ShardedDecoder = (
             local if self.workers is None else ShardedDecoder(local, self.workers)
         )
+        # Hybrid models: the running sequences' linear-attention states, allocated before the
+        # KV pool is sized from what memory is left.
+        layout = self.decoder.linear_layout
+        self.state_pool = None
+        if layout is not None:
+            self.state_pool = LinearStatePool(layout, config.resolved_max_running)
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
@@ -137,7 +143,6 @@ class Engine:
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)
-        layout = self.decoder.linear_layout
         self.radix = RadixCache(
             self.pool,
             enabled=config.enable_prefix_cache,
@@ -145,7 +150,9 @@ class Engine:
             # One snapshot per chunk of cached tokens (the share _kv_budget sets aside).
             state_budget=None if layout is None else _state_budget(layout, kv_tokens),
         )
-        resume = None if layout is None else partial(LinearState.resume, layout)
+        resume = None
+        if layout is not None:
+            resume = partial(LinearState.resume, layout, pool=self.state_pool)
         self.scheduler = Scheduler(
             self.pool,
             self.radix,

@@ -50,7 +50,7 @@ from lockstep.models.blocks.base import (
     Step,
 )
 from lockstep.models.forward_batch import ForwardBatch
-from lockstep.models.linear_attention import LinearLayout, LinearState
+from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import AttentionMeta, DenseOps, Fp8Ops, Ops, build_attention_meta
@@ -225,7 +225,10 @@ class Decoder:
         residual: torch.Tensor | None = None
         # Rows per sequence on the host, once per step (the linear layers loop over them).
         rows = None if batch.linear_states is None else batch.meta.cu_q.diff().tolist()
-        step = Step(batch, kv, parallel, self.linear_layout, rows)
+        pooled = None
+        if rows is not None and self.linear_layout is not None:
+            pooled = pooled_rows(ops, batch.linear_states, rows, self.linear_layout)
+        step = Step(batch, kv, parallel, self.linear_layout, rows, pooled)
         for layer in self.layers:
             if residual is None:
                 residual = h
@@ -238,7 +241,7 @@ class Decoder:
         assert residual is not None
         if batch.linear_states is not None and rows is not None:
             for state, n in zip(batch.linear_states, rows, strict=True):
-                state.position += n
+                state.advance(n)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
         return parallel.logits(x, self.lm_head)
