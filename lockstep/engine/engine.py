@@ -138,8 +138,11 @@ class Engine:
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         kv_heads = self.decoder.plan.num_local_kv_heads  # rank 0's; every rank holds as many
+        # A hybrid model's CUDA graphs pad with rows that write one spare KV row.
+        hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None
         self.pool = KVPool(
             kv_tokens, len(spec.kv_layers), kv_heads, spec.head_dim, self.kv_dtype, self.device,
+            spare_slots=int(hybrid_graphs),
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)
@@ -162,13 +165,11 @@ class Engine:
             new_linear_state=resume,
         )
         graphs = None
-        if config.use_cuda_graphs and spec.hybrid:
-            # Each request's linear state is its own tensors; the graphs replay fixed ones.
-            logger.warning("CUDA graphs are not used for hybrid (linear-attention) models")
-        elif config.use_cuda_graphs:
+        if config.use_cuda_graphs:
             graphs = DecodeGraphRunner(
                 self.decoder, self.pool, max_batch=config.resolved_max_running,
-                max_context=self.max_model_len,
+                max_context=self.max_model_len, state_pool=self.state_pool,
+                spare_kv_slot=self.pool.spare_slot,
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request

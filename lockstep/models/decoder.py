@@ -224,11 +224,13 @@ class Decoder:
         h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
         residual: torch.Tensor | None = None
         # Rows per sequence on the host, once per step (the linear layers loop over them).
-        rows = None if batch.linear_states is None else batch.meta.cu_q.diff().tolist()
-        pooled = None
-        if rows is not None and self.linear_layout is not None:
+        pooled, pool, rows = batch.pooled, batch.state_pool, None
+        if pooled is None and batch.linear_states is not None:
+            rows = batch.meta.cu_q.diff().tolist()
+            assert self.linear_layout is not None
             pooled = pooled_rows(ops, batch.linear_states, rows, self.linear_layout)
-        step = Step(batch, kv, parallel, self.linear_layout, rows, pooled)
+            pool = batch.linear_states[0].pool if pooled is not None else None
+        step = Step(batch, kv, parallel, self.linear_layout, rows, pooled, pool)
         for layer in self.layers:
             if residual is None:
                 residual = h

@@ -89,18 +89,22 @@ class LinearStatePool:
     """The working states of the running sequences, one slot each, in device tensors indexed
     by slot (as the KV pool indexes tokens): windows [S, L, K-1, conv_dim], boundary states
     [S, L, Hv, Dk, Dv] and open rows [S, L, C, ...], float32, allocated once. A pooled step
-    runs every sequence's linear layer in one launch (`Ops` with `PooledLinearAttentionOps`)."""
+    runs every sequence's linear layer in one launch (`Ops` with `PooledLinearAttentionOps`).
+    One more slot, `scratch_slot`, is never handed out: the CUDA graphs' padding rows write
+    there."""
 
     def __init__(self, layout: LinearLayout, num_slots: int) -> None:
         lay, z = layout, layout._zeros
         self.layout = layout
-        self.conv = z(num_slots, lay.num_layers, lay.conv_kernel - 1, lay.conv_dim)
-        self.recurrent = z(num_slots, lay.num_layers, lay.num_value_heads, lay.key_head_dim,
+        rows = num_slots + 1
+        self.conv = z(rows, lay.num_layers, lay.conv_kernel - 1, lay.conv_dim)
+        self.recurrent = z(rows, lay.num_layers, lay.num_value_heads, lay.key_head_dim,
                            lay.value_head_dim)  # fmt: skip
-        self.open_k = z(num_slots, lay.num_layers, lay.chunk, lay.num_key_heads, lay.key_head_dim)
-        self.open_gamma = z(num_slots, lay.num_layers, lay.chunk, lay.num_value_heads)
-        self.open_u = z(num_slots, lay.num_layers, lay.chunk, lay.num_value_heads,
+        self.open_k = z(rows, lay.num_layers, lay.chunk, lay.num_key_heads, lay.key_head_dim)
+        self.open_gamma = z(rows, lay.num_layers, lay.chunk, lay.num_value_heads)
+        self.open_u = z(rows, lay.num_layers, lay.chunk, lay.num_value_heads,
                         lay.value_head_dim)  # fmt: skip
+        self.scratch_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
     @staticmethod
@@ -236,13 +240,15 @@ def gated_deltanet(
     eps: float,
     rows: list[int] | None = None,
     pooled: PooledRows | None = None,
+    pool: LinearStatePool | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet layer over the step's rows x [T, hidden] -> [T, hidden], continuing
     each sequence's `LinearState` (batch.linear_states, in sequence order) in linear layer
     `layer`. `rows`: each sequence's row count, known on the host (else read from the batch).
-    `pooled`: where the sequences sit in their `LinearStatePool` (`pooled_rows`), for a
-    backend with `PooledLinearAttentionOps`: all sequences in one launch per kernel; else a
-    loop over the sequences. Every op is row-local except the convolution (the sequence's
+    `pooled`: where the sequences sit in `pool` (`pooled_rows`), for a backend with
+    `PooledLinearAttentionOps`: all sequences in one launch per kernel (`batch.linear_states`
+    may then be None where the step crosses no boundary before a sequence's last row: a CUDA
+    graph's decode step); else a loop over the sequences. Every op is row-local except the convolution (the sequence's
     own previous rows) and the delta rule (`Ops.gated_delta_rule`), whose rows are computed
     alike either way."""
     lay = layout
@@ -253,11 +259,8 @@ def gated_deltanet(
     mixed, z, b, a = proj.split([lay.conv_dim, vd, hv, hv], dim=1)
     g, beta = ops.gdn_gates(a.contiguous(), b.contiguous(), w.a_log, w.dt_bias)
     states = batch.linear_states
-    assert states is not None, "one LinearState per sequence"
     if pooled is not None:
-        assert isinstance(ops, PooledLinearAttentionOps)
-        pool = states[0].pool
-        assert pool is not None
+        assert isinstance(ops, PooledLinearAttentionOps) and pool is not None
         act = ops.causal_conv_silu_pooled(mixed, pool.conv[:, layer], w.conv, pooled)
         windows = ops.update_conv_windows(mixed, pool.conv[:, layer], w.conv, pooled)
         q, k_, v = act.split([kd, kd, vd], dim=1)
@@ -269,6 +272,7 @@ def gated_deltanet(
             pool.open_gamma[:, layer], pool.open_u[:, layer], pooled,
         )  # fmt: skip
         for i, (seq, position) in enumerate(pooled.boundaries):
+            assert states is not None
             snap = _snapshot(states[seq], position)
             snap.conv[layer].copy_(windows[i])
             snap.recurrent[layer].copy_(bounds[i])

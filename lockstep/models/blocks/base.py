@@ -33,7 +33,7 @@ from lockstep.ops.fp8 import Fp8Weight
 
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
-    from lockstep.models.linear_attention import LinearLayout
+    from lockstep.models.linear_attention import LinearLayout, LinearStatePool
     from lockstep.models.spec import ModelSpec
     from lockstep.ops.base import Ops, PooledRows
     from lockstep.parallel.layers import TensorParallel
@@ -132,6 +132,7 @@ class Step:
     linear_layout: LinearLayout | None
     rows: list[int] | None
     pooled: PooledRows | None = None  # hybrid models on a pooled backend (linear_attention)
+    state_pool: LinearStatePool | None = None  # the pool `pooled` indexes
 
 
 class Block(Protocol):

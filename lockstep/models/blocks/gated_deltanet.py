@@ -94,4 +94,4 @@ class GatedDeltaNet:
     ) -> torch.Tensor:
         assert step.linear_layout is not None
         return gated_deltanet(ops, x, w, w.state_index, step.batch, step.linear_layout,
-                              w.eps, step.rows, step.pooled)  # fmt: skip
+                              w.eps, step.rows, step.pooled, step.state_pool)  # fmt: skip
