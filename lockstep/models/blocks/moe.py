@@ -146,7 +146,7 @@ class MoeMlp:
         # One gate value per token, broadcast over its row so the gate op (which takes x and
         # gate of one shape) computes each element's sigmoid by the same per-element formula.
         gate = linear(ops, x, w.shared_gate).expand_as(shared).contiguous()
-        return routed + ops.gate_activation(shared, gate, "sigmoid").to(routed.dtype)
+        return routed + ops.gate_activation(shared, gate, "sigmoid")
 
 
 def _experts_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:
