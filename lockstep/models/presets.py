@@ -152,7 +152,7 @@ PRESETS: dict[str, Preset] = {
         add_bos=False,
     ),
     # Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults, Qwen3.5's rope theta):
-    # 35.1 B parameters, 65.4 GiB in bf16, so it fits one H200 (docs/models.md).
+    # Its bf16 weights fit one H200 (the bytes: docs/models.md, "Random presets").
     "qwen3.5-35b-a3b": Preset(
         ModelSpec(
             family="qwen3_5_moe", vocab_size=248320, hidden_size=2048, intermediate_size=512,
@@ -168,8 +168,8 @@ PRESETS: dict[str, Preset] = {
         ),
         add_bos=False,
     ),
-    # Qwen3-Next-80B-A3B: 79.7 B parameters, 148 GiB in bf16: more than one H200, and hybrid
-    # models do not run tensor-parallel yet, so the engine refuses it with that arithmetic.
+    # Qwen3-Next-80B-A3B: its bf16 weights exceed one H200 (docs/models.md) and hybrid models
+    # do not run tensor-parallel yet, so the engine refuses it with that arithmetic.
     "qwen3-next-80b-a3b": Preset(
         ModelSpec(
             family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
