@@ -152,12 +152,12 @@ PRESETS: dict[str, Preset] = {
         add_bos=False,
     ),
     # Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults, Qwen3.5's rope theta):
-    # Its bf16 weights fit one H200 (the bytes: docs/models.md, "Random presets").
+    # its bf16 weights fit one H200 (the bytes: docs/models.md, "Random presets").
     "qwen3.5-35b-a3b": Preset(
         ModelSpec(
             family="qwen3_5_moe", vocab_size=248320, hidden_size=2048, intermediate_size=512,
             num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
-            rms_norm_eps=1e-6, max_position=262144, tie_word_embeddings=False, qk_norm=True,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
             partial_rotary_factor=0.25,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(40, 4), num_key_heads=16, num_value_heads=32,
@@ -174,7 +174,7 @@ PRESETS: dict[str, Preset] = {
         ModelSpec(
             family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
             num_layers=48, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
-            rms_norm_eps=1e-6, max_position=262144, tie_word_embeddings=False, qk_norm=True,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
             partial_rotary_factor=0.25,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(48, 4), num_key_heads=16, num_value_heads=32,
