@@ -166,6 +166,33 @@ def test_weight_update_from_a_trainer_state_dict(hf_folder) -> None:
     assert torch.equal(engine.decoder.logits_for_sequence(tokens), before)
 
 
+@pytest.mark.parametrize("key_heads, value_heads", [(2, 2), (2, 6)])
+def test_grouped_projections_reorder_as_transformers_splits_them(key_heads, value_heads) -> None:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba rows, reordered at load, are exactly the
+    q | k | v, z, b, a rows that transformers' fix_query_key_value_ordering cuts from their
+    outputs (applied here to the weights' columns, as if each were a token's output), for 1
+    and 3 value heads per key head."""
+    import transformers
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from lockstep.models.blocks.gated_deltanet import ungroup_projections
+    from lockstep.models.spec import LinearAttentionSpec
+
+    config = transformers.Qwen3NextConfig(
+        hidden_size=32, num_hidden_layers=1, linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads, linear_key_head_dim=8, linear_value_head_dim=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = Qwen3NextGatedDeltaNet(config, 0)
+    qkvz, ba = layer.in_proj_qkvz.weight.detach(), layer.in_proj_ba.weight.detach()
+    parts = layer.fix_query_key_value_ordering(qkvz.T[None], ba.T[None])
+    q, k, v, z, b, a = (t.reshape(32, -1).T for t in parts)
+    lin = LinearAttentionSpec(("linear_attention",), key_heads, value_heads, 8, 4, 4, True)
+    rows = ungroup_projections(lin, qkvz, ba)
+    for got, want in zip(rows, [torch.cat([q, k, v]), z, b, a], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_shared_expert_is_refused_where_the_family_has_none(tmp_path: Path) -> None:
     """Only the hybrid MoE model types serve shared_expert_intermediate_size: a Qwen3-MoE
     config with one is refused in one line naming the key; a Qwen3.5-MoE config without one
