@@ -109,6 +109,9 @@ class Engine:
                 f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
                 f" {', '.join(map(str, supported_degrees(spec)))}"
             )
+        if self.device.type == "cuda":  # refused with the arithmetic, before any load
+            free, _ = torch.cuda.mem_get_info(self.device)
+            memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp, free)
         # Ranks 1..tp-1 start loading while rank 0 does (lockstep.parallel.group).
         self.workers: WorkerGroup | None = None
         if config.tp > 1:

@@ -49,6 +49,7 @@ from lockstep.models.blocks.base import (
     Linear,
     Step,
 )
+from lockstep.models.blocks.gated_deltanet import ungroup_projections
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
@@ -316,7 +317,9 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     Qwen3.5 stores w - 1), "conv" (float32 [channels, kernel]), "bias" (float32,
     concatenated), "embed" (as is), "linear" (rows
     concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
-    gate rows separated: q | k | v | gate, then "linear"), "row_attention" and "row_mlp"
+    gate rows separated: q | k | v | gate, then "linear"), "qkvz_ba" (Qwen3-Next's grouped
+    Gated DeltaNet inputs reordered to q | k | v | z | b | a, `ungroup_projections`, then
+    "linear"), "row_attention" and "row_mlp"
     (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
     the same number per expert: each expert's rows concatenated, then stacked and prepared by
     `prepare_expert_weights`), "fp8_experts" (block-FP8 experts: the expert-major weights,
@@ -391,6 +394,10 @@ def _prepare(
     if kind == "conv":
         weight = parts[0].to(device=device, dtype=torch.float32)
         return weight.reshape(weight.shape[0], -1).contiguous()
+    if kind == "qkvz_ba":
+        assert spec.linear is not None
+        parts = ungroup_projections(spec.linear, parts[0], parts[1])
+        kind = "linear"
     if kind == "qkv_gate":
         q_gate = parts[0].reshape(spec.num_heads, 2, spec.head_dim, -1)
         parts = [q_gate[:, 0].reshape(spec.q_size, -1), parts[1], parts[2],
