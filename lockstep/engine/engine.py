@@ -48,6 +48,7 @@ from lockstep.models.linear_attention import LinearLayout, LinearState, LinearSt
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
+from lockstep.ops.base import PooledLinearAttentionOps
 from lockstep.parallel.group import ShardedDecoder, WorkerGroup
 from lockstep.parallel.sharding import degree_problem, supported_degrees
 from lockstep.parallel.worker import load_rank_decoder, set_threads
@@ -142,7 +143,9 @@ class Engine:
             logger.info("%s", self.kv_budget.describe())
         kv_heads = self.decoder.plan.num_local_kv_heads  # rank 0's; every rank holds as many
         # A hybrid model's CUDA graphs pad with rows that write one spare KV row.
-        hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None
+        # (On a pooled backend only: a decode graph addresses linear states by pool slot.)
+        pooled = isinstance(self.decoder.ops, PooledLinearAttentionOps)
+        hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None and pooled
         self.pool = KVPool(
             kv_tokens, len(spec.kv_layers), kv_heads, spec.head_dim, self.kv_dtype, self.device,
             spare_slots=int(hybrid_graphs),
@@ -168,7 +171,10 @@ class Engine:
             new_linear_state=resume,
         )
         graphs = None
-        if config.use_cuda_graphs:
+        if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
+            logger.warning("CUDA graphs are not used for hybrid models on the %s backend",
+                           self.decoder.ops.name)  # fmt: skip
+        elif config.use_cuda_graphs:
             graphs = DecodeGraphRunner(
                 self.decoder, self.pool, max_batch=config.resolved_max_running,
                 max_context=self.max_model_len, state_pool=self.state_pool,

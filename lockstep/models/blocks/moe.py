@@ -65,7 +65,7 @@ class MoeMlpWeights:
     layer: MoeLayer
     shared_gate_up: Linear | None = None  # rows gate | up
     shared_down: Linear | None = None
-    shared_gate: torch.Tensor | None = None  # [1, H]: the shared expert's sigmoid gate
+    shared_gate: torch.Tensor | None = None  # [8, H]: row 0 the shared expert's sigmoid gate
 
 
 _SHARED = [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -134,8 +134,13 @@ class MoeMlp:
                              gate_up.scale, down.scale)  # fmt: skip
         else:
             layer = MoeLayer(router, gate_up, down, moe.top_k, moe.renormalize)
+        shared_gate = parts.get("shared_gate")
+        if shared_gate is not None:
+            # Zero rows up to 8: a one-column output's rows would not be 16-byte aligned,
+            # which the GPU matmul's tensor descriptors require; column 0 is the gate.
+            shared_gate = torch.cat([shared_gate, shared_gate.new_zeros(7, shared_gate.shape[1])])
         return MoeMlpWeights(router, gate_up, down, layer, parts.get("shared_gate_up"),
-                             parts.get("shared_down"), parts.get("shared_gate"))  # fmt: skip
+                             parts.get("shared_down"), shared_gate)  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: MoeMlpWeights, step: Step) -> torch.Tensor:
         routed = ops.moe(x, w.layer)
@@ -145,7 +150,7 @@ class MoeMlp:
         shared = linear(ops, ops.silu_mul(linear(ops, x, w.shared_gate_up)), w.shared_down)
         # One gate value per token, broadcast over its row so the gate op (which takes x and
         # gate of one shape) computes each element's sigmoid by the same per-element formula.
-        gate = linear(ops, x, w.shared_gate).expand_as(shared).contiguous()
+        gate = linear(ops, x, w.shared_gate)[:, :1].expand_as(shared).contiguous()
         return routed + ops.gate_activation(shared, gate, "sigmoid")
 
 
