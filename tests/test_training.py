@@ -188,3 +188,29 @@ def test_trained_weights_serve_with_the_trainer_bits(
 def test_families_without_a_training_forward_are_refused(preset: str) -> None:
     with pytest.raises(ModelLoadError, match="no training forward yet"):
         LockstepForCausalLM.from_pretrained(preset)
+
+
+def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> None:
+    from lockstep.training.grpo import run
+
+    folder = str(folders["qwen3"])
+
+    def mean_code_point(text: str) -> float:  # varies across a random byte model's samples
+        return sum(map(ord, text)) / max(len(text), 1)
+
+    reports, trainer, _ = run(
+        folder, steps=5, group_size=2, max_tokens=6, lr=1e-3, reward=mean_code_point
+    )
+    assert len(reports) == 5
+    for r in reports:
+        assert (r.k3_max, r.ratio_min, r.ratio_max) == (0.0, 1.0, 1.0), r
+    # The weights change, and with them the policy: the sampled tokens' logprobs move.
+    start = LockstepForCausalLM.from_pretrained(folder)
+    probe = _sequences(seed=5, lengths=[6, 9])
+    with torch.no_grad():
+        assert not torch.equal(trainer(probe).logprobs, start(probe).logprobs)
+    # The control: recomputed on the fast backend, the training policy is off by some bits.
+    (fast,), _, _ = run(
+        folder, steps=1, group_size=2, max_tokens=6, reward=mean_code_point, trainer_mode="fast"
+    )
+    assert fast.k3_max > 0.0 and (fast.ratio_min, fast.ratio_max) != (1.0, 1.0)
