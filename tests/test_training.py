@@ -171,6 +171,10 @@ def test_trained_weights_serve_with_the_trainer_bits(
     folder = tmp_path / "trained"
     model.save_pretrained(folder)
     assert _bitwise_equal(_scores(_llm(str(folder), dtype), sequences), trained_lps)
+    # What the server's /update_weights_from_disk runs: an engine on the old weights reloads.
+    on_old = _llm(model_arg, dtype)
+    on_old.update_weights(str(folder))
+    assert _bitwise_equal(_scores(on_old, sequences), trained_lps)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert trained.logits is not None
     cu = trained.cu_seqlens
