@@ -94,6 +94,23 @@ def test_packed_logprobs_are_llm_score_bits(
     assert worst < (1e-3 if dtype == "float32" else 0.1)
 
 
+def test_chunked_reduction_gives_the_bits_of_a_tensor_parallel_engine(
+    folders: dict[str, Path],
+) -> None:
+    """tp_reduction="chunked" (the default at TP > 1, the same bits at every degree)."""
+    folder = str(folders["qwen3"])
+    sequences = _sequences(seed=13, lengths=[4, 21, 35])
+    llm = LLM(folder, device="cpu", dtype="float32", kv_tokens=2048, max_batch_tokens=64,
+              chunk_size=16, tp_reduction="chunked")  # fmt: skip
+    scores = _scores(llm, sequences)
+    with torch.no_grad():
+        chunked = LockstepForCausalLM.from_pretrained(folder, tp_reduction="chunked")
+        assert _bitwise_equal(chunked(sequences).per_sequence(), scores)
+        # The control: the one-call linear (the TP 1 default) adds in another order.
+        ranks = LockstepForCausalLM.from_pretrained(folder)
+        assert not _bitwise_equal(ranks(sequences).per_sequence(), scores)
+
+
 def _weighted_loss(lps: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
     return sum((lp * w).sum() for lp, w in zip(lps, weights, strict=True))  # type: ignore[return-value]
 

@@ -40,20 +40,30 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        ctx: Any,
+        ops: Ops,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        partial: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return ops.linear(x, ops.prepare_linear_weight(weight.contiguous()), bias)
+        prepared = ops.prepare_linear_weight(weight.contiguous())
+        if partial:
+            return ops.partial_linear(x.contiguous(), prepared)
+        return ops.linear(x, prepared, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, Any]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[None, torch.Tensor, torch.Tensor, Any, None]:
         x, weight = ctx.saved_tensors
         g = _wide(grad)
         grad_x = (g @ _wide(weight)).to(x.dtype)
         grad_w = (g.T @ _wide(x)).to(weight.dtype)
         grad_b = g.sum(0) if ctx.has_bias else None
-        return None, grad_x, grad_w, grad_b
+        return None, grad_x, grad_w, grad_b, None
 
 
 def linear(
@@ -61,7 +71,13 @@ def linear(
 ) -> torch.Tensor:
     """The engine's linear (x [M, K], weight [N, K] in any dtype the backend takes, bias
     float32 [N]); the gradient reaches x, weight and bias."""
-    return _Linear.apply(ops, x, weight, bias)
+    return _Linear.apply(ops, x, weight, bias, False)
+
+
+def partial_linear(ops: Ops, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The engine's `partial_linear`: x @ weight.T in float32, not rounded to x's dtype (one
+    reduction chunk of a row-parallel linear)."""
+    return _Linear.apply(ops, x, weight, None, True)
 
 
 class _LogSoftmax(torch.autograd.Function):

@@ -19,8 +19,10 @@ to float32 in the forward, as the engine widens them at load). The engine fuses 
 gate|up by rows; the forward concatenates the same rows each step, which leaves every output
 element's reduction unchanged and keeps the parameters separate.
 
-Supported: the dense families (Llama, Qwen2, Qwen3) at tensor-parallel degree 1 with the
-engine's default reduction, unquantized, in float32 or bfloat16. Mixture-of-experts (Qwen3-MoE)
+Supported: the dense families (Llama, Qwen2, Qwen3), unquantized, in float32 or bfloat16, with
+the bits of an engine at tensor-parallel degree 1 (`tp_reduction="ranks"`, its default) or of
+an engine at any degree with the chunked reduction (`tp_reduction="chunked"`, the default at
+TP > 1). Mixture-of-experts (Qwen3-MoE)
 and hybrid (Qwen3.5) models and FP8 checkpoints are refused at load (docs/training.md says what
 each lacks).
 """
@@ -43,10 +45,15 @@ from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer
 from lockstep.ops import build_attention_meta, get_ops
 from lockstep.ops.base import AttentionInput, AttentionMeta
+from lockstep.parallel.sharding import chunk_bounds, tree_sum
 from lockstep.training import functions as fn
 
 TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3")
 MODES = ("deterministic", "fast")
+# The engine's row-parallel reductions at TP 1 (lockstep/parallel/layers.py) this module
+# reproduces: "ranks", the one-call linear (the TP 1 default), and "chunked", the fixed
+# chunks and tree that give every tensor-parallel degree the same bits (the TP > 1 default).
+REDUCTIONS = ("ranks", "chunked")
 
 
 @dataclass
@@ -88,7 +95,8 @@ class LockstepForCausalLM(nn.Module):
     """A dense causal LM with the engine's forward (module docstring). Build it with
     `from_pretrained`; `gradient_checkpointing` recomputes each layer in the backward instead
     of keeping its activations (the recomputation has the same bits: the forward is
-    deterministic)."""
+    deterministic). `tp_reduction`: the engine reduction of o_proj and down_proj whose bits
+    to give (`REDUCTIONS`)."""
 
     def __init__(
         self,
@@ -97,10 +105,16 @@ class LockstepForCausalLM(nn.Module):
         device: torch.device,
         mode: str = "deterministic",
         gradient_checkpointing: bool = False,
+        tp_reduction: str = "ranks",
     ) -> None:
         super().__init__()
         spec = loaded.spec
         _refuse_unsupported(spec, loaded.source, dtype, mode)
+        if tp_reduction not in REDUCTIONS:
+            raise ValueError(
+                f"tp_reduction={tp_reduction!r} is invalid: expected one of {REDUCTIONS}"
+            )
+        self.tp_reduction = tp_reduction
         self.spec: ModelSpec = spec
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.source = loaded.source
@@ -125,6 +139,7 @@ class LockstepForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         mode: str = "deterministic",
         gradient_checkpointing: bool = False,
+        tp_reduction: str = "ranks",
         random_seed: int = 0,
         revision: str | None = None,
     ) -> LockstepForCausalLM:
@@ -134,7 +149,7 @@ class LockstepForCausalLM(nn.Module):
         whose bits the forward gives ("deterministic", or "fast" for comparisons)."""
         device = torch.device(device)
         loaded = resolve_model(model, random_seed=random_seed, revision=revision)
-        return cls(loaded, dtype, device, mode, gradient_checkpointing)
+        return cls(loaded, dtype, device, mode, gradient_checkpointing, tp_reduction)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -180,7 +195,8 @@ class LockstepForCausalLM(nn.Module):
         m = p + "mlp."
         gate_up = self._cat([m + "gate_proj.weight", m + "up_proj.weight"])
         act = fn.silu_mul(ops, fn.linear(ops, x, gate_up))
-        return fn.linear(ops, act, self.get_parameter(m + "down_proj.weight")), residual
+        down = self.get_parameter(m + "down_proj.weight")
+        return self._row_linear(act, down, 1, self.spec.intermediate_size), residual
 
     def _attention(self, a: str, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """The attention block (lockstep/models/blocks/attention.py) on the packed rows."""
@@ -197,7 +213,23 @@ class LockstepForCausalLM(nn.Module):
             ops, qkv, q_norm, k_norm, layer, batch.positions, batch.meta, batch.seq_lens,
             self.kv_dtype, 1.0 / math.sqrt(spec.head_dim),
         )  # fmt: skip
-        return fn.linear(ops, o, self.get_parameter(a + "o_proj.weight"))
+        return self._row_linear(o, self.get_parameter(a + "o_proj.weight"), spec.head_dim,
+                                spec.num_heads)  # fmt: skip
+
+    def _row_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, unit: int, units: int
+    ) -> torch.Tensor:
+        """o_proj or down_proj (K = `units` heads or columns of `unit` columns each) as
+        `TensorParallel.row_linear` computes it at TP 1 under `tp_reduction`."""
+        if self.tp_reduction == "ranks":
+            return fn.linear(self.ops, x, weight)
+        partials = [
+            None if lo == hi
+            else fn.partial_linear(self.ops, x[:, lo * unit : hi * unit],
+                                   weight[:, lo * unit : hi * unit])
+            for lo, hi in chunk_bounds(units)
+        ]  # fmt: skip
+        return tree_sum(partials).to(x.dtype)
 
     def _norm(self, name: str) -> torch.Tensor:
         return self.get_parameter(name).float()  # the engine keeps norms in float32
