@@ -235,3 +235,9 @@ def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> N
         folder, steps=1, group_size=2, max_tokens=6, reward=mean_code_point, trainer_mode="fast"
     )
     assert fast.k3_max > 0.0 and (fast.ratio_min, fast.ratio_max) != (1.0, 1.0)
+
+
+def test_a_module_moved_after_loading_is_refused() -> None:
+    model = LockstepForCausalLM.from_pretrained("random:tiny-qwen3").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="pass device and dtype to from_pretrained"):
+        model([[1, 2, 3]])

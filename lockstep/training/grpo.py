@@ -84,13 +84,14 @@ def run(
         advantages = ((groups - groups.mean(dim=1, keepdim=True)) / std).reshape(-1)
         out = trainer([p + o.token_ids for p, o in zip(rollouts, outs, strict=True)])
         surrogate, tokens, k3_max, ratio_lo, ratio_hi = [], 0, 0.0, math.inf, -math.inf
-        for b, (p, o) in enumerate(zip(rollouts, outs, strict=True)):
-            training = out.per_sequence()[b][len(p) - 1 :]  # the completion's tokens
+        per_rollout = zip(rollouts, outs, out.per_sequence(), advantages.tolist(), strict=True)
+        for p, o, lps, advantage in per_rollout:
+            training = lps[len(p) - 1 :]  # the completion's tokens
             rollout = torch.tensor(o.logprobs, dtype=torch.float32)
             d = (rollout - training.detach()).double()
             k3 = d.exp() - d - 1.0
             ratio = (training - rollout).exp()  # 1 exactly when the bits agree
-            surrogate.append(-(ratio * float(advantages[b])).sum())
+            surrogate.append(-(ratio * advantage).sum())
             tokens += len(o.token_ids)
             k3_max = max(k3_max, k3.abs().max().item())
             ratio_lo = min(ratio_lo, ratio.min().item())

@@ -120,6 +120,7 @@ class LockstepForCausalLM(nn.Module):
         self.source = loaded.source
         self.mode = mode
         self.dtype = dtype
+        self.device_type = device.type
         self.ops = get_ops(device.type, mode)
         # The decoder's activation dtype and KV cache dtype (lockstep/models/decoder.py).
         self.act_dtype = torch.float32 if device.type == "cpu" else dtype
@@ -240,7 +241,15 @@ class LockstepForCausalLM(nn.Module):
     def _pack(
         self, sequences: Sequence[Sequence[int]] | torch.Tensor, seq_lens: Sequence[int] | None
     ) -> _Batch:
-        device = self.rope_cos.device
+        embed = self.get_parameter("model.embed_tokens.weight")
+        device = embed.device
+        if device.type != self.device_type or embed.dtype != self.dtype:
+            # The backend and the activation and cache dtypes were chosen at load.
+            raise ValueError(
+                f"the model was loaded for {self.device_type} {self.dtype} and now holds "
+                f"{device.type} {embed.dtype}: pass device and dtype to from_pretrained "
+                "instead of moving the module"
+            )
         if isinstance(sequences, torch.Tensor):
             if seq_lens is None:
                 raise ValueError("seq_lens=None with a flat tensor of ids: expected the lengths")
