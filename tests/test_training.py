@@ -219,8 +219,9 @@ def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> N
     def mean_code_point(text: str) -> float:  # varies across a random byte model's samples
         return sum(map(ord, text)) / max(len(text), 1)
 
+    one_prompt = ("The weather today is",)
     reports, trainer, _ = run(
-        folder, steps=5, group_size=2, max_tokens=6, lr=1e-3, reward=mean_code_point
+        folder, 5, group_size=2, prompts=one_prompt, max_tokens=6, lr=1e-3, reward=mean_code_point
     )
     assert len(reports) == 5
     for r in reports:
@@ -231,9 +232,8 @@ def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> N
     with torch.no_grad():
         assert not torch.equal(trainer(probe).logprobs, start(probe).logprobs)
     # The control: recomputed on the fast backend, the training policy is off by some bits.
-    (fast,), _, _ = run(
-        folder, steps=1, group_size=2, max_tokens=6, reward=mean_code_point, trainer_mode="fast"
-    )
+    (fast,), _, _ = run(folder, 1, group_size=2, prompts=one_prompt, max_tokens=6,
+                        reward=mean_code_point, trainer_mode="fast")  # fmt: skip
     assert fast.k3_max > 0.0 and (fast.ratio_min, fast.ratio_max) != (1.0, 1.0)
 
 
