@@ -241,3 +241,16 @@ def test_a_module_moved_after_loading_is_refused() -> None:
     model = LockstepForCausalLM.from_pretrained("random:tiny-qwen3").to(torch.bfloat16)
     with pytest.raises(ValueError, match="pass device and dtype to from_pretrained"):
         model([[1, 2, 3]])
+
+
+def test_a_flat_tensor_with_lengths_is_the_same_batch() -> None:
+    model = LockstepForCausalLM.from_pretrained("random:tiny-qwen3")
+    sequences = _sequences(seed=17, lengths=[3, 8, 5])
+    flat = torch.tensor([t for s in sequences for t in s])
+    with torch.no_grad():
+        as_lists = model(sequences).logprobs
+        assert torch.equal(model(flat, seq_lens=[3, 8, 5]).logprobs, as_lists)
+        # The control: the same ids cut elsewhere are other sequences.
+        assert not torch.equal(model(flat, seq_lens=[4, 7, 5]).logprobs, as_lists)
+        with pytest.raises(ValueError, match="add up to the number of ids"):
+            model(flat, seq_lens=[3, 8])
