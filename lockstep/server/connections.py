@@ -11,8 +11,15 @@ connections the server holds open. uvicorn's h11 protocol, with two additions:
   is answered at once with a 429 (`server_overloaded`, `Retry-After`), without reading its
   body, and the connection is closed: the server's file descriptors and buffers stay bounded.
 
-Header size is h11's bound (`DEFAULT_MAX_INCOMPLETE_EVENT_SIZE`: a head still unfinished past
-16 KiB is a 400 from uvicorn); body size is `request_bodies.BodySizeLimit`'s.
+- **Strict request heads.** A head of more than `MAX_HEAD_BYTES` or `MAX_HEADER_FIELDS`
+  fields is a 431, whether it arrives whole in one read or is still unfinished (h11 bounds
+  only the latter). A request with both `Content-Length` and `Transfer-Encoding` is a 400
+  (RFC 9112 6.1: the two framings may be read differently by a proxy in front, which is how
+  requests are smuggled), an HTTP version other than 1.0 and 1.1 a 505. Each of these, and
+  every request h11 cannot parse, is answered with OpenAI's error body (`code: invalid_http`)
+  and the connection is closed: nothing after the refused head is read.
+
+Body size is `request_bodies.BodySizeLimit`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 # File descriptors the process needs besides its connections (model files, pipes, ...).
 _SPARE_FDS = 128
+# Bounds of a request head: h11's bound on an unfinished head, and Apache's default field
+# count (LimitRequestFields). Lockstep's own requests need a handful of fields.
+MAX_HEAD_BYTES = 16 * 1024
+MAX_HEADER_FIELDS = 100
 
 
 def guarded_protocol(
@@ -35,13 +46,16 @@ def guarded_protocol(
 ) -> type:
     """An `asyncio.Protocol` class for `uvicorn.Config(http=...)`. `on_refused` runs for each
     request refused for the connection limit (the 429 counter of /metrics)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    import h11
+    from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
     refusal = _refusal_app(max_connections, on_refused)
+    strict_connection = _strict_connection_class()
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.conn = strict_connection(h11.SERVER, MAX_HEAD_BYTES)
             self._read_deadline: asyncio.TimerHandle | None = None
             self._reading_after: object = self.cycle  # the cycle before the one being read
             if len(self.connections) > max_connections:
@@ -65,6 +79,28 @@ def guarded_protocol(
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_read_deadline()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn calls this for every head h11 (or `_StrictConnection`) refuses: the
+            refusal's own status and reason, in OpenAI's error body, then the close."""
+            error = getattr(self.conn, "refused", None)
+            status = getattr(error, "error_status_hint", 400)
+            reason = str(error) if error is not None else msg
+            body = _error_body(f"Invalid HTTP request: {reason}", "invalid_request_error")
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
+            response = h11.Response(
+                status_code=status, headers=headers, reason=STATUS_PHRASES.get(status, b"")
+            )
+            try:
+                for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:
+                pass  # a response had already begun: nothing more can be said on it
+            self.transport.close()
 
         def _stop_read_deadline(self) -> None:
             if self._read_deadline is not None:
@@ -91,19 +127,73 @@ def guarded_protocol(
     return GuardedH11Protocol
 
 
+def _strict_connection_class() -> type:
+    """h11's server connection, refusing (as h11 refuses a malformed head: by raising
+    `RemoteProtocolError` from `next_event`, which uvicorn answers through
+    `send_400_response`) the heads h11 accepts but this server does not; the error is kept in
+    `refused` for the answer."""
+    import h11
+
+    class _StrictConnection(h11.Connection):
+        refused: h11.RemoteProtocolError | None = None
+
+        def next_event(self) -> Any:
+            try:
+                event = super().next_event()
+                if isinstance(event, h11.Request):
+                    _check_head(event)
+            except h11.RemoteProtocolError as exc:
+                self.refused = exc
+                raise
+            return event
+
+    return _StrictConnection
+
+
+def _check_head(request: Any) -> None:
+    """Raises h11's `RemoteProtocolError`, with the status to answer, for a head this server
+    refuses though h11 parsed it."""
+    import h11
+
+    if request.http_version not in (b"1.0", b"1.1"):
+        version = request.http_version.decode("ascii", "replace")
+        raise h11.RemoteProtocolError(
+            f"HTTP/{version} is not supported: send HTTP/1.1", error_status_hint=505
+        )
+    headers = request.headers
+    if len(headers) > MAX_HEADER_FIELDS:
+        raise h11.RemoteProtocolError(
+            f"{len(headers)} header fields, more than the {MAX_HEADER_FIELDS} allowed",
+            error_status_hint=431,
+        )
+    size = sum(len(name) + len(value) + 4 for name, value in headers)  # "name: value\r\n"
+    if size > MAX_HEAD_BYTES:
+        raise h11.RemoteProtocolError(
+            f"{size} bytes of header fields, more than the {MAX_HEAD_BYTES} allowed",
+            error_status_hint=431,
+        )
+    names = {name for name, _ in headers}  # h11 gives them lower-cased
+    if b"content-length" in names and b"transfer-encoding" in names:
+        raise h11.RemoteProtocolError(
+            "both Content-Length and Transfer-Encoding: the body's length is ambiguous"
+            " (RFC 9112 6.1)",
+            error_status_hint=400,
+        )
+
+
+def _error_body(message: str, error_type: str, code: str = "invalid_http") -> bytes:
+    error = {"message": message, "type": error_type, "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
 def _refusal_app(max_connections: int, on_refused: Callable[[], None]) -> Any:
     """The ASGI app that answers every request of a connection over the limit."""
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"The server holds its maximum of {max_connections} connections"
-                " (--max-connections): retry later",
-                "type": "rate_limit_error",
-                "param": None,
-                "code": "server_overloaded",
-            }
-        }
-    ).encode()
+    body = _error_body(
+        f"The server holds its maximum of {max_connections} connections"
+        " (--max-connections): retry later",
+        "rate_limit_error",
+        "server_overloaded",
+    )
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
