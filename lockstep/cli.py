@@ -1,7 +1,8 @@
 """`lockstep generate | chat | serve | check | bench`.
 
 Errors meant for the user (bad options, a model that cannot load, a request that cannot be
-served) print one line to stderr and exit with status 2, without a traceback.
+served) print one line to stderr and exit with status 2, without a traceback; so does a
+tensor-parallel worker that dies, with status 1.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except LockstepError as e:
         print(f"lockstep: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     except KeyboardInterrupt:
         return 130
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.config import EngineConfig
-from lockstep.errors import ModelLoadError, RequestError
+from lockstep.errors import LockstepError, ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder, KVStorage, ScratchKV
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.parallel import worker
@@ -41,8 +41,12 @@ STORE_TIMEOUT_S = 120  # every rank must reach the store within this (process st
 STOP_TIMEOUT_S = 5.0
 
 
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank is gone: the engine cannot compute another step."""
+class TensorParallelError(LockstepError, RuntimeError):
+    """A tensor-parallel rank is gone: the engine cannot compute another step. Its message
+    is the one line users see (the CLI prints it and exits with status 1, a failure of the
+    engine rather than of the command line)."""
+
+    exit_status = 1
 
 
 class WorkerGroup:
