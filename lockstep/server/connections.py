@@ -19,6 +19,13 @@ connections the server holds open. uvicorn's h11 protocol, with two additions:
   every request h11 cannot parse, is answered with OpenAI's error body (`code: invalid_http`)
   and the connection is closed: nothing after the refused head is read.
 
+- **Lingering close.** A connection closed while its client is still sending a body (a 413
+  or another refusal answered before the body was read, which says `Connection: close`) is
+  first half-closed: the answer and a FIN go out, what the client still sends is read and
+  dropped for up to `LINGER_S`, then the socket closes. Closed at once, the unread bytes
+  would make the kernel reset the connection, and a client still sending could lose the
+  answer to that reset.
+
 Body size is `request_bodies.BodySizeLimit`'s.
 """
 
@@ -39,6 +46,8 @@ _SPARE_FDS = 128
 # count (LimitRequestFields). Lockstep's own requests need a handful of fields.
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADER_FIELDS = 100
+# Seconds a refused client still sending its body gets to stop and read the answer.
+LINGER_S = 5.0
 
 
 def guarded_protocol(
@@ -54,7 +63,9 @@ def guarded_protocol(
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            self._socket_transport = transport
+            self._lingering = False
+            super().connection_made(_LingeringTransport(transport, self))
             self.conn = strict_connection(h11.SERVER, MAX_HEAD_BYTES)
             self._read_deadline: asyncio.TimerHandle | None = None
             self._reading_after: object = self.cycle  # the cycle before the one being read
@@ -67,6 +78,8 @@ def guarded_protocol(
             )
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # the rest of a refused body: dropped unparsed
             if self._read_deadline is None and (self.cycle is None or self.cycle.response_complete):
                 # The first bytes of a request: its whole head and body are due in time.
                 self._reading_after = self.cycle
@@ -76,9 +89,33 @@ def guarded_protocol(
             if cycle is not None and cycle is not self._reading_after and not cycle.more_body:
                 self._stop_read_deadline()
 
+        def eof_received(self) -> bool | None:
+            if self._lingering:
+                self._socket_transport.close()  # the client has stopped sending
+            return super().eof_received()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_read_deadline()
             super().connection_lost(exc)
+
+        def linger(self) -> bool:
+            """Half-closes a connection whose client is still sending its body, and closes
+            it `LINGER_S` later (`_LingeringTransport.close`); False where there is nothing
+            to linger for (the client is not sending, or the transport cannot half-close)."""
+            transport = self._socket_transport
+            if (
+                self._lingering
+                or self.conn.their_state is not h11.SEND_BODY
+                or transport.is_closing()
+                or not transport.can_write_eof()
+            ):
+                return False
+            self._lingering = True
+            self._stop_read_deadline()
+            transport.write_eof()
+            transport.resume_reading()
+            self.loop.call_later(LINGER_S, transport.close)
+            return True
 
         def send_400_response(self, msg: str) -> None:
             """uvicorn calls this for every head h11 (or `_StrictConnection`) refuses: the
@@ -122,9 +159,29 @@ def guarded_protocol(
                 client,
                 read_timeout_s,
             )
-            self.transport.close()
+            self._socket_transport.close()  # no answer to wait for: no lingering
 
     return GuardedH11Protocol
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: `close()` lingers while the client is
+    still sending its body (`GuardedH11Protocol.linger`), and the connection then counts as
+    closing; everything else is the socket transport's."""
+
+    def __init__(self, transport: Any, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        if not self._protocol.linger():
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _strict_connection_class() -> type:
