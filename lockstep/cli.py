@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lockstep import __version__
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
@@ -136,23 +136,44 @@ def _stream(engine: Engine, request_id: str, token_ids: list[int], params: Sampl
     return "".join(text)
 
 
-def _start_engine(args: argparse.Namespace) -> Engine:
+def _start_engine(args: argparse.Namespace, **overrides: Any) -> Engine:
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
 
-    return Engine(EngineConfig.from_options(**engine_options_from_args(args)))
+    return Engine(EngineConfig.from_options(**{**engine_options_from_args(args), **overrides}))
+
+
+def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
+    if args.raw:
+        return tokenizer.encode(args.prompt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _one_job_kv_tokens(args: argparse.Namespace) -> int | None:
+    """The KV pool one `generate` needs: its prompt and --max-tokens, at least one prefill
+    chunk, and the whole context where --max-model-len names one (the engine requires that
+    much). None where the user sized the pool (--kv-tokens, --kv-memory-fraction). A pool
+    sized from memory would reserve gigabytes (and take seconds to allocate) for one answer.
+    The prompt is tokenized by a first resolution of the model, which reads its tokenizer
+    and metadata, not its weights."""
+    from lockstep.config import EngineConfig
+    from lockstep.models.resolver import resolve_model
+
+    options = engine_options_from_args(args)
+    if options.get("kv_tokens") is not None or options.get("kv_memory_fraction") is not None:
+        return None
+    config = EngineConfig.from_options(**options)
+    loaded = resolve_model(config.model, config.random_seed, config.revision)
+    need = len(_prompt_ids(loaded.tokenizer, args)) + args.max_tokens
+    return max(need, config.resolved_chunk_size, config.max_model_len or 0)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    engine = _start_engine(args)
-    tok = engine.tokenizer
-    if args.raw:
-        ids = tok.encode(args.prompt)
-    else:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-        ids = tok.encode(text, add_special_tokens=False)
-    _stream(engine, "generate-0", ids, params)
+    kv_tokens = _one_job_kv_tokens(args)
+    engine = _start_engine(args) if kv_tokens is None else _start_engine(args, kv_tokens=kv_tokens)
+    _stream(engine, "generate-0", _prompt_ids(engine.tokenizer, args), params)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,13 @@ def _lockstep(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def test_generate_answers_paris_on_the_default_model() -> None:
-    out = _lockstep("generate", "What is the capital of France?", "--kv-tokens", "2048")
+    """The README's first command, and its KV pool sized to the one job (the prompt and
+    --max-tokens, at least one prefill chunk), not to a share of the machine's memory."""
+    out = _lockstep("generate", "What is the capital of France?", "--max-tokens", "300", "-v")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "The capital of France is Paris."
+    kv_tokens = int(re.search(r"engine ready: .* kv_tokens=(\d+)", out.stderr).group(1))
+    assert 300 < kv_tokens <= 512, out.stderr[-2000:]
 
 
 def test_generate_raw_with_seed_is_reproducible() -> None:
