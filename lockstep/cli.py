@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lockstep import __version__
-from lockstep.cli_options import add_engine_arguments, engine_options_from_args
+from lockstep.cli_options import (
+    add_engine_arguments,
+    engine_options_from_args,
+    use_defaults_help,
+)
 from lockstep.errors import LockstepError
 
 if TYPE_CHECKING:  # the engine is imported only by the commands that start one
@@ -67,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_run_chat)
 
     _add_optional_subcommands(sub)
+    use_defaults_help(parser)
     return parser
 
 
