@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -142,10 +143,24 @@ def _stream(engine: Engine, request_id: str, token_ids: list[int], params: Sampl
 
 
 def _start_engine(args: argparse.Namespace, **overrides: Any) -> Engine:
+    """The engine of `generate` and `chat`. On a terminal, one line on stderr says what loads
+    and, once it has, how long it took (the first load of a model takes seconds, a big one
+    minutes); where stderr is not a terminal (scripts, pipes) nothing is said, so that an
+    error stays the one line a script reads."""
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
 
-    return Engine(EngineConfig.from_options(**{**engine_options_from_args(args), **overrides}))
+    config = EngineConfig.from_options(**{**engine_options_from_args(args), **overrides})
+    if not sys.stderr.isatty():
+        return Engine(config)
+    from lockstep.models.resolver import DEFAULT_MODEL_NAME
+
+    # Whole lines: the start-up's own log lines (-v, warnings) may come between the two.
+    print(f"Loading {config.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    engine = Engine(config)
+    print(f"Loaded in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    return engine
 
 
 def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:

@@ -148,3 +148,30 @@ def test_every_module_but_the_kernels_imports_without_triton() -> None:
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "blocked"
+
+
+def test_generate_says_what_it_loads_on_a_terminal_only(capsys: pytest.CaptureFixture) -> None:
+    """On a terminal (a pseudo-terminal here) `generate` says what it loads and when it is
+    ready; where stderr is not a terminal (the control, in-process) it says nothing."""
+    import os
+    import pty
+
+    from lockstep import cli
+
+    args = ["generate", "hi", "--raw", "--model", "random:tiny", "--max-tokens", "2",
+            "--kv-tokens", "256"]  # fmt: skip
+    leader, follower = pty.openpty()
+    with subprocess.Popen([sys.executable, "-m", "lockstep", *args], stdout=subprocess.DEVNULL,
+                          stderr=follower) as proc:  # fmt: skip
+        os.close(follower)
+        said = b""
+        try:
+            while chunk := os.read(leader, 4096):
+                said += chunk
+        except OSError:  # EIO: the process and its terminal are gone
+            pass
+        os.close(leader)
+    assert proc.returncode == 0, said
+    assert re.search(rb"Loading random:tiny \.\.\.\r\n(.*\r\n)*Loaded in \d+\.\d s\r\n", said), said
+    assert cli.main(args) == 0
+    assert capsys.readouterr().err == ""
