@@ -154,10 +154,14 @@ class UnfinishedBodies:
                 arrived = True
             return message
 
+        # A client waiting for "100 Continue" has sent no body: asking uvicorn for it would
+        # invite it to send the body that the answer refuses.
+        waits_to_send = headers.get(b"expect", b"").lower() == b"100-continue"
+
         async def send_closing(message: dict) -> None:
             nonlocal arrived
             if message["type"] == "http.response.start" and not arrived:
-                arrived = await _rest_has_arrived(receive)
+                arrived = not waits_to_send and await _rest_has_arrived(receive)
                 if not arrived:
                     message = {**message, "headers": [*message.get("headers", ()), _CLOSE]}
             await send(message)
