@@ -118,11 +118,16 @@ class BodyReads:
         if self._reason is None:
             message = asyncio.ensure_future(receive())
             shed = asyncio.ensure_future(self._shed.wait())
-            await asyncio.wait((message, shed), return_when=asyncio.FIRST_COMPLETED)
-            shed.cancel()
-            if message.done():
+            received = False
+            try:
+                await asyncio.wait((message, shed), return_when=asyncio.FIRST_COMPLETED)
+                received = message.done()
+            finally:  # this task cancelled too (uvicorn's deadline): neither is left pending
+                shed.cancel()
+                if not received:
+                    message.cancel()
+            if received:
                 return message.result()
-            message.cancel()
         raise BodyRefused(
             APIError(str(self._reason), status=503, type="server_error", code="unavailable")
         )
