@@ -1,7 +1,8 @@
 """`lockstep generate | chat | serve | check | bench`.
 
 Errors meant for the user (bad options, a model that cannot load, a request that cannot be
-served) print one line to stderr and exit with status 2, without a traceback.
+served) print one line to stderr and exit with status 2, without a traceback; so does a
+tensor-parallel worker that dies, with status 1.
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lockstep import __version__
-from lockstep.cli_options import add_engine_arguments, engine_options_from_args
+from lockstep.cli_options import (
+    add_engine_arguments,
+    engine_options_from_args,
+    use_defaults_help,
+)
 from lockstep.errors import LockstepError
 
 if TYPE_CHECKING:  # the engine is imported only by the commands that start one
@@ -37,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except LockstepError as e:
         print(f"lockstep: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     except KeyboardInterrupt:
         return 130
 
@@ -66,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_run_chat)
 
     _add_optional_subcommands(sub)
+    use_defaults_help(parser)
     return parser
 
 
@@ -135,23 +142,58 @@ def _stream(engine: Engine, request_id: str, token_ids: list[int], params: Sampl
     return "".join(text)
 
 
-def _start_engine(args: argparse.Namespace) -> Engine:
+def _start_engine(args: argparse.Namespace, **overrides: Any) -> Engine:
+    """The engine of `generate` and `chat`. On a terminal, one line on stderr says what loads
+    and, once it has, how long it took (the first load of a model takes seconds, a big one
+    minutes); where stderr is not a terminal (scripts, pipes) nothing is said, so that an
+    error stays the one line a script reads."""
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
 
-    return Engine(EngineConfig.from_options(**engine_options_from_args(args)))
+    config = EngineConfig.from_options(**{**engine_options_from_args(args), **overrides})
+    if not sys.stderr.isatty():
+        return Engine(config)
+    from lockstep.models.resolver import DEFAULT_MODEL_NAME
+
+    # Whole lines: the start-up's own log lines (-v, warnings) may come between the two.
+    print(f"Loading {config.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    engine = Engine(config)
+    print(f"Loaded in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    return engine
+
+
+def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
+    if args.raw:
+        return tokenizer.encode(args.prompt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _one_job_kv_tokens(args: argparse.Namespace) -> int | None:
+    """The KV pool one `generate` needs: its prompt and --max-tokens, at least one prefill
+    chunk, and the whole context where --max-model-len names one (the engine requires that
+    much). None where the user sized the pool (--kv-tokens, --kv-memory-fraction). A pool
+    sized from memory would reserve gigabytes (and take seconds to allocate) for one answer.
+    The prompt is tokenized by a first resolution of the model, which reads its tokenizer
+    and metadata, not its weights."""
+    from lockstep.config import EngineConfig
+    from lockstep.models.resolver import resolve_model
+
+    options = engine_options_from_args(args)
+    if options.get("kv_tokens") is not None or options.get("kv_memory_fraction") is not None:
+        return None
+    config = EngineConfig.from_options(**options)
+    loaded = resolve_model(config.model, config.random_seed, config.revision)
+    need = len(_prompt_ids(loaded.tokenizer, args)) + args.max_tokens
+    return max(need, config.resolved_chunk_size, config.max_model_len or 0)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    engine = _start_engine(args)
-    tok = engine.tokenizer
-    if args.raw:
-        ids = tok.encode(args.prompt)
-    else:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-        ids = tok.encode(text, add_special_tokens=False)
-    _stream(engine, "generate-0", ids, params)
+    kv_tokens = _one_job_kv_tokens(args)
+    engine = _start_engine(args) if kv_tokens is None else _start_engine(args, kv_tokens=kv_tokens)
+    _stream(engine, "generate-0", _prompt_ids(engine.tokenizer, args), params)
     return 0
 
 

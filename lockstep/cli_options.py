@@ -55,6 +55,32 @@ _CHOICES = {
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, adding "(default: X)" to every option that takes a value and
+    has one, unless its help already speaks of its default. Flags (their default is their
+    absence) and options whose absence means "decided at start" (None) show nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or action.default in (None, argparse.SUPPRESS, [], {}, "")
+            or "default" in text
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+def use_defaults_help(parser: argparse.ArgumentParser) -> None:
+    """Give `parser` and every subcommand's parser under it `DefaultsHelpFormatter`."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                use_defaults_help(sub)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
     group = parser.add_argument_group("engine options")
     for f in dataclasses.fields(EngineConfig):

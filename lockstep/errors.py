@@ -3,7 +3,10 @@ traceback and exits non-zero; the server turns them into 4xx responses)."""
 
 
 class LockstepError(Exception):
-    """Base class for errors whose message is meant for the user as is."""
+    """Base class for errors whose message is meant for the user as is. `exit_status`: the
+    CLI's status for it (2: the command as given cannot run)."""
+
+    exit_status = 2
 
 
 class ConfigError(LockstepError, ValueError):

@@ -213,3 +213,16 @@ def test_filters_without_a_temperature_are_refused() -> None:
     requests = random_requests(2, LengthRange(4, 4), LengthRange(2, 2), 100, seed=0)
     with pytest.raises(ConfigError, match="--temperature"):
         throughput.request_params(requests, {"temperature": 0.0, "top_p": 0.9}, True, 0)
+
+
+def test_the_progress_bar_counts_output_tokens_to_the_end(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bar counts output tokens as they come (requests of similar length finish
+    together, at the end, so a bar of requests sits still) and is left showing the total."""
+    engine = _engine()
+    requests, params = _workload()
+    throughput.run_requests(engine, [r.prompt_ids for r in requests], params, progress=True)
+    total = sum(r.output_len for r in requests)
+    last = capsys.readouterr().err.replace("\n", "\r").rstrip("\r").split("\r")[-1]
+    assert f"{total}/{total}" in last, last

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,13 @@ def _lockstep(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def test_generate_answers_paris_on_the_default_model() -> None:
-    out = _lockstep("generate", "What is the capital of France?", "--kv-tokens", "2048")
+    """The README's first command, and its KV pool sized to the one job (the prompt and
+    --max-tokens, at least one prefill chunk), not to a share of the machine's memory."""
+    out = _lockstep("generate", "What is the capital of France?", "--max-tokens", "300", "-v")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "The capital of France is Paris."
+    kv_tokens = int(re.search(r"engine ready: .* kv_tokens=(\d+)", out.stderr).group(1))
+    assert 300 < kv_tokens <= 512, out.stderr[-2000:]
 
 
 def test_generate_raw_with_seed_is_reproducible() -> None:
@@ -143,3 +148,30 @@ def test_every_module_but_the_kernels_imports_without_triton() -> None:
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "blocked"
+
+
+def test_generate_says_what_it_loads_on_a_terminal_only(capsys: pytest.CaptureFixture) -> None:
+    """On a terminal (a pseudo-terminal here) `generate` says what it loads and when it is
+    ready; where stderr is not a terminal (the control, in-process) it says nothing."""
+    import os
+    import pty
+
+    from lockstep import cli
+
+    args = ["generate", "hi", "--raw", "--model", "random:tiny", "--max-tokens", "2",
+            "--kv-tokens", "256"]  # fmt: skip
+    leader, follower = pty.openpty()
+    with subprocess.Popen([sys.executable, "-m", "lockstep", *args], stdout=subprocess.DEVNULL,
+                          stderr=follower) as proc:  # fmt: skip
+        os.close(follower)
+        said = b""
+        try:
+            while chunk := os.read(leader, 4096):
+                said += chunk
+        except OSError:  # EIO: the process and its terminal are gone
+            pass
+        os.close(leader)
+    assert proc.returncode == 0, said
+    assert re.search(rb"Loading random:tiny \.\.\.\r\n(.*\r\n)*Loaded in \d+\.\d s\r\n", said), said
+    assert cli.main(args) == 0
+    assert capsys.readouterr().err == ""

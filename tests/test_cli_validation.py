@@ -6,6 +6,7 @@ status and prints the line."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -77,3 +78,26 @@ def test_every_option_of_every_command_says_what_it_does() -> None:
         return found
 
     assert undocumented(cli.build_parser(), "lockstep") == []
+
+
+def test_every_option_with_a_default_shows_it_in_help() -> None:
+    """`--help` names the default of every option that takes a value and has one (flags and
+    options whose absence means "decided at start" have nothing to show)."""
+    import argparse
+
+    def silent(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        entries = re.split(r"\n(?=  -)", parser.format_help())
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += silent(sub, f"{path} {name}")
+            elif action.option_strings and action.nargs != 0 and action.default not in (
+                None, [], {}, ""
+            ):  # fmt: skip
+                entry = next(e for e in entries if e.lstrip().startswith(action.option_strings[0]))
+                if "default" not in entry:
+                    found.append(f"{path} {action.option_strings[0]}")
+        return found
+
+    assert silent(cli.build_parser(), "lockstep") == []

@@ -124,3 +124,49 @@ def test_an_existing_folder_is_a_path_not_a_hub_id(tmp_path: Path, monkeypatch) 
     assert not is_hub_id(REPO_ID)
     assert not is_hub_id("./org/name") and not is_hub_id("org/../name")
     assert not is_hub_id("models/missing.gguf")  # a missing file, said as such
+
+
+GGUF_REPO = "gguf-org/tiny-gguf"
+GGUF_FILE = "tiny-llama.F32.gguf"
+
+
+@pytest.fixture
+def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A hub cache, offline, whose GGUF-only repo holds a tiny llama GGUF file (linked, as
+    the cache links snapshot files to blobs). Returns the file."""
+    from huggingface_hub import constants
+    from test_models_loading import write_tiny_gguf
+
+    gguf = tmp_path / GGUF_FILE
+    write_tiny_gguf(gguf)
+    repo = tmp_path / "hub" / ("models--" + GGUF_REPO.replace("/", "--"))
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (snapshot / GGUF_FILE).symlink_to(gguf)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return gguf
+
+
+def test_a_gguf_file_of_a_hub_repo_by_org_name_file(gguf_cache: Path, capsys) -> None:
+    """`--model org/name/F.gguf` generates what the file F itself does, served under that
+    name; `--model org/name` of a repo of GGUF files, or a file it does not hold, is one line
+    naming the files it holds."""
+    from lockstep import cli
+    from lockstep.models.resolver import resolve_model
+
+    by_id = f"{GGUF_REPO}/{GGUF_FILE}"
+    assert resolve_model(by_id).name == by_id
+    texts = []
+    for model in (by_id, str(gguf_cache)):
+        capsys.readouterr()
+        assert cli.main(["generate", "hello", "--model", model, *ARGS]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip(), texts
+    for model in (GGUF_REPO, f"{GGUF_REPO}/Other.Q8_0.gguf"):
+        assert cli.main(["generate", "hello", "--model", model, *ARGS]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and by_id in err, err
+        assert f"--model {model!r}" in err, err

@@ -1,9 +1,10 @@
 """Connection hygiene of a real `lockstep serve` (a tiny random model: only HTTP is tested):
 a request whose head or body arrives too slowly (slowloris) has its connection closed within
 `--request-read-timeout`, an idle connection within `--keep-alive-timeout`, a header block
-still unfinished past h11's 16 KiB is a 400, and beyond `--max-connections` a request gets a 429 with
-Retry-After. Controls: the same requests sent in time are served, and the server is healthy
-after each case.
+of more than 16 KiB or 100 fields is a 431, a request framed two ways or in an unknown HTTP
+version is refused and its connection closed, and beyond `--max-connections` a request gets a
+429 with Retry-After. Controls: the same requests sent in time are served, and the server is
+healthy after each case.
 """
 
 from __future__ import annotations
@@ -125,12 +126,78 @@ def _read_response(sock: socket.socket) -> bytes:
     return head
 
 
-def test_a_header_block_over_h11s_limit_is_a_400(server: ServerProcess) -> None:
-    """h11 buffers at most 16 KiB of a head it has not seen the end of."""
+def _exchange(server: ServerProcess, raw: bytes) -> tuple[bytes, bool]:
+    """Sends `raw` at once; returns what came back until the server closed the connection
+    (a kept-alive one after KEEP_ALIVE_S) and whether it did within 10 s."""
     with _connect(server) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10))
-        sock.settimeout(30)
-        assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+        sock.sendall(raw)
+        sock.settimeout(10)
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except TimeoutError:
+            return data, False
+        except ConnectionResetError:
+            pass  # closed with unread bytes of ours in its buffer: a reset, still a close
+        return data, True
+
+
+def _error_of(response: bytes) -> dict:
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), response[:500]
+    return json.loads(body)["error"]
+
+
+def test_ambiguous_framing_and_unknown_versions_are_refused_and_the_connection_closed(
+    server: ServerProcess,
+) -> None:
+    """RFC 9112 6.1: a request with both Content-Length and Transfer-Encoding may be request
+    smuggling; it is a 400 and the connection is closed, so a request pipelined behind it
+    (here a GET /health) is never read. HTTP/9.9 is a 505. The same requests framed one way
+    and spoken in HTTP/1.1 or 1.0 are served (the control)."""
+    smuggled = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    framings = [
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+    ]
+    for framing in framings:
+        head = b"POST /flush_cache HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n"
+        response, closed = _exchange(server, head + b"0\r\n\r\n" + smuggled)
+        assert response.startswith(b"HTTP/1.1 400"), response[:500]
+        assert response.count(b"HTTP/1.1 ") == 1 and closed, response
+        error = _error_of(response)
+        assert "Content-Length" in error["message"] and error["code"] == "invalid_http"
+    response, closed = _exchange(server, b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 505") and closed, response[:500]
+    assert "HTTP/9.9" in _error_of(response)["message"]
+    # Controls: one framing each, then the pipelined request, on one kept-alive connection
+    # (closed after KEEP_ALIVE_S: that a refused one was closed shows in its lost GET).
+    chunked = (
+        b"POST /flush_cache HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    )
+    length = b"POST /flush_cache HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    response, closed = _exchange(server, chunked + length + smuggled)
+    assert response.count(b"HTTP/1.1 200 OK") == 3, response
+    response, closed = _exchange(server, b"GET /health HTTP/1.0\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 200") and closed, response[:500]  # 1.0: then closed
+    _healthy(server)
+
+
+def test_header_blocks_are_bounded_in_size_and_count(server: ServerProcess) -> None:
+    """A head over 16 KiB or of more than 100 header fields is a 431 and the connection is
+    closed, whether it arrives whole in one read or is still unfinished (h11's own bound)."""
+    start = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    big = b"X-Big: " + b"a" * (20 << 10) + b"\r\n"
+    many = b"".join(b"X-%d: a\r\n" % i for i in range(150))  # 1.3 KiB
+    for head in [start + big + b"\r\n", start + many + b"\r\n", start + big]:
+        response, closed = _exchange(server, head)
+        assert response.startswith(b"HTTP/1.1 431") and closed, response[:500]
+        assert _error_of(response)["code"] == "invalid_http"
+    # Control: 99 fields (Host and 98 more) of 8 KiB in all are served.
+    fine = start + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 70) for i in range(98)) + b"\r\n"
+    response, _ = _exchange(server, fine)
+    assert response.startswith(b"HTTP/1.1 200"), response[:500]
     _healthy(server)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
 import time
 
 import httpx
@@ -310,6 +312,55 @@ def test_a_chunked_body_over_the_limit_is_a_413(server: ServerProcess, http: htt
     body = json.dumps({"model": server.model, "prompt": "hi", "max_tokens": 1}).encode()
     small = http.post("/v1/completions", content=iter([body]), headers=headers)
     assert small.status_code == 200, small.text
+
+
+def test_a_body_refused_while_it_arrives_ends_its_connection(server: ServerProcess) -> None:
+    """A client that goes on sending after its body passed the limit (a chunked body without
+    end; 10 GiB declared) gets the 413 at once, with `Connection: close` (and no "100
+    Continue" before it where it waits for one), and the connection ends within seconds: the
+    server neither reads the rest until `--request-read-timeout` (60 s) nor resets the
+    connection before the client could read the answer."""
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    piece = b" " * (1 << 20)
+    cases = [
+        (b"Transfer-Encoding: chunked", b"%x\r\n" % len(piece) + piece + b"\r\n"),
+        (b"Content-Length: %d" % (10 << 30), piece),
+        # A client that waits for "100 Continue" gets the 413 instead and sends nothing.
+        (b"Content-Length: %d\r\nExpect: 100-continue" % (10 << 30), b""),
+    ]
+    for framing, data in cases:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n" % framing
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+            sock.sendall(head)
+
+            def send_for_ever(sock: socket.socket = sock, data: bytes = data) -> None:
+                try:
+                    while True:
+                        sock.sendall(data)
+                except OSError:
+                    pass  # the server closed the connection, or the test did
+
+            sender = threading.Thread(target=send_for_ever, daemon=True)
+            if data:
+                sender.start()
+            sock.settimeout(30)  # the hang guard: before the fix this waited out 60 s
+            response, answered = b"", 0.0
+            try:
+                while chunk := sock.recv(65536):
+                    answered = answered or time.monotonic()
+                    response += chunk
+            except TimeoutError:
+                raise AssertionError(f"still open 30 s on: {response[:300]!r}") from None
+            ended = time.monotonic()
+            sock.shutdown(socket.SHUT_RDWR)
+            if data:
+                sender.join(TIMEOUT_S)
+        head_part, _, body = response.partition(b"\r\n\r\n")
+        assert head_part.startswith(b"HTTP/1.1 413"), response[:300]
+        assert b"connection: close" in head_part.lower(), head_part
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+        assert ended - answered < 5.0, f"closed {ended - answered:.1f} s after the answer"
+    assert httpx.get(server.base_url + "/health", timeout=TIMEOUT_S).status_code == 200
 
 
 def test_server_healthy_and_kv_pool_free_after_hostile_input(server: ServerProcess) -> None:

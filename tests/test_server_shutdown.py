@@ -2,12 +2,14 @@
 SIGTERM while ten requests run (five plain, five streaming) that need far longer. Each plain
 one is answered with a JSON 503 (`code: unavailable`), each stream ends with an error event
 and `[DONE]`, the process exits with status 0 and logs no traceback. (test_server.py checks the
-other side: a request that fits the grace period completes.)"""
+other side: a request that fits the grace period completes.) Requests whose bodies are still
+arriving when the grace period ends get the same 503 and do not delay the exit."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -58,3 +60,45 @@ def test_requests_past_the_grace_period_get_an_answer_and_the_exit_is_clean() ->
         assert any('"choices"' in line for line in lines[:-2])  # it did stream tokens first
     assert code == 0, log[-2000:]
     assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
+
+
+def test_bodies_still_arriving_at_shutdown_get_a_503_and_the_exit_keeps_its_deadline() -> None:
+    """Requests whose bodies are still on their way when the grace period ends (a small
+    body and a big one, read under request_bodies.py's gate) are answered with the JSON 503
+    of the shed requests, not cancelled by uvicorn's deadline (a plain-text 500 and a
+    CancelledError traceback), and the process exits before that deadline."""
+    from lockstep.server.cli import SHED_MARGIN_S
+
+    grace = 1.0
+    server = ServerProcess(
+        ["--model", "random:tiny", "--device", "cpu", "--kv-tokens", "512",
+         "--max-model-len", "64", "--shutdown-timeout", str(grace)]
+    ).start()  # fmt: skip
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    socks = []
+    for declared in (1000, 100_000):
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: %d\r\n\r\n{"prompt": ' % declared
+        )
+        socks.append(sock)
+    time.sleep(0.5)  # both heads read, both bodies awaited
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    for sock in socks:
+        with sock:
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), response[:500]
+        error = json.loads(body)["error"]
+        assert error["code"] == "unavailable" and "shutting down" in error["message"], error
+    code = server.proc.wait(60)
+    took = time.monotonic() - signalled
+    log = "".join(server.log)
+    assert code == 0, log[-2000:]
+    assert took < grace + SHED_MARGIN_S, f"exited {took:.1f} s after SIGTERM"
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

@@ -128,3 +128,28 @@ def test_a_worker_dead_at_start_is_named_within_seconds(tmp_path: Path) -> None:
     assert "worker rank 1" in message and "exited with status 1 before it started" in message
     assert '__name__ == "__main__"' in message
     assert "bootstrapping phase" in out.stderr  # the worker's own error, on stderr
+
+
+# Makes every spawned process (a tensor-parallel worker) exit at once, with status 3 and
+# without a traceback of its own (so that any traceback in the output is rank 0's).
+_FAILING_WORKERS = """
+import os, sys
+if "--multiprocessing-fork" in sys.argv:
+    os._exit(3)
+"""
+
+
+def test_generate_with_a_failing_worker_prints_one_line(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`lockstep generate --tp 2` whose worker dies prints the group's one line and exits
+    with status 1: no traceback of rank 0's (in-process: an exception would escape `main`)."""
+    from lockstep import cli
+
+    (tmp_path / "sitecustomize.py").write_text(_FAILING_WORKERS)
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(repo)]))
+    assert cli.main(["generate", "hi", "--raw", *ARGS]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines[-1].startswith("lockstep: error: tensor-parallel worker rank 1"), lines[-3:]
+    assert "exited with status 3" in lines[-1], lines[-1]

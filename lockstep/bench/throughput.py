@@ -163,8 +163,10 @@ def run_requests(
     index = {}
     times = StepTimes(context_band)
     peak = pool.num_allocated
-    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress,
-               leave=False)  # fmt: skip
+    # Output tokens, not finished requests: requests of similar lengths finish together at
+    # the end, so a bar of requests would sit still all run. Left showing the total.
+    bar = tqdm(total=sum(p.max_tokens for p in params), desc="output tokens", unit="tok",
+               disable=not progress)  # fmt: skip
     collector = _CollectorClock()
     records: list[StepRecord] = []
     gc.callbacks.append(collector)
@@ -194,8 +196,9 @@ def run_requests(
                 g = generations[index[out.request_id]]
                 g.token_ids.extend(out.new_token_ids)
                 g.logprobs.extend(out.new_token_logprobs)
-                if out.finished:
-                    bar.update(1)
+                bar.update(len(out.new_token_ids))
+                if out.finished:  # an early stop: the tokens it will not generate count done
+                    bar.update(params[index[out.request_id]].max_tokens - len(g.token_ids))
         if engine.device.type == "cuda":  # a step launched ahead may still be running
             torch.cuda.synchronize(engine.device)
         wall = time.perf_counter() - t0

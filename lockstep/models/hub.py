@@ -7,13 +7,19 @@ gated repos), and from the cache alone under `HF_HUB_OFFLINE=1`. Only the files 
 loader reads are fetched. Every failure is one `ModelLoadError` line that names the id, the
 revision and the cache it looked in.
 
+A GGUF file of a hub repo is named `org/name/F.gguf` (`hub_gguf_file`): that one file is
+resolved the same way. A repo of GGUF files named without one is refused with the files it
+holds.
+
 A `--model` that exists on disk is always a path; only a missing path of the form `org/name`
-is taken for a hub id.
+(or `org/name/F.gguf`) is taken for a hub id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from lockstep.errors import ModelLoadError
@@ -32,6 +38,7 @@ FOLDER_FILES = [
 
 # The hub's own rule for ids: an owner and a name of letters, digits, '-', '_' and '.'.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_HUB_GGUF = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)/([\w.-]+\.gguf)", re.IGNORECASE)
 
 
 def is_hub_id(model: str) -> bool:
@@ -45,6 +52,15 @@ def is_hub_id(model: str) -> bool:
     )
 
 
+def hub_gguf_file(model: str) -> tuple[str, str] | None:
+    """(repo id, file name) where `model` names a GGUF file of a hub repo, `org/name/F.gguf`
+    (and no local path); else None."""
+    match = _HUB_GGUF.fullmatch(model)
+    if match is None or ".." in model or Path(model).exists():
+        return None
+    return match.group(1), match.group(2)
+
+
 def describe(repo_id: str, revision: str | None) -> str:
     """How errors name what was asked for: `--model 'org/name' --revision 'v1'`."""
     return f"--model {repo_id!r}" + (f" --revision {revision!r}" if revision else "")
@@ -54,7 +70,63 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local folder of `repo_id` at `revision` (default: the main branch), from the cache
     or downloaded into it. Raises ModelLoadError (one line) when the repo or the revision does
     not exist, or is not cached and cannot be downloaded."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import snapshot_download
+
+    with _one_line_errors(repo_id, revision):
+        from huggingface_hub import constants
+
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=FOLDER_FILES,
+            local_files_only=bool(constants.HF_HUB_OFFLINE),
+        )
+    return Path(folder)
+
+
+def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
+    """The local path of one file of `repo_id` at `revision`, from the cache or downloaded
+    into it; the errors of `hub_snapshot`, and a file the repo does not hold is one line that
+    names the GGUF files it does hold (where the cache shows them)."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    wanted = describe(f"{repo_id}/{filename}", revision)
+    held = gguf_files(repo_id, revision)
+    with _one_line_errors(repo_id, revision, wanted):
+        offline = bool(constants.HF_HUB_OFFLINE)
+        try:
+            path = hf_hub_download(repo_id, filename, revision=revision, local_files_only=offline)
+        except (EntryNotFoundError, LocalEntryNotFoundError):
+            if held is None:  # the revision itself is not cached: said as for a folder
+                raise
+            raise ModelLoadError(
+                f"{wanted}: the repository holds no {filename!r}; its GGUF files: "
+                f"{', '.join(f'{repo_id}/{name}' for name in held) or 'none'}"
+            ) from None
+    return Path(path)
+
+
+def gguf_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """The .gguf files of the cached snapshot of `repo_id` at `revision` (None: no such
+    snapshot in the cache)."""
+    from huggingface_hub import constants
+
+    repo_dir = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
+    ref = repo_dir / "refs" / (revision or "main")
+    commit = ref.read_text().strip() if ref.is_file() else (revision or "")
+    snapshot = repo_dir / "snapshots" / commit
+    if not commit or not snapshot.is_dir():
+        return None
+    return sorted(p.name for p in snapshot.iterdir() if p.name.lower().endswith(".gguf"))
+
+
+@contextlib.contextmanager
+def _one_line_errors(
+    repo_id: str, revision: str | None, wanted: str | None = None
+) -> Iterator[None]:
+    """huggingface_hub's errors as one `ModelLoadError` line naming what was asked for."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -65,11 +137,9 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
 
     cache = Path(constants.HF_HUB_CACHE)
     offline = bool(constants.HF_HUB_OFFLINE)
-    wanted = describe(repo_id, revision)
+    wanted = wanted or describe(repo_id, revision)
     try:
-        folder = snapshot_download(
-            repo_id, revision=revision, allow_patterns=FOLDER_FILES, local_files_only=offline
-        )
+        yield
     except GatedRepoError:
         raise ModelLoadError(
             f"{wanted}: the repository is gated; accept its terms on the hub and set HF_TOKEN "
@@ -92,7 +162,6 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
             f"{wanted}: cannot use the Hugging Face cache {cache}: {exc.strerror or exc} "
             "(set HF_HUB_CACHE or HF_HOME to a writable folder)"
         ) from None
-    return Path(folder)
 
 
 def _not_cached(wanted: str, repo_id: str, revision: str | None, cache: Path, offline: bool) -> str:

@@ -6,6 +6,7 @@
     path to a folder  -> hf_loader (config.json, *.safetensors, tokenizer.json)
     "org/name"        -> a Hugging Face hub id (hub.py): its cached or downloaded snapshot
                          folder, then hf_loader; served under the id
+    "org/name/F.gguf" -> the GGUF file F of a hub repo (hub.py), then gguf_loader
 
 Resolving reads metadata only; weights are produced tensor by tensor when the decoder asks
 (`LoadedModel.iter_weights`), so an 8B preset never needs the whole model in host memory.
@@ -23,7 +24,14 @@ import torch
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.hf_loader import load_hf_folder
-from lockstep.models.hub import describe, hub_snapshot, is_hub_id
+from lockstep.models.hub import (
+    describe,
+    gguf_files,
+    hub_file,
+    hub_gguf_file,
+    hub_snapshot,
+    is_hub_id,
+)
 from lockstep.models.presets import PRESETS, load_preset
 from lockstep.models.spec import ModelSpec, expected_weight_names
 from lockstep.models.tokenizer import Tokenizer
@@ -112,8 +120,20 @@ def resolve_model(
         preset = model[len(RANDOM_PREFIX) :]
         spec, tokenizer, weights = load_preset(preset, random_seed)
         loaded = LoadedModel(model, preset, spec, tokenizer, weights)
+    elif model is not None and (hub_gguf := hub_gguf_file(model)) is not None:
+        from lockstep.models.gguf_loader import load_gguf
+
+        path = hub_file(*hub_gguf, revision)
+        spec, tokenizer, weights = load_gguf(path)
+        loaded = LoadedModel(model, str(path), spec, tokenizer, weights)
     elif model is not None and is_hub_id(model):
         folder = hub_snapshot(model, revision)
+        held = gguf_files(model, revision) or []
+        if held and not (folder / "config.json").exists():
+            raise ModelLoadError(
+                f"{describe(model, revision)}: the repository holds GGUF files; name one as "
+                f"--model org/name/F.gguf: {', '.join(f'{model}/{name}' for name in held)}"
+            )
         try:
             spec, tokenizer, weights = load_hf_folder(folder)
             loaded = LoadedModel(model, str(folder), spec, tokenizer, weights)
@@ -142,7 +162,7 @@ def resolve_model(
             raise ModelLoadError(
                 f"--model {model!r} {what}; supported: a .gguf file, a Hugging Face folder "
                 f"(config.json, *.safetensors, tokenizer.json), a Hugging Face hub id "
-                "(org/name), or "
+                "(org/name, or org/name/F.gguf for a GGUF file of it), or "
                 f"{', '.join(RANDOM_PREFIX + p for p in PRESETS)}"
             )
         loaded = LoadedModel(name, str(path), spec, tokenizer, weights)

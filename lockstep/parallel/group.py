@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.config import EngineConfig
-from lockstep.errors import ModelLoadError, RequestError
+from lockstep.errors import LockstepError, ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder, KVStorage, ScratchKV
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.parallel import worker
@@ -41,8 +41,12 @@ STORE_TIMEOUT_S = 120  # every rank must reach the store within this (process st
 STOP_TIMEOUT_S = 5.0
 
 
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank is gone: the engine cannot compute another step."""
+class TensorParallelError(LockstepError, RuntimeError):
+    """A tensor-parallel rank is gone: the engine cannot compute another step. Its message
+    is the one line users see (the CLI prints it and exits with status 1, a failure of the
+    engine rather than of the command line)."""
+
+    exit_status = 1
 
 
 class WorkerGroup:
@@ -118,7 +122,6 @@ class WorkerGroup:
                 try:
                     message = conn.recv() if conn.poll() else None
                 except (EOFError, OSError):  # its end of the pipe closed: it is exiting
-                    process.join(2.0)  # the pipe closes a moment before the status is readable
                     raise TensorParallelError(_died_at_start(rank, process)) from None
                 if message is not None and message[0] == "joining":
                     del pending[rank]
@@ -187,9 +190,9 @@ class WorkerGroup:
                 rank, process = handles.pop(sentinel)
                 if self._closing:
                     return
-                process.join(2.0)  # the pipe closes a moment before the exit status is readable
                 self._fail(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited "
-                           f"with status {process.exitcode}: the engine cannot continue")  # fmt: skip
+                           f"with status {_exit_status(process)}: the engine cannot "
+                           "continue")  # fmt: skip
                 return
 
     def _fail(self, message: str) -> None:
@@ -284,13 +287,24 @@ class ShardedDecoder:
         )
 
 
+def _exit_status(process: Any, timeout: float = 2.0) -> int | None:
+    """The exit status of a worker that is exiting (its pipe or sentinel said so). Its pipe
+    closes a moment before the status is readable; and the watchdog and the thread that
+    started the group both reap it: the one that loses that race reads no status until the
+    other has stored it. None only if it is still running after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while process.exitcode is None and time.monotonic() < deadline:  # `exitcode` reaps
+        time.sleep(0.01)
+    return process.exitcode
+
+
 def _died_at_start(rank: int, process: Any) -> str:
     """The line for a worker that exited before running Lockstep's code: the cause is in its
     traceback on stderr; the usual one is a script without a `__main__` guard, which every
     spawned worker re-runs when it imports the script."""
     return (
         f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with status "
-        f"{process.exitcode} before it started (its error is above, on stderr); a script that "
+        f"{_exit_status(process)} before it started (its error is above, on stderr); a script that "
         'starts an engine with tp > 1 must do so under `if __name__ == "__main__":`, '
         "since each worker process re-imports the script"
     )

@@ -61,7 +61,13 @@ from lockstep.server.protocol import (
     TokenizeRequest,
     cache_namespace,
 )
-from lockstep.server.request_bodies import MAX_BODY_BYTES, BodySizeLimit, big_body_route
+from lockstep.server.request_bodies import (
+    MAX_BODY_BYTES,
+    BodyReads,
+    BodySizeLimit,
+    UnfinishedBodies,
+    big_body_route,
+)
 from lockstep.server.responses import ChoiceState, score_entry
 from lockstep.server.tool_parser import resolve_tool_call_parser
 
@@ -120,7 +126,13 @@ def build_app(
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
-    app.state.async_engine = async_engine  # for the shutdown's grace deadline (cli.py)
+    body_reads = BodyReads()
+
+    def shed(reason: str) -> None:
+        async_engine.shed(reason)
+        body_reads.shed(reason)
+
+    app.state.shed = shed  # the end of the shutdown's grace period (cli.py); any thread
     app.state.metrics = metrics  # for refusals at the connection level (cli.py)
     # No list longer than this fits a request: big bodies holding one are refused unvalidated.
     max_list_items = max(served.max_model_len, MAX_SEQUENCES_PER_REQUEST)
@@ -132,6 +144,8 @@ def build_app(
         app.add_middleware(
             RequireApiKey, api_key=api_key, admin_api_key=admin_api_key, metrics=metrics
         )
+    # Outermost of all: it sees every answer, the refusals above included.
+    app.add_middleware(UnfinishedBodies, reads=body_reads)
     install_error_handlers(app, metrics)
 
     @app.get("/health")

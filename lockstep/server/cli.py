@@ -173,7 +173,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     grace = args.shutdown_timeout
 
     def end_of_grace() -> None:
-        app.state.async_engine.shed(
+        app.state.shed(
             f"the server is shutting down: the request did not finish within {grace:g} s"
         )
 

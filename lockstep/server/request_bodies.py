@@ -13,6 +13,10 @@ validated off the event loop.
   back to the OS.
 - In a big body, a list longer than `max_model_len` is refused before validation: no prompt of
   more tokens fits, and validating millions of ids is the expensive part.
+- `UnfinishedBodies` handles a body that has not all arrived when its answer goes: the answer
+  says `Connection: close` (the connection cannot carry another request before the rest is
+  read, and reading it is what a refusal avoids; `connections.py` closes it), and at the end
+  of a shutdown's grace period a body still awaited is answered with a 503.
 """
 
 from __future__ import annotations
@@ -87,6 +91,104 @@ class BodySizeLimit:
             status=413,
             code="request_too_large",
         )
+
+
+class BodyReads:
+    """The end of a shutdown's grace period for request bodies: after `shed(reason)`, every
+    body read waiting for bytes, and every one begun later, fails with a 503 (`code:
+    unavailable`, `reason` its message), as `AsyncEngine.shed` fails the requests it runs.
+    Otherwise a client still sending (or one that never finishes) would hold its handler
+    until uvicorn's own deadline, which cancels it: a plain-text 500 and a traceback."""
+
+    def __init__(self) -> None:
+        self._reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shed: asyncio.Event | None = None
+
+    def shed(self, reason: str) -> None:
+        """Callable from any thread (the shutdown's grace timer runs on its own)."""
+        self._reason = reason
+        if self._loop is not None and self._shed is not None:
+            self._loop.call_soon_threadsafe(self._shed.set)
+
+    async def receive(self, receive: Any) -> dict:
+        """`receive()`, or `BodyRefused` (503) once shed."""
+        if self._shed is None:
+            self._loop, self._shed = asyncio.get_running_loop(), asyncio.Event()
+        if self._reason is None:
+            message = asyncio.ensure_future(receive())
+            shed = asyncio.ensure_future(self._shed.wait())
+            received = False
+            try:
+                await asyncio.wait((message, shed), return_when=asyncio.FIRST_COMPLETED)
+                received = message.done()
+            finally:  # this task cancelled too (uvicorn's deadline): neither is left pending
+                shed.cancel()
+                if not received:
+                    message.cancel()
+            if received:
+                return message.result()
+        raise BodyRefused(
+            APIError(str(self._reason), status=503, type="server_error", code="unavailable")
+        )
+
+
+class UnfinishedBodies:
+    """For a request whose body has not all arrived: its response (a refusal sent before the
+    body was read, such as a 413, 401 or 429) says `Connection: close`, and its body reads end
+    when `reads` is shed. Once the body has arrived, `receive` is passed on untouched (the
+    routes use it after that to notice a client going away). Plain ASGI, as above."""
+
+    def __init__(self, app: Any, reads: BodyReads) -> None:
+        self.app = app
+        self.reads = reads
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length", b"0")
+        arrived = b"transfer-encoding" not in headers and declared in (b"0", b"")
+
+        async def receive_body() -> dict:
+            nonlocal arrived
+            if arrived:
+                return await receive()
+            message = await self.reads.receive(receive)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                arrived = True
+            return message
+
+        # A client waiting for "100 Continue" has sent no body: asking uvicorn for it would
+        # invite it to send the body that the answer refuses.
+        waits_to_send = headers.get(b"expect", b"").lower() == b"100-continue"
+
+        async def send_closing(message: dict) -> None:
+            nonlocal arrived
+            if message["type"] == "http.response.start" and not arrived:
+                arrived = not waits_to_send and await _rest_has_arrived(receive)
+                if not arrived:
+                    message = {**message, "headers": [*message.get("headers", ()), _CLOSE]}
+            await send(message)
+
+        await self.app(scope, receive_body, send_closing)
+
+
+_CLOSE = (b"connection", b"close")
+
+
+async def _rest_has_arrived(receive: Any) -> bool:
+    """Whether the end of a body the app answers without reading (a route that takes none, a
+    refusal) is among the bytes already received: they are taken (the app is done with the
+    body), without waiting for more."""
+    while True:
+        message = asyncio.ensure_future(receive())
+        await asyncio.sleep(0)  # one turn: what is buffered is returned at once
+        if not message.done():
+            message.cancel()
+            return False
+        if message.result()["type"] != "http.request" or not message.result().get("more_body"):
+            return True
 
 
 def big_body_route(max_list_items: int) -> type[APIRoute]:
