@@ -36,6 +36,18 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
         common, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
     )  # fmt: skip
+    if family == "gemma3":
+        # Gemma 3's structure, small: local layers with a window of 8 keys (shorter than the
+        # tests' prompts) around a global one whose RoPE is linearly scaled; a score scale
+        # (query_pre_attn_scalar) that is not head_dim's.
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+        gemma = dict(
+            num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=48,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=rope, tie_word_embeddings=True,
+        )  # fmt: skip
+        return transformers.Gemma3TextConfig(**{**qwen3, **gemma, **overrides})
     if family == "qwen3_5":
         # Qwen3.5's hybrid: 3 Gated DeltaNet layers then gated full attention with a quarter
         # of each head rotated; 2 key heads serving 4 value heads.
@@ -60,12 +72,16 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (qwen3, qwen3_moe and qwen3_5, e.g. decoder_sparse_step=2)."""
+    `config_overrides`: config keys (qwen3, qwen3_moe, qwen3_5, gemma3; e.g.
+    decoder_sparse_step=2)."""
     import transformers
 
-    if config_overrides and family not in ("qwen3", "qwen3_moe", "qwen3_5"):
-        raise ValueError(f"config overrides are for qwen3, qwen3_moe and qwen3_5, not {family}")
-    default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5}[family]
+    if config_overrides and family not in ("qwen3", "qwen3_moe", "qwen3_5", "gemma3"):
+        raise ValueError(
+            f"config overrides are for qwen3, qwen3_moe, qwen3_5 and gemma3, not {family}"
+        )
+    seeds = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5, "gemma3": 6}
+    default_seed = seeds[family]
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
         _tiny_config(family, config_overrides), dtype=torch.float32
@@ -73,7 +89,8 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # Weights that make every part visible: O(1) activations, norms that are not all ones.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if family == "qwen3_5" and name.endswith("norm.weight") and "linear_attn" not in name:
+            stored_minus_one = family in ("qwen3_5", "gemma3") and "linear_attn" not in name
+            if stored_minus_one and name.endswith("norm.weight"):
                 param.copy_(0.2 * torch.randn_like(param))  # stored as w - 1
             elif name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))

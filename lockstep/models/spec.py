@@ -1,14 +1,16 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5) is a pre-norm decoder with
-rotary embeddings whose layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each
-layer's mixer and MLP block (lockstep/models/blocks), chosen from the flags below: attention
-(q/k/v biases, q/k norm, Qwen3.5's output gate and partial rotary embeddings), or in a hybrid
-model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU MLP, or in the
-sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed experts.
-Qwen3.5 stores its RMSNorm weights as w - 1 (`norm_kind`). Loaders produce a `ModelSpec` plus
-a state dict in the canonical (Hugging Face) naming: each block's module docstring lists its
-tensors (after "model.layers.{i}."); around them
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, Gemma 3) is a pre-norm
+decoder with rotary embeddings whose layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans`
+names each layer's mixer and MLP block (lockstep/models/blocks), chosen from the flags below:
+attention (q/k/v biases, q/k norm, Qwen3.5's output gate and partial rotary embeddings, Gemma
+3's sliding window), or in a hybrid model (`ModelSpec.linear`) Gated DeltaNet in most layers;
+the dense SwiGLU (or GeGLU) MLP, or in the sparse layers of a mixture-of-experts model
+(`ModelSpec.moe`) a router and routed experts. Qwen3.5 and Gemma 3 store their RMSNorm weights
+as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and MLP's output (its four norms
+per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec` plus a state dict in the
+canonical (Hugging Face) naming: each block's module docstring lists its tensors (after
+"model.layers.{i}."); around them
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
@@ -37,10 +39,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lockstep.models.blocks import LayerPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gemma3")
 MOE_FAMILIES = ("qwen3_moe",)
 HYBRID_FAMILIES = ("qwen3_5",)
 LAYER_TYPES = ("linear_attention", "full_attention")
+ATTENTION_TYPES = ("sliding_attention", "full_attention")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,30 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class SlidingWindowSpec:
+    """Sliding-window attention layers interleaved with global ones (Gemma 3).
+
+    `layer_types[i]` is "sliding_attention" or "full_attention". A sliding layer's query at
+    position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`) and
+    rotates by its own RoPE base `rope_theta`, unscaled; full layers use the model's
+    `rope_theta` and scaling. Sliding layers keep every key in the KV pool (the window is a
+    mask), so a radix hit serves them as it serves full layers."""
+
+    window: int
+    layer_types: tuple[str, ...]
+    rope_theta: float
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in ATTENTION_TYPES]
+        if bad:
+            raise ValueError(
+                f"layer_types holds {bad[0]!r}: supported layer types {ATTENTION_TYPES}"
+            )
+        if self.window < 1:
+            raise ValueError(f"sliding_window={self.window} must be >= 1")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     vocab_size: int
@@ -161,8 +189,27 @@ class ModelSpec:
     linear: LinearAttentionSpec | None = field(default=None)
     partial_rotary_factor: float = 1.0  # share of head_dim that RoPE rotates
     fp8: Fp8Spec | None = field(default=None)
+    # Gemma 3's variations on the decoder (families/gemma3.py): sliding-window layers, a GeGLU
+    # MLP ("gelu_tanh"), norms after the mixer and the MLP as well as before ("sandwich"),
+    # embeddings times sqrt(hidden_size) rounded to the model dtype, the attention scores'
+    # scale when it is not head_dim ** -0.5, and RoPE positions divided by a linear factor.
+    sliding: SlidingWindowSpec | None = field(default=None)
+    mlp_activation: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    attention_scale: float | None = None
+    rope_linear_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp activation {self.mlp_activation!r}: supported {MLP_ACTIVATIONS}")
+        if self.sliding is not None and len(self.sliding.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.sliding.layer_types)} entries for "
+                f"num_hidden_layers={self.num_layers}"
+            )
+        if self.rope_linear_factor <= 0:
+            raise ValueError(f"linear RoPE factor {self.rope_linear_factor} must be > 0")
         if (self.linear is not None) != (self.family in HYBRID_FAMILIES):
             raise ValueError(
                 f"family={self.family!r} with linear={self.linear!r}: the hybrid families "
@@ -220,8 +267,27 @@ class ModelSpec:
     @property
     def norm_kind(self) -> str:
         """How RMSNorm weights are prepared (decoder.py's `weight_layout`): "norm1p" where the
-        family stores w - 1 (Qwen3.5), else "norm"."""
-        return "norm1p" if self.hybrid else "norm"
+        family stores w - 1 (Qwen3.5, Gemma 3), else "norm"."""
+        return "norm1p" if self.hybrid or self.family == "gemma3" else "norm"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (None: it sees every earlier key)."""
+        if self.sliding is None or self.sliding.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding.window
+
+    def norm_names(self) -> tuple[tuple[str, str], ...]:
+        """Each layer's norms as (prepared field, canonical leaf after "model.layers.{i}."),
+        in load order: the norm before the mixer, after it (sandwich only), before the MLP
+        and after it (sandwich only). Gemma names the norm before its MLP
+        pre_feedforward_layernorm and the one after its mixer post_attention_layernorm."""
+        if not self.sandwich_norms:
+            return (("input_norm", "input_layernorm.weight"),
+                    ("post_norm", "post_attention_layernorm.weight"))  # fmt: skip
+        return (("input_norm", "input_layernorm.weight"),
+                ("mixer_norm", "post_attention_layernorm.weight"),
+                ("post_norm", "pre_feedforward_layernorm.weight"),
+                ("mlp_norm", "post_feedforward_layernorm.weight"))  # fmt: skip
 
     @property
     def rotary_dim(self) -> int:
@@ -281,11 +347,15 @@ def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
     # Imported here: the blocks import modules that import this one.
     from lockstep.models.blocks import Attention, DenseMlp, GatedDeltaNet, LayerPlan, MoeMlp
 
-    attention = Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid)
+    def attention(layer: int) -> Attention:
+        return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid,
+                         window=spec.window(layer))  # fmt: skip
+
+    dense = DenseMlp(activation=spec.mlp_activation)
     return tuple(
         LayerPlan(
-            GatedDeltaNet() if spec.is_linear(i) else attention,
-            MoeMlp() if spec.is_sparse(i) else DenseMlp(),
+            GatedDeltaNet() if spec.is_linear(i) else attention(i),
+            MoeMlp() if spec.is_sparse(i) else dense,
         )
         for i in range(spec.num_layers)
     )
@@ -298,10 +368,13 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i, plan in enumerate(spec.layer_plans):
         prefix = f"model.layers.{i}."
-        names.append(prefix + "input_layernorm.weight")
+        norms = dict(spec.norm_names())
+        names.append(prefix + norms["input_norm"])
         names += [prefix + n for n in plan.mixer.weight_names(spec)]
-        names.append(prefix + "post_attention_layernorm.weight")
+        names += [prefix + norms[f] for f in ("mixer_norm", "post_norm") if f in norms]
         names += [prefix + n for n in plan.mlp.weight_names(spec)]
+        if "mlp_norm" in norms:
+            names.append(prefix + norms["mlp_norm"])
     if spec.fp8 is not None:
         names = [extra for name in names for extra in _with_fp8_scales(spec, name)]
     names.append("model.norm.weight")
@@ -334,7 +407,7 @@ def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     if name == "model.norm.weight":
         return (h,)
     layer, leaf = name.removeprefix("model.layers.").split(".", 1)
-    if leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    if leaf in (n for _, n in spec.norm_names()):
         return (h,)
     plan = spec.layer_plans[int(layer)]
     block = plan.mixer if leaf.startswith(plan.mixer.prefix + ".") else plan.mlp

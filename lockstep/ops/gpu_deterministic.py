@@ -90,6 +90,9 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return activation.gelu_tanh_mul(gate_up)
+
     def attention_input(
         self, qkv: torch.Tensor, layer: AttentionInput, positions: torch.Tensor,
         slots: torch.Tensor, kv: LayerKV,
@@ -112,10 +115,17 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv
-        return paged_attention(q, k_cache, v_cache, meta, scale, self.attention_config)
+        return paged_attention(
+            q, k_cache, v_cache, meta, scale, self.attention_config, window=window
+        )
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)
