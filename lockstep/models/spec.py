@@ -325,7 +325,7 @@ class ModelSpec:
         """Every weight but biases and q/k norms (which published counts leave out too)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        dense = attn + 3 * h * i + 2 * h
+        dense = attn + 3 * h * i + len(self.norm_names()) * h
         total = v * h + self.num_layers * dense + h + (0 if self.tie_word_embeddings else v * h)
         if self.linear is not None:
             lin = self.linear
