@@ -23,6 +23,11 @@ their output by sigmoid(gate), the gate rows fused after q | k | v, and rotate p
 head. Their RMSNorm weights are stored as w - 1; the loader adds the 1 once, in float32 (as
 transformers does at every call). Only the full-attention layers have K/V in the cache.
 
+Gemma 3: sliding-window layers take their own RoPE tables (`rope_tables(sliding=True)`) and
+pass their window to the attention op; each layer also normalizes its mixer's and its MLP's
+output before the residual add (`Layer.mixer_norm`, `Layer.mlp_norm`), and the embeddings are
+multiplied by sqrt(hidden_size) rounded to the model dtype, as transformers does.
+
 Tensor parallelism: a decoder holds one rank's shard (`TensorParallel`, lockstep.parallel): its
 heads of qkv, its intermediate columns of gate-up, its reduction chunks of o and down, its
 vocabulary rows of the embedding and the LM head. At TP 1 it holds everything, and o and down

@@ -26,6 +26,7 @@ import torch
 
 from lockstep.models.blocks.base import (
     BuildContext,
+    CacheBytes,
     LayoutEntry,
     Linear,
     Step,
@@ -82,6 +83,11 @@ class Attention:
     def requires(self) -> tuple[type, ...]:
         gate = (GatedOutputOps,) if self.output_gate else ()
         return (DenseOps, PagedAttentionOps, *gate)
+
+    def cache_bytes(self, spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> CacheBytes:
+        """K and V of every cached token; a sliding-window layer keeps every key too (its
+        window is a mask), so it costs what a global layer costs."""
+        return CacheBytes(per_token=2 * kv_heads * spec.head_dim * kv_dtype.itemsize)
 
     def weight_names(self, spec: ModelSpec) -> list[str]:
         names = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
