@@ -571,15 +571,19 @@ def test_sliding_window_matches_reference_under_every_schedule(
     assert torch.equal(want[:WINDOW], full[:WINDOW])
     assert not (want[WINDOW:] == full[WINDOW:]).flatten(1).all(1).any()
     rng = random.Random(13)
-    offsets = range(SEQ) if not GPU else sorted(rng.sample(range(SEQ), 48))
-    for p in offsets:
+    # Starts at and around the window, key block and split edges, and where a row's window
+    # starts at or just past a block edge (p - WINDOW + 1 near a multiple of the block).
+    block, split = ATTN_CFG.block_n, ATTN_CFG.split
+    edges = {WINDOW, block, 2 * block, split, 2 * split, block + WINDOW - 1, split + WINDOW - 1}
+    offsets = sorted({e + d for e in edges for d in (-1, 0, 1) if 0 <= e + d < SEQ} | {0})
+    for i, p in enumerate(offsets):
         n = min(SEQ - p, 1 + p % 23)
-        path = ("prefill", "split", "fold")[p % 3]
-        mates = [(0, 0, rng.randint(1, pool.mate_lens[0]))] if p % 2 else []
+        path = ("prefill", "split", "fold")[i % 3]
+        mates = [(0, 0, rng.randint(1, pool.mate_lens[0]))] if i % 2 else []
         got = pool.run(p, n, mates, path=path, window=WINDOW)
         assert torch.equal(got, want[p : p + n]), (p, n, path)
-        for path in ("fold", "split"):
-            assert torch.equal(pool.run(p, 1, path=path, window=WINDOW), want[p : p + 1])
+        decode = ("fold", "split")[i % 2]
+        assert torch.equal(pool.run(p, 1, path=decode, window=WINDOW), want[p : p + 1]), p
 
 
 class _NanFilledTorch:
