@@ -283,6 +283,15 @@ def test_silu_mul(ops: GpuDeterministicOps) -> None:
     assert torch.equal(ops.silu_mul(gu[4:5]), ops.silu_mul(gu)[4:5])
 
 
+def test_gelu_tanh_mul(ops: GpuDeterministicOps) -> None:
+    inter = 1536 if GPU else 40
+    gu = randn(9, 2 * inter, seed=14, scale=3.0)
+    g, u = gu.double().chunk(2, dim=-1)
+    want = 0.5 * g * (1 + torch.tanh((2 / math.pi) ** 0.5 * (g + 0.044715 * g**3))) * u
+    assert rel_err(ops.gelu_tanh_mul(gu), want) < TOL
+    assert torch.equal(ops.gelu_tanh_mul(gu[4:5]), ops.gelu_tanh_mul(gu)[4:5])
+
+
 def test_moe_matches_reference_and_ignores_each_experts_load(ops: GpuDeterministicOps) -> None:
     """`GpuDeterministicOps.moe` (Triton linears per expert over every row, sort routing)
     against the float64 reference, and a token's output bits beside 0 to ~100 near copies of
