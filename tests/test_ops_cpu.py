@@ -139,6 +139,7 @@ def test_simd_paths_give_identical_bits(det) -> None:
             ops.rms_norm(x, norm_w, 1e-5),
             ops.silu_mul(x),
             ops.gelu_tanh_mul(x),
+            ops.softcap(logits, 3.0),
             ops.log_softmax(logits),
             ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE),
             ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE, window=9),
@@ -197,6 +198,18 @@ def test_gelu_tanh_mul(det, ref) -> None:
     gate, up = gate_up.chunk(2, dim=1)
     rolled = torch.cat([gate.roll(7, 1), up.roll(7, 1)], dim=1)
     assert torch.equal(det.gelu_tanh_mul(rolled), det.gelu_tanh_mul(gate_up).roll(7, 1))
+
+
+def test_softcap(det, ref) -> None:
+    """cap * tanh(x / cap) per element: the float64 formula (the tails exactly +-cap), and a
+    value's bits wherever it sits (vector body or tail, any tensor shape)."""
+    torch.manual_seed(9)
+    x = torch.randn(7, 1000 + 3) * 40
+    x[0, :4] = torch.tensor([-1e4, 1e4, 0.0, 1e-30])
+    close(det.softcap(x, 30.0), ref.softcap(x, 30.0))
+    assert det.softcap(x, 30.0)[0, :2].tolist() == [-30.0, 30.0]
+    assert torch.equal(det.softcap(x.roll(5, 1), 30.0), det.softcap(x, 30.0).roll(5, 1))
+    assert torch.equal(det.softcap(x[3:4], 30.0), det.softcap(x, 30.0)[3:4])
 
 
 def test_log_softmax(det, ref) -> None:

@@ -283,6 +283,12 @@ def test_silu_mul(ops: GpuDeterministicOps) -> None:
     assert torch.equal(ops.silu_mul(gu[4:5]), ops.silu_mul(gu)[4:5])
 
 
+def test_softcap(ops: GpuDeterministicOps) -> None:
+    x = randn(5, 300, seed=15, scale=40.0).float()
+    assert rel_err(ops.softcap(x, 30.0), torch.tanh(x.double() / 30.0) * 30.0) < 1e-6
+    assert torch.equal(ops.softcap(x[2:3], 30.0), ops.softcap(x, 30.0)[2:3])
+
+
 def test_gelu_tanh_mul(ops: GpuDeterministicOps) -> None:
     inter = 1536 if GPU else 40
     gu = randn(9, 2 * inter, seed=14, scale=3.0)

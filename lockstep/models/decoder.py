@@ -26,7 +26,8 @@ transformers does at every call). Only the full-attention layers have K/V in the
 Gemma 3: sliding-window layers take their own RoPE tables (`rope_tables(sliding=True)`) and
 pass their window to the attention op; each layer also normalizes its mixer's and its MLP's
 output before the residual add (`Layer.mixer_norm`, `Layer.mlp_norm`), and the embeddings are
-multiplied by sqrt(hidden_size) rounded to the model dtype, as transformers does.
+multiplied by sqrt(hidden_size) rounded to the model dtype, as transformers does; logits are
+soft-capped where the config asks (`Ops.softcap`, per element).
 
 Tensor parallelism: a decoder holds one rank's shard (`TensorParallel`, lockstep.parallel): its
 heads of qkv, its intermediate columns of gate-up, its reduction chunks of o and down, its
@@ -58,7 +59,14 @@ from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
-from lockstep.ops.base import AttentionMeta, DenseOps, Fp8Ops, Ops, build_attention_meta
+from lockstep.ops.base import (
+    AttentionMeta,
+    DenseOps,
+    Fp8Ops,
+    Ops,
+    SoftcapOps,
+    build_attention_meta,
+)
 from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
 from lockstep.ops.moe import Fp8Experts, prepare_expert_weights, prepare_fp8_experts
 from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
@@ -270,7 +278,10 @@ class Decoder:
                 state.position += n
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
-        return parallel.logits(x, self.lm_head)
+        logits = parallel.logits(x, self.lm_head)
+        if spec.final_logit_softcap is not None:
+            logits = ops.softcap(logits, spec.final_logit_softcap)
+        return logits
 
     def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, Hkv, D] (this rank's KV heads) at `slots` of `kv`."""
@@ -382,6 +393,8 @@ def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:
     needs: list[tuple[type, str]] = [(DenseOps, "every model")]
     if spec.fp8 is not None:
         needs.append((Fp8Ops, "its FP8 linears"))
+    if spec.final_logit_softcap is not None:
+        needs.append((SoftcapOps, "its soft-capped logits"))
     for plan in spec.layer_plans:
         for block in plan:
             needs += [(cap, f"its {type(block).__name__} layers") for cap in block.requires]

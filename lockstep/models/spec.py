@@ -192,13 +192,15 @@ class ModelSpec:
     # Gemma 3's variations on the decoder (families/gemma3.py): sliding-window layers, a GeGLU
     # MLP ("gelu_tanh"), norms after the mixer and the MLP as well as before ("sandwich"),
     # embeddings times sqrt(hidden_size) rounded to the model dtype, the attention scores'
-    # scale when it is not head_dim ** -0.5, and RoPE positions divided by a linear factor.
+    # scale when it is not head_dim ** -0.5, RoPE positions divided by a linear factor, and
+    # logits soft-capped to (-cap, cap) by cap * tanh(logits / cap).
     sliding: SlidingWindowSpec | None = field(default=None)
     mlp_activation: str = "silu"
     sandwich_norms: bool = False
     embed_scale: bool = False
     attention_scale: float | None = None
     rope_linear_factor: float = 1.0
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.mlp_activation not in MLP_ACTIVATIONS:
@@ -208,6 +210,8 @@ class ModelSpec:
                 f"layer_types has {len(self.sliding.layer_types)} entries for "
                 f"num_hidden_layers={self.num_layers}"
             )
+        if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcap} must be > 0")
         if self.rope_linear_factor <= 0:
             raise ValueError(f"linear RoPE factor {self.rope_linear_factor} must be > 0")
         if (self.linear is not None) != (self.family in HYBRID_FAMILIES):

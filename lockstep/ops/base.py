@@ -222,6 +222,15 @@ class PagedAttentionOps(Protocol):
 
 
 @runtime_checkable
+class SoftcapOps(Protocol):
+    """Logit soft-capping (Gemma's final_logit_softcapping)."""
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        """cap * tanh(x / cap) per element, float32 in and out."""
+        ...
+
+
+@runtime_checkable
 class GeluOps(Protocol):
     """The GeGLU activation (Gemma's gelu_pytorch_tanh MLP)."""
 
@@ -303,6 +312,7 @@ class Ops(
     PagedAttentionOps,
     GatedOutputOps,
     GeluOps,
+    SoftcapOps,
     LinearAttentionOps,
     MoeOps,
     Protocol,

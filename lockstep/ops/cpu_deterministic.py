@@ -110,6 +110,9 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._ext.gated_act_mul(_f32(gate_up), 1, self._simd)
 
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return self._ext.softcap(_f32(x), cap, self._simd)
+
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:

@@ -93,6 +93,12 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.gelu_tanh_mul(gate_up)
 
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * (1 - 2 / (exp(2x / cap) + 1)) by torch element-wise kernels in float32: each
+        element's operations are the same whatever the launch shape."""
+        x = x.float()
+        return (1.0 - 2.0 / (torch.exp(x * (2.0 / cap)) + 1.0)) * cap
+
     def attention_input(
         self, qkv: torch.Tensor, layer: AttentionInput, positions: torch.Tensor,
         slots: torch.Tensor, kv: LayerKV,

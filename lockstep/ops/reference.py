@@ -65,6 +65,9 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         gate, up = gate_up.to(f64).chunk(2, dim=-1)
         return gate / (1 + torch.exp(-gate)) * up
 
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x.to(f64) / cap) * cap
+
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.to(f64).chunk(2, dim=-1)
         inner = (2.0 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)

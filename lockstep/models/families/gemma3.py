@@ -6,7 +6,8 @@ interleaved with global ones (`layer_types`, `sliding_window`; the local layers'
 rope_parameters["sliding_attention"], or rope_local_base_freq in older configs; the global
 layers' may carry linear scaling), a GeGLU MLP (gelu_pytorch_tanh), four RMSNorms per layer
 stored as w - 1, q/k norms, embeddings times sqrt(hidden_size), scores scaled by
-query_pre_attn_scalar ** -0.5, tied embeddings.
+query_pre_attn_scalar ** -0.5, tied embeddings, and final logit soft-capping where the config
+sets final_logit_softcapping (no released Gemma 3 does; attention soft-capping is refused).
 
 A multimodal checkpoint stores the text model as `model.language_model.*` (transformers 5)
 or `language_model.model.*` (earlier writers), both read as `model.*`; its vision tower and
@@ -54,10 +55,11 @@ def _refuse(config: dict[str, Any], where: str) -> None:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(f"{where}: hidden_activation={act!r} is not supported; "
                              "supported: gelu_pytorch_tanh")  # fmt: skip
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(key) is not None:
-            raise ModelLoadError(f"{where}: {key}={config[key]!r} is not supported; supported: "
-                                 "null (as every Gemma 3 checkpoint sets it)")  # fmt: skip
+    if config.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(
+            f"{where}: attn_logit_softcapping={config['attn_logit_softcapping']!r} is not "
+            "supported; supported: null (as every Gemma 3 checkpoint sets it)"
+        )
     if config.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{where}: use_bidirectional_attention=True is not supported; "
                              "supported: causal attention")  # fmt: skip
@@ -109,8 +111,13 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
         plain, where, "gemma3", qk_norm=True, sliding=sliding, mlp_activation="gelu_tanh",
         sandwich_norms=True, embed_scale=True,
         attention_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
-        rope_linear_factor=factor,
+        rope_linear_factor=factor, final_logit_softcap=_optional_float(config, "final_logit_softcapping"),
     )  # fmt: skip
+
+
+def _optional_float(config: dict[str, Any], key: str) -> float | None:
+    value = config.get(key)
+    return None if value is None else float(value)
 
 
 def tensor_name(key: str) -> str | None:

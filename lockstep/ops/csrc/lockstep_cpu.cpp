@@ -653,6 +653,35 @@ at::Tensor gated_act_mul(const at::Tensor& gate_up, int64_t mode, int64_t simd) 
   return out;
 }
 
+// softcap: cap * tanh(x / cap) as cap * (1 - 2 / (exp(2x / cap) + 1)), one sequence of
+// operations per element (vexp saturates, so the tails give exactly -cap and cap).
+at::Tensor softcap(const at::Tensor& x, double cap, int64_t simd) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "softcap: x must be contiguous fp32");
+  TORCH_CHECK(cap > 0, "softcap: cap=", cap, " must be > 0");
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = x.numel();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fcap = static_cast<float>(cap), two_over_cap = 2.f / fcap;
+  constexpr int64_t kGrain = 4096;
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    auto one = [&](const V& v) {
+      const V e = vexp(V::mul(v, V::set1(two_over_cap)));
+      const V t = V::sub(V::set1(1.f), V::div(V::set1(2.f), V::add(e, V::set1(1.f))));
+      return V::mul(t, V::set1(fcap));
+    };
+    parallel_tasks((n + kGrain - 1) / kGrain, [&](int64_t task) {
+      const int64_t end = std::min(n, (task + 1) * kGrain);
+      int64_t i = task * kGrain;
+      for (; i + 16 <= end; i += 16) one(V::load(xp + i)).store(op + i);
+      if (i < end) store_partial(one(load_partial<V>(xp + i, end - i, 0.f)), op + i, end - i);
+    });
+    return 0;
+  });
+  return out;
+}
+
 at::Tensor log_softmax(const at::Tensor& logits, int64_t simd) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "log_softmax: logits must be contiguous fp32 [R, V]");
@@ -1548,6 +1577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &lockstep::rms_norm, release);
   m.def("gated_act_mul", &lockstep::gated_act_mul, release);
   m.def("log_softmax", &lockstep::log_softmax, release);
+  m.def("softcap", &lockstep::softcap, release);
   m.def("moe_route", &lockstep::moe_route, release);
   m.def("rope", &lockstep::rope, release);
   m.def("attention", &lockstep::attention, release);
