@@ -85,3 +85,40 @@ def test_pending_tokens_are_patched_from_the_device_padding_included() -> None:
     # Only row 1 pending: padding keeps row 0's known token.
     inputs.fill(_decode_batch([5, 0, 6], [2, 1, 3], tables), staging, ([(1, 1)], previous))
     assert inputs.batch.token_ids.tolist() == [5, 71, 6, 5]
+
+
+def test_hybrid_padding_rows_write_the_spare_rows_not_row_zeros() -> None:
+    """A hybrid model's padding rows compute from the scratch state, so they must not write
+    row 0's KV slot or state: they point at the spare KV row and the pool's scratch slot.
+    Real rows carry their pool slot, position and position + 1."""
+    import dataclasses
+
+    from lockstep.models.linear_attention import LinearLayout, LinearState, LinearStatePool
+    from lockstep.models.resolver import resolve_model
+
+    cpu = torch.device("cpu")
+    spec = resolve_model("random:tiny-qwen3.5").spec
+    layout = LinearLayout.of(spec, cpu)
+    pool = LinearStatePool(layout, 4)
+    states = [LinearState.resume(layout, None, pool) for _ in range(3)]
+    for state, position in zip(states, (2, 1, 3), strict=True):
+        state.position = position
+    inputs = _StaticInputs(4, 16, cpu, pool, spare_kv_slot=99)
+    tables = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
+    batch = dataclasses.replace(_decode_batch([11, 12, 13], [2, 1, 3], tables),
+                                linear_states=states)  # fmt: skip
+    inputs.fill(batch, _Staging(cpu))
+    s = inputs.batch
+    assert s.out_slots.tolist() == [7, 8, 4, 99]
+    assert s.pooled is not None and s.state_pool is pool
+    assert s.pooled.slots.tolist() == [st.slot for st in states] + [pool.scratch_slot]
+    assert s.pooled.starts.tolist() == [2, 1, 3, 2]
+    assert s.pooled.ends.tolist() == [3, 2, 4, 3]
+    assert s.pooled.cu.tolist() == [0, 1, 2, 3, 4] and s.pooled.boundaries == []
+    assert pool.scratch_slot not in [st.slot for st in states]
+    inputs.point_at_scratch()
+    assert s.out_slots.tolist() == [99] * 4
+    assert s.pooled.slots.tolist() == [pool.scratch_slot] * 4
+    for state in states:
+        state.release()
+    assert pool.num_free == 4

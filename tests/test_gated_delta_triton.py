@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 import pytest
 import torch.nn.functional as F
 
+from lockstep.ops.base import PooledRows
 from lockstep.ops.torch_fast import stock_gated_delta_rule
 from lockstep.ops.triton import gated_delta
 
@@ -161,3 +162,151 @@ def test_tiny_hybrid_decoder_split_equals_one_prefill() -> None:
     assert torch.equal(kv.k, ref.k) and torch.equal(kv.v, ref.v)
     for a, b in zip(state.meaningful(), ref.linear_state.meaningful(), strict=True):
         assert torch.equal(a, b)
+
+
+def _pool(slots: int) -> list[torch.Tensor]:
+    hk, hv, dk, dv, c = SHAPE
+    shapes = ((slots, hv, dk, dv), (slots, c, hk, dk), (slots, c, hv), (slots, c, hv, dv))
+    return [torch.zeros(s, device=DEV) for s in shapes]
+
+
+def test_pooled_step_gives_each_sequence_its_bits_alone() -> None:
+    """Three sequences in one pooled launch (a prefill across two boundaries, a one-row step
+    onto a boundary, a resumed mid-chunk run), in slots 2, 0, 3 of a pool: every output row,
+    boundary state, state and open row equals the sequence run alone."""
+    c = SHAPE[4]
+    plan = [(0, 2 * c + 3), (c - 1, 1), (c + 5, 6)]  # (start, rows)
+    slots = [2, 0, 3]
+    alone, pooled_in = [], []
+    pool = _pool(4)
+    for seed, (start, n) in enumerate(plan):
+        before = _inputs(start, seed=10 + seed) if start else None
+        state = _fresh()
+        if before is not None:  # the state at `start`, reached alone
+            gated_delta.gated_delta_rule(*before, *state, 0)
+        for t, s in zip(pool, state, strict=True):
+            t[slots[seed]] = s
+        rows = _inputs(n, seed=20 + seed)
+        pooled_in.append(rows)
+        out, bounds = gated_delta.gated_delta_rule(*rows, *state, start)
+        alone.append((out, bounds, state))
+    cat = [torch.cat(parts).contiguous() for parts in zip(*pooled_in, strict=True)]
+    seqs = PooledRows.build([n for _, n in plan], [s for s, _ in plan], slots, c, cat[0].device)
+    out, bounds = gated_delta.gated_delta_rule_pooled(*cat, *pool, seqs)
+    r0 = 0
+    for i, ((start, n), (want_out, want_bounds, want_state)) in enumerate(
+        zip(plan, alone, strict=True)
+    ):
+        assert torch.equal(out[r0 : r0 + n], want_out), i
+        r0 += n
+        got = {p: bounds[b] for b, (seq, p) in enumerate(seqs.boundaries) if seq == i}
+        end = start + n
+        if end % c == 0:  # the last row's boundary: the state the slot ends in
+            got[end] = pool[0][slots[i]]
+        assert got.keys() == dict(want_bounds).keys(), i
+        assert all(torch.equal(got[p], s) for p, s in want_bounds), i
+        r = end % c
+        for t, s, rows in zip(pool, want_state, (None, r, r, r), strict=True):
+            want = s if rows is None else s[:rows]
+            have = t[slots[i]] if rows is None else t[slots[i]][:rows]
+            assert torch.equal(have, want), i
+    # Control: the same rows with the first sequence's start one row later differ.
+    pool2 = _pool(4)
+    moved = PooledRows.build([n for _, n in plan], [1, c - 1, c + 5], slots, c, cat[0].device)
+    out2, _ = gated_delta.gated_delta_rule_pooled(*cat, *pool2, moved)
+    assert not torch.equal(out2[: plan[0][1]], alone[0][0])
+
+
+def test_pooled_conv_is_the_per_sequence_formula() -> None:
+    """The pooled short convolution + SiLU, the boundary windows and the window update equal
+    the per-sequence torch formula of lockstep.models.linear_attention, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    cd, kk, c = 40, 4, 8
+    plan, slots = [(0, 19), (7, 1), (13, 4)], [1, 2, 0]
+    windows = torch.randn(3, kk - 1, cd, generator=gen).to(DEV)
+    weight = torch.randn(cd, kk, generator=gen).to(DEV)
+    total = sum(n for _, n in plan)
+    # A strided, low-precision input as the fused projection gives it.
+    proj = torch.randn(total, cd + 9, generator=gen).to(DEV, torch.bfloat16)
+    mixed = proj[:, :cd]
+    seqs = PooledRows.build([n for _, n in plan], [s for s, _ in plan], slots, c, DEV)
+    before = windows.clone()
+    act = gated_delta.causal_conv_silu_pooled(mixed, windows, weight, seqs)
+    found = gated_delta.update_conv_windows(mixed, windows, weight, seqs)
+    r0 = 0
+    for i, (start, n) in enumerate(plan):
+        rows = torch.cat([before[slots[i]], mixed[r0 : r0 + n].float()])
+        conv = rows[0:n] * weight[:, 0]
+        for k in range(1, kk):
+            conv = conv + rows[k : k + n] * weight[:, k]
+        want = gated_delta.gate_activation(torch.ones_like(conv), conv.contiguous(), "silu")
+        assert torch.equal(act[r0 : r0 + n], want), i
+        assert torch.equal(windows[slots[i]], rows[n : n + kk - 1]), i
+        for b, (seq, p) in enumerate(seqs.boundaries):
+            if seq == i:
+                assert torch.equal(found[b], rows[p - start : p - start + kk - 1]), (i, p)
+        r0 += n
+    assert seqs.boundaries == [(0, 8), (0, 16), (2, 16)]
+    # Control: another slot's window gives other rows for the first outputs.
+    other = PooledRows.build([n for _, n in plan], [s for s, _ in plan], [0, 2, 1], c, DEV)
+    moved = gated_delta.causal_conv_silu_pooled(mixed, before.clone(), weight, other)
+    assert not torch.equal(moved[:1], act[:1])
+
+
+@pytest.mark.slow
+def test_tiny_hybrid_decoder_pooled_batch_equals_each_alone() -> None:
+    """The tiny Qwen3.5 decoder on the Triton backend, two sequences in one pooled step (one
+    resumed mid-chunk, one from 0 across a boundary): the logits, K/V and linear states of
+    each sequence computed alone (a state of its own, the per-sequence loop) bit for bit."""
+    import dataclasses
+
+    from lockstep.models.decoder import Decoder, ScratchKV
+    from lockstep.models.forward_batch import ForwardBatch
+    from lockstep.models.linear_attention import LinearState, LinearStatePool
+    from lockstep.models.resolver import resolve_model
+    from lockstep.ops.base import build_attention_meta
+    from lockstep.ops.gpu_deterministic import GpuDeterministicOps
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    decoder = Decoder.load(resolve_model("random:tiny-qwen3.5"), GpuDeterministicOps(), dtype, DEV)
+    chunk = 8  # few rows per pass: the interpreter is slow (and see the test above)
+    decoder.linear_layout = layout = dataclasses.replace(decoder.linear_layout, chunk=chunk)
+    rng = random.Random(3)
+    seqs = [[rng.randrange(512) for _ in range(n)] for n in (chunk + 3, 5)]
+    first = 3  # sequence 0 resumes at 3, sequence 1 starts at 0
+
+    def run(states: list[LinearState], parts: list[tuple[int, int, int]], kv: ScratchKV):
+        """One step over (sequence, start, end) parts; K/V slots: sequence * 64 + position."""
+        tokens, positions, slots, q_counts, tables, logit_rows = [], [], [], [], [], []
+        for seq, start, end in parts:
+            tokens += seqs[seq][start:end]
+            positions += range(start, end)
+            slots += [seq * 64 + p for p in range(start, end)]
+            q_counts.append(end - start)
+            tables.append([seq * 64 + p for p in range(end)])
+            logit_rows += range(len(logit_rows), len(logit_rows) + end - start)
+        meta = build_attention_meta(q_counts, [s for _, s, _ in parts], tables)
+        batch = ForwardBatch.from_lists(tokens, positions, slots, meta, logit_rows, states)
+        return decoder.forward(batch.to(DEV), kv)
+
+    kv_alone = ScratchKV(decoder.spec, 128, dtype, torch.device(DEV))
+    alone_states = [decoder.new_linear_state(), decoder.new_linear_state()]
+    run(alone_states[:1], [(0, 0, first)], kv_alone)
+    want = [run(alone_states[:1], [(0, first, len(seqs[0]))], kv_alone),
+            run(alone_states[1:], [(1, 0, len(seqs[1]))], kv_alone)]  # fmt: skip
+    kv = ScratchKV(decoder.spec, 128, dtype, torch.device(DEV))
+    pool = LinearStatePool(layout, 3)
+    states = [LinearState.resume(layout, None, pool), LinearState.resume(layout, None, pool)]
+    run(states[:1], [(0, 0, first)], kv)
+    got = run(states, [(0, first, len(seqs[0])), (1, 0, len(seqs[1]))], kv)
+    assert torch.equal(got, torch.cat(want))
+    assert torch.equal(kv.k, kv_alone.k) and torch.equal(kv.v, kv_alone.v)
+    for mine, theirs in zip(states, alone_states, strict=True):
+        assert mine.position == theirs.position
+        assert all(torch.equal(a, b) for a, b in zip(mine.meaningful(), theirs.meaningful(),
+                                                     strict=True))  # fmt: skip
+        assert mine.captured.keys() == theirs.captured.keys()
+        for p, snap in theirs.captured.items():
+            assert torch.equal(mine.captured[p].conv, snap.conv)
+            assert torch.equal(mine.captured[p].recurrent, snap.recurrent)
+    assert states[0].captured.keys() == {chunk}  # the boundary the step crossed

@@ -58,6 +58,23 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
                              "partial_rotary_factor": 0.25},
         )  # fmt: skip
         return transformers.Qwen3_5TextConfig(**{**qwen3, **hybrid, **overrides})
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        # The hybrid MoE families: Qwen3.5's hybrid layout with 8 experts, top 2, and a gated
+        # shared expert (widths 40 and 48: not multiples of the CPU's 16 lanes) in the sparse
+        # layers. Qwen3-Next also keeps one layer dense (mlp_only_layers) and stores its Gated
+        # DeltaNet projections grouped by key head.
+        hybrid = dict(
+            num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "partial_rotary_factor": 0.25},
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+            shared_expert_intermediate_size=48,
+        )  # fmt: skip
+        if family == "qwen3_5_moe":
+            return transformers.Qwen3_5MoeTextConfig(**{**qwen3, **hybrid, **overrides})
+        sparse = dict(decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
+        return transformers.Qwen3NextConfig(**{**qwen3, **hybrid, **sparse, **overrides})
     if family == "qwen3_moe":
         # 8 experts, top 2, over 4 layers of which `decoder_sparse_step` and `mlp_only_layers`
         # make some dense; an expert width (40) that is not a multiple of the CPU's 16 lanes.
@@ -72,16 +89,19 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (qwen3, qwen3_moe, qwen3_5, gemma3; e.g.
+    `config_overrides`: config keys (the Qwen3 families and gemma3, e.g.
     decoder_sparse_step=2)."""
     import transformers
 
-    if config_overrides and family not in ("qwen3", "qwen3_moe", "qwen3_5", "gemma3"):
-        raise ValueError(
-            f"config overrides are for qwen3, qwen3_moe, qwen3_5 and gemma3, not {family}"
-        )
-    seeds = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5, "gemma3": 6}
-    default_seed = seeds[family]
+    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3")
+    if config_overrides and family not in overridable:
+        raise ValueError(f"config overrides are for {', '.join(overridable)}, not {family}")
+    # The hybrid MoE seeds give models whose float32 logits are well-conditioned: with some
+    # seeds transformers' own float32 logits are already 1e-4 from its float64 ones (a flat
+    # router and the delta rule amplify rounding), which leaves nothing under the 1e-4
+    # tolerance the reference tests use.
+    default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5,
+                    "qwen3_5_moe": 11, "qwen3_next": 7, "gemma3": 6}[family]  # fmt: skip
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
         _tiny_config(family, config_overrides), dtype=torch.float32
@@ -89,8 +109,8 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # Weights that make every part visible: O(1) activations, norms that are not all ones.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            stored_minus_one = family in ("qwen3_5", "gemma3") and "linear_attn" not in name
-            if stored_minus_one and name.endswith("norm.weight"):
+            stored_minus_one = family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3")
+            if stored_minus_one and name.endswith("norm.weight") and "linear_attn" not in name:
                 param.copy_(0.2 * torch.randn_like(param))  # stored as w - 1
             elif name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))

@@ -55,7 +55,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        spare_slots: int = 0,
     ) -> None:
+        """`spare_slots`: rows of storage past `num_slots` that are never allocated (ids
+        num_slots.., `spare_slot`): a scratch row for writes whose values nobody reads."""
         for name, value in (
             ("num_slots", num_slots),
             ("num_layers", num_layers),
@@ -70,7 +73,8 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.spare_slot = num_slots if spare_slots else None
+        shape = (num_layers, num_slots + spare_slots, num_kv_heads, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
         # A stack of free ids: the top is the end of the used prefix [0, _num_free). It starts

@@ -41,7 +41,8 @@ import torch
 
 from lockstep.models.decoder import Decoder, KVStorage
 from lockstep.models.forward_batch import ForwardBatch
-from lockstep.ops.base import AttentionMeta
+from lockstep.models.linear_attention import LinearStatePool
+from lockstep.ops.base import AttentionMeta, PooledRows
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_CONTEXT_BUCKETS = (2048, 8192, 32768, 131072)
@@ -88,7 +89,12 @@ class DecodeGraphRunner:
         max_context: int,
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         context_buckets: tuple[int, ...] = DEFAULT_CONTEXT_BUCKETS,
+        state_pool: LinearStatePool | None = None,
+        spare_kv_slot: int | None = None,
     ) -> None:
+        """Hybrid models: `state_pool` holds the running sequences' linear states and
+        `spare_kv_slot` is a KV row no sequence owns (`KVPool(spare_slots=1)`): padding rows
+        write there and to the pool's scratch slot, never to row 0's state."""
         if decoder.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA decoder, got device={decoder.device}")
         if max_batch < 1 or max_context < 1:
@@ -98,6 +104,10 @@ class DecodeGraphRunner:
         self.device = decoder.device
         self.batch_buckets = graph_batch_buckets(max_batch, batch_buckets)
         self.context_buckets = graph_context_buckets(max_context, context_buckets)
+        if (state_pool is None) != (spare_kv_slot is None):
+            raise ValueError("a hybrid model's graphs need both a state pool and a spare KV slot")
+        self.state_pool = state_pool
+        self.spare_kv_slot = spare_kv_slot
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._staging = _Staging(self.device)
@@ -118,6 +128,11 @@ class DecodeGraphRunner:
         """A pure decode step that fits the largest buckets."""
         meta = batch.meta
         b = meta.num_seqs
+        states = batch.linear_states
+        if (states is not None or self.state_pool is not None) and (
+            states is None or any(s.pool is not self.state_pool for s in states)
+        ):
+            return False  # linear states outside the pool (or a hybrid runner without any)
         return (
             0 < b <= self.max_batch
             and meta.max_q == 1
@@ -147,6 +162,8 @@ class DecodeGraphRunner:
         else:
             entry.inputs.fill(batch, self._staging, patch)
             entry.graph.replay()
+        for state in batch.linear_states or ():
+            state.advance(1)  # after the replay in stream order: a boundary's snapshot copies
         rows = batch.logit_rows
         n = rows.shape[0]
         if torch.equal(rows, torch.arange(n, dtype=rows.dtype)):  # every decode step
@@ -160,9 +177,12 @@ class DecodeGraphRunner:
         cb: int,
         patch: tuple[list[tuple[int, int]], torch.Tensor] | None,
     ) -> _Graph:
-        inputs = _StaticInputs(bb, cb, self.device)
+        inputs = _StaticInputs(bb, cb, self.device, self.state_pool, self.spare_kv_slot)
         static = inputs.batch
         inputs.fill(batch, self._staging, patch)
+        if self.state_pool is not None:
+            # A linear state moves at every step: the warm-up runs on the scratch rows.
+            inputs.point_at_scratch()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -173,6 +193,8 @@ class DecodeGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.decoder.forward(static, self.kv)
+        if self.state_pool is not None:
+            inputs.fill(batch, self._staging, patch)
         graph.replay()
         return _Graph(graph, inputs, logits)
 
@@ -213,8 +235,17 @@ class _StaticInputs:
     cu_kv B+1 | cu_q B+1 | slot_table B*C]. The constant parts (logit_rows, cu_q) are written
     once; `fill` transfers the rest."""
 
-    def __init__(self, bb: int, cb: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        bb: int,
+        cb: int,
+        device: torch.device,
+        state_pool: LinearStatePool | None = None,
+        spare_kv_slot: int | None = None,
+    ) -> None:
         self.bb = bb
+        self.state_pool = state_pool
+        self.spare_kv_slot = spare_kv_slot
         i32, i64 = torch.int32, torch.int64
         # The patch rows/indices are not graph inputs: they say where a step's pending tokens
         # (overlapped decode) are copied from, before the replay.
@@ -232,13 +263,34 @@ class _StaticInputs:
             max_q=1,
             max_kv=cb,
         )
+        pooled = None
+        if state_pool is not None:
+            # Hybrid models: each row's state pool slot, first position and end [B each];
+            # a decode step crosses no boundary before its last row.
+            self.lin32 = torch.zeros(3 * bb, dtype=i32, device=device)
+            count = torch.arange(bb, dtype=i32, device=device)
+            none = torch.zeros(0, dtype=i32, device=device)
+            pooled = PooledRows(
+                cu=meta.cu_q, starts=self.lin32[bb : 2 * bb], ends=self.lin32[2 * bb :],
+                slots=self.lin32[:bb], bound_at=torch.zeros_like(count), row_seq=count,
+                bound_seq=none, bound_pos=none, seq_ids=count, bound_ids=none, boundaries=[],
+            )  # fmt: skip
         self.batch = ForwardBatch(
             token_ids=d64[0:bb],
             positions=d64[bb : 2 * bb],
             out_slots=d64[2 * bb : 3 * bb],
             meta=meta,
             logit_rows=d64[3 * bb : 4 * bb],
+            pooled=pooled,
+            state_pool=state_pool,
         )
+
+    def point_at_scratch(self) -> None:
+        """Make every row write the spare KV row and the pool's scratch state (a run that
+        must leave the sequences' K/V and states as they are)."""
+        assert self.state_pool is not None and self.spare_kv_slot is not None
+        self.batch.out_slots.fill_(self.spare_kv_slot)
+        self.lin32[: self.bb].fill_(self.state_pool.scratch_slot)
 
     def fill(
         self,
@@ -253,10 +305,22 @@ class _StaticInputs:
         b = meta.num_seqs
         total = meta.slot_table.shape[0]
         n32 = 3 * bb + 1 + total  # q_start, kv_len, cu_kv, then the slot table
-        h64, h32 = staging.buffers(5 * bb, n32)
+        h64, h32 = staging.buffers(5 * bb, n32 + 3 * bb)  # (+ hybrid models' slots)
         for i, src in enumerate((batch.token_ids, batch.positions, batch.out_slots)):
             h64[i * bb : i * bb + b] = src
             h64[i * bb + b : (i + 1) * bb] = src[0]  # padding rows repeat row 0
+        if self.state_pool is not None:
+            # Padding rows of a hybrid model compute from other states than row 0's: they
+            # write the spare KV row and the scratch state, never row 0's.
+            h64[2 * bb + b : 3 * bb] = self.spare_kv_slot
+            states = batch.linear_states
+            assert states is not None and len(states) == b
+            lin = h32[n32 : n32 + 3 * bb]
+            lin[:b] = torch.tensor([s.slot for s in states], dtype=torch.int32)
+            lin[b:bb] = self.state_pool.scratch_slot
+            lin[bb : bb + b] = torch.tensor([s.position for s in states], dtype=torch.int32)
+            lin[bb + b : 2 * bb] = states[0].position
+            lin[2 * bb :] = lin[bb : 2 * bb] + 1
         for i, src in enumerate((meta.q_start, meta.kv_len)):
             h32[i * bb : i * bb + b] = src
             h32[i * bb + b : (i + 1) * bb] = src[0]
@@ -285,6 +349,8 @@ class _StaticInputs:
         self.dev32[: 3 * bb + 1].copy_(h32[: 3 * bb + 1], non_blocking=True)
         slot_start = 4 * bb + 2  # past the constant cu_q
         self.dev32[slot_start : slot_start + total].copy_(h32[3 * bb + 1 : n32], non_blocking=True)
+        if self.state_pool is not None:
+            self.lin32.copy_(h32[n32 : n32 + 3 * bb], non_blocking=True)
         staging.copied()
         if n_patch:
             assert patch is not None

@@ -44,10 +44,11 @@ from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
-from lockstep.models.linear_attention import LinearLayout, LinearState
+from lockstep.models.linear_attention import LinearLayout, LinearState, LinearStatePool
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
+from lockstep.ops.base import PooledLinearAttentionOps
 from lockstep.parallel.group import ShardedDecoder, WorkerGroup
 from lockstep.parallel.sharding import degree_problem, supported_degrees
 from lockstep.parallel.worker import load_rank_decoder, set_threads
@@ -109,6 +110,9 @@ class Engine:
                 f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
                 f" {', '.join(map(str, supported_degrees(spec)))}"
             )
+        if self.device.type == "cuda":  # refused with the arithmetic, before any load
+            free, _ = torch.cuda.mem_get_info(self.device)
+            memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp, free)
         # Ranks 1..tp-1 start loading while rank 0 does (lockstep.parallel.group).
         self.workers: WorkerGroup | None = None
         if config.tp > 1:
@@ -125,6 +129,12 @@ class Engine:
         self.decoder: Decoder | ShardedDecoder = (
             local if self.workers is None else ShardedDecoder(local, self.workers)
         )
+        # Hybrid models: the running sequences' linear-attention states, allocated before the
+        # KV pool is sized from what memory is left.
+        layout = self.decoder.linear_layout
+        self.state_pool = None
+        if layout is not None:
+            self.state_pool = LinearStatePool(layout, config.resolved_max_running)
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
@@ -132,12 +142,16 @@ class Engine:
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         kv_heads = self.decoder.plan.num_local_kv_heads  # rank 0's; every rank holds as many
+        # A hybrid model's CUDA graphs pad with rows that write one spare KV row.
+        # (On a pooled backend only: a decode graph addresses linear states by pool slot.)
+        pooled = isinstance(self.decoder.ops, PooledLinearAttentionOps)
+        hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None and pooled
         self.pool = KVPool(
             kv_tokens, len(spec.kv_layers), kv_heads, spec.head_dim, self.kv_dtype, self.device,
+            spare_slots=int(hybrid_graphs),
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)
-        layout = self.decoder.linear_layout
         self.radix = RadixCache(
             self.pool,
             enabled=config.enable_prefix_cache,
@@ -145,7 +159,9 @@ class Engine:
             # One snapshot per chunk of cached tokens (the share _kv_budget sets aside).
             state_budget=None if layout is None else _state_budget(layout, kv_tokens),
         )
-        resume = None if layout is None else partial(LinearState.resume, layout)
+        resume = None
+        if layout is not None:
+            resume = partial(LinearState.resume, layout, pool=self.state_pool)
         self.scheduler = Scheduler(
             self.pool,
             self.radix,
@@ -155,13 +171,14 @@ class Engine:
             new_linear_state=resume,
         )
         graphs = None
-        if config.use_cuda_graphs and spec.hybrid:
-            # Each request's linear state is its own tensors; the graphs replay fixed ones.
-            logger.warning("CUDA graphs are not used for hybrid (linear-attention) models")
+        if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
+            logger.warning("CUDA graphs are not used for hybrid models on the %s backend",
+                           self.decoder.ops.name)  # fmt: skip
         elif config.use_cuda_graphs:
             graphs = DecodeGraphRunner(
                 self.decoder, self.pool, max_batch=config.resolved_max_running,
-                max_context=self.max_model_len,
+                max_context=self.max_model_len, state_pool=self.state_pool,
+                spare_kv_slot=self.pool.spare_slot,
             )  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request

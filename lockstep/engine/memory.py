@@ -30,6 +30,10 @@ Bytes per cached token (`bytes_per_token`): what every layer's mixer block says 
 (`Mixer.cache_bytes`): K and V per attention layer, plus the radix cache's state snapshots of
 the linear-attention layers spread over the chunk of tokens each covers.
 
+Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights
+alone exceed the free device memory (a lower bound: every parameter at its stored width, split
+evenly over the tensor-parallel ranks), with the arithmetic, instead of failing mid-load.
+
 On the CPU (`cpu_kv_budget`): kv_memory_fraction (0.3) of the available RAM, capped at
 CPU_DEFAULT_KV_TOKEN_CAP tokens: a CPU serves few long sequences, and a pool sized from RAM
 alone would zero gigabytes at start-up for nothing.
@@ -148,6 +152,31 @@ def step_workspace(
         sampler=max_running * vocab * SAMPLER_BYTES_PER_LOGIT,
         graphs=graphs,
         slack=WORKSPACE_SLACK_BYTES,
+    )
+
+
+def refuse_oversized_weights(
+    name: str, spec: ModelSpec, dtype_bytes: int, tp: int, free_bytes: int
+) -> None:
+    """Raise `ConfigError` when `spec`'s weights cannot fit in `free_bytes` per rank at tensor
+    parallelism `tp`: at least num_parameters x `dtype_bytes` (1 byte for an FP8 model, whose
+    quantized share is not counted here) / tp. The message holds the arithmetic and, where
+    sharding cannot help, why."""
+    from lockstep.parallel.sharding import degree_problem, supported_degrees
+
+    width = 1 if spec.fp8 is not None else dtype_bytes
+    need = spec.num_parameters * width / tp
+    if need <= free_bytes:
+        return
+    degrees = supported_degrees(spec)
+    if len(degrees) > 1:
+        hint = f"a larger --tp splits it (degrees that work: {', '.join(map(str, degrees))})"
+    else:
+        hint = f"it cannot be split over more GPUs: {degree_problem(spec, 2)}"
+    raise ConfigError(
+        f"model {name} does not fit: its weights need at least {need / GIB:.1f} GiB per GPU "
+        f"({spec.num_parameters / 1e9:.2f} B parameters x {width} bytes / tp={tp}) and the "
+        f"device has {free_bytes / GIB:.1f} GiB free; {hint}"
     )
 
 

@@ -259,6 +259,8 @@ class Scheduler:
         request.slots.clear()
         request.prefix_len, request.prefix_node = 0, None
         request.num_computed = 0
+        if request.linear_state is not None:
+            request.linear_state.release()
         request.linear_state = None
 
     def _preempt(self, request: Request) -> None:

@@ -55,8 +55,9 @@ from lockstep.models.blocks.base import (
     Linear,
     Step,
 )
+from lockstep.models.blocks.gated_deltanet import ungroup_projections
 from lockstep.models.forward_batch import ForwardBatch
-from lockstep.models.linear_attention import LinearLayout, LinearState
+from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
 from lockstep.ops.base import (
@@ -257,8 +258,13 @@ class Decoder:
             h = h * self.embed_scale  # one rounding per element
         residual: torch.Tensor | None = None
         # Rows per sequence on the host, once per step (the linear layers loop over them).
-        rows = None if batch.linear_states is None else batch.meta.cu_q.diff().tolist()
-        step = Step(batch, kv, parallel, self.linear_layout, rows)
+        pooled, pool, rows = batch.pooled, batch.state_pool, None
+        if pooled is None and batch.linear_states is not None:
+            rows = batch.meta.cu_q.diff().tolist()
+            assert self.linear_layout is not None
+            pooled = pooled_rows(ops, batch.linear_states, rows, self.linear_layout)
+            pool = batch.linear_states[0].pool if pooled is not None else None
+        step = Step(batch, kv, parallel, self.linear_layout, rows, pooled, pool)
         for layer in self.layers:
             if residual is None:
                 residual = h
@@ -275,7 +281,7 @@ class Decoder:
         assert residual is not None
         if batch.linear_states is not None and rows is not None:
             for state, n in zip(batch.linear_states, rows, strict=True):
-                state.position += n
+                state.advance(n)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
         logits = parallel.logits(x, self.lm_head)
@@ -351,7 +357,9 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     Qwen3.5 stores w - 1), "conv" (float32 [channels, kernel]), "bias" (float32,
     concatenated), "embed" (as is), "linear" (rows
     concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
-    gate rows separated: q | k | v | gate, then "linear"), "row_attention" and "row_mlp"
+    gate rows separated: q | k | v | gate, then "linear"), "qkvz_ba" (Qwen3-Next's grouped
+    Gated DeltaNet inputs reordered to q | k | v | z | b | a, `ungroup_projections`, then
+    "linear"), "row_attention" and "row_mlp"
     (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
     the same number per expert: each expert's rows concatenated, then stacked and prepared by
     `prepare_expert_weights`), "fp8_experts" (block-FP8 experts: the expert-major weights,
@@ -435,6 +443,10 @@ def _prepare(
     if kind == "conv":
         weight = parts[0].to(device=device, dtype=torch.float32)
         return weight.reshape(weight.shape[0], -1).contiguous()
+    if kind == "qkvz_ba":
+        assert spec.linear is not None
+        parts = ungroup_projections(spec.linear, parts[0], parts[1])
+        kind = "linear"
     if kind == "qkv_gate":
         q_gate = parts[0].reshape(spec.num_heads, 2, spec.head_dim, -1)
         parts = [q_gate[:, 0].reshape(spec.q_size, -1), parts[1], parts[2],

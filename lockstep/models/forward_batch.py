@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lockstep.ops.base import AttentionMeta
+from lockstep.ops.base import AttentionMeta, PooledRows
 
 if TYPE_CHECKING:
-    from lockstep.models.linear_attention import LinearState
+    from lockstep.models.linear_attention import LinearState, LinearStatePool
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,11 @@ class ForwardBatch:
     meta: AttentionMeta
     logit_rows: torch.Tensor  # [R] int64, rows whose logits the step needs
     linear_states: list[LinearState] | None = None  # hybrid models: one per sequence
+    # A CUDA graph's static decode step of a hybrid model: where its sequences sit in the
+    # state pool, as device tensors (the decoder then neither reads rows on the host nor
+    # advances states: the graph runner does).
+    pooled: PooledRows | None = None
+    state_pool: LinearStatePool | None = None
 
     @classmethod
     def from_lists(
@@ -64,4 +69,6 @@ class ForwardBatch:
             meta=self.meta.to(device),
             logit_rows=self.logit_rows.to(device, non_blocking=True),
             linear_states=self.linear_states,
+            pooled=self.pooled,
+            state_pool=self.state_pool,
         )

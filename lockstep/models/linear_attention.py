@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lockstep.models.spec import ModelSpec
+from lockstep.ops.base import PooledLinearAttentionOps, PooledRows
 
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
@@ -84,13 +85,57 @@ class LinearSnapshot:
         return self.conv.numel() * 4 + self.recurrent.numel() * 4
 
 
+class LinearStatePool:
+    """The working states of the running sequences, one slot each, in device tensors indexed
+    by slot (as the KV pool indexes tokens): windows [S, L, K-1, conv_dim], boundary states
+    [S, L, Hv, Dk, Dv] and open rows [S, L, C, ...], float32, allocated once. A pooled step
+    runs every sequence's linear layer in one launch (`Ops` with `PooledLinearAttentionOps`).
+    One more slot, `scratch_slot`, is never handed out: the CUDA graphs' padding rows write
+    there."""
+
+    def __init__(self, layout: LinearLayout, num_slots: int) -> None:
+        lay, z = layout, layout._zeros
+        self.layout = layout
+        rows = num_slots + 1
+        self.conv = z(rows, lay.num_layers, lay.conv_kernel - 1, lay.conv_dim)
+        self.recurrent = z(rows, lay.num_layers, lay.num_value_heads, lay.key_head_dim,
+                           lay.value_head_dim)  # fmt: skip
+        self.open_k = z(rows, lay.num_layers, lay.chunk, lay.num_key_heads, lay.key_head_dim)
+        self.open_gamma = z(rows, lay.num_layers, lay.chunk, lay.num_value_heads)
+        self.open_u = z(rows, lay.num_layers, lay.chunk, lay.num_value_heads,
+                        lay.value_head_dim)  # fmt: skip
+        self.scratch_slot = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def slot_bytes(layout: LinearLayout) -> int:
+        """Bytes of one slot (float32): a snapshot's plus the open rows."""
+        lay = layout
+        open_rows = lay.chunk * (lay.num_key_heads * lay.key_head_dim + lay.num_value_heads
+                                 + lay.num_value_heads * lay.value_head_dim)  # fmt: skip
+        return lay.snapshot_bytes + 4 * lay.num_layers * open_rows
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError("linear state pool exhausted (more running sequences than slots)")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
 @dataclass
 class LinearState:
     """One sequence's working state at `position` (the next position to compute): windows
     [L, K-1, conv_dim], the boundary state of the chunk holding `position` [L, Hv, Dk, Dv]
     and that chunk's open rows (keys [L, C, Hk, Dk], cumulative log decays [L, C, Hv],
     corrected values [L, C, Hv, Dv]; rows 0 .. position % C - 1 are meaningful). `captured`:
-    snapshots of the boundaries crossed since the owner last took them."""
+    snapshots of the boundaries crossed since the owner last took them. A pooled state's
+    tensors are its slot's views of a `LinearStatePool` (`release` gives the slot back)."""
 
     layout: LinearLayout
     position: int
@@ -100,12 +145,36 @@ class LinearState:
     open_gamma: torch.Tensor
     open_u: torch.Tensor
     captured: dict[int, LinearSnapshot] = field(default_factory=dict)
+    pool: LinearStatePool | None = None
+    slot: int = -1
 
     @classmethod
-    def resume(cls, layout: LinearLayout, snapshot: LinearSnapshot | None) -> LinearState:
+    def resume(
+        cls,
+        layout: LinearLayout,
+        snapshot: LinearSnapshot | None,
+        pool: LinearStatePool | None = None,
+    ) -> LinearState:
         """A state at the snapshot's position (a copy: the snapshot stays intact), or at
-        position 0 from nothing."""
+        position 0 from nothing; in a slot of `pool` if given, else in tensors of its own."""
         z, lay = layout._zeros, layout
+        if pool is not None:
+            slot = pool.acquire()
+            parts = (pool.conv, pool.recurrent, pool.open_k, pool.open_gamma, pool.open_u)
+            conv, recurrent, open_k, open_gamma, open_u = (t[slot] for t in parts)
+            if snapshot is None:
+                conv.zero_()
+                recurrent.zero_()
+            else:
+                conv.copy_(snapshot.conv)
+                recurrent.copy_(snapshot.recurrent)
+            position = 0 if snapshot is None else snapshot.position
+            # As a state of its own starts: rows past the open ones enter the kernels' sums
+            # multiplied by zero, so the slot's last owner must leave nothing in them.
+            for t in (open_k, open_gamma, open_u):
+                t.zero_()
+            return cls(layout, position, conv, recurrent, open_k, open_gamma, open_u,
+                       pool=pool, slot=slot)  # fmt: skip
         if snapshot is None:
             conv = z(lay.num_layers, lay.conv_kernel - 1, lay.conv_dim)
             recurrent = z(lay.num_layers, lay.num_value_heads, lay.key_head_dim,
@@ -120,6 +189,20 @@ class LinearState:
             z(lay.num_layers, lay.chunk, lay.num_value_heads),
             z(lay.num_layers, lay.chunk, lay.num_value_heads, lay.value_head_dim),
         )  # fmt: skip
+
+    def release(self) -> None:
+        """Give a pooled state's slot back (once; a no-op for a state of its own)."""
+        if self.pool is not None:
+            self.pool.release(self.slot)
+            self.pool, self.slot = None, -1
+
+    def advance(self, n: int) -> None:
+        """Move past a step's n rows; a pooled state that ends on a chunk boundary the step
+        did not capture takes it from its slot (the pooled path leaves that one there)."""
+        self.position += n
+        p = self.position
+        if n and p % self.layout.chunk == 0 and p not in self.captured:
+            self.captured[p] = LinearSnapshot(p, self.conv.clone(), self.recurrent.clone())
 
     def take_captured(self) -> dict[int, LinearSnapshot]:
         """Hand over the captured snapshots (the caller keeps or drops them)."""
@@ -156,35 +239,112 @@ def gated_deltanet(
     layout: LinearLayout,
     eps: float,
     rows: list[int] | None = None,
+    pooled: PooledRows | None = None,
+    pool: LinearStatePool | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet layer over the step's rows x [T, hidden] -> [T, hidden], continuing
     each sequence's `LinearState` (batch.linear_states, in sequence order) in linear layer
     `layer`. `rows`: each sequence's row count, known on the host (else read from the batch).
-    Every op is row-local except the convolution (the sequence's own previous rows)
-    and the delta rule (`Ops.gated_delta_rule`)."""
+    `pooled`: where the sequences sit in `pool` (`pooled_rows`), for a backend with
+    `PooledLinearAttentionOps`: all sequences in one launch per kernel (`batch.linear_states`
+    may then be None where the step crosses no boundary before a sequence's last row: a CUDA
+    graph's decode step); else a loop over the sequences. Every op is row-local except the convolution (the sequence's
+    own previous rows) and the delta rule (`Ops.gated_delta_rule`), whose rows are computed
+    alike either way."""
     lay = layout
     kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
-    hv, k1 = lay.num_value_heads, lay.conv_kernel - 1
+    hv, dk = lay.num_value_heads, lay.key_head_dim
     t = x.shape[0]
     proj = ops.linear(x, w.in_proj)
     mixed, z, b, a = proj.split([lay.conv_dim, vd, hv, hv], dim=1)
     g, beta = ops.gdn_gates(a.contiguous(), b.contiguous(), w.a_log, w.dt_bias)
-    out = torch.empty((t, hv, lay.value_head_dim), dtype=torch.float32, device=x.device)
+    states = batch.linear_states
+    if pooled is not None:
+        assert isinstance(ops, PooledLinearAttentionOps) and pool is not None
+        act = ops.causal_conv_silu_pooled(mixed, pool.conv[:, layer], w.conv, pooled)
+        windows = ops.update_conv_windows(mixed, pool.conv[:, layer], w.conv, pooled)
+        q, k_, v = act.split([kd, kd, vd], dim=1)
+        q = ops.l2_normalize(q.reshape(-1, dk), 1e-6, dk**-0.5).reshape(t, -1, dk)
+        k_ = ops.l2_normalize(k_.reshape(-1, dk), 1e-6, 1.0).reshape(t, -1, dk)
+        v = v.reshape(t, hv, lay.value_head_dim).contiguous()
+        out, bounds = ops.gated_delta_rule_pooled(
+            q, k_, v, g, beta, pool.recurrent[:, layer], pool.open_k[:, layer],
+            pool.open_gamma[:, layer], pool.open_u[:, layer], pooled,
+        )  # fmt: skip
+        for i, (seq, position) in enumerate(pooled.boundaries):
+            assert states is not None
+            snap = _snapshot(states[seq], position)
+            snap.conv[layer].copy_(windows[i])
+            snap.recurrent[layer].copy_(bounds[i])
+    else:
+        out = _delta_rule_by_sequence(ops, mixed, g, beta, w, layer, batch, lay, rows)
+    normed = ops.rms_norm(out.reshape(-1, lay.value_head_dim), w.norm, eps)
+    gated = ops.gate_activation(normed, z.reshape(-1, lay.value_head_dim).contiguous(), "silu")
+    return ops.linear(gated.reshape(t, vd).to(x.dtype), w.out_proj)
+
+
+def pooled_rows(
+    ops: Ops, states: list[LinearState], rows: list[int], layout: LinearLayout
+) -> PooledRows | None:
+    """The step's `PooledRows` where the backend runs pooled steps and every state sits in
+    one pool, else None (the layers then loop over the sequences)."""
+    pool = states[0].pool if states else None
+    if pool is None or not isinstance(ops, PooledLinearAttentionOps):
+        return None
+    if any(s.pool is not pool for s in states):
+        return None
+    return PooledRows.build(
+        rows, [s.position for s in states], [s.slot for s in states], layout.chunk,
+        pool.recurrent.device,
+    )  # fmt: skip
+
+
+def _snapshot(state: LinearState, position: int) -> LinearSnapshot:
+    """The state's snapshot at `position`, made (empty) on its first layer."""
+    snap = state.captured.get(position)
+    if snap is None:
+        lay = state.layout
+        snap = LinearSnapshot(
+            position,
+            lay._zeros(lay.num_layers, lay.conv_kernel - 1, lay.conv_dim),
+            lay._zeros(
+                lay.num_layers, lay.num_value_heads, lay.key_head_dim, lay.value_head_dim
+            ),  # fmt: skip
+        )
+        state.captured[position] = snap
+    return snap
+
+
+def _delta_rule_by_sequence(
+    ops: Ops,
+    mixed: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    w: LinearWeights,
+    layer: int,
+    batch: ForwardBatch,
+    lay: LinearLayout,
+    rows: list[int] | None,
+) -> torch.Tensor:
+    """The conv and the delta rule of `gated_deltanet`, one sequence after another."""
+    kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
+    hv, k1, dk = lay.num_value_heads, lay.conv_kernel - 1, lay.key_head_dim
+    out = torch.empty((mixed.shape[0], hv, lay.value_head_dim), dtype=torch.float32,
+                      device=mixed.device)  # fmt: skip
     cu_q = batch.meta.cu_q.tolist() if rows is None else [0, *itertools.accumulate(rows)]
     states = batch.linear_states
     assert states is not None and len(states) == len(cu_q) - 1, "one LinearState per sequence"
     for seq, state in enumerate(states):
         r0, r1 = cu_q[seq], cu_q[seq + 1]
         n, start = r1 - r0, state.position
-        # The window, then this step's rows: row i + k - 1 + 1 of `rows` feeds output i.
-        rows = torch.cat([state.conv[layer], mixed[r0:r1].float()])
-        conv = rows[0:n] * w.conv[:, 0]
+        # The window, then this step's rows: row i + k - 1 + 1 of `seq_rows` feeds output i.
+        seq_rows = torch.cat([state.conv[layer], mixed[r0:r1].float()])
+        conv = seq_rows[0:n] * w.conv[:, 0]
         for k in range(1, k1 + 1):  # ascending taps, one multiply and one add each
-            conv = conv + rows[k : k + n] * w.conv[:, k]
+            conv = conv + seq_rows[k : k + n] * w.conv[:, k]
         act = ops.silu(conv.contiguous())
-        state.conv[layer].copy_(rows[n : n + k1])
+        state.conv[layer].copy_(seq_rows[n : n + k1])
         q, k_, v = act.split([kd, kd, vd], dim=1)
-        dk = lay.key_head_dim
         q = ops.l2_normalize(q.reshape(-1, dk), 1e-6, dk**-0.5).reshape(n, -1, dk)
         k_ = ops.l2_normalize(k_.reshape(-1, dk), 1e-6, 1.0).reshape(n, -1, dk)
         v = v.reshape(n, hv, lay.value_head_dim).contiguous()
@@ -194,16 +354,7 @@ def gated_deltanet(
         )  # fmt: skip
         out[r0:r1] = o
         for position, s in boundaries:
-            snap = state.captured.get(position)
-            if snap is None:
-                snap = LinearSnapshot(
-                    position,
-                    lay._zeros(lay.num_layers, k1, lay.conv_dim),
-                    lay._zeros(lay.num_layers, hv, dk, lay.value_head_dim),
-                )
-                state.captured[position] = snap
-            snap.conv[layer].copy_(rows[position - start : position - start + k1])
+            snap = _snapshot(state, position)
+            snap.conv[layer].copy_(seq_rows[position - start : position - start + k1])
             snap.recurrent[layer].copy_(s)
-    normed = ops.rms_norm(out.reshape(-1, lay.value_head_dim), w.norm, eps)
-    gated = ops.gate_activation(normed, z.reshape(-1, lay.value_head_dim).contiguous(), "silu")
-    return ops.linear(gated.reshape(t, vd).to(x.dtype), w.out_proj)
+    return out

@@ -3,11 +3,13 @@ features are refused, and transformers' in-memory layout of expert tensors.
 
 Supported routing (Qwen3-MoE, `MoeSpec`): softmax over fp32 router logits, the top-k experts
 (ties toward the lower id), optionally renormalized over the k; every expert a SwiGLU MLP; no
-shared expert, no capacity limit. A family with the same routing (OLMoE, Mixtral) needs only
-its config keys and tensor names mapped here and in the loader; a shared expert (Qwen2-MoE,
-DeepSeek) is a dense MLP added to the routed output; grouped or sigmoid routing (DeepSeek V3)
-is a new routing formula in every backend's `Ops.moe`. Until then each is refused at load, in
-one line naming the config key.
+capacity limit. Qwen3-Next and Qwen3.5-MoE add a shared expert gated by a sigmoid
+(`shared_expert_intermediate_size`, allowed for their model types only:
+`GATED_SHARED_EXPERT_TYPES`). A family with the same routing (OLMoE, Mixtral) needs only its
+config keys and tensor names mapped here and in the loader; another shared-expert form
+(DeepSeek's ungated experts) is a variant of blocks/moe.py's shared expert; grouped or sigmoid
+routing (DeepSeek V3) is a new routing formula in every backend's `Ops.moe`. Until then each is
+refused at load, in one line naming the config key.
 
 Checkpoints name experts one tensor each (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`,
 the canonical names, which `save_pretrained` writes). transformers 5 holds them in memory fused
@@ -28,9 +30,12 @@ from lockstep.errors import ModelLoadError
 from lockstep.models.spec import MoeSpec
 
 SUPPORTED_ROUTING = (
-    "Qwen3-MoE routing (softmax top-k, optional renormalization, no shared expert, no expert "
-    "groups)"
+    "Qwen3-MoE routing (softmax top-k, optional renormalization, no expert groups), with a "
+    "sigmoid-gated shared expert in Qwen3-Next and Qwen3.5-MoE only"
 )
+# model_type values whose shared expert is the one blocks/moe.py runs (Qwen2MoeSparseMoeBlock's
+# sigmoid-gated shared expert), so their `shared_expert_intermediate_size` is served.
+GATED_SHARED_EXPERT_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 # (config key, is the value unsupported?, what the key turns on). Keys of MoE families whose
 # routing Lockstep does not implement; any of them set is refused whatever the model_type.
@@ -48,7 +53,10 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
 
 def refuse_unsupported_moe(config: dict[str, Any], where: str) -> None:
     """Raise `ModelLoadError` (one line) if `config` turns on an MoE feature Lockstep lacks."""
+    gated_shared = config.get("model_type") in GATED_SHARED_EXPERT_TYPES
     for key, unsupported, feature in _UNSUPPORTED:
+        if gated_shared and key == "shared_expert_intermediate_size":
+            continue
         value = config.get(key)
         if unsupported(value):
             raise ModelLoadError(
@@ -58,9 +66,12 @@ def refuse_unsupported_moe(config: dict[str, Any], where: str) -> None:
 
 
 def hf_moe_spec(config: dict[str, Any], num_layers: int, where: str) -> MoeSpec:
-    """The routed experts of a Qwen3-MoE config. A layer is sparse when it is not in
-    `mlp_only_layers` and (layer + 1) is a multiple of `decoder_sparse_step`, as in
-    transformers. `num_experts` is saved as `num_local_experts` by transformers 5."""
+    """The routed experts of a Qwen3-MoE or Qwen3-Next config (and of a Qwen3.5-MoE one, whose
+    family fills in its fixed keys). A layer is sparse when it is not in `mlp_only_layers` and
+    (layer + 1) is a multiple of `decoder_sparse_step`, as in transformers. `num_experts` is
+    saved as `num_local_experts` by transformers 5. `shared_expert_intermediate_size` (0 or
+    absent: none) is the gated shared expert's width; `refuse_unsupported_moe` has already
+    refused it for model types without one."""
     experts = config.get("num_experts", config.get("num_local_experts"))
     step = int(config.get("decoder_sparse_step", 1))
     if experts is None or step < 1:
@@ -80,6 +91,7 @@ def hf_moe_spec(config: dict[str, Any], num_layers: int, where: str) -> MoeSpec:
             sparse_layers=tuple(
                 i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0
             ),
+            shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{where}: required key {exc.args[0]} is missing") from None

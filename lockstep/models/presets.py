@@ -156,6 +156,73 @@ PRESETS: dict[str, Preset] = {
         ),
         add_bos=False,
     ),
+    # The hybrid MoE families, small: tiny-qwen3.5's layers with 8 experts (top 2) and a
+    # gated shared expert in every layer (Qwen3.5-MoE), or with its Gated DeltaNet inputs
+    # grouped by key head and the middle layer dense (Qwen3-Next).
+    "tiny-qwen3.5-moe": Preset(
+        ModelSpec(
+            family="qwen3_5_moe", vocab_size=512, hidden_size=128, intermediate_size=48,
+            num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
+                key_head_dim=32, value_head_dim=32, conv_kernel=4,
+            ),
+            moe=MoeSpec(num_experts=8, top_k=2, intermediate_size=32, renormalize=True,
+                        sparse_layers=(0, 1, 2), shared_expert_size=48),
+        ),
+        add_bos=False,
+    ),
+    "tiny-qwen3-next": Preset(
+        ModelSpec(
+            family="qwen3_next", vocab_size=512, hidden_size=128, intermediate_size=256,
+            num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
+                key_head_dim=32, value_head_dim=32, conv_kernel=4, grouped_projections=True,
+            ),
+            moe=MoeSpec(num_experts=8, top_k=2, intermediate_size=32, renormalize=True,
+                        sparse_layers=(0, 2), shared_expert_size=48),
+        ),
+        add_bos=False,
+    ),
+    # Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults, Qwen3.5's rope theta):
+    # its bf16 weights fit one H200 (the bytes: docs/models.md, "Random presets").
+    "qwen3.5-35b-a3b": Preset(
+        ModelSpec(
+            family="qwen3_5_moe", vocab_size=248320, hidden_size=2048, intermediate_size=512,
+            num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(40, 4), num_key_heads=16, num_value_heads=32,
+                key_head_dim=128, value_head_dim=128, conv_kernel=4,
+            ),
+            moe=MoeSpec(num_experts=256, top_k=8, intermediate_size=512, renormalize=True,
+                        sparse_layers=tuple(range(40)), shared_expert_size=512),
+        ),
+        add_bos=False,
+    ),
+    # Qwen3-Next-80B-A3B: its bf16 weights exceed one H200 (docs/models.md) and hybrid models
+    # do not run tensor-parallel yet, so the engine refuses it with that arithmetic.
+    "qwen3-next-80b-a3b": Preset(
+        ModelSpec(
+            family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+            num_layers=48, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(48, 4), num_key_heads=16, num_value_heads=32,
+                key_head_dim=128, value_head_dim=128, conv_kernel=4, grouped_projections=True,
+            ),
+            moe=MoeSpec(num_experts=512, top_k=10, intermediate_size=512, renormalize=True,
+                        sparse_layers=tuple(range(48)), shared_expert_size=512),
+        ),
+        add_bos=False,
+    ),
     "smollm2-135m": Preset(
         ModelSpec(
             family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -1,16 +1,17 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, Gemma 3) is a pre-norm
-decoder with rotary embeddings whose layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans`
-names each layer's mixer and MLP block (lockstep/models/blocks), chosen from the flags below:
-attention (q/k/v biases, q/k norm, Qwen3.5's output gate and partial rotary embeddings, Gemma
-3's sliding window), or in a hybrid model (`ModelSpec.linear`) Gated DeltaNet in most layers;
-the dense SwiGLU (or GeGLU) MLP, or in the sparse layers of a mixture-of-experts model
-(`ModelSpec.moe`) a router and routed experts. Qwen3.5 and Gemma 3 store their RMSNorm weights
-as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and MLP's output (its four norms
-per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec` plus a state dict in the
-canonical (Hugging Face) naming: each block's module docstring lists its tensors (after
-"model.layers.{i}."); around them
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, the hybrid MoE families
+Qwen3.5-MoE and Qwen3-Next, and Gemma 3) is a pre-norm decoder with rotary embeddings whose
+layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP
+block (lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
+Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), or in a hybrid
+model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU (or GeGLU) MLP, or
+in the sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed
+experts, plus a gated shared expert where the family has one. The hybrid families and Gemma 3
+store their RMSNorm weights as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and
+MLP's output (its four norms per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec`
+plus a state dict in the canonical (Hugging Face) naming: each block's module docstring lists
+its tensors (after "model.layers.{i}."); around them
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
@@ -39,9 +40,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lockstep.models.blocks import LayerPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gemma3")
-MOE_FAMILIES = ("qwen3_moe",)
-HYBRID_FAMILIES = ("qwen3_5",)
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+            "gemma3")  # fmt: skip
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -65,13 +67,18 @@ class MoeSpec:
     id; their weights are the softmax probabilities, renormalized over the k when
     `renormalize` (Hugging Face's `norm_topk_prob`). Every expert is a SwiGLU MLP of width
     `intermediate_size`. Layers in `sparse_layers` use the experts; the others use the dense
-    MLP of `ModelSpec.intermediate_size`. No shared expert, no capacity limit."""
+    MLP of `ModelSpec.intermediate_size`. No capacity limit.
+
+    `shared_expert_size` > 0 (Qwen3-Next, Qwen3.5-MoE): every sparse layer also runs a shared
+    SwiGLU expert of that width on every token, gated per token by a sigmoid of one more
+    linear row: out = routed + sigmoid(x . g) * shared(x) (blocks/moe.py)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     renormalize: bool
     sparse_layers: tuple[int, ...]
+    shared_expert_size: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -81,6 +88,10 @@ class MoeSpec:
             )
         if list(self.sparse_layers) != sorted(set(self.sparse_layers)):
             raise ValueError(f"sparse_layers={self.sparse_layers} must be sorted and unique")
+        if self.shared_expert_size < 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size={self.shared_expert_size} must be >= 0"
+            )
 
 
 QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,7 +120,12 @@ class LinearAttentionSpec:
     (`num_key_heads` x `key_head_dim`) and v (`num_value_heads` x `value_head_dim`), runs them
     through a causal depthwise convolution of width `conv_kernel` and SiLU, L2-normalizes q
     and k, and applies the gated delta rule; each key head serves num_value_heads /
-    num_key_heads value heads."""
+    num_key_heads value heads.
+
+    `grouped_projections`: how checkpoints store the input projections (blocks/
+    gated_deltanet.py): False, four linears q | k | v, z, b, a (Qwen3.5); True, two linears
+    whose rows are grouped by key head, [q k v z] and [b a] per key head (Qwen3-Next). The
+    math is the same."""
 
     layer_types: tuple[str, ...]
     num_key_heads: int
@@ -117,6 +133,7 @@ class LinearAttentionSpec:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    grouped_projections: bool = False
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -271,7 +288,7 @@ class ModelSpec:
     @property
     def norm_kind(self) -> str:
         """How RMSNorm weights are prepared (decoder.py's `weight_layout`): "norm1p" where the
-        family stores w - 1 (Qwen3.5, Gemma 3), else "norm"."""
+        family stores w - 1 (the hybrid families, Gemma 3), else "norm"."""
         return "norm1p" if self.hybrid or self.family == "gemma3" else "norm"
 
     def window(self, layer: int) -> int | None:
@@ -299,7 +316,8 @@ class ModelSpec:
 
     @property
     def hybrid(self) -> bool:
-        """Qwen3.5: linear-attention layers, gated full attention, norms stored as w - 1."""
+        """Qwen3.5, Qwen3.5-MoE, Qwen3-Next: linear-attention layers, gated full attention,
+        norms stored as w - 1."""
         return self.linear is not None
 
     def is_linear(self, layer: int) -> bool:
@@ -341,6 +359,8 @@ class ModelSpec:
         if self.moe is not None:
             e = self.moe.num_experts
             sparse_mlp = e * h + e * 3 * h * self.moe.intermediate_size
+            if self.moe.shared_expert_size:
+                sparse_mlp += 3 * h * self.moe.shared_expert_size + h  # its MLP and gate row
             total += len(self.moe.sparse_layers) * (sparse_mlp - 3 * h * i)
         return total
 
@@ -355,11 +375,13 @@ def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
         return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid,
                          window=spec.window(layer))  # fmt: skip
 
+    linear = GatedDeltaNet(grouped=spec.linear is not None and spec.linear.grouped_projections)
+    experts = MoeMlp(shared_expert=spec.moe is not None and spec.moe.shared_expert_size > 0)
     dense = DenseMlp(activation=spec.mlp_activation)
     return tuple(
         LayerPlan(
-            GatedDeltaNet() if spec.is_linear(i) else attention(i),
-            MoeMlp() if spec.is_sparse(i) else dense,
+            linear if spec.is_linear(i) else attention(i),
+            experts if spec.is_sparse(i) else dense,
         )
         for i in range(spec.num_layers)
     )

@@ -29,6 +29,7 @@ consecutive absolute positions):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
@@ -288,6 +289,95 @@ class LinearAttentionOps(Protocol):
         outputs [n, Hv, Dv] and (position, state [Hv, Dk, Dv]) at chunk boundaries crossed.
         A deterministic backend computes each row by the per-row formula of the CPU kernel
         (`gdn_rule`) and returns every boundary; a fast one may return fewer."""
+        ...
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """Where each sequence of a step sits, as int32 device tensors built once per step: its
+    rows cu [B + 1], first position starts [B], last position + 1 ends [B], state pool slot
+    slots [B], the index in the boundary buffers of its first boundary before its last row
+    bound_at [B], each row's sequence row_seq [T], and per boundary its sequence bound_seq
+    [N] and position bound_pos [N]; `seq_ids` and `bound_ids` count 0.. (B and N). The host
+    copy: `boundaries` [(sequence, position)] and `bound_count` N."""
+
+    cu: torch.Tensor
+    starts: torch.Tensor
+    ends: torch.Tensor
+    slots: torch.Tensor
+    bound_at: torch.Tensor
+    row_seq: torch.Tensor
+    bound_seq: torch.Tensor
+    bound_pos: torch.Tensor
+    seq_ids: torch.Tensor
+    bound_ids: torch.Tensor
+    boundaries: list[tuple[int, int]]
+
+    @property
+    def bound_count(self) -> int:
+        return len(self.boundaries)
+
+    @classmethod
+    def build(
+        cls, rows: list[int], starts: list[int], slots: list[int], chunk: int,
+        device: torch.device,
+    ) -> PooledRows:  # fmt: skip
+        """From host lists. A boundary is a multiple of `chunk` a sequence crosses before its
+        last row (one at the last row is the state the step leaves in the slot)."""
+        boundaries = [
+            (i, p)
+            for i, (s, n) in enumerate(zip(starts, rows, strict=True))
+            for p in range((s // chunk + 1) * chunk, s + n, chunk)
+        ]
+        counts = [0] * len(rows)
+        for i, _ in boundaries:
+            counts[i] += 1
+        b, nb = len(rows), len(boundaries)
+        lists = (
+            [0, *itertools.accumulate(rows)],
+            starts,
+            [s + n for s, n in zip(starts, rows, strict=True)],
+            slots,
+            [0, *itertools.accumulate(counts)][:-1],
+            [i for i, n in enumerate(rows) for _ in range(n)],
+            [i for i, _ in boundaries],
+            [p for _, p in boundaries],
+            list(range(b)),
+            list(range(nb)),
+        )
+        host = torch.tensor([x for part in lists for x in part], dtype=torch.int32)
+        parts = host.to(device, non_blocking=True).split([len(part) for part in lists])
+        return cls(*parts, boundaries=boundaries)
+
+
+@runtime_checkable
+class PooledLinearAttentionOps(Protocol):
+    """Gated DeltaNet over all sequences of a step at once, each continuing the state in its
+    slot of a `LinearStatePool` (lockstep/models/linear_attention.py): a launch per kernel
+    and layer instead of one per sequence, each row computed as `LinearAttentionOps` computes
+    it (optional: without it the layers loop over the sequences)."""
+
+    def causal_conv_silu_pooled(
+        self, mixed: Tensor, windows: Tensor, weight: Tensor, seqs: PooledRows
+    ) -> Tensor:
+        """silu(causal conv) of the step's rows mixed [T, CD] -> float32 [T, CD], the rows
+        before each sequence's first from its window in `windows` [S, K-1, CD]."""
+        ...
+
+    def update_conv_windows(
+        self, mixed: Tensor, windows: Tensor, weight: Tensor, seqs: PooledRows
+    ) -> Tensor:
+        """After the conv: the windows at the step's boundaries [N, K-1, CD]; each slot's
+        window moved to its sequence's end, in place."""
+        ...
+
+    def gated_delta_rule_pooled(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        open_k: Tensor, open_gamma: Tensor, open_u: Tensor, seqs: PooledRows,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """`gated_delta_rule` for every sequence of the step, states and open rows at the
+        sequences' slots of the pool tensors (one layer's); returns out [T, Hv, Dv] and the
+        boundary states before each sequence's last row [N, Hv, Dk, Dv]."""
         ...
 
 

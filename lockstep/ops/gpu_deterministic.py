@@ -18,6 +18,7 @@ from lockstep.ops.base import (
     ComposedAttentionInput,
     IndexCopyKVWrite,
     LayerKV,
+    PooledRows,
 )
 from lockstep.ops.moe import MoeLayer
 
@@ -159,6 +160,27 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:  # fmt: skip
         return gated_delta.gated_delta_rule(
             q, k, v, g, beta, state, open_k, open_gamma, open_u, start
+        )
+
+    def causal_conv_silu_pooled(
+        self, mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
+        seqs: PooledRows,
+    ) -> torch.Tensor:  # fmt: skip
+        return gated_delta.causal_conv_silu_pooled(mixed, windows, weight, seqs)
+
+    def update_conv_windows(
+        self, mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
+        seqs: PooledRows,
+    ) -> torch.Tensor:  # fmt: skip
+        return gated_delta.update_conv_windows(mixed, windows, weight, seqs)
+
+    def gated_delta_rule_pooled(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor, open_k: torch.Tensor, open_gamma: torch.Tensor,
+        open_u: torch.Tensor, seqs: PooledRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return gated_delta.gated_delta_rule_pooled(
+            q, k, v, g, beta, state, open_k, open_gamma, open_u, seqs
         )
 
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:

@@ -35,9 +35,9 @@ from lockstep.ops.fp8 import Fp8Weight
 
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
-    from lockstep.models.linear_attention import LinearLayout
+    from lockstep.models.linear_attention import LinearLayout, LinearStatePool
     from lockstep.models.spec import ModelSpec
-    from lockstep.ops.base import Ops
+    from lockstep.ops.base import Ops, PooledRows
     from lockstep.parallel.layers import TensorParallel
     from lockstep.parallel.sharding import ShardPlan
 
@@ -133,14 +133,17 @@ class KVStorage(Protocol):
 @dataclass(frozen=True)
 class Step:
     """One forward step as the blocks see it: the batch, the K/V caches, tensor parallelism
-    (row-parallel reductions), the linear-attention state layout (hybrid models) and each
-    sequence's row count on the host (read once per step; None without linear layers)."""
+    (row-parallel reductions), the linear-attention state layout (hybrid models), each
+    sequence's row count on the host (read once per step; None without linear layers) and,
+    where the backend runs the linear layers pooled, where the sequences sit in the pool."""
 
     batch: ForwardBatch
     kv: KVStorage
     parallel: TensorParallel
     linear_layout: LinearLayout | None
     rows: list[int] | None
+    pooled: PooledRows | None = None  # hybrid models on a pooled backend (linear_attention)
+    state_pool: LinearStatePool | None = None  # the pool `pooled` indexes
 
 
 class Block(Protocol):

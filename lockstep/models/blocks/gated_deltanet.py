@@ -14,6 +14,15 @@ value heads and dim, K the convolution width):
     linear_attn.norm.weight         [Dv]  (gated RMSNorm, plain weight)
     linear_attn.out_proj.weight     [H, Hv Dv]
 
+Qwen3-Next stores the same rows as two projections grouped by key head (`grouped`, the
+`LinearAttentionSpec.grouped_projections` flag), r = Hv / Hk value heads per key head:
+
+    linear_attn.in_proj_qkvz.weight  [2 Hk Dk + 2 Hv Dv, H]  per key head: q, k, r v, r z
+    linear_attn.in_proj_ba.weight    [2 Hv, H]               per key head: r b, r a
+
+`ungroup_projections` reorders them into the four projections above (transformers'
+`fix_query_key_value_ordering`, applied to weight rows instead of outputs).
+
 Prepared: the four input projections fused (rows q | k | v | z | b | a), the convolution
 [channels, K] and the small vectors in float32.
 """
@@ -30,7 +39,7 @@ from lockstep.models.linear_attention import LinearWeights, gated_deltanet
 from lockstep.ops.base import DenseOps, GatedOutputOps, LinearAttentionOps
 
 if TYPE_CHECKING:
-    from lockstep.models.spec import ModelSpec
+    from lockstep.models.spec import LinearAttentionSpec, ModelSpec
     from lockstep.ops.base import Ops
 
 # Canonical leaf -> prepared field and kind ("linear" fields are fused below).
@@ -47,9 +56,26 @@ class GatedDeltaNetWeights(LinearWeights):
     eps: float
 
 
+def ungroup_projections(
+    lin: LinearAttentionSpec, qkvz: torch.Tensor, ba: torch.Tensor
+) -> list[torch.Tensor]:
+    """Qwen3-Next's grouped input projections (module docstring) as the four projections
+    [q | k | v, z, b, a], each in head order; rows are moved, never changed."""
+    r = lin.num_value_heads // lin.num_key_heads
+    kd, vd = lin.key_head_dim, r * lin.value_head_dim
+    groups = qkvz.reshape(lin.num_key_heads, 2 * kd + 2 * vd, -1)
+    q, k, v, z = groups.split([kd, kd, vd, vd], dim=1)
+    b, a = ba.reshape(lin.num_key_heads, 2 * r, -1).split([r, r], dim=1)
+    flat = [t.reshape(-1, qkvz.shape[-1]) for t in (q, k, v, z, b, a)]
+    return [torch.cat(flat[:3]), *flat[3:]]
+
+
 @dataclass(frozen=True)
 class GatedDeltaNet:
-    """Gated DeltaNet over `ModelSpec.linear`'s shapes."""
+    """Gated DeltaNet over `ModelSpec.linear`'s shapes; `grouped`: Qwen3-Next's two grouped
+    input projections instead of four."""
+
+    grouped: bool = False
 
     prefix: ClassVar[str] = "linear_attn"
     cache: ClassVar[str] = "state"  # a LinearState per sequence
@@ -64,9 +90,13 @@ class GatedDeltaNet:
         state = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim
         return CacheBytes(per_token=0, per_snapshot=4 * (window + state))
 
+    def _inputs(self) -> tuple[str, ...]:
+        if self.grouped:
+            return ("in_proj_qkvz.weight", "in_proj_ba.weight")
+        return ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+
     def weight_names(self, spec: ModelSpec) -> list[str]:
-        leaves = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                  "in_proj_a.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
+        leaves = (*self._inputs(), "conv1d.weight", "A_log", "dt_bias", "norm.weight",
                   "out_proj.weight")  # fmt: skip
         return ["linear_attn." + leaf for leaf in leaves]
 
@@ -78,6 +108,8 @@ class GatedDeltaNet:
             "in_proj_z.weight": (lin.value_dim, h),
             "in_proj_b.weight": (lin.num_value_heads, h),
             "in_proj_a.weight": (lin.num_value_heads, h),
+            "in_proj_qkvz.weight": (lin.conv_dim + lin.value_dim, h),
+            "in_proj_ba.weight": (2 * lin.num_value_heads, h),
             "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
             "A_log": (lin.num_value_heads,),
             "dt_bias": (lin.num_value_heads,),
@@ -87,8 +119,8 @@ class GatedDeltaNet:
 
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
         g, t = f"model.layers.{layer}.linear_attn.", f"layers.{layer}.{role}."
-        ins = [g + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
-        entries = [LayoutEntry(t + "in_proj", "linear", ins)]
+        ins = [g + leaf for leaf in self._inputs()]
+        entries = [LayoutEntry(t + "in_proj", "qkvz_ba" if self.grouped else "linear", ins)]
         entries += [LayoutEntry(t + field, kind, [g + leaf]) for leaf, field, kind in _SMALL]
         entries.append(LayoutEntry(t + "out_proj", "linear", [g + "out_proj.weight"]))
         return entries
@@ -103,4 +135,4 @@ class GatedDeltaNet:
     ) -> torch.Tensor:
         assert step.linear_layout is not None
         return gated_deltanet(ops, x, w, w.state_index, step.batch, step.linear_layout,
-                              w.eps, step.rows)  # fmt: skip
+                              w.eps, step.rows, step.pooled, step.state_pool)  # fmt: skip

@@ -1,18 +1,30 @@
 """The routed-experts MLP of a mixture-of-experts layer (`ModelSpec.moe`, lockstep/ops/moe.py):
-a router and `num_experts` SwiGLU experts, run by `Ops.moe`.
+a router and `num_experts` SwiGLU experts, run by `Ops.moe`, and in Qwen3-Next and
+Qwen3.5-MoE a gated shared expert beside them.
 
-Canonical tensors (after "model.layers.{i}.", H hidden, E experts, I the expert width):
+Canonical tensors (after "model.layers.{i}.", H hidden, E experts, I the expert width, S the
+shared expert's width):
 
     mlp.gate.weight                          [E, H]   (the router)
     mlp.experts.{e}.{gate,up}_proj.weight    [I, H]
     mlp.experts.{e}.down_proj.weight         [H, I]
+    mlp.shared_expert.{gate,up}_proj.weight  [S, H]   (shared expert only)
+    mlp.shared_expert.down_proj.weight       [H, S]
+    mlp.shared_expert_gate.weight            [1, H]
+
+With a shared expert, a token's output is routed + sigmoid(x . g) * shared(x), as
+transformers' Qwen2MoeSparseMoeBlock computes it: the routed experts' sum (`Ops.moe`, rounded
+to x's dtype), the shared SwiGLU (gate | up fused by rows, as the dense MLP) scaled by the
+sigmoid of its gate row (`Ops.gate_activation`, whose arithmetic is per element), then one
+elementwise add. Every step is row-local, so the contract below holds unchanged.
 
 In a block-FP8 model (`ModelSpec.fp8`, scheme "block") every expert projection is e4m3 with
 its `weight_scale` [ceil(N/128), ceil(K/128)] beside it (spec.py), as Qwen3-30B-A3B-FP8
 stores them; the router stays unquantized (such checkpoints list `mlp.gate` in
 `modules_to_not_convert`).
 
-Prepared: the router as a linear, the experts stacked into gate_up [E, 2I, K'] and down
+Prepared: the router as a linear, the shared expert's gate | up, down and gate row as
+linears (whole: MoE models run at tp 1), the experts stacked into gate_up [E, 2I, K'] and down
 [E, H, I'] (lockstep/ops/moe.py, "Weights"), FP8 experts with their stacked block scales
 (`Fp8Experts`, "FP8 experts" there). A token's output is a function of its own row (the
 contract is in lockstep/ops/moe.py).
@@ -26,8 +38,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.blocks.base import BuildContext, LayoutEntry, Step
-from lockstep.ops.base import MoeOps
+from lockstep.models.blocks.base import (
+    BuildContext,
+    LayoutEntry,
+    Linear,
+    Step,
+    linear,
+    linear_entry,
+)
+from lockstep.ops.base import DenseOps, GatedOutputOps, MoeOps
 from lockstep.ops.moe import Fp8Experts, MoeLayer
 
 if TYPE_CHECKING:
@@ -37,26 +56,42 @@ if TYPE_CHECKING:
 
 @dataclass
 class MoeMlpWeights:
-    """The prepared router and stacked experts, and the `MoeLayer` over the same tensors."""
+    """The prepared router and stacked experts, the `MoeLayer` over the same tensors, and the
+    shared expert's linears (None without one)."""
 
     router: torch.Tensor
     experts_gate_up: torch.Tensor | Fp8Experts
     experts_down: torch.Tensor | Fp8Experts
     layer: MoeLayer
+    shared_gate_up: Linear | None = None  # rows gate | up
+    shared_down: Linear | None = None
+    shared_gate: torch.Tensor | None = None  # [8, H]: row 0 the shared expert's sigmoid gate
+
+
+_SHARED = [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
 
 
 @dataclass(frozen=True)
 class MoeMlp:
-    """Softmax top-k routing over `ModelSpec.moe`'s experts."""
+    """Softmax top-k routing over `ModelSpec.moe`'s experts, with a sigmoid-gated
+    `shared_expert` of width `MoeSpec.shared_expert_size` when set."""
+
+    shared_expert: bool = False
 
     prefix: ClassVar[str] = "mlp"
-    requires: ClassVar[tuple[type, ...]] = (MoeOps,)
+
+    @property
+    def requires(self) -> tuple[type, ...]:
+        shared = (DenseOps, GatedOutputOps) if self.shared_expert else ()
+        return (MoeOps, *shared)
 
     def weight_names(self, spec: ModelSpec) -> list[str]:
         assert spec.moe is not None
         names = ["mlp.gate.weight"]
         for e in range(spec.moe.num_experts):
             names += [f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if self.shared_expert:
+            names += [*_SHARED, "mlp.shared_expert_gate.weight"]
         return names
 
     def weight_shape(self, spec: ModelSpec, name: str) -> tuple[int, ...]:
@@ -64,6 +99,10 @@ class MoeMlp:
         h, i = spec.hidden_size, spec.moe.intermediate_size
         if name == "mlp.gate.weight":
             return (spec.moe.num_experts, h)
+        if name == "mlp.shared_expert_gate.weight":
+            return (1, h)
+        if name.startswith("mlp.shared_expert."):
+            i = spec.moe.shared_expert_size
         return (h, i) if name.endswith("down_proj.weight") else (i, h)
 
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
@@ -72,11 +111,19 @@ class MoeMlp:
         experts = [f"{p}experts.{e}." for e in range(spec.moe.num_experts)]
         gate_up = [e + f"{proj}_proj" for e in experts for proj in ("gate", "up")]
         down = [e + "down_proj" for e in experts]
-        return [
+        entries = [
             LayoutEntry(t + "router", "linear", [p + "gate.weight"]),
             _experts_entry(spec, t + "experts_gate_up", gate_up),
             _experts_entry(spec, t + "experts_down", down),
         ]
+        if self.shared_expert:
+            s = p + "shared_expert."
+            entries += [
+                linear_entry(spec, t + "shared_gate_up", [s + "gate_proj", s + "up_proj"]),
+                linear_entry(spec, t + "shared_down", [s + "down_proj"]),
+                LayoutEntry(t + "shared_gate", "linear", [p + "shared_expert_gate.weight"]),
+            ]
+        return entries
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> MoeMlpWeights:
         moe = context.spec.moe
@@ -87,10 +134,24 @@ class MoeMlp:
                              gate_up.scale, down.scale)  # fmt: skip
         else:
             layer = MoeLayer(router, gate_up, down, moe.top_k, moe.renormalize)
-        return MoeMlpWeights(router, gate_up, down, layer)
+        shared_gate = parts.get("shared_gate")
+        if shared_gate is not None:
+            # Zero rows up to 8: a one-column output's rows would not be 16-byte aligned,
+            # which the GPU matmul's tensor descriptors require; column 0 is the gate.
+            shared_gate = torch.cat([shared_gate, shared_gate.new_zeros(7, shared_gate.shape[1])])
+        return MoeMlpWeights(router, gate_up, down, layer, parts.get("shared_gate_up"),
+                             parts.get("shared_down"), shared_gate)  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: MoeMlpWeights, step: Step) -> torch.Tensor:
-        return ops.moe(x, w.layer)
+        routed = ops.moe(x, w.layer)
+        if w.shared_gate_up is None:
+            return routed
+        assert w.shared_down is not None and w.shared_gate is not None
+        shared = linear(ops, ops.silu_mul(linear(ops, x, w.shared_gate_up)), w.shared_down)
+        # One gate value per token, broadcast over its row so the gate op (which takes x and
+        # gate of one shape) computes each element's sigmoid by the same per-element formula.
+        gate = linear(ops, x, w.shared_gate)[:, :1].expand_as(shared).contiguous()
+        return routed + ops.gate_activation(shared, gate, "sigmoid")
 
 
 def _experts_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:

@@ -20,18 +20,22 @@ from lockstep.models.spec import LinearAttentionSpec, ModelSpec
 _LANGUAGE_MODEL = "model.language_model."
 
 
-def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """A multimodal config's text model, as a qwen3_5_text config."""
+def text_config(config: dict[str, Any], where: str, text_type: str = "qwen3_5_text") -> dict:
+    """A multimodal config's text model, as a `text_type` config (Qwen3.5-MoE's wrapper too)."""
     text = config.get("text_config")
     if not isinstance(text, dict):
-        raise ModelLoadError(f"{where}: model_type 'qwen3_5' without a text_config object")
+        raise ModelLoadError(
+            f"{where}: model_type {config.get('model_type')!r} without a text_config object"
+        )
     tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
+    return {**text, "model_type": text_type, "tie_word_embeddings": tie}
 
 
-def _linear_spec(config: dict[str, Any], layers: int, where: str) -> LinearAttentionSpec:
+def linear_spec(
+    config: dict[str, Any], layers: int, where: str, grouped: bool = False
+) -> LinearAttentionSpec:
     """The Gated DeltaNet layers (layer_types, or transformers' default pattern from
-    full_attention_interval)."""
+    full_attention_interval); `grouped`: Qwen3-Next's grouped input projections."""
     types = config.get("layer_types")
     if types is None:
         interval = int(config.get("full_attention_interval", 4))
@@ -46,13 +50,14 @@ def _linear_spec(config: dict[str, Any], layers: int, where: str) -> LinearAtten
         key_head_dim=int(config.get("linear_key_head_dim", 128)),
         value_head_dim=int(config.get("linear_value_head_dim", 128)),
         conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+        grouped_projections=grouped,
     )
 
 
 def spec(config: dict[str, Any], where: str) -> ModelSpec:
     if config.get("model_type") == "qwen3_5":
-        config = _text_config(config, where)
-    linear = lambda layers: _linear_spec(config, layers, where)  # noqa: E731
+        config = text_config(config, where)
+    linear = lambda layers: linear_spec(config, layers, where)  # noqa: E731
     return decoder_spec(config, where, "qwen3_5", rotary_default=0.25, qk_norm=True, linear=linear)
 
 

@@ -1,0 +1,11 @@
+"""Training with the sampler's bits: a differentiable forward whose logprobs equal the engine's
+bit for bit (docs/training.md).
+
+    from lockstep.training import LockstepForCausalLM
+    model = LockstepForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    out = model(token_id_lists)            # out.logprobs: LLM.score's bits, differentiable
+"""
+
+from lockstep.training.model import LockstepForCausalLM, PackedOutput
+
+__all__ = ["LockstepForCausalLM", "PackedOutput"]

@@ -1,0 +1,87 @@
+"""Saving a trained `LockstepForCausalLM` as a Hugging Face folder that transformers and
+Lockstep both load: config.json, model.safetensors and the tokenizer files.
+
+The tensors are the model's `state_dict()` as they are (norm weights float32, the rest in the
+model dtype), so Lockstep loads back exactly the trained values. config.json is the source
+folder's own (its `dtype` set to the model's) when the model came from a Hugging Face folder,
+else one written from the spec (a GGUF file, a `random:` preset); the tokenizer files are the
+source folder's, else `tokenizer_folder.hf_files` (the same token ids as Lockstep's tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from safetensors.torch import save_file
+
+from lockstep.models.spec import ModelSpec
+from lockstep.models.tokenizer_folder import hf_files
+
+if TYPE_CHECKING:
+    from lockstep.training.model import LockstepForCausalLM
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+# Files of a source folder that describe the model besides its weights.
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
+
+
+def save_folder(model: LockstepForCausalLM, folder: Path) -> None:
+    """Write `model` to `folder` (created if missing; files of the same names replaced)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    source = Path(model.source)
+    if (source / "config.json").is_file():
+        for name in COPIED:
+            if (source / name).is_file() and source.resolve() != folder.resolve():
+                shutil.copyfile(source / name, folder / name)
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config.pop("torch_dtype", None)
+        config["dtype"] = dtype_name
+    else:
+        config = hf_config(model.spec, model.tokenizer.bos_token_id,
+                           model.tokenizer.eos_token_id, dtype_name)  # fmt: skip
+        for name, text in hf_files(model.tokenizer, model.spec.max_position).items():
+            (folder / name).write_text(text, encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def hf_config(
+    spec: ModelSpec, bos_token_id: int | None, eos_token_id: int | None, dtype: str
+) -> dict[str, Any]:
+    """A transformers config.json for a dense spec (Llama, Qwen2, Qwen3), RoPE in
+    transformers 5's `rope_parameters` (Lockstep reads it too)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.rope_scaling is not None:
+        s = spec.rope_scaling
+        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position)  # fmt: skip
+    config: dict[str, Any] = {
+        "model_type": spec.family,
+        "architectures": [ARCHITECTURES[spec.family]],
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps,
+        "max_position_embeddings": spec.max_position,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "rope_parameters": rope,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": dtype,
+    }
+    if spec.family == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    return config

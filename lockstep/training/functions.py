@@ -1,0 +1,259 @@
+"""Autograd Functions whose forward is the engine's own op (an `Ops` backend, lockstep.ops) and
+whose backward is a correct gradient computed with plain torch.
+
+Forward: each Function calls exactly the backend method the engine's decoder calls, on inputs
+prepared exactly as the decoder prepares them (lockstep/models/decoder.py), so every output
+has the engine's bits. The deterministic backends are batch invariant (a row's bits depend
+only on its own row and, for attention, its own sequence's earlier keys), so a packed
+training batch gives each sequence the bits of the engine's cold prefill of it.
+
+Backward: plain torch in float32 (or float64 for float64 inputs), never the engine's kernels.
+`linear` and `log_softmax` have their closed-form gradients; the row ops and attention
+recompute a plain-torch twin of their formula from the saved inputs and differentiate it
+(`_TwinBackward`): the twin is the same function the kernel computes up to rounding, so its
+gradient at the kernel's inputs is the kernel's gradient. The backward is NOT batch
+invariant: torch's matmul picks its kernels by shape, so a row's gradient bits may depend on
+its batch-mates (its value is correct to rounding). Gradients of values the forward rounds
+(float32 K/V written to a bfloat16 cache) pass straight through the rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops
+
+Tensors = tuple[torch.Tensor | None, ...]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """The dtype backward math runs in: float64 stays, everything else becomes float32."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+class _Linear(torch.autograd.Function):
+    """x [M, K] @ weight.T (+ bias) by `ops.linear` on `ops.prepare_linear_weight(weight)`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ops: Ops,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        partial: bool,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        prepared = ops.prepare_linear_weight(weight.contiguous())
+        if partial:
+            return ops.partial_linear(x.contiguous(), prepared)
+        return ops.linear(x, prepared, bias)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[None, torch.Tensor, torch.Tensor, Any, None]:
+        x, weight = ctx.saved_tensors
+        g = _wide(grad)
+        grad_x = (g @ _wide(weight)).to(x.dtype)
+        grad_w = (g.T @ _wide(x)).to(weight.dtype)
+        grad_b = g.sum(0) if ctx.has_bias else None
+        return None, grad_x, grad_w, grad_b, None
+
+
+def linear(
+    ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The engine's linear (x [M, K], weight [N, K] in any dtype the backend takes, bias
+    float32 [N]); the gradient reaches x, weight and bias."""
+    return _Linear.apply(ops, x, weight, bias, False)
+
+
+def partial_linear(ops: Ops, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The engine's `partial_linear`: x @ weight.T in float32, not rounded to x's dtype (one
+    reduction chunk of a row-parallel linear)."""
+    return _Linear.apply(ops, x, weight, None, True)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """float32 log-probabilities of logits [R, V] by `ops.log_softmax`, one row at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, ops: Ops, logits: torch.Tensor) -> torch.Tensor:
+        out = ops.log_softmax(logits)
+        ctx.save_for_backward(out)
+        ctx.logits_dtype = logits.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (out,) = ctx.saved_tensors
+        g = _wide(grad)
+        grad_in = g - out.exp() * g.sum(-1, keepdim=True)
+        return None, grad_in.to(ctx.logits_dtype)
+
+
+def log_softmax(ops: Ops, logits: torch.Tensor) -> torch.Tensor:
+    """The engine's log-softmax (what the sampler reports and `LLM.score` returns)."""
+    return _LogSoftmax.apply(ops, logits)
+
+
+class _TwinBackward(torch.autograd.Function):
+    """`kernel(*inputs)` forward; backward by autograd through `twin(*inputs)`, a plain-torch
+    computation of the same formula (its outputs in the same order and shapes). Inputs may be
+    None; only floating tensors receive gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        kernel: Callable[..., Tensors],
+        twin: Callable[..., Tensors],
+        *inputs: torch.Tensor | None,
+    ) -> Tensors:
+        ctx.twin = twin
+        ctx.none = [t is None for t in inputs]
+        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        return kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        inputs = [None if none else next(saved) for none in ctx.none]
+        leaves = [
+            None if t is None or not t.is_floating_point() else t.detach().requires_grad_()
+            for t in inputs
+        ]
+        args = [leaf if leaf is not None else t for leaf, t in zip(leaves, inputs, strict=True)]
+        with torch.enable_grad():
+            outs = ctx.twin(*args)
+        pairs = [
+            (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o is not None
+        ]
+        wanted = [leaf for leaf in leaves if leaf is not None]
+        found = torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+        )
+        by_leaf = iter(found)
+        return (None, None, *(None if leaf is None else next(by_leaf) for leaf in leaves))
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = _wide(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * _wide(weight)
+
+
+def rms_norm(ops: Ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The engine's RMSNorm of x [M, H] with a float32 weight [H]."""
+
+    def kernel(x: torch.Tensor, w: torch.Tensor) -> Tensors:
+        return (ops.rms_norm(x, w, eps),)
+
+    def twin(x: torch.Tensor, w: torch.Tensor) -> Tensors:
+        return (_rms(x, w, eps).to(x.dtype),)
+
+    return _TwinBackward.apply(kernel, twin, x, weight)[0]
+
+
+def add_rms_norm(
+    ops: Ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's fused residual add and RMSNorm: (rms_norm(x + residual), x + residual)."""
+
+    def kernel(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> Tensors:
+        return ops.add_rms_norm(x, r, w, eps)
+
+    def twin(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> Tensors:
+        summed = _wide(x) + _wide(r)
+        return _rms(summed, w, eps).to(x.dtype), summed.to(x.dtype)
+
+    normed, summed = _TwinBackward.apply(kernel, twin, x, residual, weight)
+    return normed, summed
+
+
+def silu_mul(ops: Ops, gate_up: torch.Tensor) -> torch.Tensor:
+    """The engine's SwiGLU activation: gate_up [M, 2I] (gate first) -> silu(gate) * up."""
+
+    def kernel(gate_up: torch.Tensor) -> Tensors:
+        return (ops.silu_mul(gate_up),)
+
+    def twin(gate_up: torch.Tensor) -> Tensors:
+        gate, up = _wide(gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up,)
+
+    return _TwinBackward.apply(kernel, twin, gate_up)[0]
+
+
+def _rope_twin(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Neox RoPE (rotate_half) of x [T, H, D] at `positions`, from float32 tables [P, D/2]."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _straight_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` and back, with the rounding's derivative taken as 1."""
+    return x + (x.to(dtype).to(x.dtype) - x).detach()
+
+
+def causal_attention(
+    ops: Ops,
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    layer: AttentionInput,
+    positions: torch.Tensor,
+    meta: AttentionMeta,
+    seq_lens: Sequence[int],
+    kv_dtype: torch.dtype,
+    scale: float,
+) -> torch.Tensor:
+    """One attention layer of a packed batch, from the fused projection rows qkv [T, (Hq + 2
+    Hkv) D] to the attention output [T, Hq D], exactly as the engine computes it: q/k head
+    norms, RoPE and the K/V writes by `ops.attention_input` into a scratch cache of `kv_dtype`
+    whose slot j is row j, then `ops.attention` over `meta` (each sequence's keys are its own
+    rows). `layer` carries the head count, eps and RoPE tables (its q/k norms are replaced by
+    the differentiable `q_norm`, `k_norm`, float32 [D] or None)."""
+    t = qkv.shape[0]
+    hq, d = layer.num_heads, layer.cos.shape[1] * 2
+    hkv = (qkv.shape[1] // d - hq) // 2
+    slots = torch.arange(t, device=qkv.device)
+
+    def kernel(qkv: torch.Tensor, qn: torch.Tensor | None, kn: torch.Tensor | None) -> Tensors:
+        cache = LayerKV(
+            torch.zeros(t, hkv, d, dtype=kv_dtype, device=qkv.device),
+            torch.zeros(t, hkv, d, dtype=kv_dtype, device=qkv.device),
+        )
+        step_layer = AttentionInput(hq, qn, kn, layer.eps, layer.cos, layer.sin)
+        q = ops.attention_input(qkv, step_layer, positions, slots, cache)
+        return (ops.attention(q, cache, meta, scale).reshape(t, hq * d),)
+
+    def twin(qkv: torch.Tensor, qn: torch.Tensor | None, kn: torch.Tensor | None) -> Tensors:
+        q, k, v = _wide(qkv).split([hq * d, hkv * d, hkv * d], dim=1)
+        q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        if qn is not None and kn is not None:
+            q, k = _rms(q, qn, layer.eps), _rms(k, kn, layer.eps)
+        q = _rope_twin(q, positions, layer.cos, layer.sin)
+        k = _straight_through(_rope_twin(k, positions, layer.cos, layer.sin), kv_dtype)
+        v = _straight_through(v, kv_dtype)
+        group = hq // hkv
+        outs, start = [], 0
+        for n in seq_lens:
+            qb = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+            kb = k[start : start + n].transpose(0, 1).repeat_interleave(group, 0)
+            vb = v[start : start + n].transpose(0, 1).repeat_interleave(group, 0)
+            scores = (qb @ kb.transpose(1, 2)) * scale
+            mask = torch.ones(n, n, dtype=torch.bool, device=qkv.device).tril()
+            weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            outs.append((weights @ vb).transpose(0, 1).reshape(n, hq * d))
+            start += n
+        return (torch.cat(outs).to(qkv.dtype),)
+
+    return _TwinBackward.apply(kernel, twin, qkv, q_norm, k_norm)[0]
