@@ -109,6 +109,8 @@ CASES = (
     ),
     Case("folder:fp8-block qwen3_moe", None, _fp8_folder("fp8-block", family="qwen3_moe")),
     Case("gguf:default", None, text=GGUF_TEXT),
+    Case("random:tiny-gemma3", "random:tiny-gemma3"),
+    Case("folder:gemma3", None, _tiny_folder("gemma3")),
 )
 
 

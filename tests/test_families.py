@@ -11,13 +11,13 @@ from lockstep.models.families import SUPPORTED_MODEL_TYPES, family_of
 
 
 def test_unknown_model_type_is_refused_in_one_line_listing_the_supported_ones() -> None:
-    config = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}
     with pytest.raises(ModelLoadError) as err:
         family_of(config, "x/config.json")
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith("x/config.json: model_type 'gemma3_text' is not supported")
-    assert ", ".join(SUPPORTED_MODEL_TYPES) in message and "Gemma3ForCausalLM" in message
+    assert message.startswith("x/config.json: model_type 'gpt_oss' is not supported")
+    assert ", ".join(SUPPORTED_MODEL_TYPES) in message and "GptOssForCausalLM" in message
 
 
 @pytest.mark.parametrize(
@@ -25,6 +25,8 @@ def test_unknown_model_type_is_refused_in_one_line_listing_the_supported_ones() 
     [
         ({"model_type": "qwen3_5"}, "qwen3_5"),
         ({"model_type": "qwen3_5_text"}, "qwen3_5"),
+        ({"model_type": "gemma3_text"}, "gemma3"),
+        ({"model_type": "gemma3"}, "gemma3"),
         ({"architectures": ["Qwen2ForCausalLM"]}, "qwen2"),
         ({"architectures": ["MistralForCausalLM", "LlamaForCausalLM"]}, "llama"),
     ],

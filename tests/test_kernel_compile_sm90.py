@@ -40,7 +40,8 @@ def _attention(
     from lockstep.ops.triton.attention import DEFAULT_CONFIG as cfg
 
     types = {"q": q, "k_cache": cache, "v_cache": cache, "out": q,
-             "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "qk_scale": "fp32"}  # fmt: skip
+             "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "qk_scale": "fp32",
+             "window": "i32"}  # fmt: skip
     types |= dict.fromkeys(("cu_q", "q_start", "cu_kv", "slot_table"), "*i32")
     types |= dict.fromkeys(("wave_base", "R", "sqt", "sqh", "skc", "skh", "sot", "soh"), "i32")
     rows = cfg.rows_split if write_partials or decode_tiles else cfg.rows

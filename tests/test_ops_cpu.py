@@ -138,8 +138,11 @@ def test_simd_paths_give_identical_bits(det) -> None:
             ops.linear(x, w),
             ops.rms_norm(x, norm_w, 1e-5),
             ops.silu_mul(x),
+            ops.gelu_tanh_mul(x),
+            ops.softcap(logits, 3.0),
             ops.log_softmax(logits),
             ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE),
+            ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE, window=9),
         )
     for name in variants:
         for got, want in zip(results[name], results["scalar"], strict=True):
@@ -182,6 +185,31 @@ def test_silu_mul(det, ref) -> None:
     shift = 7
     rolled = torch.cat([gate.roll(shift, 1), up.roll(shift, 1)], dim=1)
     assert torch.equal(det.silu_mul(rolled), det.silu_mul(gate_up).roll(shift, 1))
+
+
+def test_gelu_tanh_mul(det, ref) -> None:
+    """Gemma's GeGLU activation: the float64 formula, row-local, one formula per element."""
+    torch.manual_seed(7)
+    inter = 640 + 5
+    gate_up = torch.randn(20, 2 * inter) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    close(det.gelu_tanh_mul(gate_up), ref.gelu_tanh_mul(gate_up))
+    assert_rows_invariant(det.gelu_tanh_mul, gate_up, [1, 3, 16, 20])
+    gate, up = gate_up.chunk(2, dim=1)
+    rolled = torch.cat([gate.roll(7, 1), up.roll(7, 1)], dim=1)
+    assert torch.equal(det.gelu_tanh_mul(rolled), det.gelu_tanh_mul(gate_up).roll(7, 1))
+
+
+def test_softcap(det, ref) -> None:
+    """cap * tanh(x / cap) per element: the float64 formula (the tails exactly +-cap), and a
+    value's bits wherever it sits (vector body or tail, any tensor shape)."""
+    torch.manual_seed(9)
+    x = torch.randn(7, 1000 + 3) * 40
+    x[0, :4] = torch.tensor([-1e4, 1e4, 0.0, 1e-30])
+    close(det.softcap(x, 30.0), ref.softcap(x, 30.0))
+    assert det.softcap(x, 30.0)[0, :2].tolist() == [-30.0, 30.0]
+    assert torch.equal(det.softcap(x.roll(5, 1), 30.0), det.softcap(x, 30.0).roll(5, 1))
+    assert torch.equal(det.softcap(x[3:4], 30.0), det.softcap(x, 30.0)[3:4])
 
 
 def test_log_softmax(det, ref) -> None:
@@ -251,13 +279,15 @@ def make_cache(cache_dtype: torch.dtype, lengths: list[int], seed: int):
     return seqs, k_cache, v_cache
 
 
-def call(ops, k_cache, v_cache, parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+def call(
+    ops, k_cache, v_cache, parts: list[tuple[Sequence, int, int]], window: int | None = None
+) -> torch.Tensor:
     """Attention for query rows [start, start+n) of each (sequence, start, n) in one call."""
     meta = build_attention_meta(
         [n for _, _, n in parts], [s for _, s, _ in parts], [seq.slots for seq, _, _ in parts]
     )
     q = torch.cat([seq.q[s : s + n] for seq, s, n in parts])
-    return ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
+    return ops.attention(q, LayerKV(k_cache, v_cache), meta, SCALE, window)
 
 
 def random_batch(cache_dtype: torch.dtype, specs: list[tuple[int, int]], seed: int):
@@ -279,6 +309,26 @@ def test_attention_matches_reference(det, ref, fast, cache_dtype) -> None:
     expected = ref.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     close(out, expected)
     close(fast.attention(q, LayerKV(k_cache, v_cache), meta, SCALE), expected)
+
+
+@pytest.mark.parametrize("window", [1, 9, 40])
+def test_sliding_window_attention(det, ref, fast, window: int) -> None:
+    """Sliding windows (Gemma 3) of 1 key, less than a key block and more than one: the
+    reference, fast mode, and every row's bits under chunking and batch-mates equal to a
+    full prefill's (rows' windows starting inside, at and past block edges)."""
+    (seq, other), k_cache, v_cache = make_cache(torch.float32, [100, 60], seed=12)
+    full = call(det, k_cache, v_cache, [(seq, 0, 100)], window)
+    want = call(ref, k_cache, v_cache, [(seq, 0, 100)], window)
+    close(full, want)
+    close(call(fast, k_cache, v_cache, [(seq, 0, 100)], window), want)
+    assert not torch.equal(full, call(det, k_cache, v_cache, [(seq, 0, 100)]))  # it masks
+    rng = random.Random(window)
+    for start in range(0, 100, 7):
+        n = min(100 - start, rng.randint(1, 40))
+        mate = rng.randrange(60)
+        parts = [(other, mate, 60 - mate), (seq, start, n)]
+        got = call(det, k_cache, v_cache, parts, window)[60 - mate :]
+        assert torch.equal(got, full[start : start + n]), (start, n)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

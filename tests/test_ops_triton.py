@@ -283,6 +283,21 @@ def test_silu_mul(ops: GpuDeterministicOps) -> None:
     assert torch.equal(ops.silu_mul(gu[4:5]), ops.silu_mul(gu)[4:5])
 
 
+def test_softcap(ops: GpuDeterministicOps) -> None:
+    x = randn(5, 300, seed=15, scale=40.0).float()
+    assert rel_err(ops.softcap(x, 30.0), torch.tanh(x.double() / 30.0) * 30.0) < 1e-6
+    assert torch.equal(ops.softcap(x[2:3], 30.0), ops.softcap(x, 30.0)[2:3])
+
+
+def test_gelu_tanh_mul(ops: GpuDeterministicOps) -> None:
+    inter = 1536 if GPU else 40
+    gu = randn(9, 2 * inter, seed=14, scale=3.0)
+    g, u = gu.double().chunk(2, dim=-1)
+    want = 0.5 * g * (1 + torch.tanh((2 / math.pi) ** 0.5 * (g + 0.044715 * g**3))) * u
+    assert rel_err(ops.gelu_tanh_mul(gu), want) < TOL
+    assert torch.equal(ops.gelu_tanh_mul(gu[4:5]), ops.gelu_tanh_mul(gu)[4:5])
+
+
 def test_moe_matches_reference_and_ignores_each_experts_load(ops: GpuDeterministicOps) -> None:
     """`GpuDeterministicOps.moe` (Triton linears per expert over every row, sort routing)
     against the float64 reference, and a token's output bits beside 0 to ~100 near copies of
@@ -450,9 +465,10 @@ class Pool:
         mates: list[tuple[int, int, int]] = (),
         cfg: AttentionConfig = ATTN_CFG,
         path: str | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Rows start..start+count-1 of the sequence, beside mates (index, start, count)
-        placed before it; returns only this sequence's rows."""
+        placed before it, within a sliding `window`; returns only this sequence's rows."""
         qs, counts, starts, tables = [], [], [], []
         for i, s, n in mates:
             qs.append(self.mate_q[i][s : s + n])
@@ -466,17 +482,20 @@ class Pool:
         meta: AttentionMeta = build_attention_meta(counts, starts, tables).to(DEV)
         # float32 output: every bit of the kernel's result is compared, not a bf16 rounding.
         out = paged_attention(
-            torch.cat(qs), self.k, self.v, meta, self.scale, cfg, path, torch.float32
+            torch.cat(qs), self.k, self.v, meta, self.scale, cfg, path, torch.float32, window
         )
         return out[sum(counts[:-1]) :]
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, window: int | None = None) -> torch.Tensor:
         idx = torch.tensor(self.slots, device=DEV).long()
         k = self.k[idx].double().repeat_interleave(self.group, dim=1)
         v = self.v[idx].double().repeat_interleave(self.group, dim=1)
         s = torch.einsum("qhd,khd->hqk", self.q.double(), k) * self.scale
         n = len(self.slots)
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=DEV).triu(1), float("-inf"))
+        hidden = torch.ones(n, n, dtype=torch.bool, device=DEV).triu(1)
+        if window is not None:  # keys more than window - 1 before the query
+            hidden |= torch.ones_like(hidden).tril(-window)
+        s = s.masked_fill(hidden, float("-inf"))
         return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -548,6 +567,38 @@ def test_attention_split_path_waves_fold_in_the_same_order(pool: Pool, full: tor
     """A workspace too small for more than one split per wave still gives the same bits."""
     tiny = AttentionConfig(**{**ATTN_CFG.__dict__, "workspace_bytes": 1})
     assert torch.equal(pool.run(SEQ - 5, 5, cfg=tiny, path="split"), full[SEQ - 5 :])
+
+
+# A window that straddles key blocks and splits: 20 keys over 16-key blocks and 32-key splits
+# (the interpreter's config), 600 over 64 and 512 (the GPU's).
+WINDOW = 600 if GPU else 20
+
+
+def test_sliding_window_matches_reference_under_every_schedule(
+    pool: Pool, full: torch.Tensor
+) -> None:
+    """Sliding-window attention (Gemma 3's local layers): the float64 reference, and the bits
+    of one full prefill under extends at every prefix offset (every path), one-row decodes
+    and batch-mates. Negative control: rows that see more than the window differ from plain
+    causal attention, the rows within it keep its bits."""
+    want = pool.run(0, SEQ, path="prefill", window=WINDOW)
+    assert rel_err(want, pool.reference(WINDOW)) < TOL
+    assert torch.equal(want[:WINDOW], full[:WINDOW])
+    assert not (want[WINDOW:] == full[WINDOW:]).flatten(1).all(1).any()
+    rng = random.Random(13)
+    # Starts at and around the window, key block and split edges, and where a row's window
+    # starts at or just past a block edge (p - WINDOW + 1 near a multiple of the block).
+    block, split = ATTN_CFG.block_n, ATTN_CFG.split
+    edges = {WINDOW, block, 2 * block, split, 2 * split, block + WINDOW - 1, split + WINDOW - 1}
+    offsets = sorted({e + d for e in edges for d in (-1, 0, 1) if 0 <= e + d < SEQ} | {0})
+    for i, p in enumerate(offsets):
+        n = min(SEQ - p, 1 + p % 23)
+        path = ("prefill", "split", "fold")[i % 3]
+        mates = [(0, 0, rng.randint(1, pool.mate_lens[0]))] if i % 2 else []
+        got = pool.run(p, n, mates, path=path, window=WINDOW)
+        assert torch.equal(got, want[p : p + n]), (p, n, path)
+        decode = ("fold", "split")[i % 2]
+        assert torch.equal(pool.run(p, 1, path=decode, window=WINDOW), want[p : p + 1]), p
 
 
 class _NanFilledTorch:

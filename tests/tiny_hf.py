@@ -36,6 +36,18 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
         common, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
     )  # fmt: skip
+    if family == "gemma3":
+        # Gemma 3's structure, small: local layers with a window of 8 keys (shorter than the
+        # tests' prompts) around a global one whose RoPE is linearly scaled; a score scale
+        # (query_pre_attn_scalar) that is not head_dim's.
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+        gemma = dict(
+            num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=48,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=rope, tie_word_embeddings=True,
+        )  # fmt: skip
+        return transformers.Gemma3TextConfig(**{**qwen3, **gemma, **overrides})
     if family == "qwen3_5":
         # Qwen3.5's hybrid: 3 Gated DeltaNet layers then gated full attention with a quarter
         # of each head rotated; 2 key heads serving 4 value heads.
@@ -77,10 +89,11 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (the Qwen3 families, e.g. decoder_sparse_step=2)."""
+    `config_overrides`: config keys (the Qwen3 families and gemma3, e.g.
+    decoder_sparse_step=2)."""
     import transformers
 
-    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3")
     if config_overrides and family not in overridable:
         raise ValueError(f"config overrides are for {', '.join(overridable)}, not {family}")
     # The hybrid MoE seeds give models whose float32 logits are well-conditioned: with some
@@ -88,7 +101,7 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # router and the delta rule amplify rounding), which leaves nothing under the 1e-4
     # tolerance the reference tests use.
     default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5,
-                    "qwen3_5_moe": 11, "qwen3_next": 7}[family]  # fmt: skip
+                    "qwen3_5_moe": 11, "qwen3_next": 7, "gemma3": 6}[family]  # fmt: skip
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
         _tiny_config(family, config_overrides), dtype=torch.float32
@@ -96,7 +109,7 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # Weights that make every part visible: O(1) activations, norms that are not all ones.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            stored_minus_one = family in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+            stored_minus_one = family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3")
             if stored_minus_one and name.endswith("norm.weight") and "linear_attn" not in name:
                 param.copy_(0.2 * torch.randn_like(param))  # stored as w - 1
             elif name.endswith("norm.weight"):

@@ -597,12 +597,9 @@ class Engine:
         the weights less the largest step's workspace and the CUDA graphs, on the CPU a share
         of the available RAM."""
         spec, config = self.decoder.spec, self.config
-        per_token = KVPool.bytes_per_token(len(spec.kv_layers),
-                                           self.decoder.plan.num_local_kv_heads,
-                                           spec.head_dim, self.kv_dtype)  # fmt: skip
         layout = self.decoder.linear_layout
-        if layout is not None:  # a snapshot per chunk of cached tokens
-            per_token += -(-layout.snapshot_bytes // layout.chunk)
+        per_token = memory.bytes_per_token(spec, self.decoder.plan.num_local_kv_heads,
+                                           self.kv_dtype, layout.chunk if layout else 1)  # fmt: skip
         fraction = config.resolved_kv_memory_fraction
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(memory.available_ram(), per_token, fraction)

@@ -26,6 +26,10 @@ fast mode (the yardstick) also gathers a decode step's keys and values into copi
 [batch, kv heads, context bucket, head dim] per layer, inside its CUDA graphs too, which only
 the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
 
+Bytes per cached token (`bytes_per_token`): what every layer's mixer block says it keeps
+(`Mixer.cache_bytes`): K and V per attention layer, plus the radix cache's state snapshots of
+the linear-attention layers spread over the chunk of tokens each covers.
+
 Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights
 alone exceed the free device memory (a lower bound: every parameter at its stored width, split
 evenly over the tensor-parallel ranks), with the arithmetic, instead of failing mid-load.
@@ -41,6 +45,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from lockstep.errors import ConfigError
 from lockstep.models.spec import ModelSpec
@@ -105,6 +111,15 @@ class KVBudget:
             f"{r.logits / GIB:.2f}, sampler {r.sampler / GIB:.2f}, CUDA graphs "
             f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f})"
         )
+
+
+def bytes_per_token(spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype, chunk: int) -> int:
+    """The bytes one cached token costs: the sum over layers of each mixer's per-token bytes,
+    plus their snapshot bytes (one snapshot per `chunk` tokens) per token, rounded up once.
+    `kv_heads`: this rank's KV heads."""
+    parts = [plan.mixer.cache_bytes(spec, kv_heads, kv_dtype) for plan in spec.layer_plans]
+    snapshot = sum(p.per_snapshot for p in parts)
+    return sum(p.per_token for p in parts) + -(-snapshot // chunk)
 
 
 def step_workspace(

@@ -23,6 +23,12 @@ their output by sigmoid(gate), the gate rows fused after q | k | v, and rotate p
 head. Their RMSNorm weights are stored as w - 1; the loader adds the 1 once, in float32 (as
 transformers does at every call). Only the full-attention layers have K/V in the cache.
 
+Gemma 3: sliding-window layers take their own RoPE tables (`rope_tables(sliding=True)`) and
+pass their window to the attention op; each layer also normalizes its mixer's and its MLP's
+output before the residual add (`Layer.mixer_norm`, `Layer.mlp_norm`), and the embeddings are
+multiplied by sqrt(hidden_size) rounded to the model dtype, as transformers does; logits are
+soft-capped where the config asks (`Ops.softcap`, per element).
+
 Tensor parallelism: a decoder holds one rank's shard (`TensorParallel`, lockstep.parallel): its
 heads of qkv, its intermediate columns of gate-up, its reduction chunks of o and down, its
 vocabulary rows of the embedding and the LM head. At TP 1 it holds everything, and o and down
@@ -54,7 +60,14 @@ from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
 from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
-from lockstep.ops.base import AttentionMeta, DenseOps, Fp8Ops, Ops, build_attention_meta
+from lockstep.ops.base import (
+    AttentionMeta,
+    DenseOps,
+    Fp8Ops,
+    Ops,
+    SoftcapOps,
+    build_attention_meta,
+)
 from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
 from lockstep.ops.moe import Fp8Experts, prepare_expert_weights, prepare_fp8_experts
 from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
@@ -68,23 +81,33 @@ __all__ = ["Decoder", "KVStorage", "Layer", "ScratchKV"]
 
 @dataclass
 class Layer:
-    """One decoder layer's prepared weights: its two norms (float32) and the weights objects
-    of its plan's mixer and MLP (each block's `build`)."""
+    """One decoder layer's prepared weights: its norms (float32) and the weights objects of
+    its plan's mixer and MLP (each block's `build`). `mixer_norm` and `mlp_norm` normalize
+    the mixer's and the MLP's outputs before the residual add (sandwich norms, Gemma 3)."""
 
     plan: LayerPlan
     input_norm: torch.Tensor
     mixer: Any
     post_norm: torch.Tensor
     mlp: Any
+    mixer_norm: torch.Tensor | None = None
+    mlp_norm: torch.Tensor | None = None
 
 
-def rope_tables(spec: ModelSpec, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    spec: ModelSpec, max_position: int, sliding: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_position, head_dim/2] float32, computed once in float64 (so every step and
-    every device type indexes the same table instead of recomputing angles)."""
+    every device type indexes the same table instead of recomputing angles). `sliding`: the
+    tables of the sliding-window layers (their own base, unscaled)."""
     half = spec.rotary_dim // 2
     exponent = torch.arange(half, dtype=torch.float64) * 2.0 / spec.rotary_dim
-    inv_freq = 1.0 / (spec.rope_theta**exponent)
-    s = spec.rope_scaling
+    if sliding:
+        assert spec.sliding is not None
+        inv_freq = 1.0 / (spec.sliding.rope_theta**exponent)
+    else:
+        inv_freq = 1.0 / (spec.rope_theta**exponent) / spec.rope_linear_factor
+    s = None if sliding else spec.rope_scaling
     if s is not None:
         # Llama 3 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
         # the band between is interpolated smoothly.
@@ -128,7 +151,15 @@ class Decoder:
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        local = None
+        if spec.sliding is not None:
+            local = tuple(t.to(device) for t in rope_tables(spec, max_position, sliding=True))
         self.linear_layout = LinearLayout.of(spec, device) if spec.hybrid else None
+        # Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype as
+        # transformers rounds it.
+        self.embed_scale = None
+        if spec.embed_scale:
+            self.embed_scale = float(torch.tensor(spec.hidden_size**0.5).to(dtype))
         self.embed = parts.pop("embed")
         self.final_norm = parts.pop("final_norm")
         self.lm_head = parts.pop("lm_head")
@@ -137,12 +168,12 @@ class Decoder:
         for i, plan in enumerate(spec.layer_plans):
             cache_index = caches[plan.mixer.cache]
             caches[plan.mixer.cache] += 1
-            context = BuildContext(spec, self.plan, self.rope_cos, self.rope_sin, cache_index)
+            cos, sin = (self.rope_cos, self.rope_sin) if spec.window(i) is None else local
+            context = BuildContext(spec, self.plan, cos, sin, cache_index)
             mixer = plan.mixer.build(_fields(parts, f"layers.{i}.mixer."), context)
             mlp = plan.mlp.build(_fields(parts, f"layers.{i}.mlp."), context)
-            input_norm = parts.pop(f"layers.{i}.input_norm")
-            post_norm = parts.pop(f"layers.{i}.post_norm")
-            self.layers.append(Layer(plan, input_norm, mixer, post_norm, mlp))
+            norms = {f: parts.pop(f"layers.{i}.{f}") for f, _ in spec.norm_names()}
+            self.layers.append(Layer(plan, mixer=mixer, mlp=mlp, **norms))
         assert not parts, f"prepared weights no layer took: {sorted(parts)[:3]}"
 
     @classmethod
@@ -223,6 +254,8 @@ class Decoder:
         float32 logits [R, vocab] of `batch.logit_rows`."""
         spec, ops, parallel = self.spec, self.ops, self.parallel
         h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale  # one rounding per element
         residual: torch.Tensor | None = None
         # Rows per sequence on the host, once per step (the linear layers loop over them).
         pooled, pool, rows = batch.pooled, batch.state_pool, None
@@ -239,15 +272,22 @@ class Decoder:
             else:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, spec.rms_norm_eps)
             h = layer.plan.mixer.forward(ops, x, layer.mixer, step)
+            if layer.mixer_norm is not None:
+                h = ops.rms_norm(h, layer.mixer_norm, spec.rms_norm_eps)
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, spec.rms_norm_eps)
             h = layer.plan.mlp.forward(ops, x, layer.mlp, step)
+            if layer.mlp_norm is not None:
+                h = ops.rms_norm(h, layer.mlp_norm, spec.rms_norm_eps)
         assert residual is not None
         if batch.linear_states is not None and rows is not None:
             for state, n in zip(batch.linear_states, rows, strict=True):
                 state.advance(n)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
-        return parallel.logits(x, self.lm_head)
+        logits = parallel.logits(x, self.lm_head)
+        if spec.final_logit_softcap is not None:
+            logits = ops.softcap(logits, spec.final_logit_softcap)
+        return logits
 
     def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, Hkv, D] (this rank's KV heads) at `slots` of `kv`."""
@@ -328,12 +368,19 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     `_fuse_fp8`)."""
     layout: list[LayoutEntry] = []
     norm = spec.norm_kind
+    norms = dict(spec.norm_names())
     for i, plan in enumerate(spec.layer_plans):
         p, t = f"model.layers.{i}.", f"layers.{i}."
-        layout.append(LayoutEntry(t + "input_norm", norm, [p + "input_layernorm.weight"]))
+
+        def norm_entry(field: str) -> LayoutEntry:
+            return LayoutEntry(t + field, norm, [p + norms[field]])  # noqa: B023
+
+        layout.append(norm_entry("input_norm"))
         layout += plan.mixer.layout(spec, i, "mixer")
-        layout.append(LayoutEntry(t + "post_norm", norm, [p + "post_attention_layernorm.weight"]))
+        layout += [norm_entry(f) for f in ("mixer_norm", "post_norm") if f in norms]
         layout += plan.mlp.layout(spec, i, "mlp")
+        if "mlp_norm" in norms:
+            layout.append(norm_entry("mlp_norm"))
     layout.append(LayoutEntry("embed", "embed", ["model.embed_tokens.weight"], "vocab"))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     layout.append(LayoutEntry("lm_head", "linear", [head], "vocab"))
@@ -354,6 +401,8 @@ def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:
     needs: list[tuple[type, str]] = [(DenseOps, "every model")]
     if spec.fp8 is not None:
         needs.append((Fp8Ops, "its FP8 linears"))
+    if spec.final_logit_softcap is not None:
+        needs.append((SoftcapOps, "its soft-capped logits"))
     for plan in spec.layer_plans:
         for block in plan:
             needs += [(cap, f"its {type(block).__name__} layers") for cap in block.requires]

@@ -7,8 +7,8 @@ which tensors are skipped, and how many devices share the work change nothing. V
 drawn in float32 and then cast, so a bf16 model holds the bf16 roundings of the float32 one.
 
 Scales keep activations O(1) through many layers: projections N(0, 1/fan_in), embeddings
-N(0, 0.02^2), biases N(0, 0.1^2), every norm weight 1 (stored as 0 where the family stores
-w - 1). Gated DeltaNet layers: conv weights N(0, 1/kernel), dt_bias 1, A_log = log(A) with A
+N(0, 0.02^2) (Gemma's, scaled by sqrt(hidden), O(1)), biases N(0, 0.1^2), every norm weight
+1 (stored as 0 where the family stores w - 1). Gated DeltaNet layers: conv weights N(0, 1/kernel), dt_bias 1, A_log = log(A) with A
 uniform in [1, 16).
 
 FP8 presets ("-fp8": block-wise, "-fp8-static": per-tensor with static input scales,
@@ -41,6 +41,7 @@ from lockstep.models.spec import (
     ModelSpec,
     MoeSpec,
     RopeScaling,
+    SlidingWindowSpec,
     expected_weight_names,
     expected_weight_shape,
 )
@@ -73,6 +74,26 @@ def _hybrid_layers(num_layers: int, interval: int) -> tuple[str, ...]:
                  for i in range(num_layers))  # fmt: skip
 
 
+def _gemma3(
+    vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+    window: int, linear_factor: float, max_position: int,
+) -> ModelSpec:  # fmt: skip
+    """Gemma 3's structure: five sliding-window layers (RoPE base 10,000) to one global layer
+    (base 1,000,000, linearly scaled in the 4B and larger), scores scaled by
+    query_pre_attn_scalar 256 ** -0.5, as the published configs have it."""
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                  for i in range(layers))  # fmt: skip
+    return ModelSpec(
+        family="gemma3", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position=max_position,
+        tie_word_embeddings=True, qk_norm=True,
+        sliding=SlidingWindowSpec(window, types, 10_000.0), mlp_activation="gelu_tanh",
+        sandwich_norms=True, embed_scale=True, attention_scale=256**-0.5,
+        rope_linear_factor=linear_factor,
+    )  # fmt: skip
+
+
 # Llama 3.1's RoPE scaling (its 8B and 70B configs).
 _LLAMA31_ROPE = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
@@ -103,6 +124,23 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         add_bos=False,
+    ),
+    # Gemma 3's structure, small: a window of 16 keys, the sixth layer global (head_dim 64:
+    # the CPU attention kernels take 32, 64 or 128).
+    "tiny-gemma3": Preset(
+        _gemma3(512, 128, 256, 6, 4, 2, 64, window=16, linear_factor=1.0, max_position=4096),
+        add_bos=True,
+    ),
+    # google/gemma-3-4b-it's and gemma-3-12b-it's text models.
+    "gemma3-4b": Preset(
+        _gemma3(262208, 2560, 10240, 34, 8, 4, 256, window=1024, linear_factor=8.0,
+                max_position=131072),
+        add_bos=True,
+    ),
+    "gemma3-12b": Preset(
+        _gemma3(262208, 3840, 15360, 48, 16, 8, 256, window=1024, linear_factor=8.0,
+                max_position=131072),
+        add_bos=True,
     ),
     # transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style"), rope theta as Qwen3.5's.
     "qwen3.5-9b": Preset(
@@ -334,7 +372,7 @@ class RandomWeights:
     def _drawn(self, name: str, device: torch.device | str) -> torch.Tensor:
         shape = expected_weight_shape(self._spec, name)
         if name.endswith("norm.weight"):
-            stored_minus_one = self._spec.hybrid and ".linear_attn." not in name
+            stored_minus_one = self._spec.norm_kind == "norm1p" and ".linear_attn." not in name
             fill = torch.zeros if stored_minus_one else torch.ones
             return fill(shape, dtype=torch.float32, device=device)
         if name.endswith(".dt_bias"):

@@ -1,16 +1,17 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, and the hybrid MoE families
-Qwen3.5-MoE and Qwen3-Next) is a pre-norm decoder with
-rotary embeddings whose layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each
-layer's mixer and MLP block (lockstep/models/blocks), chosen from the flags below: attention
-(q/k/v biases, q/k norm, Qwen3.5's output gate and partial rotary embeddings), or in a hybrid
-model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU MLP, or in the
-sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed experts,
-plus a gated shared expert where the family has one. The hybrid families store their RMSNorm
-weights as w - 1 (`norm_kind`). Loaders produce a `ModelSpec` plus
-a state dict in the canonical (Hugging Face) naming: each block's module docstring lists its
-tensors (after "model.layers.{i}."); around them
+Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, the hybrid MoE families
+Qwen3.5-MoE and Qwen3-Next, and Gemma 3) is a pre-norm decoder with rotary embeddings whose
+layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP
+block (lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
+Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), or in a hybrid
+model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU (or GeGLU) MLP, or
+in the sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed
+experts, plus a gated shared expert where the family has one. The hybrid families and Gemma 3
+store their RMSNorm weights as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and
+MLP's output (its four norms per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec`
+plus a state dict in the canonical (Hugging Face) naming: each block's module docstring lists
+its tensors (after "model.layers.{i}."); around them
 
     model.embed_tokens.weight                      [vocab, hidden]
     model.layers.{i}.input_layernorm.weight        [hidden]
@@ -39,10 +40,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lockstep.models.blocks import LayerPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+            "gemma3")  # fmt: skip
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
+ATTENTION_TYPES = ("sliding_attention", "full_attention")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,30 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class SlidingWindowSpec:
+    """Sliding-window attention layers interleaved with global ones (Gemma 3).
+
+    `layer_types[i]` is "sliding_attention" or "full_attention". A sliding layer's query at
+    position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`) and
+    rotates by its own RoPE base `rope_theta`, unscaled; full layers use the model's
+    `rope_theta` and scaling. Sliding layers keep every key in the KV pool (the window is a
+    mask), so a radix hit serves them as it serves full layers."""
+
+    window: int
+    layer_types: tuple[str, ...]
+    rope_theta: float
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in ATTENTION_TYPES]
+        if bad:
+            raise ValueError(
+                f"layer_types holds {bad[0]!r}: supported layer types {ATTENTION_TYPES}"
+            )
+        if self.window < 1:
+            raise ValueError(f"sliding_window={self.window} must be >= 1")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     vocab_size: int
@@ -178,8 +206,31 @@ class ModelSpec:
     linear: LinearAttentionSpec | None = field(default=None)
     partial_rotary_factor: float = 1.0  # share of head_dim that RoPE rotates
     fp8: Fp8Spec | None = field(default=None)
+    # Gemma 3's variations on the decoder (families/gemma3.py): sliding-window layers, a GeGLU
+    # MLP ("gelu_tanh"), norms after the mixer and the MLP as well as before ("sandwich"),
+    # embeddings times sqrt(hidden_size) rounded to the model dtype, the attention scores'
+    # scale when it is not head_dim ** -0.5, RoPE positions divided by a linear factor, and
+    # logits soft-capped to (-cap, cap) by cap * tanh(logits / cap).
+    sliding: SlidingWindowSpec | None = field(default=None)
+    mlp_activation: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    attention_scale: float | None = None
+    rope_linear_factor: float = 1.0
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp activation {self.mlp_activation!r}: supported {MLP_ACTIVATIONS}")
+        if self.sliding is not None and len(self.sliding.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.sliding.layer_types)} entries for "
+                f"num_hidden_layers={self.num_layers}"
+            )
+        if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcap} must be > 0")
+        if self.rope_linear_factor <= 0:
+            raise ValueError(f"linear RoPE factor {self.rope_linear_factor} must be > 0")
         if (self.linear is not None) != (self.family in HYBRID_FAMILIES):
             raise ValueError(
                 f"family={self.family!r} with linear={self.linear!r}: the hybrid families "
@@ -237,8 +288,27 @@ class ModelSpec:
     @property
     def norm_kind(self) -> str:
         """How RMSNorm weights are prepared (decoder.py's `weight_layout`): "norm1p" where the
-        family stores w - 1 (the hybrid families), else "norm"."""
-        return "norm1p" if self.hybrid else "norm"
+        family stores w - 1 (the hybrid families, Gemma 3), else "norm"."""
+        return "norm1p" if self.hybrid or self.family == "gemma3" else "norm"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (None: it sees every earlier key)."""
+        if self.sliding is None or self.sliding.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding.window
+
+    def norm_names(self) -> tuple[tuple[str, str], ...]:
+        """Each layer's norms as (prepared field, canonical leaf after "model.layers.{i}."),
+        in load order: the norm before the mixer, after it (sandwich only), before the MLP
+        and after it (sandwich only). Gemma names the norm before its MLP
+        pre_feedforward_layernorm and the one after its mixer post_attention_layernorm."""
+        if not self.sandwich_norms:
+            return (("input_norm", "input_layernorm.weight"),
+                    ("post_norm", "post_attention_layernorm.weight"))  # fmt: skip
+        return (("input_norm", "input_layernorm.weight"),
+                ("mixer_norm", "post_attention_layernorm.weight"),
+                ("post_norm", "pre_feedforward_layernorm.weight"),
+                ("mlp_norm", "post_feedforward_layernorm.weight"))  # fmt: skip
 
     @property
     def rotary_dim(self) -> int:
@@ -277,7 +347,7 @@ class ModelSpec:
         """Every weight but biases and q/k norms (which published counts leave out too)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        dense = attn + 3 * h * i + 2 * h
+        dense = attn + 3 * h * i + len(self.norm_names()) * h
         total = v * h + self.num_layers * dense + h + (0 if self.tie_word_embeddings else v * h)
         if self.linear is not None:
             lin = self.linear
@@ -301,13 +371,17 @@ def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
     # Imported here: the blocks import modules that import this one.
     from lockstep.models.blocks import Attention, DenseMlp, GatedDeltaNet, LayerPlan, MoeMlp
 
-    attention = Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid)
+    def attention(layer: int) -> Attention:
+        return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid,
+                         window=spec.window(layer))  # fmt: skip
+
     linear = GatedDeltaNet(grouped=spec.linear is not None and spec.linear.grouped_projections)
     experts = MoeMlp(shared_expert=spec.moe is not None and spec.moe.shared_expert_size > 0)
+    dense = DenseMlp(activation=spec.mlp_activation)
     return tuple(
         LayerPlan(
-            linear if spec.is_linear(i) else attention,
-            experts if spec.is_sparse(i) else DenseMlp(),
+            linear if spec.is_linear(i) else attention(i),
+            experts if spec.is_sparse(i) else dense,
         )
         for i in range(spec.num_layers)
     )
@@ -320,10 +394,13 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i, plan in enumerate(spec.layer_plans):
         prefix = f"model.layers.{i}."
-        names.append(prefix + "input_layernorm.weight")
+        norms = dict(spec.norm_names())
+        names.append(prefix + norms["input_norm"])
         names += [prefix + n for n in plan.mixer.weight_names(spec)]
-        names.append(prefix + "post_attention_layernorm.weight")
+        names += [prefix + norms[f] for f in ("mixer_norm", "post_norm") if f in norms]
         names += [prefix + n for n in plan.mlp.weight_names(spec)]
+        if "mlp_norm" in norms:
+            names.append(prefix + norms["mlp_norm"])
     if spec.fp8 is not None:
         names = [extra for name in names for extra in _with_fp8_scales(spec, name)]
     names.append("model.norm.weight")
@@ -356,7 +433,7 @@ def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     if name == "model.norm.weight":
         return (h,)
     layer, leaf = name.removeprefix("model.layers.").split(".", 1)
-    if leaf in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    if leaf in (n for _, n in spec.norm_names()):
         return (h,)
     plan = spec.layer_plans[int(layer)]
     block = plan.mixer if leaf.startswith(plan.mixer.prefix + ".") else plan.mlp

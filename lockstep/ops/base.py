@@ -206,11 +206,39 @@ class PagedAttentionOps(Protocol):
         ...
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] (q's dtype).
         Keys are visited in blocks at fixed absolute positions, never relative to the query
-        chunk; workspace never grows with the context length."""
+        chunk; workspace never grows with the context length. `window` (sliding-window
+        layers): the row at position p sees keys p - window + 1 .. p only; key blocks wholly
+        outside a row's window are skipped or are exact identities on its softmax state, so
+        its bits still depend on its own keys alone."""
+        ...
+
+
+@runtime_checkable
+class SoftcapOps(Protocol):
+    """Logit soft-capping (Gemma's final_logit_softcapping)."""
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        """cap * tanh(x / cap) per element, float32 in and out."""
+        ...
+
+
+@runtime_checkable
+class GeluOps(Protocol):
+    """The GeGLU activation (Gemma's gelu_pytorch_tanh MLP)."""
+
+    def gelu_tanh_mul(self, gate_up: Tensor) -> Tensor:
+        """gate_up [M, 2I] (gate first) -> gelu_tanh(gate) * up, [M, I], per element, where
+        gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g / (1 + exp(-2u)),
+        u = sqrt(2/pi) (g + 0.044715 g^3)."""
         ...
 
 
@@ -369,7 +397,15 @@ class MoeOps(Protocol):
 
 
 class Ops(
-    DenseOps, Fp8Ops, PagedAttentionOps, GatedOutputOps, LinearAttentionOps, MoeOps, Protocol
+    DenseOps,
+    Fp8Ops,
+    PagedAttentionOps,
+    GatedOutputOps,
+    GeluOps,
+    SoftcapOps,
+    LinearAttentionOps,
+    MoeOps,
+    Protocol,
 ):
     """A full backend: every capability above. A block declares the capabilities its forward
     calls (`Block.requires`); a model whose blocks need one the backend lacks is refused at load

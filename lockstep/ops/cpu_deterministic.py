@@ -105,7 +105,13 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         return out.reshape(shape), summed.reshape(shape)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._ext.silu_mul(_f32(gate_up), self._simd)
+        return self._ext.gated_act_mul(_f32(gate_up), 0, self._simd)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._ext.gated_act_mul(_f32(gate_up), 1, self._simd)
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return self._ext.softcap(_f32(x), cap, self._simd)
 
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -114,7 +120,12 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         return out.to(x.dtype)
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv
         if k_cache.dtype == E4M3:
@@ -133,6 +144,7 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
             meta.slot_table.to(torch.int32).contiguous(),
             scale,
             self._key_block,
+            window or 0,
             self._simd,
         )
         return out.to(q.dtype)

@@ -38,7 +38,12 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         return self.linear(x, weight)  # float32 already
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv
         out = torch.empty_like(q)
@@ -54,7 +59,10 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
             v = v_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
             qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
             rows = torch.arange(start, kv_len).unsqueeze(1)
-            mask = torch.arange(kv_len).unsqueeze(0) <= rows  # [n, L], True = attend
+            keys = torch.arange(kv_len).unsqueeze(0)
+            mask = keys <= rows  # [n, L], True = attend
+            if window is not None:
+                mask &= keys > rows - window
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
             out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
         return out

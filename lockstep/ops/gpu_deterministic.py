@@ -91,6 +91,15 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return activation.gelu_tanh_mul(gate_up)
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * (1 - 2 / (exp(2x / cap) + 1)) by torch element-wise kernels in float32: each
+        element's operations are the same whatever the launch shape."""
+        x = x.float()
+        return (1.0 - 2.0 / (torch.exp(x * (2.0 / cap)) + 1.0)) * cap
+
     def attention_input(
         self, qkv: torch.Tensor, layer: AttentionInput, positions: torch.Tensor,
         slots: torch.Tensor, kv: LayerKV,
@@ -113,10 +122,17 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv
-        return paged_attention(q, k_cache, v_cache, meta, scale, self.attention_config)
+        return paged_attention(
+            q, k_cache, v_cache, meta, scale, self.attention_config, window=window
+        )
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)

@@ -96,17 +96,23 @@ class GpuFastOps(TorchRowOps):
         return (slots.float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Decode rows (one query) go through one padded SDPA call; each prefill or extend
-        chunk through its own call with a causal mask offset by its cached prefix. A pure
-        decode step (meta.max_q == 1) never syncs with the host, so CUDA graphs can hold it."""
+        chunk through its own call with a causal mask offset by its cached prefix (and the
+        sliding window's lower bound). A pure decode step (meta.max_q == 1) never syncs with
+        the host, so CUDA graphs can hold it."""
         k_cache, v_cache = kv
         out = torch.empty_like(q)
         if meta.max_q == 1 and q.shape[0] == meta.num_seqs:
             rows = torch.arange(meta.num_seqs, device=q.device)
             self._decode(out, q, k_cache, v_cache, meta, scale, rows, meta.cu_kv[:-1],
-                         meta.kv_len, meta.max_kv)  # fmt: skip
+                         meta.kv_len, meta.max_kv, window)  # fmt: skip
             return out
         cu_q = meta.cu_q.tolist()
         q_start = meta.q_start.tolist()
@@ -120,7 +126,7 @@ class GpuFastOps(TorchRowOps):
                 torch.tensor([cu_q[b] for b in decode], device=dev),
                 torch.tensor([cu_kv[b] for b in decode], device=dev),
                 torch.tensor([kv_len[b] for b in decode], device=dev),
-                max(kv_len[b] for b in decode),
+                max(kv_len[b] for b in decode), window,
             )  # fmt: skip
         dec = set(decode)
         for b in range(meta.num_seqs):
@@ -132,7 +138,7 @@ class GpuFastOps(TorchRowOps):
             k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]
             v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
             qb = q[lo:hi].transpose(0, 1)[None]
-            if q_start[b] == 0:
+            if q_start[b] == 0 and window is None:
                 o = F.scaled_dot_product_attention(
                     qb, k, v, is_causal=True, scale=scale, enable_gqa=True
                 )
@@ -140,6 +146,8 @@ class GpuFastOps(TorchRowOps):
                 qpos = torch.arange(q_start[b], q_start[b] + hi - lo, device=q.device)
                 kpos = torch.arange(kv_len[b], device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]
+                if window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - window
                 o = F.scaled_dot_product_attention(
                     qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True
                 )
@@ -158,11 +166,15 @@ class GpuFastOps(TorchRowOps):
         starts: torch.Tensor,
         lens: torch.Tensor,
         width: int,
+        window: int | None = None,
     ) -> None:
         """One query per sequence: rows [Bd] of q, whose keys are slot_table[starts + j] for
-        j < lens; keys gathered into [Bd, Hkv, width, D] with a padding mask."""
+        j < lens (and j >= lens - window); keys gathered into [Bd, Hkv, width, D] with a
+        padding mask."""
         j = torch.arange(width, device=q.device)
         valid = j[None, :] < lens.long()[:, None]
+        if window is not None:
+            valid &= j[None, :] >= lens.long()[:, None] - window
         idx = torch.where(valid, starts.long()[:, None] + j[None, :], 0)
         slots = meta.slot_table.long()[idx]  # [Bd, L]
         k = k_cache[slots].to(q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]

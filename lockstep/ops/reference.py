@@ -65,6 +65,14 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         gate, up = gate_up.to(f64).chunk(2, dim=-1)
         return gate / (1 + torch.exp(-gate)) * up
 
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x.to(f64) / cap) * cap
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.to(f64).chunk(2, dim=-1)
+        inner = (2.0 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+        return 0.5 * gate * (1 + torch.tanh(inner)) * up
+
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
@@ -74,7 +82,12 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     def attention(
-        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMeta,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv
         q = q.to(f64)
@@ -84,7 +97,8 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         for b in range(meta.num_seqs):
             for i in range(cu_q[b + 1] - cu_q[b]):
                 pos = q_start[b] + i
-                slots = meta.slot_table[cu_kv[b] : cu_kv[b] + pos + 1].long()
+                first = 0 if window is None else max(0, pos - window + 1)
+                slots = meta.slot_table[cu_kv[b] + first : cu_kv[b] + pos + 1].long()
                 k = k_cache[slots].to(f64).repeat_interleave(group, 1)  # [L, Hq, D]
                 v = v_cache[slots].to(f64).repeat_interleave(group, 1)
                 row = cu_q[b] + i

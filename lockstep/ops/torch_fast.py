@@ -28,6 +28,13 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x / cap) * cap
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:

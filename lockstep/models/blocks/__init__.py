@@ -4,7 +4,8 @@ a block provides). A model is a tuple of `LayerPlan`s: layer i is
 
     x = norm(h); h = mixer(x); x = norm(h + residual); h = mlp(x)
 
-with the residual stream carried by the decoder (lockstep/models/decoder.py)."""
+with the residual stream carried by the decoder (lockstep/models/decoder.py); Gemma 3 also
+normalizes the mixer's and the MLP's outputs before they join the residual."""
 
 from __future__ import annotations
 

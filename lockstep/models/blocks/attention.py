@@ -1,6 +1,7 @@
 """Grouped-query attention over the paged K/V cache, with its variants: q/k/v biases (Qwen2),
 per-head q/k RMSNorm (Qwen3), an output gate and partial rotary embeddings (Qwen3.5's full
-attention layers).
+attention layers), a sliding window (Gemma 3's local layers: a row at position p sees keys
+p - window + 1 .. p; every key stays in the cache, the window is a mask of the attention op).
 
 Canonical tensors (after "model.layers.{i}.", H hidden, Q = heads x head_dim, KV = kv heads x
 head_dim; an output-gated q_proj holds each head's query rows followed by its gate rows):
@@ -25,6 +26,7 @@ import torch
 
 from lockstep.models.blocks.base import (
     BuildContext,
+    CacheBytes,
     LayoutEntry,
     Linear,
     Step,
@@ -66,11 +68,13 @@ class AttentionWeights:
 
 @dataclass(frozen=True)
 class Attention:
-    """Causal attention, with q/k/v `bias`, per-head `qk_norm` and a sigmoid `output_gate`."""
+    """Causal attention, with q/k/v `bias`, per-head `qk_norm`, a sigmoid `output_gate` and a
+    sliding `window` (None: every earlier key)."""
 
     bias: bool = False
     qk_norm: bool = False
     output_gate: bool = False
+    window: int | None = None
 
     prefix: ClassVar[str] = "self_attn"
     cache: ClassVar[str] = "kv"  # K/V per token in the KV pool
@@ -79,6 +83,11 @@ class Attention:
     def requires(self) -> tuple[type, ...]:
         gate = (GatedOutputOps,) if self.output_gate else ()
         return (DenseOps, PagedAttentionOps, *gate)
+
+    def cache_bytes(self, spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> CacheBytes:
+        """K and V of every cached token; a sliding-window layer keeps every key too (its
+        window is a mask), so it costs what a global layer costs."""
+        return CacheBytes(per_token=2 * kv_heads * spec.head_dim * kv_dtype.itemsize)
 
     def weight_names(self, spec: ModelSpec) -> list[str]:
         names = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
@@ -132,7 +141,7 @@ class Attention:
                                            context.rope_cos, context.rope_sin),
             kv_index=context.cache_index,
             gate_rows=local_heads * spec.head_dim if self.output_gate else 0,
-            scale=1.0 / math.sqrt(spec.head_dim),
+            scale=spec.attention_scale or 1.0 / math.sqrt(spec.head_dim),
         )  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: AttentionWeights, step: Step) -> torch.Tensor:
@@ -145,7 +154,8 @@ class Attention:
             qkv = qkv[:, : -w.gate_rows].contiguous()
         layer_kv = LayerKV(step.kv.k_cache(w.kv_index), step.kv.v_cache(w.kv_index))
         q = ops.attention_input(qkv, w.attention_input, batch.positions, batch.out_slots, layer_kv)
-        o = ops.attention(q, layer_kv, batch.meta, w.scale).reshape(batch.num_tokens, -1)
+        o = ops.attention(q, layer_kv, batch.meta, w.scale, self.window)
+        o = o.reshape(batch.num_tokens, -1)
         if gate is not None:
             o = ops.gate_activation(o, gate, "sigmoid")
         if isinstance(w.o, Fp8Weight):

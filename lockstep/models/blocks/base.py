@@ -16,6 +16,8 @@ not, ...); the model's shapes come from the `ModelSpec` passed to each method. I
     cache                   mixers only: "kv" (K/V per token, in the KV pool) or "state" (a
                             linear-attention state per sequence); `BuildContext.cache_index`
                             counts the layers before it with the same kind
+    cache_bytes(spec, kv_heads, kv_dtype)  mixers only: the bytes that cache takes
+                            (`CacheBytes`), which lockstep/engine/memory.py sums over layers
 
 A block's forward must keep the contract of docs/design.md by itself: each
 output row depends only on its own row and its own sequence's earlier tokens.
@@ -111,6 +113,15 @@ class BuildContext:
     cache_index: int
 
 
+class CacheBytes(NamedTuple):
+    """What one layer's mixer keeps: `per_token` bytes in the KV pool for each cached token,
+    and `per_snapshot` bytes of each state snapshot the radix cache keeps (one per chunk of
+    cached tokens; 0 for a mixer without state)."""
+
+    per_token: int
+    per_snapshot: int = 0
+
+
 class KVStorage(Protocol):
     """K/V caches by K/V layer index (the KV pool, or a scratch cache)."""
 
@@ -156,3 +167,7 @@ class Mixer(Block, Protocol):
     """A block that mixes positions (attention, linear attention), with the cache it keeps."""
 
     cache: str
+
+    def cache_bytes(self, spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> CacheBytes:
+        """This layer's cache bytes with `kv_heads` KV heads (this rank's) in `kv_dtype`."""
+        ...

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lockstep.models.blocks.base import BuildContext, LayoutEntry, Step
+from lockstep.models.blocks.base import BuildContext, CacheBytes, LayoutEntry, Step
 from lockstep.models.linear_attention import LinearWeights, gated_deltanet
 from lockstep.ops.base import DenseOps, GatedOutputOps, LinearAttentionOps
 
@@ -80,6 +80,15 @@ class GatedDeltaNet:
     prefix: ClassVar[str] = "linear_attn"
     cache: ClassVar[str] = "state"  # a LinearState per sequence
     requires: ClassVar[tuple[type, ...]] = (DenseOps, LinearAttentionOps, GatedOutputOps)
+
+    def cache_bytes(self, spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> CacheBytes:
+        """Nothing per token in the KV pool; each radix snapshot holds this layer's float32
+        convolution window and recurrent state (`LinearLayout.snapshot_bytes`, per layer)."""
+        lin = spec.linear
+        assert lin is not None
+        window = (lin.conv_kernel - 1) * lin.conv_dim
+        state = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim
+        return CacheBytes(per_token=0, per_snapshot=4 * (window + state))
 
     def _inputs(self) -> tuple[str, ...]:
         if self.grouped:

@@ -1,4 +1,5 @@
-"""The dense SwiGLU MLP: down(silu(gate x) * up x).
+"""The dense gated MLP: down(act(gate x) * up x), act SiLU (SwiGLU) or tanh-approximated GELU
+(GeGLU, Gemma's gelu_pytorch_tanh).
 
 Canonical tensors (after "model.layers.{i}.", H hidden, I intermediate):
 
@@ -25,7 +26,7 @@ from lockstep.models.blocks.base import (
     linear_entry,
     row_linear_entry,
 )
-from lockstep.ops.base import DenseOps
+from lockstep.ops.base import DenseOps, GeluOps
 from lockstep.ops.fp8 import Fp8Weight
 from lockstep.parallel.layers import RowParallelWeight
 
@@ -42,10 +43,16 @@ class DenseMlpWeights:
 
 @dataclass(frozen=True)
 class DenseMlp:
-    """SwiGLU of width `ModelSpec.intermediate_size`."""
+    """SwiGLU (`activation` "silu") or GeGLU ("gelu_tanh") of width
+    `ModelSpec.intermediate_size`."""
+
+    activation: str = "silu"
 
     prefix: ClassVar[str] = "mlp"
-    requires: ClassVar[tuple[type, ...]] = (DenseOps,)
+
+    @property
+    def requires(self) -> tuple[type, ...]:
+        return (DenseOps, GeluOps) if self.activation == "gelu_tanh" else (DenseOps,)
 
     def weight_names(self, spec: ModelSpec) -> list[str]:
         return [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -65,7 +72,10 @@ class DenseMlp:
         return DenseMlpWeights(parts["gate_up"], parts["down"])
 
     def forward(self, ops: Ops, x: torch.Tensor, w: DenseMlpWeights, step: Step) -> torch.Tensor:
-        act = ops.silu_mul(linear(ops, x, w.gate_up))
+        gate_up = linear(ops, x, w.gate_up)
+        act = (
+            ops.gelu_tanh_mul(gate_up) if self.activation == "gelu_tanh" else ops.silu_mul(gate_up)
+        )
         if isinstance(w.down, Fp8Weight):
             return linear(ops, act, w.down)
         return step.parallel.row_linear(act, w.down, "mlp")

@@ -537,7 +537,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 }
 
 // ----------------------------------------------------------------------------------------
-// Row-wise ops: rms_norm / add_rms_norm, silu_mul, log_softmax
+// Row-wise ops: rms_norm / add_rms_norm, gated_act_mul (SiLU, GELU-tanh), log_softmax
 // ----------------------------------------------------------------------------------------
 
 // Rows per task for the cheap row-wise ops (only granularity, never arithmetic).
@@ -606,10 +606,24 @@ inline V silu_mul_vec(const V& g, const V& u) {
   return V::mul(V::div(g, V::add(V::set1(1.f), e)), u);
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t simd) {
+// gelu_tanh(g) * u with gelu_tanh(g) = 0.5 g (1 + tanh(u')) = g / (1 + exp(-2u')),
+// 2u' = g * (c1 + c2 * g * g), c1 = 2 sqrt(2/pi), c2 = c1 * 0.044715: SiLU's formula with
+// exp(-2u') for exp(-g), one sequence of operations per element (no FMA).
+template <class V>
+inline V gelu_tanh_mul_vec(const V& g, const V& u) {
+  const V g2 = V::mul(g, g);
+  const V two_u = V::mul(g, V::add(V::set1(1.5957691216057308f),
+                                   V::mul(V::set1(0.071354816272922f), g2)));
+  const V e = vexp(V::sub(V::zero(), two_u));
+  return V::mul(V::div(g, V::add(V::set1(1.f), e)), u);
+}
+
+// mode 0: silu(gate) * up; mode 1: gelu_tanh(gate) * up.
+at::Tensor gated_act_mul(const at::Tensor& gate_up, int64_t mode, int64_t simd) {
+  TORCH_CHECK(mode == 0 || mode == 1, "gated_act_mul: mode must be 0 (silu) or 1 (gelu_tanh)");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
                   gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "silu_mul: gate_up must be contiguous fp32 [M, 2I]");
+              "gated_act_mul: gate_up must be contiguous fp32 [M, 2I]");
   const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({m, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
@@ -623,14 +637,45 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t simd) {
         const float* u = g + inter;
         float* o = op + r * inter;
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16)
-          silu_mul_vec(V::load(g + i), V::load(u + i)).store(o + i);
+        auto act = [mode](const V& gv, const V& uv) {
+          return mode == 0 ? silu_mul_vec(gv, uv) : gelu_tanh_mul_vec(gv, uv);
+        };
+        for (; i + 16 <= inter; i += 16) act(V::load(g + i), V::load(u + i)).store(o + i);
         if (i < inter) {
           const int64_t n = inter - i;
           const V gv = load_partial<V>(g + i, n, 0.f), uv = load_partial<V>(u + i, n, 0.f);
-          store_partial(silu_mul_vec(gv, uv), o + i, n);
+          store_partial(act(gv, uv), o + i, n);
         }
       }
+    });
+    return 0;
+  });
+  return out;
+}
+
+// softcap: cap * tanh(x / cap) as cap * (1 - 2 / (exp(2x / cap) + 1)), one sequence of
+// operations per element (vexp saturates, so the tails give exactly -cap and cap).
+at::Tensor softcap(const at::Tensor& x, double cap, int64_t simd) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "softcap: x must be contiguous fp32");
+  TORCH_CHECK(cap > 0, "softcap: cap=", cap, " must be > 0");
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = x.numel();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fcap = static_cast<float>(cap), two_over_cap = 2.f / fcap;
+  constexpr int64_t kGrain = 4096;
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    auto one = [&](const V& v) {
+      const V e = vexp(V::mul(v, V::set1(two_over_cap)));
+      const V t = V::sub(V::set1(1.f), V::div(V::set1(2.f), V::add(e, V::set1(1.f))));
+      return V::mul(t, V::set1(fcap));
+    };
+    parallel_tasks((n + kGrain - 1) / kGrain, [&](int64_t task) {
+      const int64_t end = std::min(n, (task + 1) * kGrain);
+      int64_t i = task * kGrain;
+      for (; i + 16 <= end; i += 16) one(V::load(xp + i)).store(op + i);
+      if (i < end) store_partial(one(load_partial<V>(xp + i, end - i, 0.f)), op + i, end - i);
     });
     return 0;
   });
@@ -794,6 +839,12 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& positions, const at::Tens
 // A row's bits depend on q and keys 0..p only. Work is tiled as (sequence, kv head, row tile)
 // so that one gathered key block serves every query row and head of the GQA group; the tile
 // decides only who shares loads.
+//
+// Sliding window W (> 0): the row at p sees keys lo = max(0, p - W + 1) .. p. Its blocks are
+// those from floor(lo / B) * B on, the same for every tile holding the row; blocks wholly
+// below lo are skipped (the pair counts as padding there), and in the first block keys below
+// lo score -inf like the causally masked ones (e = 0; the PV update still runs over them, in
+// every path, so the sequence of operations depends on p and W only).
 // ----------------------------------------------------------------------------------------
 
 constexpr int64_t kAttnRowTile = 16;
@@ -845,7 +896,8 @@ inline void pv_update(float* const* acc, const float* const* e, const float* alp
 template <class V, class KV, int NV, int DV>
 void attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* cu_q,
                     const int32_t* q_start, const int32_t* cu_kv, const int32_t* slots,
-                    int64_t num_seqs, int64_t hq, int64_t hkv, float scale, float* out) {
+                    int64_t num_seqs, int64_t hq, int64_t hkv, float scale, int64_t window,
+                    float* out) {
   constexpr int64_t kBlock = NV * 16, d = DV * 16;
   // Pairs whose PV update shares each loaded value row (bounded by the vector registers).
   constexpr int kPvGroup = DV <= 4 ? 4 : 2;
@@ -886,9 +938,13 @@ void attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* c
     for (int64_t p = pairs; p < padded; ++p) qrow[p] = qrow[0];
     const int32_t* table = slots + cu_kv[t.seq];
     const int64_t last = pos[pairs - 1];
+    // First key each pair sees (0 without a window); padding pairs see none.
+    std::vector<int64_t> key_lo(padded, 0);
+    if (window > 0)
+      for (int64_t p = 0; p < pairs; ++p) key_lo[p] = std::max<int64_t>(0, pos[p] - window + 1);
     float kbuf[d];
     int64_t first_active = 0;  // pairs are sorted by position
-    for (int64_t j0 = 0; j0 <= last; j0 += kBlock) {
+    for (int64_t j0 = key_lo[0] / kBlock * kBlock; j0 <= last; j0 += kBlock) {
       const int64_t nk = std::min(kBlock, last + 1 - j0);
       for (int64_t j = 0; j < kBlock; ++j) {
         if (j < nk) {
@@ -922,7 +978,9 @@ void attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* c
         bool full = true;
         for (int g = 0; g < kPairGroup; ++g) {
           const int64_t p = p0 + g;
-          valid[g] = pos[p] < j0 ? 0 : std::min(kBlock, pos[p] - j0 + 1);
+          // Blocks wholly below the pair's window count as padding for it.
+          const bool seen = pos[p] >= j0 && key_lo[p] < j0 + kBlock;
+          valid[g] = seen ? std::min(kBlock, pos[p] - j0 + 1) : 0;
           accp[g] = acc.data() + p * d;
           float* sp = sc.data() + p * kBlock;
           ep[g] = sp;
@@ -931,6 +989,7 @@ void attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* c
           if (valid[g] == 0) continue;  // padding pair
           for (int i = 0; i < NV; ++i) V::mul(s[g][i], vscale).store(sp + i * 16);
           for (int64_t j = valid[g]; j < kBlock; ++j) sp[j] = -kInf;
+          for (int64_t j = 0; j < key_lo[p] - j0; ++j) sp[j] = -kInf;
           V mx = V::load(sp);
           for (int i = 1; i < NV; ++i) mx = V::max(mx, V::load(sp + i * 16));
           const float bmax = mx.reduce_max();
@@ -970,7 +1029,7 @@ void attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* c
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& cu_q, const at::Tensor& q_start, const at::Tensor& cu_kv,
                      const at::Tensor& slot_table, double scale, int64_t key_block,
-                     int64_t simd) {
+                     int64_t window, int64_t simd) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "attention: q must be contiguous fp32 [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
@@ -983,6 +1042,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(key_block == 16 || key_block == 32, "attention: key_block=", key_block,
               " must be 16 or 32");
   TORCH_CHECK(hq % hkv == 0, "attention: Hq=", hq, " is not a multiple of Hkv=", hkv);
+  TORCH_CHECK(window >= 0, "attention: window=", window, " must be >= 0 (0: no window)");
   for (const at::Tensor* t : {&cu_q, &q_start, &cu_kv, &slot_table})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
                 "attention: metadata tensors must be contiguous int32");
@@ -1019,12 +1079,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       if (k_cache.scalar_type() == at::kFloat) {
         attention_impl<V, float, NV, DV>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                          v_cache.data_ptr<float>(), cq, qs, ck, st, num_seqs, hq,
-                                         hkv, fscale, out.data_ptr<float>());
+                                         hkv, fscale, window, out.data_ptr<float>());
       } else {
         TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "attention: cache must be fp32/bf16");
         attention_impl<V, at::BFloat16, NV, DV>(
             q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-            v_cache.data_ptr<at::BFloat16>(), cq, qs, ck, st, num_seqs, hq, hkv, fscale,
+            v_cache.data_ptr<at::BFloat16>(), cq, qs, ck, st, num_seqs, hq, hkv, fscale, window,
             out.data_ptr<float>());
       }
     };
@@ -1515,8 +1575,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_variants", &lockstep::simd_variants, release);
   m.def("linear", &lockstep::linear, release);
   m.def("rms_norm", &lockstep::rms_norm, release);
-  m.def("silu_mul", &lockstep::silu_mul, release);
+  m.def("gated_act_mul", &lockstep::gated_act_mul, release);
   m.def("log_softmax", &lockstep::log_softmax, release);
+  m.def("softcap", &lockstep::softcap, release);
   m.def("moe_route", &lockstep::moe_route, release);
   m.def("rope", &lockstep::rope, release);
   m.def("attention", &lockstep::attention, release);

@@ -25,6 +25,11 @@ Why a query row's bits cannot depend on the schedule (docs/design.md, "Attention
     their warps (a GPU test over 1-8 decode warps). tl.sum, the experimental alternative
     (`ExperimentalAttentionOptions.row_sum`), reduces in an order fixed by the MMA layout, so
     it keeps the two paths equal only with decode tiles on one warp per 16 rows.
+  * Sliding windows (a runtime argument, `NO_WINDOW` for none): the row at p sees keys
+    p - window + 1 .. p. A block wholly below a row's window is an identity on its state as
+    a future block is, so tiles start at the block of their first row's window and the
+    window mask joins the causal mask on the blocks that need it: every tile shape and path
+    still folds, for each row, the same blocks in the same order.
   * Multiply-add contraction is switched off (`enable_fp_fusion=False`) so the two kernels
     cannot contract the shared formulas differently.
 
@@ -56,6 +61,8 @@ from lockstep.ops.triton.launch import (
 )
 
 LOG2E = 1.4426950408889634
+# The window of a layer without one: larger than any context (positions are int32).
+NO_WINDOW = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -206,12 +213,13 @@ def _block_slots(slots_ptr, j0, hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr)
 
 @triton.jit
 def _block_update(
-    m, lsum, acc, q, k_cache, v_cache, slots, kvh, skc, skh, pos, j0, hi, qk_scale,
+    m, lsum, acc, q, k_cache, v_cache, slots, kvh, skc, skh, pos, j0, hi, qk_scale, window,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
     ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
     """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
-    row sees entirely, where the causal and bounds masks are all-true: same bits, less work.
+    row sees entirely, where the causal, window and bounds masks are all-true: same bits,
+    less work.
     The K and V caches share one layout, so one gather offset per element serves both; the
     offsets are 32-bit (64-bit address arithmetic is a large share of a decode program's
     instructions) unless the cache holds 2**31 elements or more (WIDE)."""
@@ -228,7 +236,8 @@ def _block_update(
     k = widen_kv(k, q.dtype)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
-        s = tl.where(offs_j[None, :] <= pos[:, None], s, float("-inf"))
+        seen = (offs_j[None, :] <= pos[:, None]) & (offs_j[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
@@ -349,37 +358,50 @@ def row_sum_mma(p, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _split_partial(
-    q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
-    ROW_SUM_MMA: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale, window,
+    key_lo, key_all, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    WIDE: tl.constexpr, ROW_SUM_MMA: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
-    visited in ascending order; those wholly at or before pos_lo (the tile's first position)
-    skip the masks. SLOTS_AHEAD: the unmasked loop loads the next block's slot ids before
-    this block's arithmetic (same values, so the same bits)."""
+    visited in ascending order from the block of key_lo (the first key any row of the tile
+    sees); those wholly at or before pos_lo (the tile's first position) and at or after
+    key_all (every row's window holds every later key) skip the masks. SLOTS_AHEAD: the
+    unmasked loop loads the next block's slot ids before this block's arithmetic (same
+    values, so the same bits).
+
+        lo    start            free      mid            hi
+        |.....|masked (window)|unmasked  |masked (causal)|"""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     lsum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     mid = lo + tl.maximum(tl.minimum(pos_lo + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    start = tl.maximum(lo, key_lo // BLOCK_N * BLOCK_N)
+    free = tl.maximum(start, tl.minimum(tl.cdiv(key_all, BLOCK_N) * BLOCK_N, mid))
+    for j0 in range(start, free, BLOCK_N):
+        m, lsum, acc = _block_update(
+            m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, True, BLOCK_N),
+            kvh, skc, skh, pos, j0, hi, qk_scale, window, True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+        )  # fmt: skip
     if SLOTS_AHEAD:
-        nxt = _block_slots(slots_ptr, lo, hi, True, BLOCK_N)
-        for j0 in range(lo, mid, BLOCK_N):
+        nxt = _block_slots(slots_ptr, free, hi, True, BLOCK_N)
+        for j0 in range(free, mid, BLOCK_N):
             cur = nxt
             nxt = _block_slots(slots_ptr, j0 + BLOCK_N, hi, True, BLOCK_N)
             m, lsum, acc = _block_update(
                 m, lsum, acc, q, k_cache, v_cache, cur, kvh, skc, skh, pos, j0, hi, qk_scale,
-                False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+                window, False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
             )  # fmt: skip
     else:
-        for j0 in range(lo, mid, BLOCK_N):
+        for j0 in range(free, mid, BLOCK_N):
             m, lsum, acc = _block_update(
                 m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, False, BLOCK_N),
-                kvh, skc, skh, pos, j0, hi, qk_scale, False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+                kvh, skc, skh, pos, j0, hi, qk_scale, window, False, BLOCK_N, D, WIDE,
+                ROW_SUM_MMA,
             )  # fmt: skip
-    for j0 in range(mid, hi, BLOCK_N):
+    for j0 in range(tl.maximum(free, mid), hi, BLOCK_N):
         m, lsum, acc = _block_update(
             m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, True, BLOCK_N),
-            kvh, skc, skh, pos, j0, hi, qk_scale, True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            kvh, skc, skh, pos, j0, hi, qk_scale, window, True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
         )  # fmt: skip
     return m, lsum, acc
 
@@ -406,6 +428,7 @@ def _attn_fwd(
     sot,
     soh,
     qk_scale,
+    window,
     HKV: tl.constexpr,
     G: tl.constexpr,
     ROWS: tl.constexpr,
@@ -438,13 +461,16 @@ def _attn_fwd(
         qk_scale = qk_scale * (2.0 ** (KV_WIDEN_EXP // 2))
     slots_ptr = slot_table + tl.load(cu_kv + b)
     pos_lo = tl.min(tl.where(valid, pos, hi), 0)  # first position of the tile
+    # The window's keys: the first any row sees, and the first from which every row sees all.
+    key_lo = tl.maximum(pos_lo - window + 1, 0)
+    key_all = tl.maximum(hi - window, 0)
     if WRITE_PARTIALS:
         split = wave_base + tl.program_id(2)
         lo = split * SPLIT
         m, lsum, acc = _split_partial(
             qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
-            tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
-            SLOTS_AHEAD,
+            tl.minimum(lo + SPLIT, hi), qk_scale, window, key_lo, key_all, ROWS, BLOCK_N, D,
+            WIDE, ROW_SUM_MMA, SLOTS_AHEAD,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
         smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
@@ -455,11 +481,12 @@ def _attn_fwd(
         m_s = tl.full([ROWS], float("-inf"), tl.float32)
         l_s = tl.zeros([ROWS], tl.float32)
         acc_s = tl.zeros([ROWS, D], tl.float32)
-        for lo in range(0, hi, SPLIT):
+        # Splits wholly below every row's window would merge as identities: skipped.
+        for lo in range(key_lo // SPLIT * SPLIT, hi, SPLIT):
             m, lsum, acc = _split_partial(
                 qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
-                tl.minimum(lo + SPLIT, hi), qk_scale, ROWS, BLOCK_N, D, WIDE, ROW_SUM_MMA,
-                SLOTS_AHEAD,
+                tl.minimum(lo + SPLIT, hi), qk_scale, window, key_lo, key_all, ROWS, BLOCK_N,
+                D, WIDE, ROW_SUM_MMA, SLOTS_AHEAD,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
         o = finalize_rows(l_s, acc_s)
@@ -658,8 +685,10 @@ def paged_attention(
     config: AttentionConfig = DEFAULT_CONFIG,
     force_path: str | None = None,
     out_dtype: torch.dtype | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [T, Hq, D] over the paged caches (see `lockstep.ops.base`).
+    """Causal attention of q [T, Hq, D] over the paged caches (see `lockstep.ops.base`),
+    within a sliding `window` of keys where one is given.
     The path is chosen for speed only, all three give the same bits: "prefill" (prefill
     tiles, splits folded in-kernel) for calls with a longer chunk than
     `config.split_path_max_q`, else decode tiles on "fold" (splits folded in-kernel) or
@@ -675,6 +704,9 @@ def paged_attention(
     if t == 0 or b == 0:
         return out
     qk_scale = float(scale) * LOG2E
+    if window is not None and not 1 <= window < NO_WINDOW:
+        raise ValueError(f"window={window} must be between 1 and {NO_WINDOW - 1}")
+    win = NO_WINDOW if window is None else int(window)
     if force_path not in (None, "prefill", "fold", "split"):
         raise ValueError(f"force_path={force_path!r} is invalid: expected prefill, fold or "
                          "split")  # fmt: skip
@@ -698,7 +730,7 @@ def paged_attention(
         ahead = config.experimental.slots_ahead if path == "prefill" else (
             split_slots_ahead(config, n_tiles * b * hkv, q.device))  # fmt: skip
         _attn_fwd[(n_tiles, b * hkv)](
-            q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale,
+            q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale, win,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
             WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=dot_row_sum, SLOTS_AHEAD=ahead, **opts,
         )  # fmt: skip
@@ -738,7 +770,7 @@ def paged_attention(
         grid = (n_tiles, b * hkv, min(wave, n_splits - base))
         _attn_fwd[grid](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
-            HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
+            win, HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
             WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=dot_row_sum,
             SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **opts,
         )  # fmt: skip
