@@ -143,7 +143,7 @@ def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _configs() -> list[f8.Fp8GemmConfig]:
-    table = list(dict.fromkeys(cfg for *_, cfg in f8.TILE_TABLE if not cfg.stacked))
+    table = list(dict.fromkeys(cfg for *_, cfg in f8.TILE_TABLE))
     if GPU:
         return table
     # The interpreter: the table's tile shapes are too slow at these sizes; small tiles cover
@@ -171,28 +171,6 @@ def test_rows_identical_for_every_m_and_config(scheme: str) -> None:
                 continue
             alone = f8.fp8_linear(x[m - 1 : m], wq, ws, scheme, ins, bias, torch.float32, cfg)
             assert torch.equal(alone, full[m - 1 : m]), (cfg, m)
-
-
-STACKED = [
-    f8.Fp8GemmConfig(64, 64, 4, 1, stacked=True),
-    f8.Fp8GemmConfig(64, 256, 4, 1, stacked=True),
-]
-
-
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_stacked_small_m_kernel_equals_the_plain_one(scheme: str) -> None:
-    """The stacked kernel (two K blocks per dot, M <= 32) gives the plain kernel's bits, with
-    K tails (K = 80: one block; 300: an odd block count) and N tails, from a strided input."""
-    for n, k in ((136, 300), (72, 80)):
-        wq, ws, ins, bias = _weight(n, k, scheme, seed=15)
-        x = _x(2 * 32, k, seed=16)[::2]  # every other row: a row stride of 2 K
-        plain = f8.fp8_linear(x, wq, ws, scheme, ins, bias, torch.float32, _configs()[1])
-        for cfg, ms in ((STACKED[0], (1, 5, 32)), (STACKED[1], (32,))):
-            for m in ms:
-                got = f8.fp8_linear(x[:m], wq, ws, scheme, ins, bias, torch.float32, cfg)
-                assert torch.equal(got, plain[:m]), (n, k, cfg, m)
-    with pytest.raises(ValueError, match="stacked"):
-        f8.fp8_linear(x[:1].repeat(33, 1), wq, ws, scheme, ins, bias, torch.float32, STACKED[0])
 
 
 def test_batch_wide_activation_scale_is_not_row_local() -> None:
@@ -322,25 +300,6 @@ def test_gpu_table_configs_agree() -> None:
                     y = f8.fp8_linear(x, wq, ws, scheme, ins, bias, torch.float32, variant)
                     first = y if first is None else first
                     assert torch.equal(y, first), (name, scheme, variant)
-
-
-@gpu
-@pytest.mark.gpu
-def test_gpu_stacked_kernel_equals_the_plain_one() -> None:
-    """Every stacked config (two K blocks per wgmma chain, zeros in the other block's rows)
-    gives the plain kernel's bits for M <= 32: the zero products leave a block's sum as the
-    block alone would have it. Only then may the table use it at small M."""
-    stacked = [f8.Fp8GemmConfig(64, bn, 4, st, stacked=True) for bn, st in ((32, 6), (64, 4))]
-    plain = f8.Fp8GemmConfig(64, 64, 4, 4)
-    for name, (n, k) in GPU_SHAPES.items():
-        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
-        for scheme in SCHEMES:
-            wq, ws, ins, bias = _gpu_weight(n, k, scheme, seed=7)
-            want = f8.fp8_linear(x, wq, ws, scheme, ins, bias, torch.float32, plain)
-            for cfg in stacked:
-                for m in (1, 7, 16, 32):
-                    got = f8.fp8_linear(x[:m], wq, ws, scheme, ins, bias, torch.float32, cfg)
-                    assert torch.equal(got, want[:m]), (name, scheme, cfg, m)
 
 
 @gpu

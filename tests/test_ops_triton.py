@@ -26,7 +26,6 @@ from lockstep.ops.triton import matmul as mm
 from lockstep.ops.triton.attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
-    ExperimentalAttentionOptions,
     paged_attention,
 )
 
@@ -694,9 +693,8 @@ def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
     spy = _LaunchSpy(attention._attn_fwd, ("WRITE_PARTIALS", "SLOTS_AHEAD"))
     monkeypatch.setattr(attention, "_attn_fwd", spy)
     base = ATTN_CFG if GPU else replace(ATTN_CFG, split=4 * ATTN_CFG.block_n)
-    assert base.experimental.slots_ahead and base.experimental.slots_ahead_split  # production
-    no_ahead = ExperimentalAttentionOptions(slots_ahead=False, slots_ahead_split=False)
-    ahead, plain = base, replace(base, experimental=no_ahead)
+    assert base.slots_ahead and base.slots_ahead_split  # production
+    ahead, plain = base, replace(base, slots_ahead=False, slots_ahead_split=False)
     want = pool.run(0, SEQ, cfg=plain, path="prefill")
     assert torch.equal(pool.run(0, SEQ, cfg=ahead, path="prefill"), want)
     for p in range(0, SEQ, 1 if not GPU else 13):
@@ -704,7 +702,7 @@ def test_attention_slot_ids_loaded_a_block_ahead_give_the_same_bits(
         for cfg in (ahead, plain):
             for path in ("prefill", "fold", "split"):
                 got = pool.run(p, n, cfg=cfg, path=path)
-                assert torch.equal(got, want[p : p + n]), (p, path, cfg.experimental)
+                assert torch.equal(got, want[p : p + n]), (p, path, cfg.slots_ahead)
     assert spy.seen == {(False, True), (True, True), (False, False), (True, False)}, spy.seen
 
 
@@ -719,13 +717,13 @@ def test_split_slots_ahead_only_while_every_program_is_resident(
     monkeypatch.setattr(attention, "num_sms", lambda device: 132)
     cuda = torch.device("cuda", 0)
     on = AttentionConfig()
-    assert on.experimental.slots_ahead_split and on.slots_ahead_programs_per_sm == 3
+    assert on.slots_ahead_split and on.slots_ahead_programs_per_sm == 3
     assert attention.split_slots_ahead(on, 3 * 132, cuda)
     assert not attention.split_slots_ahead(on, 3 * 132 + 1, cuda)
     wider = AttentionConfig(slots_ahead_programs_per_sm=8)
     assert attention.split_slots_ahead(wider, 8 * 132, cuda)
     assert not attention.split_slots_ahead(wider, 8 * 132 + 1, cuda)
-    off = AttentionConfig(experimental=ExperimentalAttentionOptions(slots_ahead_split=False))
+    off = AttentionConfig(slots_ahead_split=False)
     assert not attention.split_slots_ahead(off, 1, cuda)
 
 
@@ -812,40 +810,13 @@ def test_attention_negative_control_other_key_block_differs(pool: Pool, full: to
     assert not torch.equal(other, full), "a different key block gave the same bits"
 
 
-# The tl.sum row sum (an experimental variant) with decode tiles on one warp per 16 rows.
-TL_SUM_CFG = replace(
-    ATTN_CFG, num_warps_split=1, experimental=ExperimentalAttentionOptions(row_sum="sum")
-)
-
-
-class _UncheckedAttentionConfig(AttentionConfig):
-    """An AttentionConfig without its checks, so that a negative control can build a
-    configuration the config refuses."""
-
-    def __post_init__(self) -> None:
-        pass
-
-
-def test_attention_row_sum_by_tl_sum_keeps_the_contract(pool: Pool, full: torch.Tensor) -> None:
-    """`row_sum="sum"` (tl.sum) with decode tiles on one warp: accurate, decode (split path)
-    rows equal its prefill's at every position tried, and (control) the option is applied:
-    its bits are not the dot row sum's."""
-    want = pool.run(0, SEQ, cfg=TL_SUM_CFG, path="prefill")
-    assert rel_err(want, pool.reference()) < TOL
-    for p in range(0, SEQ, 1 if not GPU else 11):
-        assert torch.equal(pool.run(p, 1, cfg=TL_SUM_CFG, path="split"), want[p : p + 1]), p
-    assert ATTN_CFG.experimental.row_sum == "mma"
-    assert not torch.equal(want, full), "row_sum='sum' gave the dot's bits: not applied"
-
-
 @pytest.mark.skipif(not GPU, reason="the interpreter has no warps or MMA layouts")
 def test_attention_decode_tiles_on_any_warp_count_match_prefill(
     pool: Pool, full: torch.Tensor
 ) -> None:
-    """The row sum of p is a dot (the table's `row_sum="mma"`), so decode tiles whose warps
+    """The row sum of p is a dot (`row_sum_mma`), so decode tiles whose warps
     split a key block (mma.sync, 16 rows) give the prefill tiles' bits (wgmma, 128 rows on 8
     warps)."""
-    assert ATTN_CFG.experimental.row_sum == "mma"
     for warps in (1, 2, 4, 8):
         cfg = AttentionConfig(**{**ATTN_CFG.__dict__, "num_warps_split": warps})
         for p in (0, 63, 64, 511, 512, 700, SEQ - 1):
@@ -855,45 +826,23 @@ def test_attention_decode_tiles_on_any_warp_count_match_prefill(
 
 
 @pytest.mark.parametrize("path", ["fold", "split"])
-def test_attention_negative_control_decode_tile_across_warps_differs(pool: Pool, path: str) -> None:
-    """GPU: with `row_sum="sum"`, 16-row decode tiles on 4 warps split each key block across
-    warps, so tl.sum reduces the row sum in another order than that option's prefill tiles:
-    some rows differ, on both decode paths. This is why tl.sum needs decode tiles on one
-    warp (the config refuses others), and why the table's row sum is a dot. Interpreter: a
-    different split size differs."""
-    if GPU:
-        want = pool.run(0, SEQ, cfg=TL_SUM_CFG, path="prefill")
-        bad = _UncheckedAttentionConfig(**{**TL_SUM_CFG.__dict__, "num_warps_split": 4})
-    else:
-        want = pool.run(0, SEQ, path="prefill")
-        bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
+def test_attention_negative_control_other_split_differs(pool: Pool, path: str) -> None:
+    """The split size is part of the numerics: decode tiles over splits twice the table's
+    differ from the table's prefill on some rows, on both decode paths (so the equalities
+    above are not vacuous)."""
+    want = pool.run(0, SEQ, path="prefill")
+    bad = AttentionConfig(**{**ATTN_CFG.__dict__, "split": 2 * ATTN_CFG.split})
     rows = [pool.run(p, 1, cfg=bad, path=path) for p in range(0, SEQ, 3)]
     assert not torch.equal(torch.cat(rows), want[0:SEQ:3])
 
 
-def test_tl_sum_decode_tiles_must_keep_one_warp_per_16_rows() -> None:
-    """The config refuses tl.sum decode tiles whose warps would split a key block (the
-    negative control's configuration, built past the checks); the dot row sum takes any."""
-    tl_sum = ExperimentalAttentionOptions(row_sum="sum")
-    with pytest.raises(ValueError, match="row_sum='sum'"):
-        AttentionConfig(experimental=tl_sum)  # the table's 2 decode warps
-    AttentionConfig(num_warps_split=1, experimental=tl_sum)
-    AttentionConfig(rows_split=64, num_warps_split=4, experimental=tl_sum)
-    AttentionConfig(num_warps_split=8)
-    assert _UncheckedAttentionConfig(num_warps_split=4, experimental=tl_sum).num_warps_split == 4
-    with pytest.raises(ValueError, match="row_sum="):
-        ExperimentalAttentionOptions(row_sum="tl.sum")
-
-
 def test_gpu_kernels_sweep_names_the_table() -> None:
-    """The bench's sweep rows named as the table are the table (the bits table compares
-    every decode config with its row sum's first prefill config)."""
+    """The bench's sweep rows named as the table are the table, and the table's prefill row
+    comes first: the bits table compares every decode config of the table's split with it."""
     from bench.gpu_kernels import SWEEP_ATTN_DECODE, SWEEP_ATTN_PREFILL
 
     assert SWEEP_ATTN_DECODE["r16n64w2s3mma"] == DEFAULT_CONFIG
-    assert SWEEP_ATTN_PREFILL["r128n64w8s3mma"] == DEFAULT_CONFIG
-    # the "sum" rows' prefill base
-    assert SWEEP_ATTN_PREFILL["r128n64w8s3"].experimental.row_sum == "sum"
+    assert next(iter(SWEEP_ATTN_PREFILL.values())) == DEFAULT_CONFIG
 
 
 @pytest.mark.gpu
