@@ -4,7 +4,7 @@
 float64 reference computes each dot_b exactly. Hopper's tensor cores do not: they sum FP8
 products with reduced precision (errors of a few 1e-3 of the products' magnitude). cuBLAS's FP8
 GEMM (`torch._scaled_mm`, unit scales, fp32 out) and the Triton kernel's wgmma gave the same
-bits for every block dot on an H200 (docs/gpu.md, FP8 linears). So on CUDA each block's dot here
+bits for every block dot on an H200 (docs/results.md, "FP8 GEMM"). So on CUDA each block's dot here
 is cuBLAS's, elsewhere (the Triton interpreter, whose block dots are exact) the exact one; the
 quantization (the spec's functions), scales, the sum over blocks and the bias are float64.
 Against this reference the kernel's only error is its own fp32 arithmetic, which `tolerance`

@@ -362,7 +362,7 @@ def test_gpu_controls_batch_scale_and_fast_path_vary_with_m() -> None:
     through cuBLAS, `GpuFastOps.fp8_linear`) gives row 0 more than one set of bits over the M
     sweep on a Qwen3-8B shape, where our kernel gives one; and a batch-wide dynamic activation
     scale changes row 0 with its batch-mates. torch._scaled_mm's variants are printed: it kept
-    one per shape at these M on the H200 (docs/gpu.md), so it is no control here."""
+    one per shape at these M on the H200 (docs/results.md), so it is no control here."""
     variants = {}
     for name in ("o", "down"):
         n, k = GPU_SHAPES[name]

@@ -97,7 +97,7 @@ class AttentionConfig:
     # programs number at least fold_programs_per_sm per SM; else "split", one program per
     # split, partials merged by `_attn_merge`, which spreads a long context over the SMs.
     # Speed only; the thresholds are where fold timed faster than split on an H200 (the
-    # decode table in docs/gpu.md names the path each cell takes).
+    # decode table in docs/results.md names the path each cell takes).
     split_path_max_q: int = 4
     fold_programs_per_sm: float = 1.5
     workspace_bytes: int = 256 << 20
@@ -125,7 +125,7 @@ class AttentionConfig:
                 raise ValueError(f"{name}={v} must be a power of two >= 16")
 
 
-# The production table (H200, Triton 3.6); see docs/gpu.md for how it was chosen.
+# The production table (H200, Triton 3.6); docs/results.md has its figures.
 DEFAULT_CONFIG = AttentionConfig()
 
 
@@ -221,7 +221,7 @@ def _block_update(
 # factor at no cost: q is multiplied by 2**(KV_WIDEN_EXP/2) once per program and the score
 # scale by the same power (exact: powers of two), and p by 2**KV_WIDEN_EXP before p @ V, so
 # every product the tensor cores form is the one the exact widening gives (bit for bit on the
-# H200, subnormals included: docs/gpu.md; only a |q| of 2**68 or more, which no model has,
+# H200, subnormals included: docs/results.md; only a |q| of 2**68 or more, which no model has,
 # would overflow).
 # Per 32-bit register of four cache bytes [b3 b2 b1 b0]: prmt builds [sign(b1) b1 sign(b0) b0]
 # (selector nibbles 8-B replicate a byte's sign), a shift by 4 moves each byte's low 7 bits

@@ -63,7 +63,7 @@ _INF = 1 << 62
 _C = Fp8GemmConfig
 # (largest M, largest N, largest K, config): the first row that fits is used. BK is always 128
 # (the scale block); BM is 64 or 128 everywhere (wgmma; see the module docstring). Chosen from
-# `python -m bench.fp8_gemm` on the H200 (docs/gpu.md, FP8 linears): 64 x 64 tiles to M 256
+# `python -m bench.fp8_gemm` on the H200 (docs/results.md, "FP8 GEMM"): 64 x 64 tiles to M 256
 # (at N <= 8192; 64 x 128 above), 64 x 128 tiles up to M 1024 and for K <= 8192, 128 x 128 on
 # 8 warps for the long K of down projections at M > 1024 (GROUP_M 16 for L2 reuse).
 TILE_TABLE: tuple[tuple[int, int, int, Fp8GemmConfig], ...] = (

@@ -52,7 +52,7 @@ SPLIT_ALIGN = 256
 
 # (largest K, splits): THE NUMERICS of every matmul, keyed by the weight's K (never by M).
 # Changing a row here changes the bits of every model. One split up to K 8192, two above: the
-# split-count timings in docs/gpu.md (two splits only pay off at large K).
+# split-count timings in docs/results.md (two splits only pay off at large K).
 SPLIT_TABLE: tuple[tuple[int, int], ...] = (
     (8192, 1),
     (_INF, 2),
@@ -60,9 +60,9 @@ SPLIT_TABLE: tuple[tuple[int, int], ...] = (
 
 # (largest M, largest N, largest K, config): the first row that fits is used. Chosen from
 # CUDA-graph timings of `python -m bench.gpu_kernels --sweep` with a clean L2 (the matmul
-# table in docs/gpu.md). Small M is bandwidth-bound: narrow N tiles for enough CTAs. Mid M:
+# table in docs/results.md). Small M is bandwidth-bound: narrow N tiles for enough CTAs. Mid M:
 # 64-row tiles; at K > 8192 one program per split. M 129-256 (decode at RL batch sizes): the
-# tile that best fills the waves of 132 SMs per shape (`--sweep --ms 256`, docs/gpu.md). M
+# tile that best fills the waves of 132 SMs per shape (`--sweep --ms 256`, docs/results.md). M
 # 257-512: 256x128 tiles for N > 4096 at K <= 8192 and for N > 8192. Large M: persistent 128x128 tiles walked in groups of 16 M-tiles
 # (GROUP_M 16, for L2 reuse), 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits)
 # 128x256 tiles.
