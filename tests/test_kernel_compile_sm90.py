@@ -84,8 +84,11 @@ def _fp8_grouped_moe() -> tuple[str, dict, dict]:
 
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
-    **{f"attention {c} d={d} partials={p}": _attention(c, d, p)
-       for c in CACHES for d, p in ((128, 0), (128, 1), (256, 0))},  # fmt: skip
+    **{
+        f"attention {c} d={d} partials={p}": _attention(c, d, p)
+        for c in CACHES
+        for d, p in ((128, 0), (128, 1), (256, 0))
+    },
     "gated delta rule": _gated_delta(),
     "fp8 grouped moe gate_up": _fp8_grouped_moe(),
     "negative control": _two_ways(),
@@ -93,9 +96,13 @@ CASES = {
 _STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh")
 # Decode tiles as the engine launches them (num_warps_split warps): the dots' operand layouts.
 LAYOUTS = {
-    **{f"decode tiles {c} q {q} partials={p}": _attention(c, 128, p, q, decode_tiles=True)
-       for c in (*CACHES, "*fp32") for q in ("*bf16", "*fp32") for p in (0, 1)
-       if c in (q, "*fp8e4nv") and (q == "*bf16" or p)},  # fmt: skip
+    **{
+        f"decode tiles {c} q {q} partials={p}": _attention(c, 128, p, q, decode_tiles=True)
+        for c in (*CACHES, "*fp32")
+        for q in ("*bf16", "*fp32")
+        for p in (0, 1)
+        if c in (q, "*fp8e4nv") and (q == "*bf16" or p)
+    },
     "widened dot (control)": _widened_dot(),
 }
 

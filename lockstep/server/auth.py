@@ -25,8 +25,13 @@ OPEN_ROUTES = frozenset({"/health"})
 # Routes that act on other users' requests, the weights or the cache, or that show where the
 # weights live on the server's disk (SGLang's admin routes, and the cache flush).
 ADMIN_ROUTES = frozenset(
-    {"/abort_request", "/update_weights_from_disk", "/flush_cache", "/get_model_info",
-     "/model_info"}  # fmt: skip
+    {
+        "/abort_request",
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/get_model_info",
+        "/model_info",
+    }
 )
 
 
