@@ -92,12 +92,13 @@ def test_negative_control_fast_mode_batched_differs() -> None:
     prompts = _overlapping_prompts(rng, vocab, 16)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     together = _run(engine, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
-    differs = 0
-    for i, prompt in enumerate(prompts):
+
+    def differs_alone(i: int, prompt: list[int]) -> bool:
         engine.flush_cache()
-        alone = _run(engine, {"alone": (prompt, params)})["alone"]
-        differs += together[f"r{i}"][1] != alone[1]
-    assert differs > 0
+        return _run(engine, {"alone": (prompt, params)})["alone"][1] != together[f"r{i}"][1]
+
+    # One request whose logprobs change alone is the proof: stop at the first.
+    assert any(differs_alone(i, prompt) for i, prompt in enumerate(prompts))
 
 
 def test_seeded_sampling_alone_vs_among_31_others() -> None:
