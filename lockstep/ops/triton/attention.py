@@ -272,7 +272,7 @@ def widen_kv(x, dtype: tl.constexpr):
     disagree with the prefill tiles' wgmma (whose B operand comes from shared memory in
     order) in the last bits. A widening the compiler cannot see through (inline PTX with side
     effects, which ends its search for the loaded type) keeps every dot laid out as for a
-    cache of the activation dtype. tests/test_kernel_compile_sm90.py checks the layouts; the
+    cache of the activation dtype. tests/kernels/test_kernel_compile_sm90.py checks the layouts; the
     interpreter has no PTX and no layouts, so it makes the same bit moves in Triton ops."""
     if x.dtype == dtype:
         y = x

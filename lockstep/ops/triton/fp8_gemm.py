@@ -25,7 +25,7 @@ are those written. The tile shape is a speed choice from `TILE_TABLE`, keyed by 
 autotuned at run time). Every table config uses the same MMA flavour, wgmma (BM a multiple of
 64), whose per-block sum is what the bits rest on: at BM 16 or 32 Triton compiles the dot to
 mma.sync on e4m3 values widened to fp16 (the sm_90 PTX shows it), another accumulation.
-tests/test_fp8_gemm.py checks rows for every M across the table's buckets on the GPU, and under
+tests/kernels/test_fp8_gemm.py checks rows for every M across the table's buckets on the GPU, and under
 the interpreter the indexing, masking and block order.
 """
 

@@ -13,7 +13,7 @@ other libraries (torch) never signal early, so a PDL kernel after one of them si
 it to finish, as without PDL.
 
 PDL changes when a kernel starts, never what it computes: the bits are the same with it on or
-off (tests/test_gpu_engine.py compares). The Triton interpreter and GPUs before Hopper run
+off (tests/gpu/test_gpu_engine.py compares). The Triton interpreter and GPUs before Hopper run
 without it.
 """
 

@@ -10,7 +10,7 @@ The numerics (what every output element computes, for every M):
 How the work is laid out is a speed choice picked per (M, N, K) bucket from `TILE_TABLE` (never
 autotuned at run time) and never changes a bit: the tile shape (BM, BN, BK, the MMA flavour:
 mma.sync at BM 16/32, wgmma at BM >= 64; on an H200 with Triton 3.6 none of these changed a
-row's bits, which tests/test_ops_triton.py re-checks), and where the splits run: all in one
+row's bits, which tests/kernels/test_ops_triton.py re-checks), and where the splits run: all in one
 program (large M: plenty of tiles), or one program per split (small M: K-parallelism to stream
 the weight from every SM) whose partials go to a float32 workspace and are folded, in the same
 order, by the last program of the tile to finish (an atomic arrival counter, reset by that
