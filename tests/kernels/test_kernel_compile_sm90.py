@@ -45,7 +45,7 @@ def _attention(
     types |= dict.fromkeys(("wave_base", "R", "sqt", "sqh", "skc", "skh", "sot", "soh"), "i32")
     rows = cfg.rows_split if write_partials or decode_tiles else cfg.rows
     constexprs = {"HKV": 4, "G": 4, "ROWS": rows, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split,
-                  "D": d, "WRITE_PARTIALS": write_partials, "WIDE": False, "ROW_SUM_MMA": True,
+                  "D": d, "WRITE_PARTIALS": write_partials, "WIDE": False,
                   "SLOTS_AHEAD": False, "PDL": False}  # fmt: skip
     return "attention._attn_fwd", types, constexprs
 
