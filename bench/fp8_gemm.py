@@ -45,9 +45,7 @@ C = f8.Fp8GemmConfig
 # Candidates per M bucket (largest M of the bucket: configs). BM 16/32 compile to mma.sync,
 # BM >= 64 to wgmma: the sweep reports whether their bits agree.
 SWEEP = {
-    16: [C(64, 64, 4, 6), C(64, 128, 4, 4), C(16, 32, 4, 8), C(64, 64, 4, 4, stacked=True),
-         C(64, 64, 4, 3, stacked=True), C(64, 32, 4, 6, stacked=True),
-         C(64, 128, 4, 3, stacked=True)],
+    16: [C(64, 64, 4, 6), C(64, 128, 4, 4), C(16, 32, 4, 8)],
     128: [C(64, 64, 4, 6), C(64, 128, 4, 4), C(128, 128, 8, 4)],
     1 << 62: [C(128, 128, 8, 4), C(64, 128, 4, 4), C(64, 64, 4, 4), C(128, 128, 8, 4, group_m=16),
               C(64, 128, 4, 4, group_m=16)],
@@ -86,10 +84,7 @@ def run(sweep: bool, log) -> list[dict]:
                 wq, ws, _ = weights[scheme]
                 scale_in = ins if scheme == "tensor" else None
                 q, sx = f8.quantize_activation(x, scheme, scale_in)
-                cfg = f8.pick_config(m, n, k)  # the table's path: maybe the stacked layout
-                qt, sxt = f8.quantize_activation(x, scheme, scale_in, stacked=cfg.stacked)
-                stacked_rows = m if cfg.stacked else None
-                gemm = partial(f8.fp8_gemm, qt, sxt, wq, ws, scheme, config=cfg, rows=stacked_rows)
+                gemm = partial(f8.fp8_gemm, q, sx, wq, ws, scheme)  # the table's config
                 rec[f"ours_{scheme}_ms"] = graph_ms(gemm)
                 digests["ours"].add((scheme, row_digest(gemm(out_dtype=torch.float32)[:1])))
                 if scheme == "tensor":
@@ -115,14 +110,10 @@ def run(sweep: bool, log) -> list[dict]:
                 rec["block_gemm_vs_bf16"] = rec["ours_block_ms"] / rec["bf16_ms"]
             if sweep:
                 q, sx = f8.quantize_activation(x, "block")
-                qs, sxs = f8.quantize_activation(x, "block", stacked=True) if m <= 32 else (q, sx)
                 cands = next(v for b, v in SWEEP.items() if m <= b)
                 times = {}
                 for cfg in cands:
-                    if cfg.stacked:
-                        gemm = partial(f8.fp8_gemm, qs, sxs, wq, ws, "block", config=cfg, rows=m)
-                    else:
-                        gemm = partial(f8.fp8_gemm, q, sx, wq, ws, "block", config=cfg)
+                    gemm = partial(f8.fp8_gemm, q, sx, wq, ws, "block", config=cfg)
                     try:
                         bits = row_digest(gemm(out_dtype=torch.float32)[:1])
                     except Exception as exc:  # a candidate that does not compile is reported

@@ -29,7 +29,6 @@ from lockstep.ops.triton import matmul as mm
 from lockstep.ops.triton.attention import (
     DEFAULT_CONFIG,
     AttentionConfig,
-    ExperimentalAttentionOptions,
     attention_path,
     needs_wide_offsets,
     paged_attention,
@@ -126,47 +125,27 @@ SWEEP_MM = {
         C(128, 256, 64, 8, 3, tma=True, persistent=True, warp_specialize=True),
     ],
 }
-# The table (DEFAULT_CONFIG) reduces the row sum as a dot and runs decode tiles on 2 warps:
-# "r128n64w8s3mma" and "r16n64w2s3mma" below. The "sum" rows are the tl.sum variant
-# (ExperimentalAttentionOptions.row_sum; decode tiles on one warp per 16 rows).
-_TL_SUM = ExperimentalAttentionOptions(row_sum="sum")
-_SUM = {"experimental": _TL_SUM, "num_warps_split": 1}
+# The table (DEFAULT_CONFIG): "r128n64w8s3mma" and "r16n64w2s3mma" below.
 SWEEP_ATTN_PREFILL = {
-    "r128n64w8s3": AttentionConfig(rows=128, num_warps=8, num_stages=3, **_SUM),
-    "r128n64w8s4": AttentionConfig(rows=128, num_warps=8, num_stages=4, **_SUM),
-    "r64n64w4s3": AttentionConfig(rows=64, num_warps=4, num_stages=3, **_SUM),
     "r128n64w8s3mma": AttentionConfig(rows=128, num_warps=8, num_stages=3),
+    "r128n64w8s4mma": AttentionConfig(rows=128, num_warps=8, num_stages=4),
+    "r64n64w4s3mma": AttentionConfig(rows=64, num_warps=4, num_stages=3),
     # Slot ids loaded in the block's own iteration instead of a block ahead.
-    "r128n64w8s3plain": AttentionConfig(
-        rows=128,
-        num_warps=8,
-        num_stages=3,
-        num_warps_split=1,
-        experimental=ExperimentalAttentionOptions(row_sum="sum", slots_ahead=False),
-    ),
+    "r128n64w8s3mmaplain": AttentionConfig(rows=128, num_warps=8, num_stages=3, slots_ahead=False),
     # Other split sizes (other numerics): timing, and their own decode = prefill check.
     "r128n64w8s3sp256": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=256),
     "r128n64w8s3sp128": AttentionConfig(rows=128, num_warps=8, num_stages=3, split=128),
 }
-# Each decode config's bits are compared with the first prefill config of its row sum and
-# split size.
+# Each decode config's bits are compared with the first prefill config of its split size.
 SWEEP_ATTN_DECODE = {
-    "r16n64w1s3": AttentionConfig(rows_split=16, num_stages_split=3, **_SUM),
-    # Slot ids ahead at any grid size (the bits run's programs are above the table's
-    # residency limit, so the table row runs without) and never.
-    "r16n64w1s3ahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30, **_SUM),
-    "r16n64w1s3plain": AttentionConfig(
-        num_warps_split=1,
-        experimental=ExperimentalAttentionOptions(row_sum="sum", slots_ahead_split=False),
-    ),
-    "r16n64w1s4": AttentionConfig(rows_split=16, num_stages_split=4, **_SUM),
-    "r64n64w4s3": AttentionConfig(rows_split=64, num_warps_split=4, experimental=_TL_SUM),
     "r16n64w1s3mma": AttentionConfig(rows_split=16, num_warps_split=1),
     "r16n64w2s3mma": AttentionConfig(rows_split=16, num_warps_split=2),
+    # Slot ids ahead at any grid size (the bits run's programs are above the table's
+    # residency limit, so the table row runs without) and never.
     "r16n64w2s3mmaahead": AttentionConfig(slots_ahead_programs_per_sm=1 << 30),
-    "r16n64w2s3mmaplain": AttentionConfig(
-        experimental=ExperimentalAttentionOptions(slots_ahead_split=False)
-    ),
+    "r16n64w2s3mmaplain": AttentionConfig(slots_ahead_split=False),
+    "r16n64w2s4mma": AttentionConfig(rows_split=16, num_stages_split=4),
+    "r64n64w4s3mma": AttentionConfig(rows_split=64, num_warps_split=4),
     "r16n64w4s3mma": AttentionConfig(rows_split=16, num_warps_split=4),
     "r16n64w8s3mma": AttentionConfig(rows_split=16, num_warps_split=8),
     "r16n64w2s3sp256": AttentionConfig(rows_split=16, num_warps_split=2, split=256),
@@ -366,18 +345,18 @@ def run_attention_bits(log) -> dict:
     runs |= {f"decode:{n}": (c, "split", dmeta) for n, c in SWEEP_ATTN_DECODE.items()}
     # The decode tiles with the splits folded in-kernel (the path a full GPU of programs
     # takes): the table's config, with slot ids ahead forced on (this run's programs are
-    # above the residency limit), and tl.sum's one-warp tiles.
+    # above the residency limit), and one-warp tiles.
     runs |= {f"fold:{n}": (SWEEP_ATTN_DECODE[n], "fold", dmeta)
-             for n in ("r16n64w2s3mma", "r16n64w2s3mmaahead", "r16n64w1s3")}  # fmt: skip
+             for n in ("r16n64w2s3mma", "r16n64w2s3mmaahead", "r16n64w1s3mma")}  # fmt: skip
     outs = {name: paged_attention(q, k, v, m, HD**-0.5, cfg, path, f32)
             for name, (cfg, path, m) in runs.items()}  # fmt: skip
     configs = {name: cfg for name, (cfg, _, _) in runs.items()}
     bases = {}
     for name, cfg in configs.items():
-        bases.setdefault((cfg.experimental.row_sum, cfg.split), name)
+        bases.setdefault(cfg.split, name)
     result = {}
     for other, cfg in configs.items():
-        base = bases[(cfg.experimental.row_sum, cfg.split)]
+        base = bases[cfg.split]
         if other == base:
             continue
         diff = int((outs[base] != outs[other]).any(dim=-1).sum())

@@ -40,7 +40,6 @@ from lockstep.ops.triton.attention import (  # noqa: E402
     DEFAULT_CONFIG,
     KV_WIDEN_EXP,
     AttentionConfig,
-    ExperimentalAttentionOptions,
     paged_attention,
     widen_kv,
 )
@@ -138,7 +137,7 @@ def paths() -> list[dict]:
     every = list(range(len(ctx)))
     ref = run(kb, vb, every, "prefill", DEFAULT_CONFIG)
     ahead_on = AttentionConfig(slots_ahead_programs_per_sm=10**6)
-    ahead_off = AttentionConfig(experimental=ExperimentalAttentionOptions(slots_ahead_split=False))
+    ahead_off = AttentionConfig(slots_ahead_split=False)
     rows = []
     for cache, (k, v) in (("fp8", (k8, v8)), ("bf16", (kb, vb))):
         for (path, cfg_name, cfg), seqs in itertools.product(
@@ -234,7 +233,7 @@ def timing() -> list[dict]:
         variants.append((f"w{warps} s{stages} {'ahead' if ahead else 'plain'}", AttentionConfig(
             num_warps_split=warps, num_stages_split=stages,
             slots_ahead_programs_per_sm=10**6 if ahead else 1,
-            experimental=ExperimentalAttentionOptions(slots_ahead_split=ahead))))  # fmt: skip
+            slots_ahead_split=ahead)))  # fmt: skip
     # Other key blocks (part of the numerics: a cache dtype could take its own, prefill too).
     variants += [("bn32 w2", AttentionConfig(block_n=32)),
                  ("bn128 w4 s2", AttentionConfig(block_n=128, num_warps_split=4,

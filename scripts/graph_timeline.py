@@ -15,11 +15,9 @@ Variants (each captured and timed in turn, logits compared bit for bit with the 
   instead of the table's; attn_stages=N, attn_ahead_per_sm=N: the decode attention's
   num_stages_split and slots_ahead_programs_per_sm; merge_cols=N: the merge's column chunk;
   attn_fold=X: the decode path's fold_programs_per_sm (a number; a large one keeps
-  multi-split decodes on the split path); attn_warps=N: the decode tile's warps. The
-  experimental kernel variants (ExperimentalAttentionOptions): attn_ahead=0|1 (the decode
-  tiles' slots_ahead_split), merge_warps=N, attn_row_sum=mma|sum. None of these changes a bit
-  (the logits check says so again) except attn_row_sum=sum, which is other numerics and needs
-  attn_warps=1 (tl.sum keeps the bits only on one warp per 16 rows).
+  multi-split decodes on the split path); attn_warps=N: the decode tile's warps;
+  attn_ahead=0|1: the decode tiles' slots_ahead_split; merge_warps=N: the merge's warps.
+  None of these changes a bit (the logits check says so again).
 JSON on the last line.
 """
 
@@ -51,13 +49,9 @@ ATTENTION_KEYS = {  # variant key: AttentionConfig field
     "merge_cols": "merge_cols",
     "attn_warps": "num_warps_split",
     "attn_fold": "fold_programs_per_sm",
-}
-EXPERIMENTAL_KEYS = {  # variant key: ExperimentalAttentionOptions field
     "attn_ahead": "slots_ahead_split",
     "merge_warps": "merge_warps",
-    "attn_row_sum": "row_sum",
 }
-WORD_VALUES = {"attn_row_sum": ("mma", "sum")}
 FLOAT_KEYS = {"attn_fold"}
 BOOL_KEYS = {"attn_ahead"}
 
@@ -67,15 +61,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
     opts = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in (*LAYER_MATMULS, *ATTENTION_KEYS, *EXPERIMENTAL_KEYS) or not value:
+        if key not in (*LAYER_MATMULS, *ATTENTION_KEYS) or not value:
             raise SystemExit(f"bad item {item!r} in {text!r}: want KEY=VALUE, KEY one of "
-                             f"{LAYER_MATMULS}, {tuple(ATTENTION_KEYS)} or "
-                             f"{tuple(EXPERIMENTAL_KEYS)}")  # fmt: skip
+                             f"{LAYER_MATMULS} or {tuple(ATTENTION_KEYS)}")  # fmt: skip
         if key in LAYER_MATMULS:
             parse_config(value)  # refuse a malformed config before any engine is built
-        elif key in WORD_VALUES:
-            if value not in WORD_VALUES[key]:
-                raise SystemExit(f"{key}={value!r} in {text!r}: want one of {WORD_VALUES[key]}")
         elif key in FLOAT_KEYS:
             try:
                 float(value)
@@ -105,9 +95,7 @@ def parse_config(text: str) -> mm.MatmulConfig:
 _TABLE_PICK = mm.pick_config
 
 
-def _field_value(key: str, value: str) -> str | float | int | bool:
-    if key in WORD_VALUES:
-        return value
+def _field_value(key: str, value: str) -> float | int | bool:
     if key in FLOAT_KEYS:
         return float(value)
     return bool(int(value)) if key in BOOL_KEYS else int(value)
@@ -121,11 +109,7 @@ def apply_variant(decoder, opts: dict) -> None:
     shapes = {name: tuple(getattr(owners[name], name).shape) for name in LAYER_MATMULS}
     overrides = {shapes[p]: parse_config(c) for p, c in opts.items() if p in LAYER_MATMULS}
     fields = {ATTENTION_KEYS[k]: _field_value(k, v) for k, v in opts.items() if k in ATTENTION_KEYS}
-    variants = {
-        EXPERIMENTAL_KEYS[k]: _field_value(k, v) for k, v in opts.items() if k in EXPERIMENTAL_KEYS
-    }
-    experimental = replace(DEFAULT_CONFIG.experimental, **variants)
-    decoder.ops.attention_config = replace(DEFAULT_CONFIG, **fields, experimental=experimental)
+    decoder.ops.attention_config = replace(DEFAULT_CONFIG, **fields)
 
     def pick(m: int, n: int, k: int) -> mm.MatmulConfig:
         if m <= 16 and (n, k) in overrides:

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from invariance_harness import Plan, compute, mismatches, random_plan, reference  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.engine import Engine  # noqa: E402
 from lockstep.engine.llm import LLM  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.support.invariance_harness import Plan, compute, mismatches, random_plan, reference  # noqa: E402
 
 
 def _failures(engine: Engine, cases: int, max_len: int) -> dict:

@@ -66,7 +66,7 @@ class Engine:
         # What is alive before the engine (torch, transformers, the caller's modules: some
         # 200k objects) is put out of the collector's reach: otherwise every full collection
         # walks it, 100-250 ms that stall a step every few hundred steps at batch 256
-        # (docs/gpu.md). Done before the instance exists, so that the engine and everything
+        # (docs/results.md). Done before the instance exists, so that the engine and everything
         # it makes stay collectable, cycles included.
         gc.collect()
         gc.freeze()

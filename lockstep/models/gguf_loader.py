@@ -1,5 +1,8 @@
 """Loading a llama-architecture GGUF file: spec, tokenizer and lazily dequantized weights.
 
+The metadata becomes a config.json's keys (`gguf_config`), which the family registry maps to
+a spec as it does a Hugging Face folder's.
+
 The metadata is parsed here rather than with `gguf.GGUFReader`: the reader builds a numpy view
 per array element, which takes about 1.7 s on the default model's 98,000 vocabulary strings,
 a third of the load-time budget; this parser takes under 0.1 s. Tensor data stays memory-mapped
@@ -34,6 +37,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.families import family_of
 from lockstep.models.spec import ModelSpec, RopeScaling
 from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet, chat_stop_token_ids
 
@@ -322,47 +326,67 @@ def _require(file: GGUFFile, key: str) -> Any:
     return file.metadata[key]
 
 
-def gguf_spec(file: GGUFFile) -> ModelSpec:
+# The GGUF architectures this loader reads, each with the Hugging Face model_type whose family
+# (lockstep/models/families) maps it. Tensor names and the q/k row permutation above are
+# llama.cpp's "llama" layout; another architecture needs its own.
+GGUF_MODEL_TYPES = {"llama": "llama"}
+
+
+def gguf_config(file: GGUFFile) -> dict[str, Any]:
+    """The file's metadata as the keys of the config.json it was converted from, so that the
+    family registry reads a GGUF file as it reads a Hugging Face folder."""
     arch = file.metadata.get("general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_MODEL_TYPES:
         raise ModelLoadError(
-            f"{file.path}: GGUF architecture {arch!r} is not supported; supported: 'llama' "
-            "(Qwen models load from Hugging Face folders)"
+            f"{file.path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(map(repr, GGUF_MODEL_TYPES))} (Qwen models load from Hugging Face "
+            "folders)"
         )
-    experts = int(file.metadata.get("llama.expert_count", 0))
+    experts = int(file.metadata.get(f"{arch}.expert_count", 0))
     if experts:
         raise ModelLoadError(
-            f"{file.path}: mixture-of-experts (llama.expert_count={experts}) is not supported; "
-            "supported: dense llama models"
+            f"{file.path}: mixture-of-experts ({arch}.expert_count={experts}) is not supported; "
+            f"supported: dense {arch} models"
         )
-    hidden = int(_require(file, "llama.embedding_length"))
-    heads = int(_require(file, "llama.attention.head_count"))
-    head_dim = int(file.metadata.get("llama.rope.dimension_count", hidden // heads))
-    theta = float(file.metadata.get("llama.rope.freq_base", 10000.0))
-    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    meta = file.metadata
+    hidden = int(_require(file, f"{arch}.embedding_length"))
+    heads = int(_require(file, f"{arch}.attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.rope.dimension_count", hidden // heads))
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    tokens = meta.get("tokenizer.ggml.tokens")
     embed = file.tensors.get("token_embd.weight")
-    vocab = file.metadata.get("llama.vocab_size") or (
-        embed.shape[0] if embed else len(tokens or ())
-    )
-    try:
-        return ModelSpec(
-            family="llama",
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(_require(file, "llama.feed_forward_length")),
-            num_layers=int(_require(file, "llama.block_count")),
-            num_heads=heads,
-            num_kv_heads=int(file.metadata.get("llama.attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            rope_theta=theta,
-            rms_norm_eps=float(_require(file, "llama.attention.layer_norm_rms_epsilon")),
-            max_position=int(file.metadata.get("llama.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in file.tensors,
-            qkv_bias="blk.0.attn_q.bias" in file.tensors,
-            rope_scaling=_rope_scaling(file, head_dim, theta),
-        )
-    except ValueError as exc:
-        raise ModelLoadError(f"{file.path}: inconsistent model shape: {exc}") from None
+    vocab = meta.get(f"{arch}.vocab_size") or (embed.shape[0] if embed else len(tokens or ()))
+    config = {
+        "model_type": GGUF_MODEL_TYPES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(file, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require(file, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rope_theta": theta,
+        "rms_norm_eps": float(_require(file, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+    }
+    scaling = _rope_scaling(file, head_dim, theta)
+    if scaling is not None:
+        config["rope_scaling"] = {
+            "rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position,
+        }  # fmt: skip
+    return config
+
+
+def gguf_spec(file: GGUFFile) -> ModelSpec:
+    """The file's spec, from its family (`gguf_config`)."""
+    config = gguf_config(file)
+    where = str(file.path)
+    return family_of(config, where).spec(config, where)
 
 
 def gguf_tokenizer(file: GGUFFile) -> Tokenizer:

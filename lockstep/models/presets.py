@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import tokenizers
 import torch
@@ -35,12 +36,12 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.families import family_of
 from lockstep.models.spec import (
     Fp8Spec,
     LinearAttentionSpec,
     ModelSpec,
     MoeSpec,
-    RopeScaling,
     SlidingWindowSpec,
     expected_weight_names,
     expected_weight_shape,
@@ -57,21 +58,35 @@ class Preset:
     add_bos: bool  # as the real model's tokenizer does
 
 
-def _tiny(family: str, **flags: object) -> ModelSpec:
+def _preset(config: dict[str, Any], add_bos: bool) -> Preset:
+    """A preset from the keys of its model's config.json, read by the family registry as a
+    Hugging Face folder's are (lockstep/models/families): a preset has the spec the real
+    checkpoint would get."""
+    where = f"preset config {config['model_type']}"
+    return Preset(family_of(config, where).spec(config, where), add_bos)
+
+
+def _config(model_type: str, **keys: Any) -> dict[str, Any]:
+    """A config.json's keys: `keys` over the defaults the presets share."""
+    return {"model_type": model_type, "rms_norm_eps": 1e-6, "tie_word_embeddings": False} | keys
+
+
+def _tiny(model_type: str, **keys: Any) -> dict[str, Any]:
     # head_dim 64, as real small models use (the CPU attention kernels take 32, 64 or 128);
     # num_heads * head_dim (256) differs from hidden_size (128), as in Qwen3, so a decoder that
     # confuses the two fails on the tiny models already.
-    return ModelSpec(
-        family=family, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position=4096, tie_word_embeddings=flags.pop("tie", False), **flags,
-    )  # fmt: skip
+    tiny = {
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    return _config(model_type, **(tiny | keys))
 
 
-def _hybrid_layers(num_layers: int, interval: int) -> tuple[str, ...]:
-    """Qwen3.5's pattern: every `interval`-th layer full attention, the others linear."""
-    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(num_layers))  # fmt: skip
+def _qwen3(model_type: str = "qwen3", **keys: Any) -> dict[str, Any]:
+    """Qwen3's (and Qwen3-MoE's) shared keys: vocabulary, RoPE base and context."""
+    shared = {"vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 40960}
+    return _config(model_type, **(shared | keys))
 
 
 def _gemma3(
@@ -94,35 +109,37 @@ def _gemma3(
     )  # fmt: skip
 
 
+def _hybrid_layers(num_layers: int, interval: int) -> tuple[str, ...]:
+    """Qwen3.5's pattern: every `interval`-th layer full attention, the others linear."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers))  # fmt: skip
+
+
 # Llama 3.1's RoPE scaling (its 8B and 70B configs).
-_LLAMA31_ROPE = RopeScaling(
-    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-)
+_LLAMA31_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}  # fmt: skip
+_LLAMA3 = {"vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 131072, "rope_scaling": _LLAMA31_ROPE}  # fmt: skip
+# 8 experts, top 2, renormalized, every layer sparse: Qwen3-30B-A3B's structure, small.
+_TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+             "norm_topk_prob": True}  # fmt: skip
+# Qwen3.5's Gated DeltaNet keys (transformers' Qwen3_5TextConfig names).
+_QWEN35 = {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4}
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(_tiny("llama"), add_bos=True),
-    "tiny-qwen2": Preset(_tiny("qwen2", qkv_bias=True, tie=True), add_bos=False),
-    "tiny-qwen3": Preset(_tiny("qwen3", qk_norm=True), add_bos=False),
-    # 8 experts, top 2, renormalized, both layers sparse: Qwen3-30B-A3B's structure, small.
-    "tiny-qwen3-moe": Preset(
-        _tiny("qwen3_moe", qk_norm=True, moe=MoeSpec(
-            num_experts=8, top_k=2, intermediate_size=64, renormalize=True, sparse_layers=(0, 1),
-        )),
-        add_bos=False,
-    ),
+    "tiny": _preset(_tiny("llama"), add_bos=True),
+    "tiny-qwen2": _preset(_tiny("qwen2", attention_bias=True, tie_word_embeddings=True),
+                          add_bos=False),
+    "tiny-qwen3": _preset(_tiny("qwen3"), add_bos=False),
+    "tiny-qwen3-moe": _preset(_tiny("qwen3_moe", **_TINY_MOE), add_bos=False),
     # Qwen3.5's structure, small: two Gated DeltaNet layers, then gated full attention with
     # a quarter of each head rotated; 2 key heads serving 4 value heads.
-    "tiny-qwen3.5": Preset(
-        ModelSpec(
-            family="qwen3_5", vocab_size=512, hidden_size=128, intermediate_size=256,
-            num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
-            rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
-            linear=LinearAttentionSpec(
-                layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
-                key_head_dim=32, value_head_dim=32, conv_kernel=4,
-            ),
-        ),
+    "tiny-qwen3.5": _preset(
+        _tiny("qwen3_5_text", **_QWEN35, num_hidden_layers=3, full_attention_interval=3,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+              linear_value_head_dim=32),
         add_bos=False,
     ),
     # Gemma 3's structure, small: a window of 16 keys, the sixth layer global (head_dim 64:
@@ -143,17 +160,12 @@ PRESETS: dict[str, Preset] = {
         add_bos=True,
     ),
     # transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style"), rope theta as Qwen3.5's.
-    "qwen3.5-9b": Preset(
-        ModelSpec(
-            family="qwen3_5", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
-            num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000000.0,
-            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
-            linear=LinearAttentionSpec(
-                layer_types=_hybrid_layers(32, 4), num_key_heads=16, num_value_heads=32,
-                key_head_dim=128, value_head_dim=128, conv_kernel=4,
-            ),
-        ),
+    "qwen3.5-9b": _preset(
+        _config("qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                max_position_embeddings=32768, full_attention_interval=4, linear_num_key_heads=16,
+                linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                **_QWEN35),
         add_bos=False,
     ),
     # The hybrid MoE families, small: tiny-qwen3.5's layers with 8 experts (top 2) and a
@@ -223,73 +235,52 @@ PRESETS: dict[str, Preset] = {
         ),
         add_bos=False,
     ),
-    "smollm2-135m": Preset(
-        ModelSpec(
-            family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-            rms_norm_eps=1e-5, max_position=8192, tie_word_embeddings=True,
-        ),
+    "smollm2-135m": _preset(
+        _config("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                tie_word_embeddings=True),
         add_bos=False,
     ),
-    "qwen2-0.5b": Preset(
-        ModelSpec(
-            family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0,
-            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=True, qkv_bias=True,
-        ),
+    "qwen2-0.5b": _preset(
+        _config("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+                attention_bias=True),
         add_bos=False,
     ),
-    "qwen3-0.6b": Preset(
-        ModelSpec(
-            family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-            num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
-            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=True, qk_norm=True,
-        ),
+    "qwen3-0.6b": _preset(
+        _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=True),
         add_bos=False,
     ),
-    "qwen3-8b": Preset(
-        ModelSpec(
-            family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
-            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=False, qk_norm=True,
-        ),
+    "qwen3-8b": _preset(
+        _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
         add_bos=False,
     ),
-    "qwen3-30b-a3b": Preset(
-        ModelSpec(
-            family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-            num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0,
-            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=False, qk_norm=True,
-            moe=MoeSpec(num_experts=128, top_k=8, intermediate_size=768, renormalize=True,
-                        sparse_layers=tuple(range(48))),
-        ),
+    "qwen3-30b-a3b": _preset(
+        _qwen3(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+               norm_topk_prob=True),
         add_bos=False,
     ),
-    "llama3-8b": Preset(
-        ModelSpec(
-            family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-            rms_norm_eps=1e-5, max_position=131072, tie_word_embeddings=False,
-            rope_scaling=_LLAMA31_ROPE,
-        ),
+    "llama3-8b": _preset(
+        _config("llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, **_LLAMA3),
         add_bos=True,
     ),
     # Models larger than one GPU, for tensor parallelism (Llama 3.1 70B, Qwen3-32B shapes).
-    "llama3-70b": Preset(
-        ModelSpec(
-            family="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-            num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-            rms_norm_eps=1e-5, max_position=131072, tie_word_embeddings=False,
-            rope_scaling=_LLAMA31_ROPE,
-        ),
+    "llama3-70b": _preset(
+        _config("llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=128, **_LLAMA3),
         add_bos=True,
     ),
-    "qwen3-32b": Preset(
-        ModelSpec(
-            family="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
-            num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
-            rms_norm_eps=1e-6, max_position=40960, tie_word_embeddings=False, qk_norm=True,
-        ),
+    "qwen3-32b": _preset(
+        _qwen3(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+               num_attention_heads=64, num_key_value_heads=8, head_dim=128),
         add_bos=False,
     ),
 }  # fmt: skip

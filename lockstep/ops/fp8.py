@@ -76,12 +76,12 @@ exactly what the cold prefill wrote. Post-RMSNorm/RoPE keys and values of the su
 lie well inside +-448; larger values saturate. Checkpoint k/v scales are not used.
 
 Backends agree with the reference within the precision of fp32 accumulation (CPU, fp32
-activations: logits within 1e-5 of the float64 reference in tests/test_fp8_models.py); Xq is
+activations: logits within 1e-5 of the float64 reference in tests/unit/models/test_fp8_models.py); Xq is
 bit-identical in every backend, given the same x. On the GPU each block's e4m3 dot is what
 Hopper's tensor cores give, which is not exact: they sum FP8 products with reduced precision,
 off the exact dot by up to a few 1e-3 of the products' magnitude. cuBLAS's FP8 GEMM gives the
 same block dots bit for bit, so the GPU tests compare with the formula above evaluated on
-cuBLAS's block dots (tests/fp8_block_dots.py), within the kernel's fp32 roundings.
+cuBLAS's block dots (tests/support/fp8_block_dots.py), within the kernel's fp32 roundings.
 """
 
 from __future__ import annotations

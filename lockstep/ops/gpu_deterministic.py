@@ -4,7 +4,7 @@ Every method is a thin call into `lockstep.ops.triton`; the contract each kernel
 its module docstring. Importing this module never fails for lack of triton or CUDA (CPU-only
 machines import the package tree); constructing the backend without triton does, with a clear
 message. With TRITON_INTERPRET=1 set before triton is imported, the kernels also run on CPU
-tensors (float32), which is how tests/test_ops_triton.py runs without a GPU.
+tensors (float32), which is how tests/kernels/test_ops_triton.py runs without a GPU.
 """
 
 from __future__ import annotations

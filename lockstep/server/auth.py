@@ -31,7 +31,7 @@ ADMIN_ROUTES = frozenset(
         "/flush_cache",
         "/get_model_info",
         "/model_info",
-    }  # fmt: skip
+    }
 )
 
 

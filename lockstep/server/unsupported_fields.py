@@ -4,7 +4,7 @@ Each is OpenAI's, vLLM's or SGLang's. It is accepted only at its neutral value (
 for nothing Lockstep lacks, usually the field's default) and dropped; any other value is
 refused with a 400 whose `param` names it (`protocol.strip_neutral_unsupported`).
 docs/server.md's request-field table lists every one of them with the reason, and
-tests/test_server_field_table.py holds the table and these dicts to each other.
+tests/server/test_server_field_table.py holds the table and these dicts to each other.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ Why a query row's bits cannot depend on the schedule (docs/design.md, "Attention
     row-local. The row sum of p over a key block is a tensor-core dot with ones
     (`row_sum_mma`): one MMA chain per row in k-step order, so prefill tiles (128 rows on 8
     warps, wgmma) and decode tiles (16 rows on 2 warps, mma.sync) give the same bits whatever
-    their warps (a GPU test over 1-8 decode warps). tl.sum, the experimental alternative
-    (`ExperimentalAttentionOptions.row_sum`), reduces in an order fixed by the MMA layout, so
-    it keeps the two paths equal only with decode tiles on one warp per 16 rows.
+    their warps (a GPU test over 1-8 decode warps); tl.sum would reduce in an order fixed by
+    the MMA layout, which differs between the two tile shapes.
   * Sliding windows (a runtime argument, `NO_WINDOW` for none): the row at p sees keys
     p - window + 1 .. p. A block wholly below a row's window is an identity on its state as
     a future block is, so tiles start at the block of their first row's window and the
@@ -66,56 +65,30 @@ NO_WINDOW = 1 << 30
 
 
 @dataclass(frozen=True)
-class ExperimentalAttentionOptions:
-    """Kernel variants that only tests and benchmarks select. The defaults are the production
-    kernels, and no production config sets another value.
-
-    row_sum: how the row sum of p over a key block is reduced. "mma": a tensor-core dot with
-        ones (`row_sum_mma`), the same bits for every tile shape and warp count. "sum": tl.sum,
-        in the order of the MMA layout, so decode tiles must then run on one warp per 16 rows
-        (a warp holds whole key blocks of a row, the order of the prefill's wgmma tiles).
-        Part of the numerics: the two give different bits.
-    slots_ahead, slots_ahead_split: the unmasked key loop of the prefill tiles, and of the
-        decode tiles, loads the next block's slot ids before this block's arithmetic, so that
-        Triton double-buffers K/V and the next block's gather runs under this block's
-        arithmetic. The same values reach the same arithmetic: speed only.
-    merge_warps: warps of the split path's merge (`_attn_merge`). Speed only.
-    """
-
-    row_sum: str = "mma"
-    slots_ahead: bool = True
-    slots_ahead_split: bool = True
-    merge_warps: int = 1
-
-    def __post_init__(self) -> None:
-        if self.row_sum not in ("mma", "sum"):
-            raise ValueError(f"row_sum={self.row_sum!r} must be 'mma' or 'sum'")
-        if self.merge_warps < 1 or self.merge_warps & (self.merge_warps - 1):
-            raise ValueError(f"merge_warps={self.merge_warps} must be a power of two")
-
-
-@dataclass(frozen=True)
 class AttentionConfig:
     """Tile configuration. block_n and split are part of the numerics: changing them changes
-    bits. With the production row sum nothing else does (the tests check each): tile rows,
-    warps and stages, the path a call takes, the merge's shape, the workspace size.
-    `experimental` selects kernel variants for tests and benchmarks; production keeps its
-    defaults."""
+    bits. Nothing else does (the tests check each): tile rows, warps and stages, slot ids
+    loaded ahead, the path a call takes, the merge's shape, the workspace size."""
 
     block_n: int = 64
     split: int = 512
     rows: int = 128  # query rows (position x head) per tile on the prefill path
-    # Decode tiles: 16 rows (query positions x q heads of one GQA group) on 2 warps. With the
-    # dot row sum the warp count is speed only.
+    # Decode tiles: 16 rows (query positions x q heads of one GQA group) on 2 warps. The row
+    # sum is a dot (`row_sum_mma`), so the warp count is speed only.
     rows_split: int = 16
     num_warps: int = 8
     num_warps_split: int = 2
     num_stages: int = 3
     num_stages_split: int = 3
-    # Decode tiles load slot ids a block ahead (ExperimentalAttentionOptions.slots_ahead_split)
-    # only while the launch's grid has at most this many programs per SM (`split_slots_ahead`):
-    # their double buffers fit three per SM on sm_90, and a grid that does not fit at once runs
-    # slower with them on an H200. Speed only.
+    # The unmasked key loop of the prefill tiles (slots_ahead), and of the decode tiles
+    # (slots_ahead_split), loads the next block's slot ids before this block's arithmetic, so
+    # that Triton double-buffers K/V and the next gather runs under this block's arithmetic.
+    # The same values reach the same arithmetic: speed only.
+    slots_ahead: bool = True
+    slots_ahead_split: bool = True
+    # Decode tiles load slot ids a block ahead only while the launch's grid has at most this
+    # many programs per SM (`split_slots_ahead`): their double buffers fit three per SM on
+    # sm_90, and a grid that does not fit at once runs slower with them on an H200.
     slots_ahead_programs_per_sm: int = 3
     # The split path's merge (`_attn_merge`): output columns per program and the partials in
     # flight (its loop's pipeline stages; a launch uses at most the wave's partials rounded up
@@ -123,6 +96,7 @@ class AttentionConfig:
     # the columns, and stages move loads, not folds.
     merge_cols: int = 32
     merge_stages: int = 8
+    merge_warps: int = 1  # warps of a merge program: speed only
     # Calls whose longest chunk has at most split_path_max_q queries (decode, short extends)
     # run decode tiles (rows_split, num_warps_split) on one of two paths (`decode_path`):
     # "fold", one program per (tile, sequence x kv head) folding its splits in-kernel like the
@@ -130,11 +104,10 @@ class AttentionConfig:
     # programs number at least fold_programs_per_sm per SM; else "split", one program per
     # split, partials merged by `_attn_merge`, which spreads a long context over the SMs.
     # Speed only; the thresholds are where fold timed faster than split on an H200 (the
-    # decode table in docs/gpu.md names the path each cell takes).
+    # decode table in docs/results.md names the path each cell takes).
     split_path_max_q: int = 4
     fold_programs_per_sm: float = 1.5
     workspace_bytes: int = 256 << 20
-    experimental: ExperimentalAttentionOptions = ExperimentalAttentionOptions()
 
     def __post_init__(self) -> None:
         if self.slots_ahead_programs_per_sm < 1:
@@ -142,15 +115,10 @@ class AttentionConfig:
                              "must be >= 1")  # fmt: skip
         if self.split % self.block_n:
             raise ValueError(f"split={self.split} must be a multiple of block_n={self.block_n}")
-        if self.merge_cols < 1 or self.merge_cols & (self.merge_cols - 1):
-            raise ValueError(f"merge_cols={self.merge_cols} must be a power of two")
-        one_warp_per_16_rows = self.num_warps_split * 16 == self.rows_split
-        if self.experimental.row_sum == "sum" and not one_warp_per_16_rows:
-            raise ValueError(
-                f"row_sum='sum' reduces in the MMA layout's order: decode tiles of "
-                f"{self.rows_split} rows keep the prefill's bits only on "
-                f"{self.rows_split // 16} warp(s), not {self.num_warps_split}"
-            )
+        for name in ("merge_cols", "merge_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
         if not self.fold_programs_per_sm > 0:
             raise ValueError(f"fold_programs_per_sm={self.fold_programs_per_sm} must be > 0 "
                              "(math.inf keeps multi-split decodes on the split path)")  # fmt: skip
@@ -164,7 +132,7 @@ class AttentionConfig:
                 raise ValueError(f"{name}={v} must be a power of two >= 16")
 
 
-# The production table (H200, Triton 3.6); see docs/gpu.md for how it was chosen.
+# The production table (H200, Triton 3.6); docs/results.md has its figures.
 DEFAULT_CONFIG = AttentionConfig()
 
 
@@ -215,7 +183,6 @@ def _block_slots(slots_ptr, j0, hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr)
 def _block_update(
     m, lsum, acc, q, k_cache, v_cache, slots, kvh, skc, skh, pos, j0, hi, qk_scale, window,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
-    ROW_SUM_MMA: tl.constexpr,
 ):  # fmt: skip
     """One key block of the online softmax. MASKED=0 is only used on blocks that every valid
     row sees entirely, where the causal, window and bounds masks are all-true: same bits,
@@ -242,16 +209,13 @@ def _block_update(
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
     p = tl.exp2(s * qk_scale - m_use[:, None])
-    if not ROW_SUM_MMA:  # in the order of the MMA layout (ExperimentalAttentionOptions)
-        lsum = lsum * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_cache + kv_offs, mask=jmask[:, None], other=0.0)
     else:
         v = tl.load(v_cache + kv_offs)
     v = widen_kv(v, q.dtype)
     pv = p.to(v.dtype)
-    if ROW_SUM_MMA:
-        lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
+    lsum = lsum * alpha + row_sum_mma(pv, BLOCK_N)
     if scaled_kv(v_cache, q.dtype):  # undo the widening's 2**-KV_WIDEN_EXP (exact; pv <= 1)
         pv = (pv.to(tl.float32) * (2.0**KV_WIDEN_EXP)).to(v.dtype)
     acc = tl.dot(pv, v, acc * alpha[:, None])
@@ -266,7 +230,7 @@ def _block_update(
 # factor at no cost: q is multiplied by 2**(KV_WIDEN_EXP/2) once per program and the score
 # scale by the same power (exact: powers of two), and p by 2**KV_WIDEN_EXP before p @ V, so
 # every product the tensor cores form is the one the exact widening gives (bit for bit on the
-# H200, subnormals included: docs/gpu.md; only a |q| of 2**68 or more, which no model has,
+# H200, subnormals included: docs/results.md; only a |q| of 2**68 or more, which no model has,
 # would overflow).
 # Per 32-bit register of four cache bytes [b3 b2 b1 b0]: prmt builds [sign(b1) b1 sign(b0) b0]
 # (selector nibbles 8-B replicate a byte's sign), a shift by 4 moves each byte's low 7 bits
@@ -317,7 +281,7 @@ def widen_kv(x, dtype: tl.constexpr):
     disagree with the prefill tiles' wgmma (whose B operand comes from shared memory in
     order) in the last bits. A widening the compiler cannot see through (inline PTX with side
     effects, which ends its search for the loaded type) keeps every dot laid out as for a
-    cache of the activation dtype. tests/test_kernel_compile_sm90.py checks the layouts; the
+    cache of the activation dtype. tests/kernels/test_kernel_compile_sm90.py checks the layouts; the
     interpreter has no PTX and no layouts, so it makes the same bit moves in Triton ops."""
     if x.dtype == dtype:
         y = x
@@ -360,7 +324,7 @@ def row_sum_mma(p, BLOCK_N: tl.constexpr):
 def _split_partial(
     q, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo, hi, qk_scale, window,
     key_lo, key_all, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    WIDE: tl.constexpr, ROW_SUM_MMA: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    WIDE: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [lo, hi) (lo a multiple of BLOCK_N), fresh state. Blocks are
     visited in ascending order from the block of key_lo (the first key any row of the tile
@@ -380,7 +344,7 @@ def _split_partial(
     for j0 in range(start, free, BLOCK_N):
         m, lsum, acc = _block_update(
             m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, True, BLOCK_N),
-            kvh, skc, skh, pos, j0, hi, qk_scale, window, True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            kvh, skc, skh, pos, j0, hi, qk_scale, window, True, BLOCK_N, D, WIDE,
         )  # fmt: skip
     if SLOTS_AHEAD:
         nxt = _block_slots(slots_ptr, free, hi, True, BLOCK_N)
@@ -389,19 +353,18 @@ def _split_partial(
             nxt = _block_slots(slots_ptr, j0 + BLOCK_N, hi, True, BLOCK_N)
             m, lsum, acc = _block_update(
                 m, lsum, acc, q, k_cache, v_cache, cur, kvh, skc, skh, pos, j0, hi, qk_scale,
-                window, False, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+                window, False, BLOCK_N, D, WIDE,
             )  # fmt: skip
     else:
         for j0 in range(free, mid, BLOCK_N):
             m, lsum, acc = _block_update(
                 m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, False, BLOCK_N),
                 kvh, skc, skh, pos, j0, hi, qk_scale, window, False, BLOCK_N, D, WIDE,
-                ROW_SUM_MMA,
             )  # fmt: skip
     for j0 in range(tl.maximum(free, mid), hi, BLOCK_N):
         m, lsum, acc = _block_update(
             m, lsum, acc, q, k_cache, v_cache, _block_slots(slots_ptr, j0, hi, True, BLOCK_N),
-            kvh, skc, skh, pos, j0, hi, qk_scale, window, True, BLOCK_N, D, WIDE, ROW_SUM_MMA,
+            kvh, skc, skh, pos, j0, hi, qk_scale, window, True, BLOCK_N, D, WIDE,
         )  # fmt: skip
     return m, lsum, acc
 
@@ -437,7 +400,6 @@ def _attn_fwd(
     D: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     WIDE: tl.constexpr,
-    ROW_SUM_MMA: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -470,7 +432,7 @@ def _attn_fwd(
         m, lsum, acc = _split_partial(
             qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
             tl.minimum(lo + SPLIT, hi), qk_scale, window, key_lo, key_all, ROWS, BLOCK_N, D,
-            WIDE, ROW_SUM_MMA, SLOTS_AHEAD,
+            WIDE, SLOTS_AHEAD,
         )  # fmt: skip
         wrow = tl.program_id(2).to(tl.int64) * R + tok.to(tl.int64) * (HKV * G) + head
         smask = valid & (pos * 0 + lo < hi)  # broadcast: the interpreter wants a bool tensor
@@ -486,7 +448,7 @@ def _attn_fwd(
             m, lsum, acc = _split_partial(
                 qt, k_cache, v_cache, slots_ptr, kvh, skc, skh, pos, pos_lo, lo,
                 tl.minimum(lo + SPLIT, hi), qk_scale, window, key_lo, key_all, ROWS, BLOCK_N,
-                D, WIDE, ROW_SUM_MMA, SLOTS_AHEAD,
+                D, WIDE, SLOTS_AHEAD,
             )  # fmt: skip
             m_s, l_s, acc_s = merge_partials(m_s, l_s, acc_s, m, lsum, acc)
         o = finalize_rows(l_s, acc_s)
@@ -617,7 +579,7 @@ def split_slots_ahead(config: AttentionConfig, programs: int, device: torch.devi
     """Whether a decode-tile launch of `programs` programs loads slot ids a block ahead:
     `slots_ahead_split` is on (production) and they fit `slots_ahead_programs_per_sm` per SM
     (the interpreter has no limit). Speed only: both variants give the same bits."""
-    if not config.experimental.slots_ahead_split:
+    if not config.slots_ahead_split:
         return False
     if not compiled_for_gpu(device):
         return True
@@ -715,7 +677,6 @@ def paged_attention(
     n_tiles = triton.cdiv(meta.max_q * g, rows)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
     wide = needs_wide_offsets(k_cache)
-    dot_row_sum = config.experimental.row_sum == "mma"
     strides = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0),
         out.stride(1),
@@ -727,12 +688,12 @@ def paged_attention(
         stages = stages_that_fit(config.num_stages_split, rows, config.block_n, q, k_cache)
         opts = _launch_opts(config.num_warps_split, stages, q.device, q.shape[0])
     if path in ("prefill", "fold"):
-        ahead = config.experimental.slots_ahead if path == "prefill" else (
+        ahead = config.slots_ahead if path == "prefill" else (
             split_slots_ahead(config, n_tiles * b * hkv, q.device))  # fmt: skip
         _attn_fwd[(n_tiles, b * hkv)](
             q, k_cache, v_cache, out, *common, q, q, q, 0, 0, *strides, qk_scale, win,
             HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=0, WIDE=wide, ROW_SUM_MMA=dot_row_sum, SLOTS_AHEAD=ahead, **opts,
+            WRITE_PARTIALS=0, WIDE=wide, SLOTS_AHEAD=ahead, **opts,
         )  # fmt: skip
         return out
     r = t * hq
@@ -761,7 +722,7 @@ def paged_attention(
         st_l = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
-    merge_opts = _launch_opts(config.experimental.merge_warps, 1, q.device, q.shape[0])
+    merge_opts = _launch_opts(config.merge_warps, 1, q.device, q.shape[0])
     # At most one stage per partial of a wave (a deeper prologue only costs), rounded up to
     # a power of two so that eager calls compile few variants.
     merge_stages = min(config.merge_stages, triton.next_power_of_2(wave))
@@ -771,7 +732,7 @@ def paged_attention(
         _attn_fwd[grid](
             q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
             win, HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, WIDE=wide, ROW_SUM_MMA=dot_row_sum,
+            WRITE_PARTIALS=1, WIDE=wide,
             SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **opts,
         )  # fmt: skip
         _attn_merge[merge_grid](

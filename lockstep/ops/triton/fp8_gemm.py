@@ -25,15 +25,8 @@ are those written. The tile shape is a speed choice from `TILE_TABLE`, keyed by 
 autotuned at run time). Every table config uses the same MMA flavour, wgmma (BM a multiple of
 64), whose per-block sum is what the bits rest on: at BM 16 or 32 Triton compiles the dot to
 mma.sync on e4m3 values widened to fp16 (the sm_90 PTX shows it), another accumulation.
-tests/test_fp8_gemm.py checks rows for every M across the table's buckets on the GPU, and under
+tests/kernels/test_fp8_gemm.py checks rows for every M across the table's buckets on the GPU, and under
 the interpreter the indexing, masking and block order.
-
-At small M each block's short dot is followed by a wait for the tensor cores, which costs more
-than its arithmetic. `_fp8_gemm_stacked_kernel` (M <= 32) computes two blocks per dot from a
-stacked activation layout in which the other block's products are exact zeros; it gives the
-plain kernel's bits if zero products leave the tensor cores' sum alone, which the interpreter
-confirms for its exact dot and `test_gpu_stacked_kernel_equals_the_plain_one` is to confirm on
-the GPU. Until that test has passed on an H200 it is an opt-in config, not in the table.
 """
 
 from __future__ import annotations
@@ -48,7 +41,6 @@ from lockstep.ops.fp8 import AMAX_FLOOR, BLOCK, E4M3, E4M3_MAX, SCHEMES
 from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 
 SCALE_BLOCK = BLOCK  # the weight's scale block (N and K) and the activation group ("block")
-STACK_ROWS = 32  # the most rows of a call the stacked small-M kernel takes (two K blocks a dot)
 # The spec's constants as compile-time values of the kernels.
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -65,16 +57,13 @@ class Fp8GemmConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = True
-    # M <= 32: `_fp8_gemm_stacked_kernel` (bm is then 64). Not in the table: its GPU test has
-    # not run on an H200 yet (docs/gpu.md, FP8 linears).
-    stacked: bool = False
 
 
 _INF = 1 << 62
 _C = Fp8GemmConfig
 # (largest M, largest N, largest K, config): the first row that fits is used. BK is always 128
 # (the scale block); BM is 64 or 128 everywhere (wgmma; see the module docstring). Chosen from
-# `python -m bench.fp8_gemm` on the H200 (docs/gpu.md, FP8 linears): 64 x 64 tiles to M 256
+# `python -m bench.fp8_gemm` on the H200 (docs/results.md, "FP8 GEMM"): 64 x 64 tiles to M 256
 # (at N <= 8192; 64 x 128 above), 64 x 128 tiles up to M 1024 and for K <= 8192, 128 x 128 on
 # 8 warps for the long K of down projections at M > 1024 (GROUP_M 16 for L2 reuse).
 TILE_TABLE: tuple[tuple[int, int, int, Fp8GemmConfig], ...] = (
@@ -123,23 +112,13 @@ def _row_ptr(x, row, ROWS_PER_BATCH, sxb, sxt):
 
 
 @triton.jit
-def _q_ptrs(q, row, cols, sq, STACK: tl.constexpr):
-    """Where row `row`'s e4m3 values of columns `cols` go: row `row` of q, or with STACK (the
-    stacked layout of `_fp8_gemm_stacked_kernel`) row row + STACK * (column group mod 2)."""
-    if STACK:
-        return q + (row + STACK * ((cols // 128) % 2)).to(tl.int64) * sq + cols
-    return q + row.to(tl.int64) * sq + cols
-
-
-@triton.jit
 def _quantize_kernel(
     x, q, scale, static_scale, K, ROWS_PER_BATCH, sxb, sxt, sxk, sq, ss,
-    MODE: tl.constexpr, GROUPS: tl.constexpr, STACK: tl.constexpr, PDL: tl.constexpr,
+    MODE: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, g): GROUPS 128-column groups of one row. MODE 0: a scale per group
     (stored); 1: the static scale; 2: one scale for the row (this program loops over the
-    whole row for its amax first; grid (M, 1)). The amax is a max: its order cannot matter.
-    STACK: rows of q per slot of the stacked layout, or 0 (`_q_ptrs`)."""
+    whole row for its amax first; grid (M, 1)). The amax is a max: its order cannot matter."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     xrow = _row_ptr(x, row, ROWS_PER_BATCH, sxb, sxt)
@@ -156,7 +135,7 @@ def _quantize_kernel(
         for start in range(0, K, 128 * GROUPS):
             cols = start + g[:, None] * 128 + c[None, :]
             v = tl.load(xrow + cols * sxk, mask=cols < K, other=0.0).to(tl.float32)
-            q_ptrs = _q_ptrs(q, row, cols, sq, STACK)
+            q_ptrs = q + row.to(tl.int64) * sq + cols
             tl.store(q_ptrs, _e4m3_sat_rne(tl.div_rn(v, s)), mask=cols < K)
     else:
         cols = g[:, None] * 128 + c[None, :]
@@ -167,7 +146,7 @@ def _quantize_kernel(
             s = s[:, None]
         else:
             s = tl.load(static_scale)
-        q_ptrs = _q_ptrs(q, row, cols, sq, STACK)
+        q_ptrs = q + row.to(tl.int64) * sq + cols
         tl.store(q_ptrs, _e4m3_sat_rne(tl.div_rn(v, s)), mask=cols < K)
 
 
@@ -182,14 +161,12 @@ def _rows_view(x: torch.Tensor) -> tuple[int, int, int, int, int]:
 
 
 def quantize_activation(
-    x: torch.Tensor, scheme: str, input_scale: torch.Tensor | None = None, stacked: bool = False
+    x: torch.Tensor, scheme: str, input_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [B, T, K] (bf16/fp16/fp32, any strides) -> (q e4m3 [B*T or M, K], sx fp32):
     sx [M, ceil(K/128)] for "block", [M, 1] for "channel", `input_scale` as [1] for "tensor".
     q's rows are 16-byte aligned (its row stride is K rounded up to 16) so that TMA can read
-    it; the bits are `lockstep.ops.fp8.quantize_rows` / `quantize_static`. `stacked` (M <= 32):
-    q is [64, K], zero but for row m's values of column group g in row 32 * (g % 2) + m, the
-    layout `_fp8_gemm_stacked_kernel` reads."""
+    it; the bits are `lockstep.ops.fp8.quantize_rows` / `quantize_static`."""
     if scheme not in SCHEMES:
         raise ValueError(f"FP8 scheme {scheme!r} is invalid: expected one of {SCHEMES}")
     if x.dtype not in _ACT_DTYPES:
@@ -199,13 +176,7 @@ def quantize_activation(
     if k == 0:
         raise ValueError("FP8 linear over an empty K axis")
     groups = triton.cdiv(k, SCALE_BLOCK)
-    if stacked:
-        if m > STACK_ROWS:
-            raise ValueError(f"stacked FP8 quantization takes at most {STACK_ROWS} rows, got {m}")
-        q = torch.zeros((2 * STACK_ROWS, triton.cdiv(k, 16) * 16), dtype=E4M3, device=x.device)
-        q = q[:, :k]
-    else:
-        q = torch.empty((m, triton.cdiv(k, 16) * 16), dtype=E4M3, device=x.device)[:, :k]
+    q = torch.empty((m, triton.cdiv(k, 16) * 16), dtype=E4M3, device=x.device)[:, :k]
     if scheme == "tensor":
         if input_scale is None or input_scale.numel() != 1 or input_scale.dtype != torch.float32:
             raise ValueError("FP8 scheme 'tensor' needs input_scale: one float32 value")
@@ -223,7 +194,7 @@ def quantize_activation(
     grid = (m, triton.cdiv(groups, per_program) if mode != 2 else 1)
     _quantize_kernel[grid](
         x, q.view(torch.uint8), sx, sx, k, per_batch, sxb, sxt, sxk, q.stride(0), sx.stride(0),
-        MODE=mode, GROUPS=per_program, STACK=STACK_ROWS if stacked else 0, num_warps=4,
+        MODE=mode, GROUPS=per_program, num_warps=4,
         **pdl_launch(x.device, m),
     )  # fmt: skip
     return q, sx
@@ -311,89 +282,6 @@ def _fp8_gemm_kernel(
     tl.store(ptrs, total.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
-def _add_block(total, p, s, blk, num_blk, sx_row, sw_row, MODE: tl.constexpr, BN: tl.constexpr):
-    """total + p * (sx * sw) for K block `blk` if it exists (MODE 0 loads its scales; else `s`
-    is the scales' product): `_fp8_gemm_kernel`'s per-block step."""
-    if blk < num_blk:
-        if MODE == 0:
-            if 128 % BN == 0:
-                total = total + p * (tl.load(sx_row + blk) * tl.load(sw_row + blk))[:, None]
-            else:
-                total = total + p * (
-                    tl.load(sx_row + blk)[:, None] * tl.load(sw_row + blk)[None, :]
-                )
-        else:
-            total = total + p * s
-    return total
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_stacked_kernel(
-    x, w, sx, sw, bias, y, M, N, K, sxm, swn, sym, s_sxm, s_swn,
-    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The same y as `_fp8_gemm_kernel` for M <= 32, two K blocks per tensor-core chain.
-
-    At small M a K block's dot is a short chain whose wait costs more than its arithmetic.
-    x is the stacked layout [64, K] (`quantize_activation(stacked=True)`): rows 32j..32j+31
-    hold the call's rows for the K blocks b with b % 2 == j, zeros elsewhere, so one dot of
-    [64, 256] by [256, BN] gives in rows 32j + m the dot of K block 2i + j alone (the other
-    block's products are exact zeros), two blocks per wait:
-
-        x rows     K: | block 2i | block 2i+1 |
-        0..31         |   x_q    |     0      |
-        32..63        |    0     |    x_q     |
-
-    The two [32, BN] results are split out exactly (reshape, permute, split) and folded into
-    the accumulator in ascending block order, as in `_fp8_gemm_kernel`."""
-    wait_for_inputs(PDL)
-    pid_n = tl.program_id(0)
-    rm = tl.arange(0, 32)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm_c = tl.where(rm < M, rm, M - 1).to(tl.int64)
-    rn_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
-    if MODE == 1:
-        s = tl.broadcast_to(tl.load(sx) * tl.load(sw + rn_c)[None, :], [32, BN])
-    elif MODE == 2:
-        s = tl.load(sx + rm_c * s_sxm)[:, None] * tl.load(sw + rn_c)[None, :]
-    else:
-        s = tl.zeros([32, BN], tl.float32)  # per block, in `_add_block`
-    sx_row = sx + rm_c * s_sxm
-    if 128 % BN == 0:
-        sw_row = sw + ((pid_n * BN) // 128).to(tl.int64) * s_swn
-    else:
-        sw_row = sw + (rn_c // 128) * s_swn
-    num_blk = tl.cdiv(K, BK)
-    rk = tl.arange(0, 2 * BK)
-    if not TMA:
-        r64 = tl.arange(0, 64)
-        x_ptrs = x + r64[:, None].to(tl.int64) * sxm + rk[None, :]
-        w_ptrs = w + rn_c[None, :] * swn + rk[:, None]
-    total = tl.zeros([32, BN], tl.float32)
-    for kb in range(0, K, 2 * BK):
-        if TMA:
-            a = x.load([0, kb])
-            b = w.load([pid_n * BN, kb])
-            p2 = tl.dot(a, b.T)
-        else:
-            a = tl.load(x_ptrs, mask=rk[None, :] < K - kb, other=0.0)
-            b = tl.load(w_ptrs, mask=rk[:, None] < K - kb, other=0.0)
-            p2 = tl.dot(a, b)
-            x_ptrs += 2 * BK
-            w_ptrs += 2 * BK
-        # rows 32 j + m -> [m, n, j], split on j: no arithmetic.
-        p0, p1 = tl.split(tl.permute(tl.reshape(p2, [2, 32, BN]), [1, 2, 0]))
-        blk = kb // BK
-        total = _add_block(total, p0, s, blk, num_blk, sx_row, sw_row, MODE, BN)
-        total = _add_block(total, p1, s, blk + 1, num_blk, sx_row, sw_row, MODE, BN)
-    if HAS_BIAS:
-        total = total + tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    ptrs = y + rm[:, None].to(tl.int64) * sym + rn[None, :]
-    tl.store(ptrs, total.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """TMA needs a 16-byte aligned base and row stride (and a unit column stride)."""
     return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -408,14 +296,11 @@ def fp8_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     config: Fp8GemmConfig | None = None,
-    rows: int | None = None,
 ) -> torch.Tensor:
     """q e4m3 [M, K] (unit column stride) and sx from `quantize_activation`; weight e4m3
     [N, K] (unit column stride), weight_scale fp32 ("block": [ceil(N/128), ceil(K/128)], else
     [N]); bias [N] or None -> [M, N] in out_dtype. `config` overrides the tile table (tests and
-    benchmarks; the table's configs give the same bits). `rows`: q is the stacked layout
-    (`quantize_activation` with stacked=True) of a call of that many rows; the config must then
-    be a stacked one."""
+    benchmarks; the table's configs give the same bits)."""
     if scheme not in SCHEMES:
         raise ValueError(f"FP8 scheme {scheme!r} is invalid: expected one of {SCHEMES}")
     if q.dim() != 2 or weight.dim() != 2 or q.shape[1] != weight.shape[1]:
@@ -427,15 +312,9 @@ def fp8_gemm(
         raise ValueError("fp8_gemm wants the K axis contiguous in q and weight")
     if out_dtype not in _ACT_DTYPES:
         raise ValueError(f"fp8_gemm out_dtype {out_dtype} is invalid: expected {_ACT_DTYPES}")
-    m, k = q.shape if rows is None else (rows, q.shape[1])
+    m, k = q.shape
     n = weight.shape[0]
     cfg = config or pick_config(m, n, k)
-    if (rows is not None or cfg.stacked) and not (
-        rows is not None and cfg.stacked and q.shape[0] == 2 * STACK_ROWS and rows <= STACK_ROWS
-    ):
-        raise ValueError(f"fp8_gemm: a stacked q ({2 * STACK_ROWS} rows) of at most {STACK_ROWS} "
-                         f"rows and a stacked config go together; got q {list(q.shape)}, rows "
-                         f"{rows}, config {cfg}")  # fmt: skip
     kb = triton.cdiv(k, SCALE_BLOCK)
     want_sw = (triton.cdiv(n, SCALE_BLOCK), kb) if scheme == "block" else (n,)
     want_sx = {"block": (m, kb), "channel": (m, 1), "tensor": (1,)}[scheme]
@@ -449,25 +328,17 @@ def fp8_gemm(
     if m == 0 or n == 0:
         return y
     tma = cfg.tma and not interpreting() and _tma_ok(q) and _tma_ok(weight)
-    bk = 2 * SCALE_BLOCK if cfg.stacked else SCALE_BLOCK  # K per TMA box
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        xa = TensorDescriptor.from_tensor(q, [cfg.bm, bk])
-        wa = TensorDescriptor.from_tensor(weight, [cfg.bn, bk])
+        xa = TensorDescriptor.from_tensor(q, [cfg.bm, SCALE_BLOCK])
+        wa = TensorDescriptor.from_tensor(weight, [cfg.bn, SCALE_BLOCK])
     else:
         xa, wa = q, weight
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(q.device, m)}
     if not interpreting():  # no multiply-add contraction (module docstring)
         opts["enable_fp_fusion"] = False
     sw_stride = weight_scale.stride(0) if scheme == "block" else 1
-    if cfg.stacked:
-        _fp8_gemm_stacked_kernel[(triton.cdiv(n, cfg.bn),)](
-            xa, wa, sx, weight_scale, bias if bias is not None else y, y, m, n, k, q.stride(0),
-            weight.stride(0), y.stride(0), sx.stride(0), sw_stride, MODE=_MODE[scheme],
-            HAS_BIAS=bias is not None, TMA=tma, BN=cfg.bn, BK=SCALE_BLOCK, **opts,
-        )  # fmt: skip
-        return y
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn),)
     _fp8_gemm_kernel[grid](
         xa, wa, sx, weight_scale, bias if bias is not None else y, y, m, n, k, q.stride(0),
@@ -491,9 +362,6 @@ def fp8_linear(
     """`lockstep.ops.fp8.fp8_linear` on the GPU: x [..., K] (2-D or 3-D, bf16/fp16/fp32, any
     strides) quantized row-locally, then `fp8_gemm` -> [..., N] in out_dtype (default x's).
     Row m of the result depends only on row m of x: the same bits for every M."""
-    m = x.shape[:-1].numel()
-    cfg = config or pick_config(m, weight.shape[0], x.shape[-1])
-    q, sx = quantize_activation(x, scheme, input_scale, stacked=cfg.stacked)
-    y = fp8_gemm(q, sx, weight, weight_scale, scheme, bias, out_dtype or x.dtype, cfg,
-                 rows=m if cfg.stacked else None)  # fmt: skip
+    q, sx = quantize_activation(x, scheme, input_scale)
+    y = fp8_gemm(q, sx, weight, weight_scale, scheme, bias, out_dtype or x.dtype, config)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -21,8 +21,7 @@ and decays, shared by a head's tiles (and a key head's group), are only read the
 by a second kernel after it; each tile owns its value columns of S and of the open rows. Row
 counts and starts are read from memory, never specialized on, and multiply-add contraction
 is off, so a one-row call runs the code a long one does, whatever its batch-mates.
-The rows run one after another (O(n C Dk) per program): not yet fast for prefill; a chunked
-tensor-core form with the same per-row arithmetic is the next step (docs/gpu.md).
+The rows run one after another (O(n C Dk) per program), which bounds prefill speed.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ other libraries (torch) never signal early, so a PDL kernel after one of them si
 it to finish, as without PDL.
 
 PDL changes when a kernel starts, never what it computes: the bits are the same with it on or
-off (tests/test_gpu_engine.py compares). The Triton interpreter and GPUs before Hopper run
+off (tests/gpu/test_gpu_engine.py compares). The Triton interpreter and GPUs before Hopper run
 without it.
 """
 
@@ -81,7 +81,7 @@ def pdl_enabled(device: torch.device) -> bool:
 # early holds its SM resources while it waits for the one before it. On the H200 (Qwen3-8B
 # shapes) it saves ~0.2 ms of a 4.8-6.2 ms decode step at batch 1 to 32, and costs 0.15 ms at
 # batch 64, 0.7 ms of a 21 ms step at batch 256 and 12 ms of a 215 ms 8k-token prefill step
-# (docs/gpu.md). So a launch whose call has more rows (tokens) than this runs without it.
+# (docs/results.md). So a launch whose call has more rows (tokens) than this runs without it.
 PDL_MAX_ROWS = 32
 
 

@@ -5,7 +5,7 @@ chunk) reduces its chunk to (max, sum of exp(x - max)). Pass 2 (the same grid) f
 chunk partials into logsumexp with one fixed-shape reduction, every program of the row the
 same way, and writes its chunk's x - logsumexp. Nothing depends on the number of rows or a
 row's index. Two wide passes, not one program walking a whole row: at V = 151,936 that one is
-latency-bound, and every decode step would wait for it (docs/gpu.md).
+latency-bound, and every decode step would wait for it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The numerics (what every output element computes, for every M):
 How the work is laid out is a speed choice picked per (M, N, K) bucket from `TILE_TABLE` (never
 autotuned at run time) and never changes a bit: the tile shape (BM, BN, BK, the MMA flavour:
 mma.sync at BM 16/32, wgmma at BM >= 64; on an H200 with Triton 3.6 none of these changed a
-row's bits, which tests/test_ops_triton.py re-checks), and where the splits run: all in one
+row's bits, which tests/kernels/test_ops_triton.py re-checks), and where the splits run: all in one
 program (large M: plenty of tiles), or one program per split (small M: K-parallelism to stream
 the weight from every SM) whose partials go to a float32 workspace and are folded, in the same
 order, by the last program of the tile to finish (an atomic arrival counter, reset by that
@@ -52,7 +52,7 @@ SPLIT_ALIGN = 256
 
 # (largest K, splits): THE NUMERICS of every matmul, keyed by the weight's K (never by M).
 # Changing a row here changes the bits of every model. One split up to K 8192, two above: the
-# split-count timings in docs/gpu.md (two splits only pay off at large K).
+# split-count timings in docs/results.md (two splits only pay off at large K).
 SPLIT_TABLE: tuple[tuple[int, int], ...] = (
     (8192, 1),
     (_INF, 2),
@@ -60,9 +60,9 @@ SPLIT_TABLE: tuple[tuple[int, int], ...] = (
 
 # (largest M, largest N, largest K, config): the first row that fits is used. Chosen from
 # CUDA-graph timings of `python -m bench.gpu_kernels --sweep` with a clean L2 (the matmul
-# table in docs/gpu.md). Small M is bandwidth-bound: narrow N tiles for enough CTAs. Mid M:
+# table in docs/results.md). Small M is bandwidth-bound: narrow N tiles for enough CTAs. Mid M:
 # 64-row tiles; at K > 8192 one program per split. M 129-256 (decode at RL batch sizes): the
-# tile that best fills the waves of 132 SMs per shape (`--sweep --ms 256`, docs/gpu.md). M
+# tile that best fills the waves of 132 SMs per shape (`--sweep --ms 256`, docs/results.md). M
 # 257-512: 256x128 tiles for N > 4096 at K <= 8192 and for N > 8192. Large M: persistent 128x128 tiles walked in groups of 16 M-tiles
 # (GROUP_M 16, for L2 reuse), 256x128 for N <= 8192 up to M 2048; at K > 8192 (two splits)
 # 128x256 tiles.

@@ -61,7 +61,7 @@ _INF = 1 << 62
 _G = GroupedConfig
 
 # (largest S = tokens * k, config), first fit, from CUDA-graph timings of each grouped GEMM
-# alone on Qwen3-30B-A3B's shapes (`python -m bench.gpu_moe --sweep`, docs/gpu.md). Decode
+# alone on Qwen3-30B-A3B's shapes (`python -m bench.gpu_moe --sweep`, docs/results.md). Decode
 # (S <= 64): 16-row tiles (the smallest MMA), 64 columns, 256-wide K blocks. S <= 4096
 # (experts get tens of rows): 32-row tiles. Above: 64 x 128 tiles for gate_up (two
 # accumulators) and 128 x 256 for down.

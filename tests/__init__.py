@@ -1,0 +1,1 @@
+"""Lockstep's test suite (docs/map.md, "Tests")."""

@@ -1,0 +1,338 @@
+"""Gemma 3 on the CPU: sliding-window layers interleaved with a global one, GeGLU, four norms per
+layer, scaled embeddings, per-layer-type RoPE (lockstep/models/families/gemma3.py).
+
+Correctness against transformers (a tiny Gemma3ForCausalLM built and saved by transformers
+itself, its window of 8 keys shorter than every prompt here), and the position-invariance
+contract with the prefix cache on: logits and K/V equal one cold full prefill bitwise under
+random schedules with batch-mates, radix hits whose uncached tail straddles the window's edge,
+every chunk size around the window, decode versus scoring and whole requests through the
+scheduler. The negative controls: fast mode fails the same suite, and a model whose window is
+ignored does not match transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lockstep.check.compare import PASS, SKIP
+from lockstep.config import EngineConfig
+from lockstep.engine.engine import Engine
+from lockstep.engine.llm import LLM
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.errors import ModelLoadError
+from tests.support.invariance_harness import (
+    Plan,
+    compute,
+    differ_alone,
+    mismatches,
+    random_plan,
+    reference,
+)
+from tests.support.tiny_hf import save_tiny
+
+WINDOW = 8  # tiny_hf's Gemma 3 window
+VOCAB = 300  # tiny_hf's vocabulary
+_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+_SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    database=None,
+)
+
+
+def _engine(model: str, mode: str = "deterministic", **options) -> Engine:
+    options = {"kv_tokens": 2048, "dtype": "float32", **options}
+    return Engine(EngineConfig(model=model, mode=mode, device="cpu", **options))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: one thread computes instead of waking a pool (bits do not depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    folder = tmp_path_factory.mktemp("gemma3")
+    return folder, save_tiny("gemma3", folder)
+
+
+@pytest.fixture(scope="module")
+def gemma(hf_folder) -> Engine:
+    return _engine(str(hf_folder[0]))
+
+
+def _copy(folder: Path, to: Path, **config: object) -> Path:
+    """`folder`'s files in `to`, with `config` keys replaced in its config.json."""
+    for name in _FILES:
+        (to / name).write_bytes((folder / name).read_bytes())
+    changed = {**json.loads((folder / "config.json").read_text()), **config}
+    (to / "config.json").write_text(json.dumps(changed))
+    return to
+
+
+def _llm(engine: Engine) -> LLM:
+    llm = LLM.__new__(LLM)  # the module's engine, without loading the model again
+    llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
+    return llm
+
+
+# ---------------------------------------------------------------- against transformers
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_matches_transformers_prefill_and_generation(hf_folder, mode: str) -> None:
+    """Logits of a 40-token prefill (five windows) and greedy token-by-token generation from
+    a 25-token prompt agree with transformers within 1e-4 in float32."""
+    folder, model = hf_folder
+    engine = _engine(str(folder), mode=mode)
+    rng = random.Random(3)
+    tokens = [rng.randrange(VOCAB) for _ in range(40)]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    got = engine.decoder.logits_for_sequence(tokens)
+    assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
+
+    prompt = tokens[:25]
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    want_ids = gen.sequences[0, len(prompt) :].tolist()
+    want_lps = [torch.log_softmax(step[0], -1) for step in gen.logits]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    out = _llm(engine).generate([prompt], params, use_tqdm=False)[0]
+    assert out.token_ids == want_ids
+    for lp, token, step in zip(out.logprobs, want_ids, want_lps, strict=True):
+        assert abs(lp - float(step[token])) < 1e-4
+
+
+def test_negative_control_the_window_is_what_matches(hf_folder, tmp_path: Path) -> None:
+    """The same weights served with a window longer than the prompt (every layer then sees
+    every key) miss transformers' logits: the comparison above sees the window."""
+    folder, model = hf_folder
+    wide = _engine(str(_copy(folder, tmp_path, sliding_window=4096)))
+    tokens = list(range(1, 30))
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    got = wide.decoder.logits_for_sequence(tokens)
+    assert (got[:WINDOW] - want[:WINDOW]).abs().max() < 1e-4  # inside the window: the same
+    assert (got - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_multimodal_checkpoint_serves_its_text_model(
+    tmp_path: Path, hf_folder, gemma: Engine, prefix: str
+) -> None:
+    """A Gemma3ForConditionalGeneration folder (model_type gemma3, text_config, the text
+    tensors under transformers 5's or earlier writers' prefix, a vision tower and projector)
+    loads as the text model and gives its bits."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = hf_folder
+    text = json.loads((folder / "config.json").read_text())
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {prefix + k.removeprefix("model."): v
+               for k, v in load_file(folder / "model.safetensors").items()}  # fmt: skip
+    vision = "model." if prefix.startswith("model.") else ""
+    tensors[vision + "vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4)
+    tensors[vision + "multi_modal_projector.mm_input_projection_weight"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    for name in _FILES[2:]:
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    tokens = list(range(1, 30))
+    want = gemma.decoder.logits_for_sequence(tokens)
+    assert torch.equal(_engine(str(tmp_path)).decoder.logits_for_sequence(tokens), want)
+
+
+def test_final_logit_softcapping_matches_transformers(tmp_path: Path, gemma: Engine) -> None:
+    """final_logit_softcapping (set by no released Gemma 3, served all the same): a cap of 3
+    matches transformers within 1e-4; control: the same weights uncapped give other logits."""
+    model = save_tiny("gemma3", tmp_path, final_logit_softcapping=3.0)
+    tokens = list(range(1, 30))
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    got = _engine(str(tmp_path)).decoder.logits_for_sequence(tokens)
+    assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
+    assert (got - gemma.decoder.logits_for_sequence(tokens)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("attn_logit_softcapping", 50.0), ("hidden_activation", "silu"),
+     ("use_bidirectional_attention", True)],
+)  # fmt: skip
+def test_what_gemma_3_does_not_need_is_refused_in_one_line(
+    hf_folder, tmp_path: Path, key: str, value: object
+) -> None:
+    folder, _ = hf_folder
+    with pytest.raises(ModelLoadError) as err:
+        _engine(str(_copy(folder, tmp_path, **{key: value})))
+    message = str(err.value)
+    assert "\n" not in message and f"{key}={value!r} is not supported" in message
+
+
+# ---------------------------------------------------------------- position invariance
+
+
+def _check(engine: Engine, tokens: list[int], plan: Plan, rng: random.Random) -> None:
+    problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
+    assert not problems, f"n={len(tokens)} {plan.describe()}: " + "; ".join(problems)
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_any_schedule_matches_cold_prefill(gemma: Engine, seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 45)
+    tokens = [rng.randrange(VOCAB) for _ in range(n)]
+    _check(gemma, tokens, random_plan(rng, n, max_mates=3), rng)
+    gemma.check_integrity()
+
+
+def test_radix_hits_whose_tail_straddles_the_window_edge(gemma: Engine) -> None:
+    """A hit of every length 1..36 (across the CPU kernel's 32-key block too), each followed
+    by an uncached tail of 1..2W+1 tokens in one pass beside a mate: the tail's first rows
+    see cached keys at the window's lower edge, its later rows (tails longer than W) none."""
+    rng = random.Random(11)
+    stem = [rng.randrange(VOCAB) for _ in range(36)]
+    for prefix in range(1, 37):
+        tail = 1 + (prefix * 5) % (2 * WINDOW + 1)
+        tokens = stem[:prefix] + [rng.randrange(VOCAB) for _ in range(tail)]
+        _check(gemma, tokens, Plan(prefix, [tail], [[rng.randint(1, 9)]]), rng)
+        gemma.flush_cache()
+    gemma.check_integrity()
+
+
+def test_chunk_sizes_around_the_window(gemma: Engine) -> None:
+    rng = random.Random(5)
+    n = 41
+    tokens = [rng.randrange(VOCAB) for _ in range(n)]
+    ref = reference(gemma, tokens)
+    for size in (*range(1, 2 * WINDOW + 3), 31, 32, 33, n):
+        chunks = [size] * (n // size) + ([n % size] if n % size else [])
+        problems = mismatches(ref, compute(gemma, tokens, Plan(0, chunks), rng))
+        assert not problems, f"chunk size {size}: " + "; ".join(problems)
+    gemma.check_integrity()
+
+
+def test_generation_logprobs_equal_scoring(gemma: Engine) -> None:
+    """Decode one token at a time versus one prefill of the whole text, greedy and sampled,
+    from prompts shorter than, equal to and longer than the window."""
+    llm = _llm(gemma)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, WINDOW, 3 * WINDOW + 1)]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=12, temperature=temperature, seed=11, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
+        for out, score in zip(outs, scores, strict=True):
+            assert score.logprobs[len(out.prompt_token_ids) :] == out.logprobs, temperature
+    gemma.check_integrity()
+
+
+@settings(max_examples=5, **_SETTINGS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_engine_schedules_with_preemption_match_alone(hf_folder, seed: int) -> None:
+    """Whole requests through the real scheduler, with a KV pool small enough to evict and
+    preempt: each request's tokens and logprobs equal those of the request alone."""
+    rng = random.Random(seed)
+    stem = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+    requests = {}
+    for i in range(rng.randint(3, 6)):
+        prompt = stem[: rng.randint(1, len(stem))] + [rng.randrange(VOCAB) for _ in range(9)]
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]),
+                                seed=i, ignore_eos=True)  # fmt: skip
+        requests[f"r{i}"] = (prompt, params)
+    largest = max(len(p) + params.max_tokens for p, params in requests.values())
+    batch_tokens = rng.randint(8, 64)
+    engine = _engine(
+        str(hf_folder[0]), kv_tokens=largest + rng.randint(0, 30), max_batch_tokens=batch_tokens,
+        chunk_size=rng.randint(1, batch_tokens), max_running=rng.randint(2, 6), debug_checks=True,
+    )  # fmt: skip
+    assert not differ_alone(engine, requests)
+    engine.check_integrity()
+
+
+def test_bfloat16_weights_and_cache_keep_the_contract(hf_folder) -> None:
+    engine = _engine(str(hf_folder[0]), dtype="bfloat16")
+    for seed in range(6):
+        rng = random.Random(seed)
+        n = rng.randint(WINDOW, 40)
+        tokens = [rng.randrange(VOCAB) for _ in range(n)]
+        _check(engine, tokens, random_plan(rng, n, max_mates=2), rng)
+
+
+def test_negative_control_fast_mode_breaks_the_contract(hf_folder) -> None:
+    """The same harness on fast mode (oneDNN GEMMs, SDPA) finds differences: it is not blind."""
+    engine = _engine(str(hf_folder[0]), mode="fast")
+    failures = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        n = rng.randint(2 * WINDOW, 40)
+        tokens = [rng.randrange(VOCAB) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=2)
+        failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
+    assert failures > 0
+
+
+@pytest.mark.slow
+def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
+    """`lockstep check --serve --model <tiny Gemma 3 folder>`: every scenario passes, the
+    radix one with cached tokens reported on every hit."""
+    import argparse
+
+    from lockstep.check.cli import add_check_parser
+
+    folder = tmp_path / "gemma3"
+    folder.mkdir()
+    save_tiny("gemma3", folder, vocab_size=8192)  # the check draws token ids up to 8000
+    out = tmp_path / "out.json"
+    parser = argparse.ArgumentParser(prog="lockstep")
+    add_check_parser(parser.add_subparsers())
+    args = parser.parse_args([
+        "check", "--serve", "--model", str(folder), "--max-model-len", "512", "--max-tokens",
+        "8", "--concurrency", "4", "--device", "cpu", "--budget-s", "1800", "--no-progress",
+        "--json", str(out),
+    ])  # fmt: skip
+    code = args.func(args)
+    results = {r["name"]: r for r in json.loads(out.read_text())["scenarios"]}
+    for name, r in results.items():  # restart needs a second server: skipped in one run
+        assert r["status"] == (SKIP if name == "restart" else PASS), r
+    assert code == 0
+    assert results["radix"]["cached_tokens"] > 0
+
+
+def test_cache_bytes_per_token_are_the_blocks_sum() -> None:
+    """Each mixer block declares its cache bytes (`Mixer.cache_bytes`) and the pool's budget
+    sums them: Gemma 3's sliding layers keep every key, so random:gemma3-4b costs K and V of
+    34 layers x 4 KV heads x 256 in bf16 per token, half that in e4m3; a hybrid's budget is its
+    attention layers' K/V plus its snapshots' share per token, as its state layout counts it."""
+    from lockstep.engine.memory import bytes_per_token
+    from lockstep.models.linear_attention import CHUNK, LinearLayout
+    from lockstep.models.presets import PRESETS
+
+    gemma = PRESETS["gemma3-4b"].spec
+    assert bytes_per_token(gemma, 4, torch.bfloat16, CHUNK) == 2 * 34 * 4 * 256 * 2 == 139264
+    assert bytes_per_token(gemma, 4, torch.float8_e4m3fn, CHUNK) == 139264 // 2
+    hybrid = PRESETS["qwen3.5-9b"].spec
+    layout = LinearLayout.of(hybrid, torch.device("cpu"))
+    kv = 2 * len(hybrid.kv_layers) * 4 * 256 * 2
+    assert bytes_per_token(hybrid, 4, torch.bfloat16, CHUNK) == kv + -(
+        -layout.snapshot_bytes // CHUNK
+    )

@@ -1,0 +1,256 @@
+"""The training module (lockstep.training): its logprobs are the engine's bits for packed
+batches of any composition and order, its gradients are transformers' (float32, relative
+1e-4), and trained weights go back to the engine (in-process and through a saved folder)
+with the trainer's bits. Tiny random models written by transformers (tests/support/tiny_hf.py)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+
+from lockstep import LLM  # noqa: E402
+from lockstep.errors import ModelLoadError  # noqa: E402
+from lockstep.training import LockstepForCausalLM  # noqa: E402
+from tests.support.tiny_hf import save_tiny  # noqa: E402
+
+VOCAB = 300  # tiny_hf's
+LENGTHS = [1, 3, 9, 17, 33, 40]  # across the engine's 16-token chunks and 64-token batches
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _sequences(seed: int, lengths: list[int] = LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
+
+
+def _llm(model: str, dtype: str) -> LLM:
+    return LLM(model, device="cpu", dtype=dtype, kv_tokens=2048, max_batch_tokens=64,
+               chunk_size=16)  # fmt: skip
+
+
+def _scores(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """`LLM.score`'s logprobs of tokens 1.. of each sequence, float64 (exact: float32 values)."""
+    outs = llm.score(sequences, use_tqdm=False)
+    return [torch.tensor(o.logprobs[1:], dtype=torch.float64) for o in outs]
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.double(), y.double()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("training")
+    for family in ("llama", "qwen2", "qwen3"):
+        save_tiny(family, root / family)
+    return {family: root / family for family in ("llama", "qwen2", "qwen3")}
+
+
+# llama: Llama 3 RoPE scaling; qwen2: q/k/v biases, tied embeddings; qwen3: q/k norms, GQA.
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_packed_logprobs_are_llm_score_bits(
+    folders: dict[str, Path], family: str, dtype: str
+) -> None:
+    folder = str(folders[family])
+    sequences = _sequences(seed=len(family))
+    llm = _llm(folder, dtype)
+    scores = _scores(llm, sequences)
+    model = LockstepForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+    rng = random.Random(7)
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    # Every sequence alone, all together in two orders, and a subset: each batch's
+    # sequences must get the bits LLM.score gave (chunked prefill, other batch-mates).
+    compositions = [[i] for i in order] + [order, order[::-1], sorted(order[:3])]
+    with torch.no_grad():
+        for batch in compositions:
+            out = model([sequences[i] for i in batch])
+            assert _bitwise_equal(out.per_sequence(), [scores[i] for i in batch]), batch
+        # Logits on request: the engine decoder's own cold prefill, row for row.
+        out = model([sequences[i] for i in order], return_logits=True)
+        decoder = llm.engine.decoder
+        cu = out.cu_seqlens
+        assert out.logits is not None
+        for b, i in enumerate(order):
+            expected = decoder.logits_for_sequence(sequences[i])
+            assert torch.equal(out.logits[cu[b] : cu[b + 1]], expected)
+        # The control: the same module on the fast backend (torch GEMM and SDPA) is close
+        # but not bit-identical, so the equalities above could fail.
+        fast = LockstepForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], mode="fast")
+        fast_out = fast([sequences[i] for i in order], return_logits=True)
+    fast_lps = fast_out.per_sequence()
+    expected_lps = [scores[i] for i in order]
+    assert not _bitwise_equal(fast_lps, expected_lps)
+    assert fast_out.logits is not None and not torch.equal(fast_out.logits, out.logits)
+    pairs = [(a, b) for a, b in zip(fast_lps, expected_lps, strict=True) if b.numel()]
+    worst = max((a.double() - b).abs().max().item() for a, b in pairs)
+    assert worst < (1e-3 if dtype == "float32" else 0.1)
+
+
+def test_chunked_reduction_gives_the_bits_of_a_tensor_parallel_engine(
+    folders: dict[str, Path],
+) -> None:
+    """tp_reduction="chunked" (the default at TP > 1, the same bits at every degree)."""
+    folder = str(folders["qwen3"])
+    sequences = _sequences(seed=13, lengths=[4, 21, 35])
+    llm = LLM(folder, device="cpu", dtype="float32", kv_tokens=2048, max_batch_tokens=64,
+              chunk_size=16, tp_reduction="chunked")  # fmt: skip
+    scores = _scores(llm, sequences)
+    with torch.no_grad():
+        chunked = LockstepForCausalLM.from_pretrained(folder, tp_reduction="chunked")
+        assert _bitwise_equal(chunked(sequences).per_sequence(), scores)
+        # The control: the one-call linear (the TP 1 default) adds in another order.
+        ranks = LockstepForCausalLM.from_pretrained(folder)
+        assert not _bitwise_equal(ranks(sequences).per_sequence(), scores)
+
+
+def _weighted_loss(lps: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
+    return sum((lp * w).sum() for lp, w in zip(lps, weights, strict=True))  # type: ignore[return-value]
+
+
+def _transformers_grads(
+    folder: Path, sequences: list[list[int]], weights: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """transformers' float32 autograd of the same loss, one sequence per forward."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    loss = torch.zeros(())
+    for seq, w in zip(sequences, weights, strict=True):
+        ids = torch.tensor([seq])
+        lps = torch.log_softmax(hf(ids).logits[0].float(), -1)[:-1]
+        loss = loss + (lps.gather(1, ids[0, 1:, None])[:, 0] * w).sum()
+    loss.backward()
+    return {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+
+
+def _worst_relative_error(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> float:
+    grads = dict(model.named_parameters())
+    assert set(grads) == set(reference)
+    return max(((grads[n].grad - ref).norm() / ref.norm()).item() for n, ref in reference.items())
+
+
+@pytest.mark.parametrize(
+    "family, checkpointing", [("llama", True), ("qwen2", False), ("qwen3", False)]
+)
+def test_gradients_are_transformers_autograd(
+    folders: dict[str, Path], family: str, checkpointing: bool
+) -> None:
+    sequences = _sequences(seed=11, lengths=[2, 7, 20, 13])
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
+    reference = _transformers_grads(folders[family], sequences, weights)
+    model = LockstepForCausalLM.from_pretrained(
+        str(folders[family]), gradient_checkpointing=checkpointing
+    )
+    _weighted_loss(model(sequences[::-1]).per_sequence()[::-1], weights).backward()
+    assert _worst_relative_error(model, reference) < 1e-4
+    # The control: one token changed in one sequence moves some gradient past the bound.
+    model.zero_grad()
+    changed = [list(s) for s in sequences]
+    changed[2][5] = (changed[2][5] + 1) % VOCAB
+    _weighted_loss(model(changed).per_sequence(), weights).backward()
+    assert _worst_relative_error(model, reference) > 1e-4
+
+
+# qwen2 from a folder (tied embeddings: config and tokenizer copied); llama from a random
+# preset (config.json written from the spec, tokenizer files from Lockstep's tokenizer).
+@pytest.mark.parametrize("source, dtype", [("qwen2", "bfloat16"), ("random:tiny", "float32")])
+def test_trained_weights_serve_with_the_trainer_bits(
+    folders: dict[str, Path], tmp_path: Path, source: str, dtype: str
+) -> None:
+    model_arg = source if source.startswith("random:") else str(folders[source])
+    sequences = _sequences(seed=3, lengths=[5, 12, 30])
+    model = LockstepForCausalLM.from_pretrained(model_arg, dtype=DTYPES[dtype])
+    llm = _llm(model_arg, dtype)
+    before = _scores(llm, sequences)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        out = model(sequences)
+        loss = -out.logprobs.sum() / out.mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]  # the weights changed, and in the loss's direction
+    with torch.no_grad():
+        trained = model(sequences, return_logits=True)
+    trained_lps = trained.per_sequence()
+    assert not _bitwise_equal(before, trained_lps)  # the control: the old weights differ
+    llm.update_weights(model.state_dict())
+    assert _bitwise_equal(_scores(llm, sequences), trained_lps)
+    folder = tmp_path / "trained"
+    model.save_pretrained(folder)
+    assert _bitwise_equal(_scores(_llm(str(folder), dtype), sequences), trained_lps)
+    # What the server's /update_weights_from_disk runs: an engine on the old weights reloads.
+    on_old = _llm(model_arg, dtype)
+    on_old.update_weights(str(folder))
+    assert _bitwise_equal(_scores(on_old, sequences), trained_lps)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert trained.logits is not None
+    cu = trained.cu_seqlens
+    for b, seq in enumerate(sequences):
+        with torch.no_grad():
+            hf_logits = hf(torch.tensor([seq])).logits[0].float()
+        # bfloat16: the engine's K/V cache rounds to bfloat16, transformers' float32 does not.
+        tolerance = 1e-3 if dtype == "float32" else 5e-2
+        torch.testing.assert_close(
+            hf_logits, trained.logits[cu[b] : cu[b + 1]], atol=tolerance, rtol=0
+        )
+
+
+@pytest.mark.parametrize("preset", ["random:tiny-qwen3-moe", "random:tiny-qwen3.5"])
+def test_families_without_a_training_forward_are_refused(preset: str) -> None:
+    with pytest.raises(ModelLoadError, match="no training forward yet"):
+        LockstepForCausalLM.from_pretrained(preset)
+
+
+def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> None:
+    from lockstep.training.grpo import run
+
+    folder = str(folders["qwen3"])
+
+    def mean_code_point(text: str) -> float:  # varies across a random byte model's samples
+        return sum(map(ord, text)) / max(len(text), 1)
+
+    one_prompt = ("The weather today is",)
+    reports, trainer, _ = run(
+        folder, 5, group_size=2, prompts=one_prompt, max_tokens=6, lr=1e-3, reward=mean_code_point
+    )
+    assert len(reports) == 5
+    for r in reports:
+        assert (r.k3_max, r.ratio_min, r.ratio_max) == (0.0, 1.0, 1.0), r
+    # The weights change, and with them the policy: the sampled tokens' logprobs move.
+    start = LockstepForCausalLM.from_pretrained(folder)
+    probe = _sequences(seed=5, lengths=[6, 9])
+    with torch.no_grad():
+        assert not torch.equal(trainer(probe).logprobs, start(probe).logprobs)
+    # The control: recomputed on the fast backend, the training policy is off by some bits.
+    (fast,), _, _ = run(folder, 1, group_size=2, prompts=one_prompt, max_tokens=6,
+                        reward=mean_code_point, trainer_mode="fast")  # fmt: skip
+    assert fast.k3_max > 0.0 and (fast.ratio_min, fast.ratio_max) != (1.0, 1.0)
+
+
+def test_a_module_moved_after_loading_is_refused() -> None:
+    model = LockstepForCausalLM.from_pretrained("random:tiny-qwen3").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="pass device and dtype to from_pretrained"):
+        model([[1, 2, 3]])
+
+
+def test_a_flat_tensor_with_lengths_is_the_same_batch() -> None:
+    model = LockstepForCausalLM.from_pretrained("random:tiny-qwen3")
+    sequences = _sequences(seed=17, lengths=[3, 8, 5])
+    flat = torch.tensor([t for s in sequences for t in s])
+    with torch.no_grad():
+        as_lists = model(sequences).logprobs
+        assert torch.equal(model(flat, seq_lens=[3, 8, 5]).logprobs, as_lists)
+        # The control: the same ids cut elsewhere are other sequences.
+        assert not torch.equal(model(flat, seq_lens=[4, 7, 5]).logprobs, as_lists)
+        with pytest.raises(ValueError, match="add up to the number of ids"):
+            model(flat, seq_lens=[3, 8])

@@ -1,0 +1,141 @@
+"""The block-FP8 MoE kernels (`lockstep/ops/triton/fp8_moe.py`) under the Triton interpreter,
+tiny shapes with partial 128-blocks on both axes (hidden 192, expert width 160): the layer
+against the float64 reference, every slot's row equal to the unfused dense composition (the
+FP8 GEMM of `fp8_gemm.py` per checkpoint part, `silu_mul`, the FP8 GEMM, the rank-order
+combine) bit for bit, and a token's bits independent of its batch-mates and of the tile
+config. Negative controls: the composition with another activation grouping differs (the
+equality sees the quantization), and the stock loop over experts changes a token's bits
+with the batch (the batch check can fail).
+
+The interpreter's tl.dot is the row-local one of tests/kernels/test_ops_triton.py. On a GPU machine
+the same file runs the kernels compiled; tests/gpu/test_gpu_moe.py has the H200 shapes."""
+
+from __future__ import annotations
+
+import pytest
+import test_ops_triton  # noqa: F401  (installs the row-local interpreter dot on CPU machines)
+import torch
+
+from lockstep.ops import fp8 as spec
+from lockstep.ops.cpu_fast import CpuFastOps
+from lockstep.ops.gpu_deterministic import GpuDeterministicOps
+from lockstep.ops.moe import MoeLayer, combine_in_rank_order, prepare_fp8_experts
+from lockstep.ops.reference import ReferenceOps
+from lockstep.ops.triton import activation
+from lockstep.ops.triton import fp8_moe as fm
+from lockstep.ops.triton import moe as gm
+from lockstep.ops.triton.fp8_gemm import fp8_linear
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16 if GPU else torch.float32
+E, TOP_K, H, INTER = 4, 2, 192, 160
+NARROW = fm.Fp8GroupedConfig(64, 64, 4, 1)
+WIDE = fm.Fp8GroupedConfig(64, 128, 4, 1)
+
+
+def quantized(seed: int) -> dict:
+    """(expert, part) -> (e4m3 weight, block scales) and "router" -> float32 [E, H]."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"gate": (INTER, H), "up": (INTER, H), "down": (H, INTER)}
+    out: dict = {"router": torch.randn(E, H, generator=g) / H**0.5}
+    for e in range(E):
+        for part, shape in shapes.items():
+            w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+            out[e, part] = spec.quantize_weight(w, "block")[:2]
+    return out
+
+
+def layer_for(ops, q: dict) -> MoeLayer:
+    """The layer as `Decoder.load` prepares it for `ops` (the reference on the CPU)."""
+    dev = "cpu" if isinstance(ops, (ReferenceOps, CpuFastOps)) else DEV
+
+    def stacked(parts: tuple[str, ...]):
+        w = [q[e, p][0].to(dev) for e in range(E) for p in parts]
+        s = [q[e, p][1].to(dev) for e in range(E) for p in parts]
+        return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E)
+
+    gate_up, down = stacked(("gate", "up")), stacked(("down",))
+    router = q["router"].to(dev, torch.float64 if isinstance(ops, ReferenceOps) else DTYPE)
+    return MoeLayer(ops.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K,
+                    True, gate_up.scale, down.scale)  # fmt: skip
+
+
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, H, generator=torch.Generator().manual_seed(seed)).to(DEV, DTYPE)
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict:
+    return quantized(1)
+
+
+@pytest.fixture(scope="module")
+def layer(weights) -> MoeLayer:
+    return layer_for(GpuDeterministicOps(), weights)
+
+
+def test_fp8_moe_matches_the_float64_reference(weights, layer) -> None:
+    x = tokens(11, 2)
+    want = ReferenceOps().moe(x.cpu().double(), layer_for(ReferenceOps(), weights))
+    got = GpuDeterministicOps().moe(x, layer)  # the tables' configs, through the backend
+    assert got.shape == (11, H) and got.dtype == DTYPE
+    tol = 3e-2 if GPU else 1e-5
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+
+
+def _composition(x: torch.Tensor, layer: MoeLayer, weights: dict, scheme: str) -> torch.Tensor:
+    """The unfused path: every slot through the dense FP8 GEMM of each checkpoint part
+    (activation quantized per `scheme`), `silu_mul`, the dense FP8 GEMM of down, then the
+    rank-order combine rounded once."""
+    routing = gm.route(gm.router_logits(x, layer), TOP_K, True)
+    slots = torch.empty(x.shape[0], TOP_K, H, dtype=x.dtype, device=x.device)
+    for t, row in enumerate(routing.experts.tolist()):
+        for r, e in enumerate(row):
+            xt = x[t : t + 1]
+            if scheme == "channel":  # another grouping: one scale per row (the control)
+                xt = spec.dequantized_activation(xt, "channel", None).to(x.dtype)
+            parts = [fp8_linear(xt, *(p.to(x.device) for p in weights[e, n]), "block")
+                     for n in ("gate", "up")]  # fmt: skip
+            h = activation.silu_mul(torch.cat(parts, dim=1))
+            w, s = (p.to(x.device) for p in weights[e, "down"])
+            slots[t, r] = fp8_linear(h, w, s, "block")[0]
+    return combine_in_rank_order(slots, routing.weights).to(x.dtype)
+
+
+def test_every_slot_equals_the_dense_fp8_composition(weights, layer) -> None:
+    x = tokens(4, 3)
+    want = _composition(x, layer, weights, "block")
+    for cfg in (NARROW, WIDE):
+        assert torch.equal(fm.moe_fp8(x, layer, cfg, cfg), want), cfg
+
+
+def test_negative_control_another_activation_grouping_differs(weights, layer) -> None:
+    x = tokens(2, 3)
+    assert not torch.equal(fm.moe_fp8(x, layer), _composition(x, layer, weights, "channel"))
+
+
+def test_a_tokens_bits_ignore_its_batch_mates_and_the_tile_config(layer) -> None:
+    """Rows of a call of 12 tokens (two of them copies of the first, so its experts get three
+    rows) equal those tokens alone, and both configs give the same bits."""
+    x = tokens(12, 4)
+    x[5], x[9] = x[0], x[0]
+    together = fm.moe_fp8(x, layer, NARROW, NARROW)
+    assert torch.equal(fm.moe_fp8(x, layer, WIDE, WIDE), together)
+    for i in (0, 5, 11):
+        assert torch.equal(together[i], fm.moe_fp8(x[i : i + 1], layer, WIDE, WIDE)[0]), i
+
+
+def test_negative_control_the_stock_loop_changes_with_the_batch(weights) -> None:
+    """The stock loop (torch's CPU GEMM over each expert's rows, FP8 experts dequantized)
+    changes some token's bits with its batch-mates: the batch check is not blind."""
+    if GPU:
+        pytest.skip(
+            "cuBLAS keeps these tiny shapes' bits; tests/gpu/test_gpu_moe.py has the control"
+        )
+    fast = CpuFastOps()
+    stock_layer = layer_for(fast, weights)
+    x = tokens(12, 4)
+    together = fast.moe(x, stock_layer)
+    assert any(not torch.equal(together[i], fast.moe(x[i : i + 1], stock_layer)[0])
+               for i in range(x.shape[0]))  # fmt: skip

@@ -1,0 +1,211 @@
+"""Kernels compiled for the H200 (sm_90) on a machine without a GPU: Triton's front end and
+its CUDA back end run on the CPU, so a kernel that the interpreter runs but the compiler
+refuses (a type the interpreter never checks) fails here, in CI, rather than on the GPU.
+
+Covers the specializations an engine launch asks for that the GPU tests could miss: the
+attention input and attention kernels with an FP8 (e4m3) KV cache and with a bf16 one (decode
+and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule at Qwen3.5's head sizes.
+And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
+as over a bf16 cache (`attention.widen_kv` says why), which the interpreter cannot show.
+The compiles run in one child process: the test session runs Triton's interpreter
+(TRITON_INTERPRET=1, conftest.py), under which kernels cannot be compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CACHES = ("*bf16", "*fp8e4nv")
+
+
+def _attention_input(cache: str) -> tuple[str, dict, dict]:
+    types = dict.fromkeys(("qkv", "q_out", "q_norm", "k_norm"), "*bf16")
+    types |= {"k_cache": cache, "v_cache": cache, "positions": "*i64", "slots": "*i64",
+              "cos": "*fp32", "sin": "*fp32", "eps": "fp32", "HQ": "i32", "HKV": "i32"}  # fmt: skip
+    types |= dict.fromkeys(("sqkv", "sqt", "sqh", "skc", "skh", "svc", "svh", "sc"), "i64")
+    return "attention_input._attention_input_kernel", types, {"HALF": 64, "HAS_NORM": True,
+                                                              "PDL": True}  # fmt: skip
+
+
+def _attention(
+    cache: str, d: int, write_partials: int, q: str = "*bf16", decode_tiles: bool = False
+) -> tuple[str, dict, dict]:
+    from lockstep.ops.triton.attention import DEFAULT_CONFIG as cfg
+
+    types = {"q": q, "k_cache": cache, "v_cache": cache, "out": q,
+             "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "qk_scale": "fp32",
+             "window": "i32"}  # fmt: skip
+    types |= dict.fromkeys(("cu_q", "q_start", "cu_kv", "slot_table"), "*i32")
+    types |= dict.fromkeys(("wave_base", "R", "sqt", "sqh", "skc", "skh", "sot", "soh"), "i32")
+    rows = cfg.rows_split if write_partials or decode_tiles else cfg.rows
+    constexprs = {"HKV": 4, "G": 4, "ROWS": rows, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split,
+                  "D": d, "WRITE_PARTIALS": write_partials, "WIDE": False,
+                  "SLOTS_AHEAD": False, "PDL": False}  # fmt: skip
+    return "attention._attn_fwd", types, constexprs
+
+
+def _gated_delta() -> tuple[str, dict, dict]:
+    pointers = ("q", "k", "v", "g", "beta", "state", "open_k", "open_gamma", "open_u", "out",
+                "bounds")  # fmt: skip
+    types = dict.fromkeys(pointers, "*fp32")
+    types |= dict.fromkeys(("cu", "starts", "slots", "bound_at"), "*i32")
+    types |= dict.fromkeys(("s_slot", "k_slot", "g_slot", "u_slot", "HK", "HV", "DK", "DV"), "i32")
+    return "gated_delta._gdn_rule_kernel", types, {"C": 32, "BK": 128, "BV": 32, "PDL": True}
+
+
+def _widened_dot() -> tuple[str, dict, dict]:
+    """The layout control: a dot over e4m3 values widened by a plain conversion."""
+    return "widened_dot", {"q": "*bf16", "k": "*fp8e4nv", "out": "*fp32"}, {}
+
+
+def _two_ways() -> tuple[str, dict, dict]:
+    """The negative control: a variable that is a bf16 pointer in one branch and an e4m3
+    pointer in the other (what the attention input kernel had) must be refused."""
+    return "two_ways", {"a": "*bf16", "b": "*fp8e4nv", "n": "i32"}, {}
+
+
+def _fp8_grouped_moe() -> tuple[str, dict, dict]:
+    """The grouped FP8 MoE GEMM as `moe_fp8` launches its gate_up: gathered e4m3 rows, gate
+    and up in one program, SiLU in the epilogue, Qwen3-30B-A3B's top 8 of 128 experts."""
+    types = {"a": "*fp8e4nv", "a_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp32",
+             "out": "*bf16", "order": "*i64", "offsets": "*i64"}  # fmt: skip
+    types |= dict.fromkeys(("N", "K", "E", "M_TILES", "UP_ROWS", "sa", "s_as", "swe", "swn",
+                            "s_wse", "s_wsn", "so"), "i32")  # fmt: skip
+    return "fp8_moe._grouped_fp8_kernel", types, {
+        "GATHER": True, "SCATTER": False, "SILU": True, "TOP_K": 8, "EVEN_K": True,
+        "E_PAD": 128, "BM": 64, "BN": 64, "BK": 128, "PDL": True,
+    }  # fmt: skip
+
+
+CASES = {
+    **{f"attention_input {c}": _attention_input(c) for c in CACHES},
+    **{
+        f"attention {c} d={d} partials={p}": _attention(c, d, p)
+        for c in CACHES
+        for d, p in ((128, 0), (128, 1), (256, 0))
+    },
+    "gated delta rule": _gated_delta(),
+    "fp8 grouped moe gate_up": _fp8_grouped_moe(),
+    "negative control": _two_ways(),
+}
+_STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh")
+# Decode tiles as the engine launches them (num_warps_split warps): the dots' operand layouts.
+LAYOUTS = {
+    **{
+        f"decode tiles {c} q {q} partials={p}": _attention(c, 128, p, q, decode_tiles=True)
+        for c in (*CACHES, "*fp32")
+        for q in ("*bf16", "*fp32")
+        for p in (0, 1)
+        if c in (q, "*fp8e4nv") and (q == "*bf16" or p)
+    },
+    "widened dot (control)": _widened_dot(),
+}
+
+
+def _compile_all(names: list[str]) -> dict[str, str]:
+    """Child process: compile each case for sm_90: "ok" or the error's last line; for the
+    LAYOUTS cases, the kWidth of every dot operand in the compiled TTGIR, joined by commas."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lockstep.ops.triton import attention, attention_input, fp8_moe, gated_delta
+
+    @triton.jit
+    def widened_dot(q, k, out):
+        offs_m = tl.arange(0, 16)
+        offs_n = tl.arange(0, 64)
+        offs_d = tl.arange(0, 128)
+        qt = tl.load(q + offs_m[:, None] * 128 + offs_d[None, :])
+        kt = tl.load(k + offs_n[:, None] * 128 + offs_d[None, :]).to(tl.bfloat16)
+        s = tl.dot(qt, tl.trans(kt))
+        tl.store(out + offs_m[:, None] * 64 + offs_n[None, :], s)
+
+    @triton.jit
+    def two_ways(a, b, n):
+        if n > 0:
+            dst = a
+        else:
+            dst = b
+        tl.store(dst, 0.0)
+
+    modules = {"attention": attention, "attention_input": attention_input,
+               "gated_delta": gated_delta, "fp8_moe": fp8_moe}  # fmt: skip
+    local = {"two_ways": two_ways, "widened_dot": widened_dot}
+    results = {}
+    for name in names:
+        path, types, constexprs = CASES[name] if name in CASES else LAYOUTS[name]
+        mod, _, attr = path.rpartition(".")
+        kernel = getattr(modules[mod], attr) if mod else local[path]
+        signature = {a: types.get(a, "constexpr") for a in kernel.arg_names}
+        options, aligned = {}, {}
+        if name in LAYOUTS:  # as the engine launches them: decode tiles on num_warps_split
+            # warps, contraction off (attention._launch_opts), pointers and strides
+            # 16-divisible (Triton specializes them so at launch)
+            options = {"num_warps": attention.DEFAULT_CONFIG.num_warps_split,
+                       "enable_fp_fusion": False}  # fmt: skip
+            aligned = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]]
+                       for a, t in types.items() if t.startswith("*") or a in _STRIDES}  # fmt: skip
+        try:
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned),
+                target=GPUTarget("cuda", 90, 32), options=options,
+            )  # fmt: skip
+        except Exception as exc:  # reported to the parent
+            results[name] = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            continue
+        if name in LAYOUTS:
+            results[name] = ",".join(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
+        else:
+            results[name] = "ok" if "cubin" in compiled.asm else "no cubin"
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, *CASES, *LAYOUTS], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "negative control"])
+def test_kernel_compiles_for_sm90(compiled: dict[str, str], name: str) -> None:
+    assert compiled[name] == "ok", compiled[name]
+
+
+@pytest.mark.parametrize(("q", "partials"), [("*bf16", 0), ("*bf16", 1), ("*fp32", 1)])
+def test_decode_tile_dots_over_an_fp8_cache_are_laid_out_as_over_the_q_dtype(
+    compiled: dict[str, str], q: str, partials: int
+) -> None:
+    """Every dot operand's kWidth as with a cache of q's dtype: the same K order in every
+    MMA instruction, so decode tiles keep the prefill tiles' bits over an FP8 cache. (The
+    FP8 kernel has more dot-operand layouts than the other: p's rescaling before p @ V runs
+    in one, `attention.widen_kv` says why; what must match is the widths they use.)"""
+    fp8 = compiled[f"decode tiles *fp8e4nv q {q} partials={partials}"]
+    same = compiled[f"decode tiles {q} q {q} partials={partials}"]
+    assert fp8 and same and "error" not in fp8.lower(), (fp8, same)
+    assert set(fp8.split(",")) == set(same.split(",")), (fp8, same)
+
+
+def test_layout_control_a_plain_widening_changes_the_dot_layout(compiled: dict[str, str]) -> None:
+    """The control: a dot over e4m3 values widened by .to(bf16) gets 4 consecutive K
+    elements per thread (kWidth 4), where bf16 values get 2: what widen_kv avoids."""
+    assert set(compiled["widened dot (control)"].split(",")) == {"4"}
+
+
+def test_negative_control_a_branch_typed_two_ways_is_refused(compiled: dict[str, str]) -> None:
+    assert "Mismatched type" in compiled["negative control"], compiled["negative control"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all(sys.argv[1:])))

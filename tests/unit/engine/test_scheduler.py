@@ -1,0 +1,249 @@
+"""The Scheduler on its own (lockstep/engine/scheduler.py), driven by a fake runner on the CPU:
+admission order, chunking under the token budget, preemption and recomputation, what goes into
+the radix cache, and `check_integrity` (free + cached + in use == total) after every step.
+
+The fake runner stands in for `ModelRunner` + `Engine._complete`: a step "computes" each
+planned chunk, and a chunk that reaches a request's last token appends the next one, a pure
+function of the tokens so far (what position invariance promises of the real model), so a
+preempted request that recomputes must end with the tokens it would have had alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lockstep.cache.kv_pool import KVPool
+from lockstep.cache.radix import RadixCache
+from lockstep.engine.outputs import TokenLogprob
+from lockstep.engine.request import Request, Status
+from lockstep.engine.sampling_params import SamplingParams
+from lockstep.engine.scheduler import ScheduledChunk, Scheduler
+
+
+def next_token(ids: list[int]) -> int:
+    """The fake model: the next token depends on the tokens before it only."""
+    return (sum(i * (p + 1) for p, i in enumerate(ids)) * 7919 + len(ids)) % 1000
+
+
+def make_scheduler(
+    slots: int, max_batch_tokens: int = 64, chunk_size: int = 16, max_running: int = 8
+) -> Scheduler:
+    pool = KVPool(slots, 1, 1, 2, torch.float32, "cpu")
+    return Scheduler(
+        pool, RadixCache(pool), max_batch_tokens=max_batch_tokens, chunk_size=chunk_size,
+        max_running=max_running,
+    )  # fmt: skip
+
+
+_arrivals = itertools.count()
+
+
+def make_request(prompt: list[int], max_tokens: int = 4, name: str = "") -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    arrival = next(_arrivals)
+    return Request(name or f"r{arrival}", list(prompt), params, seed=0, arrival=arrival)
+
+
+def step(scheduler: Scheduler) -> list[ScheduledChunk]:
+    """One engine step with the fake runner; the scheduler's accounting is checked after it."""
+    plan = scheduler.schedule()
+    for chunk in plan:
+        request = chunk.request
+        assert len(request.slots) == chunk.end, (request.request_id, chunk)
+        if chunk.end != request.num_tokens:
+            continue  # a prompt chunk that does not reach the last token: no logits used
+        token = next_token(request.all_ids)
+        request.output_ids.append(token)
+        request.output_logprobs.append(TokenLogprob(token, -1.0))
+        if chunk.completes_prompt:
+            scheduler.cache_prefix(request)  # as Engine._on_prefill_done
+        if len(request.output_ids) >= request.params.max_tokens:
+            scheduler.finish(request)
+    scheduler.check_integrity()
+    return plan
+
+
+def run(scheduler: Scheduler, limit: int = 500) -> list[list[ScheduledChunk]]:
+    plans = []
+    while scheduler.has_work():
+        plans.append(step(scheduler))
+        assert len(plans) < limit, "the scheduler stopped making progress"
+    return plans
+
+
+def alone(prompt: list[int], max_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        ids.append(next_token(ids))
+    return ids[len(prompt) :]
+
+
+def test_chunks_fill_the_token_budget_decode_first_then_prefill() -> None:
+    """A 40-token prompt beside a decoding request, budget 10, chunks of 8: each step the
+    decode takes its one token, then the prefill takes min(chunk, what is left of the budget);
+    no step plans more than the budget; the prompt's chunks are contiguous."""
+    scheduler = make_scheduler(slots=256, max_batch_tokens=10, chunk_size=8)
+    short = make_request([1, 2, 3], max_tokens=30)
+    scheduler.add(short)
+    step(scheduler)  # the short prompt, whole
+    long = make_request(list(range(10, 50)), max_tokens=2)
+    scheduler.add(long)
+    starts = []
+    while long.status is not Status.FINISHED:
+        plan = step(scheduler)
+        assert sum(c.end - c.start for c in plan) <= 10
+        by_request = {c.request.request_id: c for c in plan}
+        if short.status is Status.RUNNING or short.request_id in by_request:
+            assert by_request[short.request_id].end - by_request[short.request_id].start == 1
+        if long.request_id in by_request:
+            c = by_request[long.request_id]
+            starts.append((c.start, c.end))
+            assert c.end - c.start <= 8
+    assert starts[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(starts))
+    assert starts[:5] == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+    run(scheduler)
+    assert long.output_ids == alone(long.prompt_ids, 2)
+
+
+def test_admission_prefers_the_longest_cached_prefix_then_the_oldest() -> None:
+    """Waiting requests are admitted longest cached prefix first (ties: the oldest), one per
+    step here (max_running 1)."""
+    scheduler = make_scheduler(slots=256, max_running=1)
+    shared = list(range(100, 130))
+    warm = make_request(shared, max_tokens=1)
+    scheduler.add(warm)
+    run(scheduler)
+    cold_old = make_request(list(range(500, 520)), max_tokens=1, name="cold_old")
+    cold_new = make_request(list(range(600, 620)), max_tokens=1, name="cold_new")
+    hit = make_request([*shared, 7, 8, 9], max_tokens=1, name="hit")
+    for r in (cold_old, cold_new, hit):
+        scheduler.add(r)
+    order = []
+    while scheduler.has_work():
+        waiting = {r.request_id for r in scheduler.waiting}
+        order += [c.request.request_id for c in step(scheduler) if c.request.request_id in waiting]
+    assert order == ["hit", "cold_old", "cold_new"]
+    assert hit.cached_tokens == len(shared) and cold_old.cached_tokens == 0
+
+
+def test_a_cache_hit_computes_only_the_uncached_tail() -> None:
+    """A second request with the first one's prompt as its prefix starts at the cached length;
+    a request with the same prompt keeps one token to compute (logits need a row)."""
+    scheduler = make_scheduler(slots=256)
+    prompt = list(range(1, 25))
+    first = make_request(prompt, max_tokens=3)
+    scheduler.add(first)
+    run(scheduler)
+    assert scheduler.radix.num_cached_tokens >= len(prompt)
+    again = make_request(prompt, max_tokens=3)
+    longer = make_request([*prompt, 99, 98], max_tokens=3)
+    scheduler.add(again)
+    scheduler.add(longer)
+    plan = step(scheduler)
+    starts = {c.request.request_id: c.start for c in plan}
+    assert starts[again.request_id] == len(prompt) - 1
+    assert starts[longer.request_id] == len(prompt)
+    run(scheduler)
+    for r in (first, again, longer):
+        assert r.output_ids == alone(r.prompt_ids, 3), r.request_id
+
+
+def test_finished_requests_leave_their_kv_in_the_cache_unlocked() -> None:
+    """After every request finished: nothing in use, the prompts and outputs cached and
+    evictable (unlocked), and an eviction frees them all."""
+    scheduler = make_scheduler(slots=256)
+    requests = [make_request(list(range(s, s + 20)), max_tokens=5) for s in (0, 300, 600)]
+    for r in requests:
+        scheduler.add(r)
+    run(scheduler)
+    assert scheduler.in_use == 0 and scheduler.radix.num_locked_tokens == 0
+    cached = scheduler.radix.num_cached_tokens
+    # Each request's prompt and all but its last output token were computed and cached.
+    assert cached == sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests)
+    assert scheduler.radix.evict(cached) == cached
+    assert scheduler.pool.num_free == 256
+    scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("slots", [48, 64, 96])
+def test_preemption_recomputes_and_gives_the_tokens_of_a_run_alone(slots: int) -> None:
+    """Eight requests whose KV does not fit the pool at once: the newest running ones are
+    preempted (their KV goes to the cache, they wait again) and recompute; every request ends
+    with the tokens it gets alone, the pool is whole after each step, and nothing leaks."""
+    scheduler = make_scheduler(slots=slots, max_batch_tokens=32, chunk_size=8)
+    requests = [
+        make_request([i * 50 + j for j in range(10 + 2 * i)], max_tokens=12) for i in range(8)
+    ]
+    for r in requests:
+        scheduler.add(r)
+    run(scheduler)
+    assert scheduler.num_preemptions > 0
+    assert sum(r.num_preemptions for r in requests) == scheduler.num_preemptions
+    preempted = [r for r in requests if r.num_preemptions]
+    # The newest are the victims: the oldest request is never preempted.
+    assert requests[0].num_preemptions == 0 and preempted
+    for r in requests:
+        assert r.status is Status.FINISHED
+        assert r.output_ids == alone(r.prompt_ids, 12), r.request_id
+    assert scheduler.in_use == 0 and scheduler.radix.num_locked_tokens == 0
+
+
+def test_the_newest_running_request_is_preempted_first() -> None:
+    """Three prompts fill the pool exactly and the cache holds nothing evictable: the oldest
+    request's next token preempts the newest one (not the middle one), which waits again."""
+    scheduler = make_scheduler(slots=30, max_batch_tokens=64, chunk_size=64, max_running=3)
+    a, b, c = (make_request(list(range(s, s + 10)), max_tokens=5) for s in (0, 100, 200))
+    for r in (a, b, c):
+        scheduler.add(r)
+    step(scheduler)
+    assert scheduler.pool.num_free == 0 and scheduler.radix.num_evictable_tokens == 0
+    plan = step(scheduler)
+    assert [ch.request for ch in plan] == [a, b]
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions) == (0, 0, 1)
+    assert c.status is Status.WAITING and scheduler.waiting == [c]
+    run(scheduler)
+    for r in (a, b, c):
+        assert r.output_ids == alone(r.prompt_ids, 5)
+
+
+def test_a_preempted_request_resumes_from_its_cached_kv() -> None:
+    """Preemption hands the victim's computed KV to the radix cache (unlocked, so the pool can
+    evict what it must); admitted again, the victim matches what is left of it, its prompt
+    here, and computes only the rest, with the tokens it gets alone."""
+    scheduler = make_scheduler(slots=50, max_batch_tokens=64, chunk_size=64, max_running=2)
+    old = make_request(list(range(0, 20)), max_tokens=7, name="old")
+    new = make_request(list(range(100, 120)), max_tokens=10, name="new")
+    scheduler.add(old)
+    scheduler.add(new)
+    step(scheduler)  # both prompts: 40 of 50 slots
+    while new.num_preemptions == 0:
+        assert old.status is Status.RUNNING
+        step(scheduler)
+    assert new.status is Status.WAITING and new.num_computed == 0 and not new.slots
+    assert scheduler.radix.match_prefix(new.all_ids).length >= len(new.prompt_ids)
+    readmitted = None
+    while scheduler.has_work():
+        waiting = new.status is Status.WAITING
+        for chunk in step(scheduler):
+            if chunk.request is new and waiting:
+                readmitted = chunk
+    assert readmitted is not None and readmitted.start >= len(new.prompt_ids)
+    assert new.cached_tokens == 0  # the first admission's hit, not the readmission's
+    assert new.output_ids == alone(new.prompt_ids, 10)
+    assert old.output_ids == alone(old.prompt_ids, 7)
+
+
+def test_abort_frees_a_running_requests_own_slots() -> None:
+    scheduler = make_scheduler(slots=128)
+    r = make_request(list(range(40)), max_tokens=50)
+    scheduler.add(r)
+    step(scheduler)
+    step(scheduler)
+    assert scheduler.in_use > 0
+    scheduler.abort(r)
+    assert r.status is Status.FINISHED and not scheduler.has_work()
+    assert scheduler.in_use == 0 and scheduler.radix.num_locked_tokens == 0
+    scheduler.check_integrity()
