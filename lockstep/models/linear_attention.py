@@ -201,7 +201,7 @@ class LinearState:
         did not capture takes it from its slot (the pooled path leaves that one there)."""
         self.position += n
         p = self.position
-        if n and p % self.layout.chunk == 0 and p not in self.captured:
+        if self.pool is not None and n and p % self.layout.chunk == 0 and p not in self.captured:
             self.captured[p] = LinearSnapshot(p, self.conv.clone(), self.recurrent.clone())
 
     def take_captured(self) -> dict[int, LinearSnapshot]:
