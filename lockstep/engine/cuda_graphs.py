@@ -9,7 +9,9 @@ Why a replay gives the bits of an eager step:
   * Every kernel of the deterministic backend computes a row independently of the number of
     rows and of its batch-mates, so padding b sequences up to a bucket of B changes no real row.
   * Padding rows are copies of row 0 (token, position, output slot, keys), so they compute row
-    0's values bit for bit and write the very same K/V bits into row 0's slot.
+    0's values bit for bit and write the very same K/V bits into row 0's slot. A hybrid model's
+    padding rows would run row 0's recurrence from another state: they write the state pool's
+    scratch slot and a spare KV row instead (`_StaticInputs.fill`).
   * The context bucket (the attention's max_kv) and the batch bucket only pick the decode
     attention's path (fold or split, `decode_path`: speed only, the same bits) and size the
     split path's grid, whose splits past a sequence's end are empty programs (docs/design.md: keys
