@@ -248,9 +248,9 @@ def gated_deltanet(
     `pooled`: where the sequences sit in `pool` (`pooled_rows`), for a backend with
     `PooledLinearAttentionOps`: all sequences in one launch per kernel (`batch.linear_states`
     may then be None where the step crosses no boundary before a sequence's last row: a CUDA
-    graph's decode step); else a loop over the sequences. Every op is row-local except the convolution (the sequence's
-    own previous rows) and the delta rule (`Ops.gated_delta_rule`), whose rows are computed
-    alike either way."""
+    graph's decode step); else a loop over the sequences. Every op is row-local except the
+    convolution (the sequence's own previous rows) and the delta rule
+    (`Ops.gated_delta_rule`), whose rows are computed alike either way."""
     lay = layout
     kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
     hv, dk = lay.num_value_heads, lay.key_head_dim
