@@ -32,7 +32,8 @@ from lockstep.engine.sampling_params import SamplingParams
 from lockstep.errors import ModelLoadError
 from lockstep.models.linear_attention import CHUNK
 from tests.support.invariance_harness import (
-    Plan,
+    check_every_chunk_size,
+    check_prefix_hits_of_every_length,
     compute,
     differ_alone,
     mismatches,
@@ -212,30 +213,11 @@ def test_bfloat16_weights_and_cache_keep_the_contract() -> None:
 
 
 def test_prefix_hits_of_every_length_with_short_tails(hybrid: Engine) -> None:
-    """Hits of every length 1..3C, each followed by an uncached tail of 1..40 tokens (the
-    lengths that break other engines' hybrid caches), the tail in one pass beside a mate."""
-    rng = random.Random(11)
-    stem = [rng.randrange(VOCAB) for _ in range(3 * CHUNK)]
-    for prefix in range(1, 3 * CHUNK + 1):
-        tail = 1 + (prefix - 1) % 40
-        tokens = stem[:prefix] + [rng.randrange(VOCAB) for _ in range(tail)]
-        plan = Plan(prefix, [tail], [[rng.randint(1, 9)]], donor_step=CHUNK)
-        problems = mismatches(reference(hybrid, tokens), compute(hybrid, tokens, plan, rng))
-        assert not problems, f"prefix={prefix} tail={tail}: " + "; ".join(problems)
-        hybrid.flush_cache()
-    hybrid.check_integrity()
+    check_prefix_hits_of_every_length(hybrid, VOCAB, CHUNK)
 
 
 def test_every_chunk_size_from_one_to_the_whole_prompt(hybrid: Engine) -> None:
-    rng = random.Random(5)
-    n = CHUNK + 37
-    tokens = [rng.randrange(VOCAB) for _ in range(n)]
-    ref = reference(hybrid, tokens)
-    for size in range(1, n + 1):
-        chunks = [size] * (n // size) + ([n % size] if n % size else [])
-        problems = mismatches(ref, compute(hybrid, tokens, Plan(0, chunks), rng))
-        assert not problems, f"chunk size {size}: " + "; ".join(problems)
-    hybrid.check_integrity()
+    check_every_chunk_size(hybrid, VOCAB, CHUNK)
 
 
 def test_generation_logprobs_equal_scoring(hybrid: Engine) -> None:

@@ -238,3 +238,32 @@ def differ_alone(engine: Engine, requests: Requests) -> list[str]:
             differing.append(rid)
     assert engine.stats()["kv_in_use"] == 0
     return differing
+
+
+def check_prefix_hits_of_every_length(engine: Engine, vocab: int, chunk: int) -> None:
+    """Hybrid models: hits of every length 1..3C, each followed by an uncached tail of 1..40
+    tokens (the lengths that break other engines' hybrid caches), the tail in one pass beside
+    a mate; every position equal to a cold prefill."""
+    rng = random.Random(11)
+    stem = [rng.randrange(vocab) for _ in range(3 * chunk)]
+    for prefix in range(1, 3 * chunk + 1):
+        tail = 1 + (prefix - 1) % 40
+        tokens = stem[:prefix] + [rng.randrange(vocab) for _ in range(tail)]
+        plan = Plan(prefix, [tail], [[rng.randint(1, 9)]], donor_step=chunk)
+        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
+        assert not problems, f"prefix={prefix} tail={tail}: " + "; ".join(problems)
+        engine.flush_cache()
+    engine.check_integrity()
+
+
+def check_every_chunk_size(engine: Engine, vocab: int, chunk: int) -> None:
+    """A prompt of C + 37 tokens prefilled in chunks of every size 1..n: equal to one prefill."""
+    rng = random.Random(5)
+    n = chunk + 37
+    tokens = [rng.randrange(vocab) for _ in range(n)]
+    ref = reference(engine, tokens)
+    for size in range(1, n + 1):
+        chunks = [size] * (n // size) + ([n % size] if n % size else [])
+        problems = mismatches(ref, compute(engine, tokens, Plan(0, chunks), rng))
+        assert not problems, f"chunk size {size}: " + "; ".join(problems)
+    engine.check_integrity()
