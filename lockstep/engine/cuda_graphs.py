@@ -274,7 +274,8 @@ class _StaticInputs:
             none = torch.zeros(0, dtype=i32, device=device)
             pooled = PooledRows(
                 cu=meta.cu_q, starts=self.lin32[bb : 2 * bb], ends=self.lin32[2 * bb :],
-                slots=self.lin32[:bb], bound_at=torch.zeros_like(count), row_seq=count,
+                slots=self.lin32[:bb], bound_at=torch.zeros_like(count), bound_index=none,
+                row_seq=count,
                 bound_seq=none, bound_pos=none, seq_ids=count, bound_ids=none, boundaries=[],
             )  # fmt: skip
         self.batch = ForwardBatch(

@@ -30,6 +30,7 @@ consecutive absolute positions):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
@@ -296,16 +297,19 @@ class LinearAttentionOps(Protocol):
 class PooledRows:
     """Where each sequence of a step sits, as int32 device tensors built once per step: its
     rows cu [B + 1], first position starts [B], last position + 1 ends [B], state pool slot
-    slots [B], the index in the boundary buffers of its first boundary before its last row
-    bound_at [B], each row's sequence row_seq [T], and per boundary its sequence bound_seq
-    [N] and position bound_pos [N]; `seq_ids` and `bound_ids` count 0.. (B and N). The host
-    copy: `boundaries` [(sequence, position)] and `bound_count` N."""
+    slots [B], each row's sequence row_seq [T]; the chunk boundaries each sequence crosses
+    before its last row ("crossings", in order) start at bound_at [B] in bound_index [M], which
+    gives each crossing's index in the boundary buffers, or -1 where it is not captured; per
+    captured boundary its sequence bound_seq [N] and position bound_pos [N]; `seq_ids` and
+    `bound_ids` count 0.. (B and N). The host copy: `boundaries` [(sequence, position)] of the
+    captured ones and `bound_count` N."""
 
     cu: torch.Tensor
     starts: torch.Tensor
     ends: torch.Tensor
     slots: torch.Tensor
     bound_at: torch.Tensor
+    bound_index: torch.Tensor
     row_seq: torch.Tensor
     bound_seq: torch.Tensor
     bound_pos: torch.Tensor
@@ -320,18 +324,22 @@ class PooledRows:
     @classmethod
     def build(
         cls, rows: list[int], starts: list[int], slots: list[int], chunk: int,
-        device: torch.device,
+        device: torch.device, keep: Callable[[int, int], bool] | None = None,
     ) -> PooledRows:  # fmt: skip
-        """From host lists. A boundary is a multiple of `chunk` a sequence crosses before its
-        last row (one at the last row is the state the step leaves in the slot)."""
-        boundaries = [
+        """From host lists. A crossing is a multiple of `chunk` a sequence crosses before its
+        last row (one at the last row is the state the step leaves in the slot); it is
+        captured where `keep(sequence, position)` says so (all of them without `keep`)."""
+        crossings = [
             (i, p)
             for i, (s, n) in enumerate(zip(starts, rows, strict=True))
             for p in range((s // chunk + 1) * chunk, s + n, chunk)
         ]
+        boundaries = [c for c in crossings if keep is None or keep(*c)]
         counts = [0] * len(rows)
-        for i, _ in boundaries:
+        for i, _ in crossings:
             counts[i] += 1
+        index = iter(range(len(boundaries)))
+        captured = set(boundaries)
         b, nb = len(rows), len(boundaries)
         lists = (
             [0, *itertools.accumulate(rows)],
@@ -339,6 +347,7 @@ class PooledRows:
             [s + n for s, n in zip(starts, rows, strict=True)],
             slots,
             [0, *itertools.accumulate(counts)][:-1],
+            [next(index) if c in captured else -1 for c in crossings],
             [i for i, n in enumerate(rows) for _ in range(n)],
             [i for i, _ in boundaries],
             [p for _, p in boundaries],

@@ -217,6 +217,36 @@ def test_pooled_step_gives_each_sequence_its_bits_alone() -> None:
     assert not torch.equal(out2[: plan[0][1]], alone[0][0])
 
 
+def test_pooled_step_captures_only_the_kept_boundaries() -> None:
+    """With `keep`, the boundary buffer holds only the kept crossings, each the bits of the
+    full capture; outputs and the slots' states do not change."""
+    c = SHAPE[4]
+    plan = [(0, 3 * c + 2), (c + 3, 2 * c)]  # (start, rows): 3 and 2 crossings
+    per_seq = [_inputs(n, seed=30 + i) for i, (_, n) in enumerate(plan)]
+    cat = [torch.cat(p).contiguous() for p in zip(*per_seq, strict=True)]
+    rows, starts = [n for _, n in plan], [s for s, _ in plan]
+    full_pool, kept_pool = _pool(2), _pool(2)
+    full = PooledRows.build(rows, starts, [0, 1], c, cat[0].device)
+    kept = PooledRows.build(
+        rows,
+        starts,
+        [0, 1],
+        c,
+        cat[0].device,
+        keep=lambda seq, p: p in (2 * c, 3 * c) and seq == 0 or p == 2 * c,
+    )
+    out_full, b_full = gated_delta.gated_delta_rule_pooled(*cat, *full_pool, full)
+    out_kept, b_kept = gated_delta.gated_delta_rule_pooled(*cat, *kept_pool, kept)
+    assert kept.boundaries == [(0, 2 * c), (0, 3 * c), (1, 2 * c)]
+    assert b_kept.shape[0] == 3 and b_full.shape[0] == 5
+    for i, bound in enumerate(kept.boundaries):
+        assert torch.equal(b_kept[i], b_full[full.boundaries.index(bound)]), bound
+    assert torch.equal(out_kept, out_full)
+    assert all(torch.equal(a, b) for a, b in zip(full_pool, kept_pool, strict=True))
+    # Control: a different kept set puts other states in the buffer.
+    assert not torch.equal(b_kept[0], b_full[0])
+
+
 def test_pooled_conv_is_the_per_sequence_formula() -> None:
     """The pooled short convolution + SiLU, the boundary windows and the window update equal
     the per-sequence torch formula of lockstep.models.linear_attention, bit for bit."""

@@ -55,7 +55,7 @@ def _gated_delta() -> tuple[str, dict, dict]:
     pointers = ("q", "k", "v", "g", "beta", "state", "open_k", "open_gamma", "open_u", "out",
                 "bounds")  # fmt: skip
     types = dict.fromkeys(pointers, "*fp32")
-    types |= dict.fromkeys(("cu", "starts", "slots", "bound_at"), "*i32")
+    types |= dict.fromkeys(("cu", "starts", "slots", "bound_at", "bound_index"), "*i32")
     types |= dict.fromkeys(("s_slot", "k_slot", "g_slot", "u_slot", "HK", "HV", "DK", "DV"), "i32")
     return "gated_delta._gdn_rule_kernel", types, {"C": 32, "BK": 128, "BV": 32, "PDL": True}
 

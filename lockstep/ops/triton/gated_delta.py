@@ -40,7 +40,7 @@ BLOCK_V = 32
 @triton.jit
 def _gdn_rule_kernel(
     q, k, v, g, beta, state, open_k, open_gamma, open_u, out, bounds,
-    cu, starts, slots, bound_at, s_slot, k_slot, g_slot, u_slot, HK, HV, DK, DV,
+    cu, starts, slots, bound_at, bound_index, s_slot, k_slot, g_slot, u_slot, HK, HV, DK, DV,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per (value head, value tile, sequence). Each sequence's row count, first
@@ -65,7 +65,7 @@ def _gdn_rule_kernel(
     open_k += slot * k_slot
     open_gamma += slot * g_slot
     open_u += slot * u_slot
-    bounds += tl.load(bound_at + seq).to(tl.int64) * HV * DK * DV
+    bound_index += tl.load(bound_at + seq)
     kh = h // (HV // HK)
     dk = tl.arange(0, BK)
     dv = tile * BV + tl.arange(0, BV)
@@ -112,9 +112,10 @@ def _gdn_rule_kernel(
                 uj = tl.sum(tl.where(rows[:, None] == j, uu, 0.0), axis=0)
                 s = s + kj[:, None] * uj[None, :]
             if i < n - 1:  # a boundary at the last row is the state the call ends in
-                b = (p + 1 - first_boundary) // C
-                tl.store(bounds + b * HV * DK * DV + h * DK * DV + dk[:, None] * DV + dv[None, :],
-                         s, mask=mk[:, None] & mv[None, :])  # fmt: skip
+                b = tl.load(bound_index + (p + 1 - first_boundary) // C).to(tl.int64)
+                if b >= 0:  # a captured one
+                    tl.store(bounds + (b * HV + h) * DK * DV + dk[:, None] * DV + dv[None, :],
+                             s, mask=mk[:, None] & mv[None, :])  # fmt: skip
     tl.store(s_ptr, s, mask=mk[:, None] & mv[None, :])
     tl.store(open_u + (rows[:, None] * HV + h) * DV + dv[None, :], uu, mask=mv[None, :])
 
@@ -170,9 +171,9 @@ def gated_delta_rule_pooled(
     beta [T, Hv] (float32, contiguous, sequences back to back as `seqs.cu` says), each
     continuing the state [S, Hv, Dk, Dv] and open rows (open_k [S, C, Hk, Dk], open_gamma
     [S, C, Hv], open_u [S, C, Hv, Dv]) of its slot in place (each a pool's layer: slot
-    strides may exceed one slot). Returns out [T, Hv, Dv] and the boundary states [N, Hv, Dk,
-    Dv] crossed before each sequence's last row, in `seqs.bound_at` order (one at the last row
-    is the state the slot ends in). Per row the arithmetic the module docstring states."""
+    strides may exceed one slot). Returns out [T, Hv, Dv] and the captured boundary states [N,
+    Hv, Dk, Dv] (`seqs.boundaries` order: crossed before a sequence's last row and kept; one at
+    the last row is the state the slot ends in). Per row the arithmetic the module docstring states."""
     tensors = (q, k, v, g, beta)
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
         raise ValueError("gated_delta_rule wants contiguous float32 tensors")
@@ -192,7 +193,7 @@ def gated_delta_rule_pooled(
         grid = (hv, triton.cdiv(dv, BLOCK_V), b)
         _gdn_rule_kernel[grid](
             q, k, v, g, beta, state, open_k, open_gamma, open_u, out, bounds,
-            seqs.cu, seqs.starts, seqs.slots, seqs.bound_at,
+            seqs.cu, seqs.starts, seqs.slots, seqs.bound_at, seqs.bound_index,
             state.stride(0), open_k.stride(0), open_gamma.stride(0), open_u.stride(0),
             hk, hv, dk, dv, C=chunk, BK=triton.next_power_of_2(dk), BV=BLOCK_V, num_warps=4,
             **opts,
