@@ -30,16 +30,26 @@ from lockstep.ops.fp8 import Fp8Weight  # noqa: E402
 
 
 def step_weight_bytes(engine: Engine) -> int:
-    """Bytes of weights one decode step must read: every layer tensor, the final norm and the
-    LM head (the embedding table contributes one row per token, left out)."""
+    """Bytes of weights one decode step must read: every tensor of every layer (its blocks'
+    weights objects walked through), the final norm and the LM head (the embedding table
+    contributes one row per token, left out; every expert of an MoE layer counted)."""
     dec = engine.decoder
     tensors = {id(t): t for t in [dec.final_norm, dec.lm_head]}
+
+    def walk(obj: object, depth: int = 0) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors[id(obj)] = obj
+        elif isinstance(obj, Fp8Weight):  # e4m3 weight and its scales
+            tensors.update((id(part), part) for part in obj.tensors())
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item, depth + 1)
+        elif hasattr(obj, "__dict__") and depth < 4:
+            for item in vars(obj).values():
+                walk(item, depth + 1)
+
     for layer in dec.layers:
-        for t in vars(layer).values():
-            if isinstance(t, torch.Tensor):
-                tensors[id(t)] = t
-            elif isinstance(t, Fp8Weight):  # e4m3 weight and its scales
-                tensors.update((id(part), part) for part in t.tensors())
+        walk(layer)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -116,7 +116,8 @@ def _gdn_rule_kernel(
                 if b >= 0:  # a captured one
                     tl.store(bounds + (b * HV + h) * DK * DV + dk[:, None] * DV + dv[None, :],
                              s, mask=mk[:, None] & mv[None, :])  # fmt: skip
-    tl.store(s_ptr, s, mask=mk[:, None] & mv[None, :])
+    if (start + n) // C != start // C:  # a chunk closed: S moved (a decode step rarely)
+        tl.store(s_ptr, s, mask=mk[:, None] & mv[None, :])
     tl.store(open_u + (rows[:, None] * HV + h) * DV + dv[None, :], uu, mask=mv[None, :])
 
 
