@@ -39,12 +39,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.decoder import rope_tables
+from lockstep.models.decoder import activation_dtype, rope_tables
 from lockstep.models.resolver import LoadedModel, resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer
 from lockstep.ops import build_attention_meta, get_ops
-from lockstep.ops.base import AttentionInput, AttentionMeta
+from lockstep.ops.base import AttentionInput, AttentionMeta, Ops
 from lockstep.parallel.sharding import chunk_bounds, tree_sum
 from lockstep.training import functions as fn
 
@@ -96,7 +96,8 @@ class LockstepForCausalLM(nn.Module):
     `from_pretrained`; `gradient_checkpointing` recomputes each layer in the backward instead
     of keeping its activations (the recomputation has the same bits: the forward is
     deterministic). `tp_reduction`: the engine reduction of o_proj and down_proj whose bits
-    to give (`REDUCTIONS`)."""
+    to give (`REDUCTIONS`). `ops`: a backend instead of the engine's for `device` and `mode`
+    (tests run the Triton backend on CPU tensors under its interpreter)."""
 
     def __init__(
         self,
@@ -106,6 +107,7 @@ class LockstepForCausalLM(nn.Module):
         mode: str = "deterministic",
         gradient_checkpointing: bool = False,
         tp_reduction: str = "ranks",
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         spec = loaded.spec
@@ -121,9 +123,10 @@ class LockstepForCausalLM(nn.Module):
         self.mode = mode
         self.dtype = dtype
         self.device_type = device.type
-        self.ops = get_ops(device.type, mode)
+        # The backend the engine picks for this device and mode (lockstep/engine/engine.py).
+        self.ops = ops if ops is not None else get_ops(device.type, mode)
         # The decoder's activation dtype and KV cache dtype (lockstep/models/decoder.py).
-        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.act_dtype = activation_dtype(device, dtype)
         self.kv_dtype = dtype
         self.gradient_checkpointing = gradient_checkpointing
         cos, sin = rope_tables(spec, spec.max_position)
@@ -286,10 +289,10 @@ class LockstepForCausalLM(nn.Module):
         """Row j - 1's log-probability of token j, for every j but each sequence's first."""
         t = batch.token_ids.numel()
         cu = batch.cu_seqlens
-        mask = torch.ones(t, dtype=torch.bool)
+        device = batch.token_ids.device
+        mask = torch.ones(t, dtype=torch.bool, device=device)
         mask[cu[:-1]] = False
-        mask = mask.to(batch.token_ids.device)
-        rows = torch.arange(t, device=mask.device).clamp(min=1) - 1
+        rows = torch.arange(t, device=device).clamp(min=1) - 1
         picked = logprobs_all[rows, batch.token_ids]
         logprobs = torch.where(mask, picked, torch.zeros_like(picked))
         return PackedOutput(logprobs, mask, cu, logits)
