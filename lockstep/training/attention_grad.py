@@ -27,7 +27,7 @@ import torch
 
 # Query and key rows per tile: scores are [Hq, BLOCK, BLOCK] at most. Larger tiles mean fewer
 # torch calls (the loop is Python), smaller ones less memory.
-BLOCK = 128
+BLOCK = 256
 
 
 def blocked_attention_grads(

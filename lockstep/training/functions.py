@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops
+from lockstep.ops.moe import MoeLayer, prepare_expert_weights
 from lockstep.training.attention_grad import BLOCK, blocked_attention_grads
 
 Tensors = tuple[torch.Tensor | None, ...]
@@ -114,7 +115,8 @@ def log_softmax(ops: Ops, logits: torch.Tensor) -> torch.Tensor:
 
 class _TwinBackward(torch.autograd.Function):
     """`kernel(*inputs)` forward; backward by autograd through `twin(*inputs)`, a plain-torch
-    computation of the same formula (its outputs in the same order and shapes). Inputs may be
+    computation of the same formula (its outputs in the same order and shapes, in the
+    kernel's dtype or a wider one). Inputs may be
     None; only floating tensors receive gradients."""
 
     @staticmethod
@@ -144,8 +146,9 @@ class _TwinBackward(torch.autograd.Function):
             (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o is not None
         ]
         wanted = [leaf for leaf in leaves if leaf is not None]
+        # A twin may compute in a wider dtype than the kernel returns (the MoE's float32).
         found = torch.autograd.grad(
-            [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+            [o for o, _ in pairs], wanted, [g.to(o.dtype) for o, g in pairs], allow_unused=True
         )
         by_leaf = iter(found)
         return (None, None, *(None if leaf is None else next(by_leaf) for leaf in leaves))
@@ -294,3 +297,56 @@ def causal_attention(
         return blocked_attention_grads(q, k, v, grad.reshape(t, hq, d), seq_lens, scale, block)
 
     return _CausalAttention.apply(kernel, prepare, attention_grads, qkv, q_norm, k_norm)
+
+
+def moe(
+    ops: Ops,
+    x: torch.Tensor,
+    router: torch.Tensor,
+    experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """The engine's routed-experts MLP (`ops.moe`, contract in lockstep/ops/moe.py) of x [T, H]
+    with the router [E, H] and each expert's (gate [I, H], up [I, H], down [H, I]) weights,
+    stacked into the `MoeLayer` layout the decoder loads (gate | up rows per expert). Output
+    in the backend's MoE dtype (float32 on the CPU, x's on CUDA).
+
+    Backward through a torch twin on the routing the kernel chose: the router logits by the
+    backend's float32 linear (`partial_linear`, the kernel's logits bit for bit), each token's
+    top_k by a stable descending sort (ties toward the lower expert id, as the kernel breaks
+    them); then, differentiably in float32, the softmax weights of those experts (over the k
+    when `renormalize`, else over all E) and each chosen expert's SwiGLU. The choice itself
+    has no gradient (it is piecewise constant in the logits)."""
+    count = len(experts)
+    flat = [w for weights in experts for w in weights]
+
+    def kernel(x: torch.Tensor, router: torch.Tensor, *ws: torch.Tensor) -> Tensors:
+        prepare = ops.prepare_linear_weight
+        gate_up = torch.stack([torch.cat(ws[3 * e : 3 * e + 2]) for e in range(count)])
+        down = torch.stack(ws[2::3])
+        layer = MoeLayer(prepare(router.contiguous()), prepare_expert_weights(prepare, gate_up),
+                         prepare_expert_weights(prepare, down), top_k, renormalize)  # fmt: skip
+        return (ops.moe(x, layer),)
+
+    def twin(x: torch.Tensor, router: torch.Tensor, *ws: torch.Tensor) -> Tensors:
+        with torch.no_grad():
+            prepared = ops.prepare_linear_weight(router.detach().contiguous())
+            logits = ops.partial_linear(x.detach().contiguous(), prepared).float()
+            chosen = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        xw = _wide(x)
+        scores = xw @ _wide(router).T
+        if renormalize:
+            weights = scores.gather(1, chosen).softmax(-1)
+        else:
+            weights = scores.softmax(-1).gather(1, chosen)
+        out = torch.zeros_like(xw)
+        for e in chosen.unique().tolist():
+            rows, ranks = (chosen == e).nonzero(as_tuple=True)
+            h = xw[rows]
+            gate, up, down = (_wide(w) for w in ws[3 * e : 3 * e + 3])
+            y = (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
+            out = out.index_add(0, rows, weights[rows, ranks, None] * y)
+        return (out,)
+
+    return _TwinBackward.apply(kernel, twin, x, router, *flat)[0]

@@ -48,7 +48,7 @@ from lockstep.ops.base import AttentionInput, AttentionMeta, Ops
 from lockstep.parallel.sharding import chunk_bounds, tree_sum
 from lockstep.training import functions as fn
 
-TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MODES = ("deterministic", "fast")
 # The engine's row-parallel reductions at TP 1 (lockstep/parallel/layers.py) this module
 # reproduces: "ranks", the one-call linear (the TP 1 default), and "chunked", the fixed
@@ -184,7 +184,8 @@ class LockstepForCausalLM(nn.Module):
     def _layer(
         self, i: int, h: torch.Tensor, residual: torch.Tensor | None, batch: _Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i as `Decoder.forward` runs it: (norm, attention, norm, MLP)."""
+        """Layer i as `Decoder.forward` runs it: (norm, attention, norm, MLP), the MLP a
+        routed-experts one in a sparse layer (Qwen3-MoE)."""
         ops, eps, p = self.ops, self.spec.rms_norm_eps, f"model.layers.{i}."
         input_norm = self._norm(p + "input_layernorm.weight")
         if residual is None:
@@ -197,6 +198,15 @@ class LockstepForCausalLM(nn.Module):
             ops, h, residual, self._norm(p + "post_attention_layernorm.weight"), eps
         )
         m = p + "mlp."
+        moe = self.spec.moe
+        if moe is not None and i in moe.sparse_layers:
+            experts = [
+                tuple(self.get_parameter(f"{m}experts.{e}.{q}_proj.weight")
+                      for q in ("gate", "up", "down"))
+                for e in range(moe.num_experts)
+            ]  # fmt: skip
+            router = self.get_parameter(m + "gate.weight")
+            return fn.moe(ops, x, router, experts, moe.top_k, moe.renormalize), residual
         gate_up = self._cat([m + "gate_proj.weight", m + "up_proj.weight"])
         act = fn.silu_mul(ops, fn.linear(ops, x, gate_up))
         down = self.get_parameter(m + "down_proj.weight")
