@@ -16,8 +16,9 @@ kernel computes up to rounding, so its gradient at the kernel's inputs is the ke
 gradient. Attention recomputes its q/k/v preparation the same way and takes the attention's
 own gradient blockwise (lockstep/training/attention_grad.py), never holding [n, n] scores.
 The backward is NOT batch invariant: torch's matmul picks its kernels by shape, so a row's
-gradient bits may depend on its batch-mates (its value is correct to rounding). Gradients of values the forward rounds
-(float32 K/V written to a bfloat16 cache) pass straight through the rounding.
+gradient bits may depend on its batch-mates (its value is correct to rounding). Gradients of
+values the forward rounds (float32 K/V written to a bfloat16 cache) pass straight through the
+rounding. Qwen3-MoE's routed experts: `moe`, a twin on the routing the kernel chose.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def log_softmax(ops: Ops, logits: torch.Tensor) -> torch.Tensor:
 class _TwinBackward(torch.autograd.Function):
     """`kernel(*inputs)` forward; backward by autograd through `twin(*inputs)`, a plain-torch
     computation of the same formula (its outputs in the same order and shapes, in the
-    kernel's dtype or a wider one). Inputs may be
-    None; only floating tensors receive gradients."""
+    kernel's dtype or a wider one). Inputs may be None; only floating tensors receive
+    gradients."""
 
     @staticmethod
     def forward(

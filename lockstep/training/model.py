@@ -19,12 +19,12 @@ to float32 in the forward, as the engine widens them at load). The engine fuses 
 gate|up by rows; the forward concatenates the same rows each step, which leaves every output
 element's reduction unchanged and keeps the parameters separate.
 
-Supported: the dense families (Llama, Qwen2, Qwen3), unquantized, in float32 or bfloat16, with
-the bits of an engine at tensor-parallel degree 1 (`tp_reduction="ranks"`, its default) or of
-an engine at any degree with the chunked reduction (`tp_reduction="chunked"`, the default at
-TP > 1). Mixture-of-experts (Qwen3-MoE)
-and hybrid (Qwen3.5) models and FP8 checkpoints are refused at load (docs/training.md says what
-each lacks).
+Supported: the dense families (Llama, Qwen2, Qwen3) and Qwen3-MoE, unquantized, in float32
+or bfloat16, on the CPU or CUDA (the backend and activation dtype the engine picks for the
+device), with the bits of an engine at tensor-parallel degree 1 (`tp_reduction="ranks"`, its
+default) or of an engine at any degree with the chunked reduction (`tp_reduction="chunked"`,
+the default at TP > 1). Hybrid (Qwen3.5) models and FP8 checkpoints are refused at load
+(docs/training.md says what each lacks).
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def test_gradients_close_to_a_float32_reference(policy, tmp_path: Path) -> None:
     checkpointed = LockstepForCausalLM.from_pretrained(
         MODEL, device=DEVICE, dtype=DTYPE, gradient_checkpointing=True
     )
+    checkpointed.load_state_dict(policy.state_dict())  # the policy's weights, whatever ran before
     out = checkpointed(sequences)
     with torch.no_grad():
         assert torch.equal(out.logprobs, policy(sequences).logprobs)
