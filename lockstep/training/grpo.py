@@ -5,7 +5,8 @@ step follows, and the new weights go back to the engine in-process.
 
     python -m lockstep.training.grpo                      # the embedded default model
     python -m lockstep.training.grpo --model random:tiny --steps 5
-    python -m lockstep.training.grpo --model random:qwen3-8b,layers=4 --device cuda --dtype bfloat16
+    python -m lockstep.training.grpo --model random:qwen3-8b,layers=4 --device cuda \
+        --dtype bfloat16
 
 One line per step, then one JSON document on the last line (every step's figures). The
 reward is a toy (the share of the letter "e" in the completion's text): the point is the
@@ -61,14 +62,17 @@ def run(
     on_step: Callable[[StepReport], None] | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    kv_tokens: int | None = None,
 ) -> tuple[list[StepReport], LockstepForCausalLM, LLM]:
     """`steps` GRPO steps with the engine and the trainer on `device` in `dtype` ("float32" or
-    "bfloat16"), each picking its backend as the engine does; returns the reports, the trained module and
+    "bfloat16"), each picking its backend as the engine does; `kv_tokens`: the engine's KV
+    pool (None: the engine's default, which on CUDA takes most of the free memory; give a
+    size there to leave the trainer room); returns the reports, the trained module and
     the engine (which serves the trained weights). Each sampled token's rollout logprob is
     the sampler's, its training logprob the module's; k3 = exp(d) - d - 1 with d = rollout -
     training logprob, ratio = exp(-d). `trainer_mode` "fast" recomputes on the fast backend
     (a control: then the two policies differ in their last bits)."""
-    llm = LLM(model, device=device, dtype=dtype)
+    llm = LLM(model, device=device, dtype=dtype, kv_tokens=kv_tokens)
     trainer = LockstepForCausalLM.from_pretrained(
         model, device=device, dtype=getattr(torch, dtype), mode=trainer_mode
     )
@@ -125,6 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=16384,
+        help="the engine's KV pool; the rest of the device is the trainer's",
+    )
     args = parser.parse_args(argv)
     print("step  reward   loss       k3_max  ratio_min  ratio_max  tokens")
 
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reports, _, _ = run(args.model, args.steps, args.group_size, PROMPTS, args.max_tokens,
                         args.lr, args.seed, on_step=show, device=args.device,
-                        dtype=args.dtype)  # fmt: skip
+                        dtype=args.dtype, kv_tokens=args.kv_tokens)  # fmt: skip
     print(json.dumps({"steps": [asdict(r) for r in reports]}))
 
 
