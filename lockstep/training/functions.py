@@ -265,8 +265,8 @@ def causal_attention(
     norms, RoPE and the K/V writes by `ops.attention_input` into a scratch cache of `kv_dtype`
     whose slot j is row j, then `ops.attention` over `meta` (each sequence's keys are its own
     rows). `layer` carries the head count, eps and RoPE tables (its q/k norms are replaced by
-    the differentiable `q_norm`, `k_norm`, float32 [D] or None). The backward holds one
-    [Hq, block, block] tile of scores at a time (lockstep/training/attention_grad.py)."""
+    the differentiable `q_norm`, `k_norm`, float32 [D] or None). The backward holds at most
+    one [Hq, block, block] tile of scores per query tile (lockstep/training/attention_grad.py)."""
     t = qkv.shape[0]
     hq, d = layer.num_heads, layer.cos.shape[1] * 2
     hkv = (qkv.shape[1] // d - hq) // 2

@@ -95,10 +95,13 @@ def test_packed_logprobs_are_llm_score_bits_on_cuda(llm, policy) -> None:  # noq
 
 
 def _loss(lps: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
-    return sum((lp.float() * w).sum() for lp, w in zip(lps, weights, strict=True))  # type: ignore[return-value]
+    terms = [(lp.float() * w).sum() for lp, w in zip(lps, weights, strict=True)]
+    return torch.stack(terms).sum()
 
 
-def _hf_grads(folder: Path, dtype: torch.dtype, sequences, weights) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _hf_grads(
+    folder: Path, dtype: torch.dtype, sequences: list[list[int]], weights: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """transformers' autograd of the same loss in `dtype`, one sequence per forward."""
     import transformers
 

@@ -25,7 +25,9 @@ def _script():  # noqa: ANN202
     return module
 
 
-def test_training_throughput_script_reports_rates_and_the_bitwise_check(capsys) -> None:  # noqa: ANN001
+def test_training_throughput_script_reports_rates_and_the_bitwise_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     script = _script()
     doc = script.main(ARGS)
     last = capsys.readouterr().out.strip().splitlines()[-1]
