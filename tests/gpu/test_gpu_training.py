@@ -11,7 +11,9 @@ embeddings and head):
     gradients within 1e-2 of those without;
   * after two AdamW steps, `LLM.update_weights(state_dict())` samples the trained weights:
     the sampler's logprobs and `LLM.score` equal the module's (control: before the update
-    they differ).
+    they differ);
+  * Qwen3-MoE (`random:tiny-qwen3-moe`) through the Triton MoE kernels: `LLM.score`'s bits
+    (control: fast mode), finite gradients.
 
 Only where CUDA is present; the CPU runs the same code on the CPU kernels
 (tests/contract/test_training.py) and on the Triton kernels under the interpreter
@@ -195,3 +197,26 @@ def test_trained_weights_sample_with_the_trainer_bits_on_cuda(llm, policy) -> No
     for p, o, lps in zip(prompts, after, trained, strict=True):
         sampled = torch.tensor(o.logprobs, dtype=torch.float32)
         assert torch.equal(lps[len(p) - 1 :].cpu(), sampled)  # the sampler's bits
+
+
+def test_qwen3_moe_logprobs_are_llm_score_bits_on_cuda() -> None:
+    """The routed experts through the Triton MoE kernels (`random:tiny-qwen3-moe`, bf16): the
+    engine's bits for a packed batch (control: fast mode), finite gradients."""
+    from lockstep import LLM
+    from lockstep.training import LockstepForCausalLM
+
+    model = "random:tiny-qwen3-moe"
+    llm = LLM(model, device=DEVICE, dtype="bfloat16", kv_tokens=8192, max_model_len=1024)
+    rng = random.Random(3)
+    sequences = [[rng.randrange(512) for _ in range(rng.randint(1, 300))] for _ in range(6)]
+    expected = _scores(llm, sequences)
+    llm.close()
+    policy = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE)
+    out = policy(sequences)
+    assert _bitwise_equal(out.per_sequence(), expected)
+    (-out.logprobs.sum()).backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    fast = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE, mode="fast")
+    with torch.no_grad():
+        assert not _bitwise_equal(fast(sequences).per_sequence(), expected)
