@@ -36,6 +36,9 @@ SUPPORTED_ROUTING = (
 # model_type values whose shared expert is the one blocks/moe.py runs (Qwen2MoeSparseMoeBlock's
 # sigmoid-gated shared expert), so their `shared_expert_intermediate_size` is served.
 GATED_SHARED_EXPERT_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+# model_type values whose routing (sigmoid or softmax scores, groups, correction bias, scaling)
+# and ungated shared experts families/deepseek.py reads.
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
 # (config key, is the value unsupported?, what the key turns on). Keys of MoE families whose
 # routing Lockstep does not implement; any of them set is refused whatever the model_type.
@@ -52,7 +55,10 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
 
 
 def refuse_unsupported_moe(config: dict[str, Any], where: str) -> None:
-    """Raise `ModelLoadError` (one line) if `config` turns on an MoE feature Lockstep lacks."""
+    """Raise `ModelLoadError` (one line) if `config` turns on an MoE feature Lockstep lacks.
+    The DeepSeek-architecture families read their own routing keys (families/deepseek.py)."""
+    if config.get("model_type") in DEEPSEEK_TYPES:
+        return
     gated_shared = config.get("model_type") in GATED_SHARED_EXPERT_TYPES
     for key, unsupported, feature in _UNSUPPORTED:
         if gated_shared and key == "shared_expert_intermediate_size":

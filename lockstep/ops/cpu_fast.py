@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.fp8 import DequantizedFp8Linear
 from lockstep.ops.moe import MoeLayer
-from lockstep.ops.torch_fast import TorchRowOps, stock_route
+from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
 
 class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
@@ -71,8 +71,7 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         """transformers' eager loop: each expert that got tokens runs F.linear on them (FP8
         experts: on the dequantized activation, `fp8_expert_linear`), and its weighted rows
         are index_add_-ed into the output in expert order."""
-        experts, weights = stock_route(self.linear(x, layer.router), layer.top_k,
-                                       layer.renormalize)  # fmt: skip
+        experts, weights = stock_routing(self.linear(x, layer.router), layer)
         linear = self.fp8_expert_linear if layer.fp8 else self.linear
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in experts.unique().tolist():
