@@ -472,7 +472,8 @@ class ModelSpec:
 
     @property
     def num_parameters(self) -> int:
-        """Every weight but biases and q/k norms (which published counts leave out too)."""
+        """Every weight but biases (DeepSeek routers' correction biases too) and q/k norms
+        (which published counts leave out too)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.mla is not None:
