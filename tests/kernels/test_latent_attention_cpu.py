@@ -66,7 +66,7 @@ def test_rows_keep_their_bits_under_any_split(ops) -> None:
     while start < n:
         size = rng.randint(1, 20)
         end = min(n, start + size)
-        mates = [(s := rng.randint(0, 40), rng.randint(1, 9)) for _ in range(rng.randint(0, 3))]
+        mates = [(rng.randint(0, 40), rng.randint(1, 9)) for _ in range(rng.randint(0, 3))]
         parts = [(s, m, rng.sample(range(SLOTS), s + m)) for s, m in mates]
         at = rng.randint(0, len(parts))
         parts.insert(at, (start, end - start, table))
