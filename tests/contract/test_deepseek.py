@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lockstep.check.compare import PASS, SKIP
 from lockstep.config import EngineConfig
 from lockstep.engine.engine import Engine
 from lockstep.engine.llm import LLM
@@ -290,6 +291,51 @@ def test_negative_control_fast_mode_breaks_the_contract(folders) -> None:
     """The same harness in fast mode (oneDNN GEMMs, SDPA over the latent rows, transformers'
     routing) finds differences: it is not blind."""
     engine = _engine(str(folders["deepseek_v3"][0]), mode="fast")
+    failures = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        n = rng.randint(20, 60)
+        tokens = [rng.randrange(VOCAB) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=2)
+        failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
+    assert failures > 0
+
+
+@pytest.mark.slow
+def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
+    """`lockstep check --serve --model <tiny DeepSeek-V3 folder>`: every scenario passes, the
+    radix one with cached tokens reported on every hit."""
+    import argparse
+
+    from lockstep.check.cli import add_check_parser
+
+    folder = tmp_path / "deepseek_v3"
+    folder.mkdir()
+    save_tiny("deepseek_v3", folder, vocab_size=8192)  # the check draws token ids up to 8000
+    out = tmp_path / "out.json"
+    parser = argparse.ArgumentParser(prog="lockstep")
+    add_check_parser(parser.add_subparsers())
+    args = parser.parse_args([
+        "check", "--serve", "--model", str(folder), "--max-model-len", "512", "--max-tokens",
+        "8", "--concurrency", "4", "--device", "cpu", "--budget-s", "1800", "--no-progress",
+        "--json", str(out),
+    ])  # fmt: skip
+    code = args.func(args)
+    results = {r["name"]: r for r in json.loads(out.read_text())["scenarios"]}
+    for name, r in results.items():  # restart needs a second server: skipped in one run
+        assert r["status"] == (SKIP if name == "restart" else PASS), r
+    assert code == 0
+    assert results["radix"]["cached_tokens"] > 0
+
+
+def test_negative_control_stock_latent_attention_alone_breaks_the_contract(folders) -> None:
+    """Everything deterministic but the latent attention, which is the stock SDPA
+    formulation: the harness finds differences, so it sees the MLA kernel's part."""
+    from lockstep.ops.torch_fast import TorchRowOps
+
+    engine = _engine(str(folders["deepseek_v3"][0]))
+    ops = engine.decoder.ops
+    ops.latent_attention = TorchRowOps.latent_attention.__get__(ops)  # type: ignore[method-assign]
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)

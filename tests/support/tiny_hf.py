@@ -118,11 +118,12 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (the Qwen3 families and gemma3, e.g.
+    `config_overrides`: config keys (the Qwen3, Gemma 3 and DeepSeek families, e.g.
     decoder_sparse_step=2)."""
     import transformers
 
-    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3")
+    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
+                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # fmt: skip
     if config_overrides and family not in overridable:
         raise ValueError(f"config overrides are for {', '.join(overridable)}, not {family}")
     # The hybrid MoE seeds give models whose float32 logits are well-conditioned: with some
