@@ -1,13 +1,15 @@
 """Architecture description shared by every loader and the decoder.
 
 Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, the hybrid MoE families
-Qwen3.5-MoE and Qwen3-Next, and Gemma 3) is a pre-norm decoder with rotary embeddings whose
-layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP
-block (lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
-Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), or in a hybrid
-model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU (or GeGLU) MLP, or
-in the sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed
-experts, plus a gated shared expert where the family has one. The hybrid families and Gemma 3
+Qwen3.5-MoE and Qwen3-Next, Gemma 3, and the DeepSeek architecture: DeepSeek-V2, DeepSeek-V3
+and GLM-4.7-Flash) is a pre-norm decoder with rotary embeddings whose layers are (norm,
+mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP block
+(lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
+Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), multi-head
+latent attention (`ModelSpec.mla`), or in a hybrid model (`ModelSpec.linear`) Gated DeltaNet
+in most layers; the dense SwiGLU (or GeGLU) MLP, or in the sparse layers of a
+mixture-of-experts model (`ModelSpec.moe`) a router and routed experts, plus a gated or
+(DeepSeek) ungated shared expert where the family has one. The hybrid families and Gemma 3
 store their RMSNorm weights as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and
 MLP's output (its four norms per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec`
 plus a state dict in the canonical (Hugging Face) naming: each block's module docstring lists
