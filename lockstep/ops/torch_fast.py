@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
+from lockstep.ops.base import ComposedAttentionInput, IndexCopyKVWrite
 from lockstep.ops.moe import MoeLayer, Routing, stock_route_deepseek
 
 
@@ -49,30 +49,6 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
     def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
         assert layer.deepseek is not None
         return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)
-
-    def latent_attention(
-        self,
-        q: torch.Tensor,
-        cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
-        value_dim: int,
-    ) -> torch.Tensor:
-        """The stock formulation: per sequence, torch SDPA over its rows gathered from the
-        cache (keys: whole rows; values: their first `value_dim` columns), a causal mask."""
-        out = q.new_empty(q.shape[0], q.shape[1], value_dim)
-        cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()
-        for b in range(meta.num_seqs):
-            n, start = cu_q[b + 1] - cu_q[b], q_start[b]
-            slots = meta.slot_table[cu_kv[b] : cu_kv[b] + start + n].long()
-            rows = cache[slots, 0].to(q.dtype)  # [L, W]; an FP8 cache widens exactly
-            k = rows[None].expand(q.shape[1], -1, -1)
-            v = rows[None, :, :value_dim].expand(q.shape[1], -1, -1)
-            qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
-            mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.to(q.device), scale=scale)
-            out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
-        return out
 
     def gdn_gates(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

@@ -161,6 +161,24 @@ def test_multi_token_prediction_layers_are_skipped(folders, tmp_path: Path) -> N
     assert torch.equal(_engine(str(tmp_path)).decoder.logits_for_sequence(tokens), want)
 
 
+def test_weight_update_from_a_trainer_state_dict(folders) -> None:
+    """transformers' state_dict (fused experts, the correction bias buffer) updates a served
+    DeepSeek-V3 model in place: a changed correction bias (routing only) or kv_b_proj (the
+    absorbed W_UK, W_UV) gives other logits, the original weights give the original bits."""
+    folder, model = folders["deepseek_v3"]
+    engine = _engine(str(folder))
+    tokens = list(range(1, 40))
+    before = engine.decoder.logits_for_sequence(tokens)
+    state = model.state_dict()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # fused in memory
+    for part in ("e_score_correction_bias", "kv_b_proj"):
+        changed = {k: v.flip(-1) if part in k else v for k, v in state.items()}
+        engine.update_weights(changed)
+        assert not torch.equal(engine.decoder.logits_for_sequence(tokens), before), part
+    engine.update_weights(state)
+    assert torch.equal(engine.decoder.logits_for_sequence(tokens), before)
+
+
 @pytest.mark.parametrize(
     ("family", "key", "value", "says"),
     [("deepseek_v3", "index_topk", 2048, "sparse attention"),
@@ -331,11 +349,11 @@ def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
 def test_negative_control_stock_latent_attention_alone_breaks_the_contract(folders) -> None:
     """Everything deterministic but the latent attention, which is the stock SDPA
     formulation: the harness finds differences, so it sees the MLA kernel's part."""
-    from lockstep.ops.torch_fast import TorchRowOps
+    from lockstep.ops.cpu_fast import CpuFastOps
 
     engine = _engine(str(folders["deepseek_v3"][0]))
     ops = engine.decoder.ops
-    ops.latent_attention = TorchRowOps.latent_attention.__get__(ops)  # type: ignore[method-assign]
+    ops.latent_attention = CpuFastOps.latent_attention.__get__(ops)  # type: ignore[method-assign]
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)

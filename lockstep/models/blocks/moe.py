@@ -72,6 +72,7 @@ class MoeMlpWeights:
     shared_gate_up: Linear | None = None  # rows gate | up
     shared_down: Linear | None = None
     shared_gate: torch.Tensor | None = None  # [8, H]: row 0 the shared expert's sigmoid gate
+    correction_bias: torch.Tensor | None = None  # DeepSeek-V3: [E] fp32, `layer.deepseek`'s
 
 
 SHARED_KINDS = ("", "gated", "ungated")
@@ -174,7 +175,8 @@ class MoeMlp:
             # which the GPU matmul's tensor descriptors require; column 0 is the gate.
             shared_gate = torch.cat([shared_gate, shared_gate.new_zeros(7, shared_gate.shape[1])])
         return MoeMlpWeights(router, gate_up, down, layer, parts.get("shared_gate_up"),
-                             parts.get("shared_down"), shared_gate)  # fmt: skip
+                             parts.get("shared_down"), shared_gate,
+                             parts.get("correction_bias"))  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: MoeMlpWeights, step: Step) -> torch.Tensor:
         routed = ops.moe(x, w.layer)
