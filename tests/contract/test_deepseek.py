@@ -225,12 +225,14 @@ def test_kv_bytes_per_token_are_the_latent_and_rope_key() -> None:
     assert "\n" not in str(err.value) and "671.03 B parameters" in str(err.value)
 
 
-def test_engine_pool_keeps_one_latent_row_per_token(v3: Engine) -> None:
-    spec = v3.decoder.spec
-    keys, values = v3.pool.k_cache(0), v3.pool.v_cache(0)
+def test_engine_pool_keeps_one_latent_row_per_token(folders) -> None:
+    """The pool holds one 96-value row per token and layer (no separate values), sized from
+    memory at 3 x 96 x 4 bytes per token (float32), which the start-up line states."""
+    engine = _engine(str(folders["deepseek_v3"][0]), kv_tokens=None)
+    keys, values = engine.pool.k_cache(0), engine.pool.v_cache(0)
     assert keys.shape[1:] == (1, 96) and values.data_ptr() == keys.data_ptr()
-    assert v3.kv_budget is None  # kv_tokens given; the start-up line's bytes come from here:
-    assert bytes_per_token(spec, 1, torch.float32, 1) == 3 * 96 * 4
+    assert engine.kv_budget is not None and engine.kv_budget.bytes_per_token == 3 * 96 * 4
+    assert f"tokens of {3 * 96 * 4} bytes" in engine.kv_budget.describe()
 
 
 # ---------------------------------------------------------------- position invariance
