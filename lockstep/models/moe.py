@@ -40,7 +40,7 @@ SUPPORTED_ROUTING = (
 GATED_SHARED_EXPERT_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 # model_type values whose routing (sigmoid or softmax scores, groups, correction bias, scaling)
 # and ungated shared experts families/deepseek.py reads.
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm4_moe_lite")
 
 # (config key, is the value unsupported?, what the key turns on). Keys of MoE families whose
 # routing Lockstep does not implement; any of them set is refused whatever the model_type.

@@ -182,6 +182,7 @@ def test_weight_update_from_a_trainer_state_dict(folders) -> None:
 @pytest.mark.parametrize(
     ("family", "key", "value", "says"),
     [("deepseek_v3", "index_topk", 2048, "sparse attention"),
+     ("deepseek_v3", "model_type", "deepseek_v32", "sparse attention"),
      ("deepseek_v2", "moe_layer_freq", 2, "moe_layer_freq=2"),
      ("deepseek_v2", "norm_topk_prob", True, "norm_topk_prob=true"),
      ("deepseek_v3", "kv_lora_rank", 72, "multiples of 16")],

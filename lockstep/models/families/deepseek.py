@@ -72,7 +72,8 @@ def _rope(config: dict[str, Any], where: str) -> tuple[float, YarnScaling | None
 
 def _refuse(config: dict[str, Any], where: str) -> None:
     architectures = config.get("architectures") or []
-    if config.get("index_topk") or any("DeepseekV32" in a for a in architectures):
+    v32 = config.get("model_type") == "deepseek_v32" or "DeepseekV32ForCausalLM" in architectures
+    if config.get("index_topk") or v32:
         raise ModelLoadError(
             f"{where}: DeepSeek-V3.2's sparse attention (index_topk, DeepseekV32) is not "
             "supported; supported: DeepSeek-V2/V3 multi-head latent attention"

@@ -18,5 +18,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
                          sparse=first_k_dense(config))  # fmt: skip
 
 
-FAMILY = Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), ("DeepseekV3ForCausalLM",), spec,
-                tensor_name)  # fmt: skip
+# deepseek_v32 / DeepseekV32ForCausalLM are claimed only to be refused with the reason
+# (families/deepseek.py: its sparse attention), not as an unknown model type.
+FAMILY = Family("deepseek_v3", ("deepseek_v3", "kimi_k2", "deepseek_v32"),
+                ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"), spec, tensor_name)  # fmt: skip
