@@ -98,7 +98,8 @@ class Engine:
         self.max_model_len = config.max_model_len or spec.max_position
         self.ops = get_ops(self.device.type, config.mode)
         head_dims = getattr(self.ops, "supported_head_dims", None)
-        if head_dims is not None and spec.head_dim not in head_dims:
+        # MLA's latent attention has a kernel of its own (any widths the family accepts).
+        if head_dims is not None and spec.mla is None and spec.head_dim not in head_dims:
             raise ModelLoadError(
                 f"{loaded.source}: head_dim={spec.head_dim} is not supported by the "
                 f"{self.ops.name} backend: supported head_dim values are {head_dims}"
@@ -147,8 +148,8 @@ class Engine:
         pooled = isinstance(self.decoder.ops, PooledLinearAttentionOps)
         hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None and pooled
         self.pool = KVPool(
-            kv_tokens, len(spec.kv_layers), kv_heads, spec.head_dim, self.kv_dtype, self.device,
-            spare_slots=int(hybrid_graphs),
+            kv_tokens, len(spec.kv_layers), kv_heads, spec.cache_head_dim, self.kv_dtype,
+            self.device, spare_slots=int(hybrid_graphs), values=spec.cache_values,
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)

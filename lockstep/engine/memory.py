@@ -27,8 +27,9 @@ fast mode (the yardstick) also gathers a decode step's keys and values into copi
 the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
 
 Bytes per cached token (`bytes_per_token`): what every layer's mixer block says it keeps
-(`Mixer.cache_bytes`): K and V per attention layer, plus the radix cache's state snapshots of
-the linear-attention layers spread over the chunk of tokens each covers.
+(`Mixer.cache_bytes`): K and V per attention layer (multi-head latent attention: one latent
+row of kv_lora_rank + qk_rope_head_dim values, 576 for DeepSeek-V3), plus the radix cache's
+state snapshots of the linear-attention layers spread over the chunk of tokens each covers.
 
 Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights
 alone exceed the free device memory (a lower bound: every parameter at its stored width, split
@@ -101,12 +102,13 @@ class KVBudget:
         kv = self.kv_tokens * self.bytes_per_token / GIB
         if self.reserved is None:
             cap = f", capped at {CPU_DEFAULT_KV_TOKEN_CAP} tokens" if self.capped else ""
-            return (f"KV pool {self.kv_tokens} tokens ({kv:.2f} GiB): {self.fraction:g} of "
-                    f"{self.available_bytes / GIB:.2f} GiB available RAM{cap}")  # fmt: skip
+            return (f"KV pool {self.kv_tokens} tokens of {self.bytes_per_token} bytes ({kv:.2f} "
+                    f"GiB): {self.fraction:g} of {self.available_bytes / GIB:.2f} GiB available "
+                    f"RAM{cap}")  # fmt: skip
         r = self.reserved
         return (
-            f"KV pool {self.kv_tokens} tokens ({kv:.2f} GiB): {self.fraction:g} of "
-            f"{self.available_bytes / GIB:.2f} GiB free after the weights less "
+            f"KV pool {self.kv_tokens} tokens of {self.bytes_per_token} bytes ({kv:.2f} GiB): "
+            f"{self.fraction:g} of {self.available_bytes / GIB:.2f} GiB free after the weights less "
             f"{r.total / GIB:.2f} GiB reserved (activations {r.activations / GIB:.2f}, logits "
             f"{r.logits / GIB:.2f}, sampler {r.sampler / GIB:.2f}, CUDA graphs "
             f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f})"
