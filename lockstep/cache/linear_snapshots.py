@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from lockstep.cache.kv_pool import CacheIntegrityError
 from lockstep.models.linear_attention import LinearLayout, LinearSnapshot
 

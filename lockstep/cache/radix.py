@@ -462,9 +462,7 @@ class RadixCache:
 
     def pooled_snapshots(self) -> list[Any]:
         """The tree's snapshots lent by `snapshots` (for the pool's integrity check)."""
-        return [
-            s for n in self._nodes() for s in n.states.values() if s.pool is self.snapshots
-        ]
+        return [s for n in self._nodes() for s in n.states.values() if s.pool is self.snapshots]
 
     def flush(self) -> int:
         """Evict everything unlocked (POST /flush_cache); returns the slots freed."""

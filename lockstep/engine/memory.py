@@ -257,13 +257,14 @@ def cuda_kv_budget(
     taken = 0 if snapshots is None else snapshots.total
     tokens = (cuda_cache_bytes(free_bytes, reserved, fraction) - taken) // bytes_per_token
     if tokens < 1:
-        snaps = "" if snapshots is None else (
-            f" and {taken / GIB:.2f} GiB by {snapshots.count} linear snapshots")  # fmt: skip
+        snaps, options = "", "--max-batch-tokens or --max-running"
+        if snapshots is not None:
+            snaps = f" and {taken / GIB:.2f} GiB by {snapshots.count} linear snapshots"
+            options = "--max-batch-tokens, --max-running or --linear-snapshots"
         raise ConfigError(
             f"kv_tokens: no device memory is left for the KV pool: {free_bytes / GIB:.2f} GiB "
             f"free after the weights, {reserved.total / GIB:.2f} GiB needed by the largest "
-            f"step and the CUDA graphs{snaps}; lower --max-batch-tokens, --max-running or "
-            "--linear-snapshots, or give --kv-tokens"
+            f"step and the CUDA graphs{snaps}; lower {options}, or give --kv-tokens"
         )
     return KVBudget("cuda", free_bytes, reserved, fraction, bytes_per_token, tokens,
                     snapshots=snapshots)  # fmt: skip
