@@ -114,7 +114,7 @@ class LinearSnapshotPool:
         problems = []
         if len(set(slots)) != len(slots):
             problems.append(f"{len(slots) - len(set(slots))} slot(s) held twice")
-        if any(not self._lent[s] for s in slots):
+        if any(not 0 <= s < self.num_slots or not self._lent[s] for s in slots):
             problems.append("a held snapshot's slot is free in the pool")
         if self.num_free + len(held) != self.num_slots:
             problems.append(f"free {self.num_free} + held {len(held)} != {self.num_slots} slots")
