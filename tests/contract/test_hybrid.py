@@ -262,6 +262,37 @@ def test_prefix_hit_resumes_at_the_last_snapshot_and_is_reported(hybrid: Engine)
     hybrid.check_integrity()
 
 
+def test_a_step_captures_only_the_reserved_boundaries(hybrid: Engine) -> None:
+    """An engine request's state (`keep` reserved from a snapshot pool, in a working-state
+    slot) captures exactly the reserved boundaries, inside the step (64) and at its end (96),
+    with the bits of a state that captures every one; the others (32) take no slot."""
+    from lockstep.cache.linear_snapshots import LinearSnapshotPool
+    from lockstep.models.decoder import ScratchKV
+    from lockstep.models.forward_batch import ForwardBatch
+    from lockstep.models.linear_attention import LinearState, LinearStatePool
+    from lockstep.ops.base import build_attention_meta
+
+    decoder, layout = hybrid.decoder, hybrid.decoder.linear_layout
+    tokens = [random.Random(4).randrange(VOCAB) for _ in range(3 * CHUNK)]
+    every = reference(hybrid, tokens).snapshots
+    assert sorted(every) == [CHUNK, 2 * CHUNK, 3 * CHUNK]
+    snapshots = LinearSnapshotPool(layout, 3)
+    state = LinearState.resume(layout, None, LinearStatePool(layout, 1), keep_all=False)
+    state.keep = {p: snapshots.acquire(p) for p in (2 * CHUNK, 3 * CHUNK)}
+    n = len(tokens)
+    kv = ScratchKV(decoder.spec, n, decoder.kv_dtype, decoder.device)
+    meta = build_attention_meta([n], [0], [list(range(n))])
+    batch = ForwardBatch.from_lists(tokens, range(n), range(n), meta, range(n), [state])
+    decoder.forward(batch, kv)
+    assert sorted(state.captured) == [2 * CHUNK, 3 * CHUNK] and state.keep == {}
+    for p, snap in state.captured.items():
+        assert snap.pool is snapshots
+        assert torch.equal(snap.conv, every[p][0]) and torch.equal(snap.recurrent, every[p][1])
+    assert snapshots.num_free == 1
+    state.release()
+    assert snapshots.num_free == 3
+
+
 @settings(max_examples=40 if LONG else 10, **_SETTINGS)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_engine_schedules_with_preemption_match_alone(seed: int) -> None:
