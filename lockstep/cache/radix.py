@@ -200,6 +200,7 @@ class RadixCache:
         self.snapshots = snapshots
         self._num_states = 0
         self._state_bytes = 0
+        self.num_evicted_states = 0  # snapshots given back to their pool by eviction, ever
         self._clock = 0
         self._next_node_id = 0
         self._roots: dict[str | None, Node] = {}
@@ -427,6 +428,7 @@ class RadixCache:
             freed.append(leaf.slots)
             num_freed += len(leaf.key)
             self._num_states -= len(leaf.states)
+            self.num_evicted_states += len(leaf.states)
             self._state_bytes -= sum(snap.nbytes for snap in leaf.states.values())
             for snap in leaf.states.values():
                 snap.release()

@@ -569,6 +569,7 @@ class Engine:
             "state_snapshot_slots": self.snapshot_pool.num_slots if self.snapshot_pool else 0,
             "state_snapshots_free": self.snapshot_pool.num_free if self.snapshot_pool else 0,
             "state_snapshots_not_kept": self.scheduler.snapshots_not_kept,
+            "state_snapshots_evicted": self.radix.num_evicted_states,
         }
 
     # ----------------------------------------------------------------- tensor parallelism

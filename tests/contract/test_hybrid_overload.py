@@ -101,6 +101,7 @@ def test_300_requests_under_small_budgets_equal_each_alone_and_free_every_pool()
     assert seen["most_waiting"] > 100 and seen["most_running"] == MAX_RUNNING
     assert stats["num_preemptions"] > 0
     assert seen["fewest_free_snapshots"] == 0 and stats["state_snapshots_not_kept"] > 0
+    assert stats["state_snapshots_evicted"] > SNAPSHOTS  # the pool turned over, with the tree
     assert stats["state_snapshot_slots"] == SNAPSHOTS
     # Every request completed, hits resumed from kept snapshots (multiples of the chunk).
     for rid, (_, params) in requests.items():
