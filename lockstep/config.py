@@ -91,8 +91,8 @@ class EngineConfig:
     # the caches get (lockstep/engine/memory.py). 0 keeps none: hits resume from position 0.
     linear_snapshots: int | None = None
     # Chunk boundaries kept besides prompt ends, every so many tokens (a multiple of the
-    # chunk, 32): a hit resumes at most this many tokens minus one before where it ends
-    # (lockstep/cache/linear_snapshots.py).
+    # chunk, 32): a hit resumes at most this many tokens minus one before where it ends, and
+    # 511 tokens are a sixteenth of a default CUDA step (lockstep/cache/linear_snapshots.py).
     linear_snapshot_interval: int = 512
 
     def __post_init__(self) -> None:

@@ -25,8 +25,13 @@ matches end:
   - every `interval` tokens (a multiple of the chunk), so a request branching from a shared
     prefix resumes at most interval - 1 tokens before the branch point.
 
-    positions  0 ..... 512 ..... 1024 ... 1184 | 1200 (prompt end) ... 1600 (decode) ..
-    kept              ^512       ^1024     ^1184                (interval 512, chunk 32)
+    positions  0 ..... 512 ..... 1024 ... 1184 | 1200 (prompt end) ..... 1536 ... 1600 (decode)
+    kept              ^512       ^1024     ^1184                       ^1536
+                                                         (interval 512, chunk 32)
+
+The default interval (`EngineConfig.linear_snapshot_interval`) is 512: a snapshot of
+random:qwen3.5-9b costs the KV of about 1,600 tokens, and a hit recomputes at most 511 tokens
+past the last one, a sixteenth of a default CUDA step (8,192 tokens).
 """
 
 from __future__ import annotations
@@ -35,12 +40,6 @@ from dataclasses import dataclass
 
 from lockstep.cache.kv_pool import CacheIntegrityError
 from lockstep.models.linear_attention import LinearLayout, LinearSnapshot
-
-# Boundaries kept between prompt ends by default. Each kept snapshot costs (conv window + state)
-# bytes (random:qwen3.5-9b: 50 MiB, the KV of 1,600 tokens), and a hit recomputes at most
-# interval - 1 tokens past the last one: 512 bounds that recomputation by a sixteenth of a
-# default CUDA step (8,192 tokens) at a snapshot per 512 tokens of shared prefix.
-DEFAULT_SNAPSHOT_INTERVAL = 512
 
 
 @dataclass(frozen=True)
