@@ -41,7 +41,8 @@ SNAPSHOT_SHARE of the cache share (`default_linear_snapshots`). A cached prefix 
 only up to its last snapshot, so KV without snapshots is dead weight and snapshots without KV
 are never reached: half and half keeps both useful. Four per running request hold, for a
 1k-in / 1k-out request, its prompt end and its boundaries at 512, 1024 and 1536 (the default
-interval, lockstep/cache/linear_snapshots.py).
+interval, lockstep/cache/linear_snapshots.py). The running requests' working states
+(`LinearStatePool`, a slot per running request) are allocated before free memory is measured.
 
 Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights
 alone exceed the free device memory (a lower bound: every parameter at its stored width, split
