@@ -147,6 +147,8 @@ class Engine:
         if layout is not None:
             budget = self.kv_budget.snapshots if self.kv_budget else self._snapshot_budget(None)
             assert budget is not None
+            if self.kv_budget is None:  # sized by hand: at least refuse what cannot fit
+                memory.refuse_oversized_snapshots(budget, *self._free_memory())
             self.snapshot_pool = LinearSnapshotPool(layout, budget.count)
             if self.kv_budget is None:
                 logger.info("%s", budget.describe(self._bytes_per_token()))
@@ -608,6 +610,12 @@ class Engine:
             "weights_source": self.weights_source,
             "weight_version": self.weight_version,
         }
+
+    def _free_memory(self) -> tuple[int, str]:
+        """The device memory free now (the available RAM on the CPU), and what it is."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0], "the free device memory"
+        return memory.available_ram(), "the available RAM"
 
     def _bytes_per_token(self) -> int:
         spec = self.decoder.spec

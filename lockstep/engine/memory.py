@@ -278,13 +278,29 @@ def cpu_kv_budget(
     snapshots: SnapshotBudget | None = None,
 ) -> KVBudget:
     """The KV pool from the available RAM less the snapshot pool, capped at
-    CPU_DEFAULT_KV_TOKEN_CAP tokens."""
+    CPU_DEFAULT_KV_TOKEN_CAP tokens. Raises `ConfigError` when the snapshots alone exceed the
+    share."""
+    share = int(available_bytes * fraction)
+    if snapshots is not None:
+        refuse_oversized_snapshots(snapshots, share, f"{fraction:g} of the available RAM")
     taken = 0 if snapshots is None else snapshots.total
-    tokens = (int(available_bytes * fraction) - taken) // bytes_per_token
+    tokens = (share - taken) // bytes_per_token
     capped = tokens > CPU_DEFAULT_KV_TOKEN_CAP
     tokens = max(1, min(tokens, CPU_DEFAULT_KV_TOKEN_CAP))
     return KVBudget("cpu", available_bytes, None, fraction, bytes_per_token, tokens, capped,
                     snapshots)  # fmt: skip
+
+
+def refuse_oversized_snapshots(snapshots: SnapshotBudget, room: int, what: str) -> None:
+    """Raise `ConfigError` when the snapshot pool needs more than `room` bytes (`what`: where
+    that room comes from, for the message), before anything is allocated."""
+    if snapshots.total <= room:
+        return
+    raise ConfigError(
+        f"linear_snapshots={snapshots.count} is invalid here: {snapshots.count} snapshots of "
+        f"{snapshots.snapshot_bytes / 2**20:.2f} MiB need {snapshots.total / GIB:.2f} GiB and "
+        f"{what} is {room / GIB:.2f} GiB; expected at most {room // snapshots.snapshot_bytes}"
+    )
 
 
 def available_ram() -> int:

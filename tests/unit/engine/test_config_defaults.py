@@ -189,3 +189,17 @@ def test_linear_snapshot_options_are_checked() -> None:
         EngineConfig(linear_snapshot_interval=100)
     with pytest.raises(ConfigError, match="linear_snapshot_interval=0"):
         EngineConfig(linear_snapshot_interval=0)
+
+
+def test_a_snapshot_pool_that_cannot_fit_is_refused_before_allocating() -> None:
+    """On the CPU the snapshots must fit the caches' share; with --kv-tokens given, the memory
+    there is: a clear error naming the option and the count that fits, never an allocation."""
+    from lockstep.engine.engine import Engine
+
+    snapshots = memory.SnapshotBudget(100, 1 << 20)
+    with pytest.raises(ConfigError, match=r"linear_snapshots=100 .* expected at most 30"):
+        memory.cpu_kv_budget(100 << 20, 1024, 0.3, snapshots)
+    memory.cpu_kv_budget(100 << 20, 1024, 0.3, memory.SnapshotBudget(30, 1 << 20))  # fits
+    with pytest.raises(ConfigError, match="linear_snapshots=10000000000 .* the available RAM"):
+        Engine(EngineConfig(model="random:tiny-qwen3.5", device="cpu", kv_tokens=64,
+                            linear_snapshots=10**10))  # fmt: skip
