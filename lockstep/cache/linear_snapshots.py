@@ -23,10 +23,14 @@ matches end:
     the next turn of a chat) and the last one at or below its last token (the same prompt
     again, as RL sends it n times: a match covers at most prompt_len - 1 tokens);
   - every `interval` tokens (a multiple of the chunk), so a request branching from a shared
-    prefix resumes at most interval - 1 tokens before the branch point.
+    prefix resumes at most interval - 1 tokens before the branch point;
+  - at the end of the generated text (`SnapshotPolicy.latest`): each step that crosses a
+    boundary past the prompt keeps its last one, and the request gives back the one it held
+    from an earlier step, so a finished request leaves the last boundary at or below its end
+    (the next turn of a chat resumes there) at the cost of one slot per decoding request.
 
-    positions  0 ..... 512 ..... 1024 ... 1184 | 1200 (prompt end) ..... 1536 ... 1600 (decode)
-    kept              ^512       ^1024     ^1184                       ^1536
+    positions  0 .... 512 .... 1024 .. 1184 | 1200 (prompt end) .... 1536 .. 1600 | 1610 (end)
+    kept             ^512      ^1024    ^1184                        ^1536   ^1600
                                                          (interval 512, chunk 32)
 
 The default interval (`EngineConfig.linear_snapshot_interval`) is 512: a snapshot of
@@ -53,13 +57,26 @@ class SnapshotPolicy:
         if self.interval < 1 or self.interval % self.chunk:
             raise ValueError(f"interval={self.interval}: expected a multiple of {self.chunk}")
 
-    def kept(self, prompt_len: int, start: int, end: int) -> list[int]:
-        """The boundaries p in (start, end] (a step computing positions start..end-1 crosses
-        them) that a sequence whose prompt holds `prompt_len` tokens keeps, ascending."""
+    def fixed(self, prompt_len: int, position: int) -> bool:
+        """Whether a sequence whose prompt holds `prompt_len` tokens keeps the boundary at
+        `position` for good: an interval point or one of its prompt's ends."""
         c = self.chunk
         ends = (prompt_len // c * c, (prompt_len - 1) // c * c)
-        first = (start // c + 1) * c
-        return [p for p in range(first, end + 1, c) if p % self.interval == 0 or p in ends]
+        return position % self.interval == 0 or position in ends
+
+    def kept(self, prompt_len: int, start: int, end: int) -> list[int]:
+        """The boundaries p in (start, end] (a step computing positions start..end-1 crosses
+        them) kept for good (`fixed`), ascending."""
+        first = (start // self.chunk + 1) * self.chunk
+        return [p for p in range(first, end + 1, self.chunk) if self.fixed(prompt_len, p)]
+
+    def latest(self, prompt_len: int, start: int, end: int) -> int | None:
+        """The last boundary in (start, end] when it lies past the prompt and is not kept for
+        good: the end of the generated text so far, kept until a later step replaces it."""
+        p = end // self.chunk * self.chunk
+        if p <= max(start, prompt_len) or self.fixed(prompt_len, p):
+            return None
+        return p
 
 
 class LinearSnapshotPool:

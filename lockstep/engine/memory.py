@@ -39,9 +39,9 @@ whose bytes come out of the same share once, before the KV pool takes the rest:
 `linear_snapshots` left out: SNAPSHOTS_PER_RUNNING per running request, at most
 SNAPSHOT_SHARE of the cache share (`default_linear_snapshots`). A cached prefix is reusable
 only up to its last snapshot, so KV without snapshots is dead weight and snapshots without KV
-are never reached: half and half keeps both useful. Four per running request hold, for a
-1k-in / 1k-out request, its prompt end and its boundaries at 512, 1024 and 1536 (the default
-interval, lockstep/cache/linear_snapshots.py). The running requests' working states
+are never reached: half and half keeps both useful. Four per running request: a 1k-in /
+1k-out request keeps five (its prompt end, 512, 1024, 1536 and the end of its text:
+lockstep/cache/linear_snapshots.py), the first two shared by the requests of one prompt. The running requests' working states
 (`LinearStatePool`, a slot per running request) are allocated before free memory is measured.
 
 Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights

@@ -174,21 +174,30 @@ class Scheduler:
     def _reserve_snapshots(self, plan: list[ScheduledChunk]) -> None:
         """Reserve a snapshot slot for each boundary the plan crosses that the policy keeps,
         evicting unlocked radix leaves for one when the pool is empty; without a slot the
-        boundary is not kept (never an allocation)."""
+        boundary is not kept (never an allocation). A chunk that keeps a boundary past the
+        prompt gives back the end-of-text snapshot (`SnapshotPolicy.latest`) its request
+        captured in an earlier step and not yet cached: the new one replaces it."""
         pool, policy = self.radix.snapshots, self.snapshot_policy
         if pool is None or policy is None or not self.radix.enabled:
             return
         for chunk in plan:
-            request = chunk.request
-            keep = request.linear_state.keep
-            for position in policy.kept(len(request.prompt_ids), chunk.start, chunk.end):
+            request, state = chunk.request, chunk.request.linear_state
+            prompt_len = len(request.prompt_ids)
+            wanted = policy.kept(prompt_len, chunk.start, chunk.end)
+            latest = policy.latest(prompt_len, chunk.start, chunk.end)
+            newest = 0
+            for position in wanted if latest is None else [*wanted, latest]:
                 if pool.num_free == 0:
                     self.radix.evict_for_snapshots(1)
                 snap = pool.acquire(position)
                 if snap is None:
                     self.snapshots_not_kept += 1
                 else:
-                    keep[position] = snap
+                    state.keep[position] = snap
+                    newest = position
+            if newest > prompt_len:
+                for position in [p for p in state.captured if not policy.fixed(prompt_len, p)]:
+                    state.captured.pop(position).release()
 
     def _admit_one(self, budget: int, plan: list[ScheduledChunk]) -> ScheduledChunk | None:
         best, match = None, None

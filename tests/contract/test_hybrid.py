@@ -238,9 +238,11 @@ def test_generation_logprobs_equal_scoring(hybrid: Engine) -> None:
 
 def test_prefix_hit_resumes_at_the_last_snapshot_and_is_reported(hybrid: Engine) -> None:
     """cached_tokens counts what was reused: the last kept chunk boundary at or below the
-    match (the prompt's end: 64 of 94; 32 and the boundary at 96 crossed while decoding are
-    not kept, the interval being 512). Snapshots are counted, go back to their pool with
-    their nodes, and are checked by check_integrity."""
+    match. A prompt of 94 tokens and 4 generated keeps the prompt's end (64) and the end of
+    its text (96), not 32 (the interval is 512): a prompt that branches off inside the
+    generated text resumes at 64, one that continues the whole text (the next turn) at 96.
+    Snapshots are counted, go back to their pool with their nodes, and are checked by
+    check_integrity."""
     hybrid.flush_cache()
     assert hybrid.stats()["state_snapshots"] == 0
     llm = _llm(hybrid)
@@ -249,17 +251,38 @@ def test_prefix_hit_resumes_at_the_last_snapshot_and_is_reported(hybrid: Engine)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
     stats = hybrid.stats()
-    assert stats["state_snapshots"] == 1
-    assert stats["state_bytes"] == hybrid.decoder.linear_layout.snapshot_bytes
-    assert stats["state_snapshots_free"] == stats["state_snapshot_slots"] - 1
-    again = llm.generate([prompt + [1, 2, 3]], params, use_tqdm=False)[0]
+    assert stats["state_snapshots"] == 2
+    assert stats["state_bytes"] == 2 * hybrid.decoder.linear_layout.snapshot_bytes
+    assert stats["state_snapshots_free"] == stats["state_snapshot_slots"] - 2
+    branch = [t for t in range(VOCAB) if t != first.token_ids[0]][:3]
+    again = llm.generate([prompt + branch], params, use_tqdm=False)[0]
     assert first.cached_tokens == 0 and again.cached_tokens == 2 * CHUNK
+    turn = llm.generate([prompt + first.token_ids + [5, 6]], params, use_tqdm=False)[0]
+    assert turn.cached_tokens == 3 * CHUNK
     hybrid.check_integrity()
     hybrid.flush_cache()
     stats = hybrid.stats()
     assert stats["state_snapshots"] == stats["state_bytes"] == 0
     assert stats["state_snapshots_free"] == stats["state_snapshot_slots"]
     hybrid.check_integrity()
+
+
+def test_a_long_decode_holds_one_end_of_text_snapshot_at_a_time(hybrid: Engine) -> None:
+    """Decoding past 32, 64 and 96 keeps each boundary until the next replaces it: the
+    request never holds more than one, and the cache gets the last (96 of 109 computed)."""
+    hybrid.flush_cache()
+    hybrid.add_request("long", [7] * 10, SamplingParams(max_tokens=100, ignore_eos=True))
+    held = set()
+    while hybrid.has_unfinished():
+        hybrid.step()
+        for request in hybrid.scheduler.running:
+            state = request.linear_state
+            assert len(state.captured) + len(state.keep) <= 1, (state.position, state.captured)
+            held |= set(state.captured)
+    assert held == {CHUNK, 2 * CHUNK, 3 * CHUNK}
+    assert [s.position for s in hybrid.radix.pooled_snapshots()] == [3 * CHUNK]
+    hybrid.check_integrity()
+    hybrid.flush_cache()
 
 
 def test_a_step_captures_only_the_reserved_boundaries(hybrid: Engine) -> None:

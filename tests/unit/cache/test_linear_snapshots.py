@@ -56,6 +56,21 @@ def test_policy_keeps_prompt_ends_and_every_interval(prompt_len, start, end, kep
     assert SnapshotPolicy(C, 512).kept(prompt_len, start, end) == kept
 
 
+@pytest.mark.parametrize(
+    ("prompt_len", "start", "end", "latest"),
+    [
+        (100, 127, 128, 128),  # a decode step ending on a boundary past the prompt
+        (100, 128, 129, None),  # one crossing none
+        (100, 0, 100, None),  # the prompt's prefill: its ends are kept for good
+        (100, 90, 200, 192),  # a recomputed tail (after preemption): its last one only
+        (100, 511, 512, None),  # an interval point is kept for good
+        (100, 96, 97, None),  # the prompt's own end
+    ],
+)
+def test_policy_keeps_the_end_of_the_generated_text(prompt_len, start, end, latest) -> None:
+    assert SnapshotPolicy(C, 512).latest(prompt_len, start, end) == latest
+
+
 def test_policy_over_a_whole_sequence_in_any_steps_keeps_the_same_set() -> None:
     """What is kept depends on the positions only, never on how the steps split them."""
     policy = SnapshotPolicy(C, 64)
