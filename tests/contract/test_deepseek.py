@@ -215,10 +215,10 @@ def test_kv_bytes_per_token_are_the_latent_and_rope_key() -> None:
     192 would keep 128 x (192 + 128) per layer); the pool holds one tensor, no values."""
     v3 = PRESETS["deepseek-v3"].spec
     assert v3.mla is not None and v3.mla.cache_width == 576
-    assert bytes_per_token(v3, 1, torch.bfloat16, 1) == 61 * 576 * 2 == 70272
-    assert bytes_per_token(v3, 1, torch.float8_e4m3fn, 1) == 61 * 576
+    assert bytes_per_token(v3, 1, torch.bfloat16) == 61 * 576 * 2 == 70272
+    assert bytes_per_token(v3, 1, torch.float8_e4m3fn) == 61 * 576
     lite = PRESETS["deepseek-v2-lite"].spec
-    assert bytes_per_token(lite, 1, torch.bfloat16, 1) == 27 * 576 * 2
+    assert bytes_per_token(lite, 1, torch.bfloat16) == 27 * 576 * 2
     assert round(lite.num_parameters / 1e9, 1) == 15.7
     assert round(v3.num_parameters / 1e9) == 671
     with pytest.raises(ConfigError) as err:
