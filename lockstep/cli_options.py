@@ -42,6 +42,11 @@ _HELP = {
     "CUDA); same bits at every degree; which degrees a model takes: docs/design.md",
     "tp_reduction": "how row-parallel partial sums are added: chunked (default in deterministic "
     "mode: same bits at every degree), ranks, all_reduce (default in fast mode)",
+    "linear_snapshots": "hybrid models: radix snapshots of the linear-attention state to "
+    "keep, a pool allocated at start (default: 4 per running request, at most half the memory "
+    "the caches get; 0: none)",
+    "linear_snapshot_interval": "hybrid models: keep a snapshot every so many tokens besides "
+    "prompt ends (a multiple of 32)",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }

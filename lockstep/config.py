@@ -86,6 +86,14 @@ class EngineConfig:
     # How row-parallel partial sums are added; None: "chunked" in deterministic mode (the
     # same bits at every degree, TP 1 included), "all_reduce" in fast mode.
     tp_reduction: str | None = None
+    # Hybrid models: the radix snapshots' pool, in snapshots (a snapshot: every linear layer's
+    # state after a chunk boundary); None: 4 per running request, at most half the memory
+    # the caches get (lockstep/engine/memory.py). 0 keeps none: hits resume from position 0.
+    linear_snapshots: int | None = None
+    # Chunk boundaries kept besides prompt ends, every so many tokens (a multiple of the
+    # chunk, 32): a hit resumes at most this many tokens minus one before where it ends, and
+    # 511 tokens are a sixteenth of a default CUDA step (lockstep/cache/linear_snapshots.py).
+    linear_snapshot_interval: int = 512
 
     def __post_init__(self) -> None:
         if self.revision is not None and not (self.model and is_hub_id(self.model)):
@@ -112,6 +120,7 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name))
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        self._check_linear_snapshots()
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(
                 f"overlap_decode={self.overlap_decode!r} is invalid: expected true, false or"
@@ -139,6 +148,24 @@ class EngineConfig:
                 f"max_running={self.max_running} is invalid with {budget_text}:"
                 " every running request needs a token of the step budget to decode,"
                 " expected max_running <= max_batch_tokens"
+            )
+
+    def _check_linear_snapshots(self) -> None:
+        from lockstep.models.linear_attention import CHUNK
+
+        count = self.linear_snapshots
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool)
+                                  or count < 0):  # fmt: skip
+            raise ConfigError(
+                f"linear_snapshots={count!r} is invalid: expected an integer >= 0 or null "
+                "(the default)"
+            )
+        interval = self.linear_snapshot_interval
+        _positive_int("linear_snapshot_interval", interval)
+        if interval % CHUNK:
+            raise ConfigError(
+                f"linear_snapshot_interval={interval} is invalid: expected a multiple of the "
+                f"linear-attention chunk, {CHUNK} (e.g. {max(CHUNK, interval // CHUNK * CHUNK)})"
             )
 
     def _check_tp(self) -> None:

@@ -434,6 +434,8 @@ def document(
         "kv": {
             "capacity_tokens": engine.pool.num_slots,
             "budget": budget.as_dict() if budget is not None else None,
+            # Hybrid models: the radix snapshots' pool (0 for other models).
+            "linear_snapshots": engine.stats()["state_snapshot_slots"],
         },
         "warmup_s": warmup_s,
         "results": figures,

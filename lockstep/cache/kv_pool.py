@@ -3,7 +3,8 @@
 One slot holds one token's K and V for every layer. Storage is two zero-initialised tensors
 of shape [num_layers, num_slots, num_kv_heads, head_dim] on the compute device;
 `k_cache(layer)` and `v_cache(layer)` are views into them, so a slot id indexes the same token
-in every layer. The page size the attention kernels use is their own detail: the pool only
+in every layer. A pool without values (`values=False`, multi-head latent attention, whose
+values are the first columns of its key rows) holds one tensor, which both views show. The page size the attention kernels use is their own detail: the pool only
 hands out slot ids.
 
 Contracts
@@ -56,9 +57,11 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         spare_slots: int = 0,
+        values: bool = True,
     ) -> None:
         """`spare_slots`: rows of storage past `num_slots` that are never allocated (ids
-        num_slots.., `spare_slot`): a scratch row for writes whose values nobody reads."""
+        num_slots.., `spare_slot`): a scratch row for writes whose values nobody reads.
+        `values`: whether V is stored apart from K (False: `v_cache` is `k_cache`)."""
         for name, value in (
             ("num_slots", num_slots),
             ("num_layers", num_layers),
@@ -76,7 +79,8 @@ class KVPool:
         self.spare_slot = num_slots if spare_slots else None
         shape = (num_layers, num_slots + spare_slots, num_kv_heads, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values = values
+        self._v = torch.zeros(shape, dtype=dtype, device=self.device) if values else self._k
         # A stack of free ids: the top is the end of the used prefix [0, _num_free). It starts
         # reversed so that the first allocations hand out 0, 1, 2, ...
         self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)

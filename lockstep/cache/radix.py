@@ -73,8 +73,12 @@ many of its tokens). Like the KV they are pure functions of the token path: spli
 edge, evicted with the node, never shared across namespaces. A match can only resume where a
 snapshot exists (or at 0), so it is cut back to the last snapshot at or below the matched
 length and returns that snapshot; the positions after it are recomputed (same bits, by the
-contract). Snapshot memory is counted (`num_states`, `state_bytes`); `keep_state_budget`
-evicts unlocked leaves, least recently used first, until it fits `state_budget` bytes.
+contract). Snapshots are counted (`num_states`, `state_bytes`). Those lent by the cache's
+`LinearSnapshotPool` (`snapshots`; lockstep/cache/linear_snapshots.py) are the tree's from
+`insert` on, whether it attaches them or not: one whose position already has a snapshot, or
+any given to a disabled cache, goes back to the pool at once, and an evicted node gives its
+own back. `evict_for_snapshots` evicts unlocked leaves, least recently used first, until the
+pool has a free slot (locked paths keep theirs: then nothing is evicted).
 
     tokens      t0 ............ t63 | t64 ....... t127 | t128 .. t150
     snapshots                    S64 ^             S128 ^
@@ -88,12 +92,15 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from lockstep.cache.kv_pool import CacheIntegrityError, KVPool
 from lockstep.cache.stored_logprobs import StoredLogprobs
+
+if TYPE_CHECKING:
+    from lockstep.cache.linear_snapshots import LinearSnapshotPool
 
 __all__ = ["CacheIntegrityError", "InsertResult", "Node", "PrefixMatch", "RadixCache"]
 
@@ -185,14 +192,15 @@ class RadixCache:
         pool: KVPool,
         enabled: bool = True,
         state_aligned: bool = False,
-        state_budget: int | None = None,
+        snapshots: LinearSnapshotPool | None = None,
     ) -> None:
         self.pool = pool
         self.enabled = enabled
         self.state_aligned = state_aligned
-        self.state_budget = state_budget
+        self.snapshots = snapshots
         self._num_states = 0
         self._state_bytes = 0
+        self.num_evicted_states = 0  # snapshots given back to their pool by eviction, ever
         self._clock = 0
         self._next_node_id = 0
         self._roots: dict[str | None, Node] = {}
@@ -290,7 +298,8 @@ class RadixCache:
         """Cache `tokens` whose KV lives in `slots` (one per token; int64 on the CPU), and
         `logprobs`, the stored logprobs of the last len(logprobs) positions of `tokens` (the
         ones the caller computed; None: none), and `states`, linear-attention snapshots by
-        position (1..len(tokens)); a position that already has one keeps it.
+        position (1..len(tokens)); a position that already has one keeps it, and the caller's
+        goes back to its pool (the tree takes every snapshot it is given).
 
         The tree keeps its own slots for the prefix already cached and takes `slots` for the
         rest; the caller frees `duplicate_slots`. On the cached prefix, a position takes the
@@ -320,6 +329,8 @@ class RadixCache:
         if covered_from == 0 and len(logprobs) and int(logprobs.num_top[0]) != -1:
             raise ValueError("RadixCache.insert: a logprob for position 0, which has none")
         if not self.enabled:
+            for snap in (states or {}).values():
+                snap.release()
             return InsertResult(0, 0, self._default_root, _no_slots(), _no_slots())
         root, path = self._descend(key, namespace)
         node, num_existing, nodes = self._cut(root, path, sum(n for _, n in path))
@@ -417,7 +428,10 @@ class RadixCache:
             freed.append(leaf.slots)
             num_freed += len(leaf.key)
             self._num_states -= len(leaf.states)
+            self.num_evicted_states += len(leaf.states)
             self._state_bytes -= sum(snap.nbytes for snap in leaf.states.values())
+            for snap in leaf.states.values():
+                snap.release()
             leaf.states = {}
             # A parent is touched whenever a child is, so it is never older than the leaf just
             # popped: pushing it keeps the eviction order LRU.
@@ -432,13 +446,25 @@ class RadixCache:
         self._drop_empty_namespaces()
         return num_freed
 
-    def keep_state_budget(self) -> int:
-        """Evict unlocked leaves, LRU first, until the snapshots fit `state_budget` (or
-        nothing unlocked is left: locked paths may hold more). Returns the slots freed."""
-        budget = self.state_budget
-        if budget is None or self._state_bytes <= budget or self.num_evictable_tokens == 0:
+    def evict_for_snapshots(self, n: int = 1) -> int:
+        """Evict unlocked leaves (their KV and snapshots), LRU first, until the snapshot pool
+        has `n` free slots; nothing when no unlocked node holds one of its snapshots (evicting
+        could not free a slot). Returns the KV slots freed."""
+        snapshots = self.snapshots
+        if snapshots is None or snapshots.num_free >= n:
             return 0
-        return self._evict_until(lambda _: self._state_bytes <= budget)
+        if not any(
+            node.lock_ref == 0 and any(s.pool is snapshots for s in node.states.values())
+            for node in self._nodes()
+        ):
+            return 0
+        freed = self._evict_until(lambda _: snapshots.num_free >= n)
+        self._drop_empty_namespaces()
+        return freed
+
+    def pooled_snapshots(self) -> list[Any]:
+        """The tree's snapshots lent by `snapshots` (for the pool's integrity check)."""
+        return [s for n in self._nodes() for s in n.states.values() if s.pool is self.snapshots]
 
     def flush(self) -> int:
         """Evict everything unlocked (POST /flush_cache); returns the slots freed."""
@@ -615,18 +641,23 @@ class RadixCache:
 
     def _add_states(self, nodes: list[Node], states: dict[int, Any]) -> None:
         """Attach snapshots by position to the nodes of an insert's path (root excluded,
-        in order), where the position has none yet."""
-        if not states or not self.state_aligned:
+        in order), where the position has none yet; give the others back to their pool."""
+        if not states:
             return
+        taken = set()
         at = 0
-        for node in nodes:
+        for node in nodes if self.state_aligned else []:
             for position, snap in states.items():
                 offset = position - at
                 if 1 <= offset <= len(node.key) and offset not in node.states:
                     node.states[offset] = snap
+                    taken.add(position)
                     self._num_states += 1
                     self._state_bytes += snap.nbytes
             at += len(node.key)
+        for position, snap in states.items():
+            if position not in taken:
+                snap.release()
 
     @staticmethod
     def _stored(path: list[tuple[Node, int]], start: int, end: int, num_top: int) -> StoredLogprobs:

@@ -26,6 +26,7 @@ import torch
 
 import lockstep
 from lockstep.cache.kv_pool import KVPool
+from lockstep.cache.linear_snapshots import LinearSnapshotPool, SnapshotPolicy
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
 from lockstep.engine import memory
@@ -44,7 +45,7 @@ from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
-from lockstep.models.linear_attention import LinearLayout, LinearState, LinearStatePool
+from lockstep.models.linear_attention import LinearState, LinearStatePool
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
@@ -98,7 +99,8 @@ class Engine:
         self.max_model_len = config.max_model_len or spec.max_position
         self.ops = get_ops(self.device.type, config.mode)
         head_dims = getattr(self.ops, "supported_head_dims", None)
-        if head_dims is not None and spec.head_dim not in head_dims:
+        # MLA's latent attention has a kernel of its own (any widths the family accepts).
+        if head_dims is not None and spec.mla is None and spec.head_dim not in head_dims:
             raise ModelLoadError(
                 f"{loaded.source}: head_dim={spec.head_dim} is not supported by the "
                 f"{self.ops.name} backend: supported head_dim values are {head_dims}"
@@ -141,14 +143,24 @@ class Engine:
         _check_pool_holds_a_context(config, kv_tokens, self.max_model_len)
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
+        # Hybrid models: the radix snapshots' own pool, its share taken out of the budget above.
+        self.snapshot_pool: LinearSnapshotPool | None = None
+        if layout is not None:
+            budget = self.kv_budget.snapshots if self.kv_budget else self._snapshot_budget(None)
+            assert budget is not None
+            if self.kv_budget is None:  # sized by hand: at least refuse what cannot fit
+                memory.refuse_oversized_snapshots(budget, *self._free_memory())
+            self.snapshot_pool = LinearSnapshotPool(layout, budget.count)
+            if self.kv_budget is None:
+                logger.info("%s", budget.describe(self._bytes_per_token()))
         kv_heads = self.decoder.plan.num_local_kv_heads  # rank 0's; every rank holds as many
         # A hybrid model's CUDA graphs pad with rows that write one spare KV row.
         # (On a pooled backend only: a decode graph addresses linear states by pool slot.)
         pooled = isinstance(self.decoder.ops, PooledLinearAttentionOps)
         hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None and pooled
         self.pool = KVPool(
-            kv_tokens, len(spec.kv_layers), kv_heads, spec.head_dim, self.kv_dtype, self.device,
-            spare_slots=int(hybrid_graphs),
+            kv_tokens, len(spec.kv_layers), kv_heads, spec.cache_head_dim, self.kv_dtype,
+            self.device, spare_slots=int(hybrid_graphs), values=spec.cache_values,
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)
@@ -156,12 +168,12 @@ class Engine:
             self.pool,
             enabled=config.enable_prefix_cache,
             state_aligned=layout is not None,
-            # One snapshot per chunk of cached tokens (the share _kv_budget sets aside).
-            state_budget=None if layout is None else _state_budget(layout, kv_tokens),
+            snapshots=self.snapshot_pool,
         )
-        resume = None
+        resume, policy = None, None
         if layout is not None:
-            resume = partial(LinearState.resume, layout, pool=self.state_pool)
+            resume = partial(LinearState.resume, layout, pool=self.state_pool, keep_all=False)
+            policy = SnapshotPolicy(layout.chunk, config.linear_snapshot_interval)
         self.scheduler = Scheduler(
             self.pool,
             self.radix,
@@ -169,6 +181,7 @@ class Engine:
             chunk_size=config.resolved_chunk_size,
             max_running=config.resolved_max_running,
             new_linear_state=resume,
+            snapshot_policy=policy,
         )
         graphs = None
         if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
@@ -199,8 +212,11 @@ class Engine:
         self.weight_updates = 0
         self.weight_version = "default"  # SGLang's name for the weights being served
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s mode=%s kv_tokens=%d",
+            "engine ready: model=%s device=%s dtype=%s mode=%s kv_tokens=%d%s",
             self.model_name, self.device, config.resolved_dtype, config.mode, kv_tokens,
+            "" if self.snapshot_pool is None else
+            f" linear_snapshots={self.snapshot_pool.num_slots} (kept at prompt ends and every "
+            f"{config.linear_snapshot_interval} tokens)",
         )  # fmt: skip
 
     # ----------------------------------------------------------------- requests
@@ -553,6 +569,10 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "state_snapshots": self.radix.num_states,
             "state_bytes": self.radix.state_bytes,
+            "state_snapshot_slots": self.snapshot_pool.num_slots if self.snapshot_pool else 0,
+            "state_snapshots_free": self.snapshot_pool.num_free if self.snapshot_pool else 0,
+            "state_snapshots_not_kept": self.scheduler.snapshots_not_kept,
+            "state_snapshots_evicted": self.radix.num_evicted_states,
         }
 
     # ----------------------------------------------------------------- tensor parallelism
@@ -592,17 +612,43 @@ class Engine:
             "weight_version": self.weight_version,
         }
 
+    def _free_memory(self) -> tuple[int, str]:
+        """The device memory free now (the available RAM on the CPU), and what it is."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0], "the free device memory"
+        return memory.available_ram(), "the available RAM"
+
+    def _bytes_per_token(self) -> int:
+        spec = self.decoder.spec
+        return memory.bytes_per_token(spec, self.decoder.plan.num_local_kv_heads, self.kv_dtype)
+
+    def _snapshot_budget(self, cache_bytes: int | None) -> memory.SnapshotBudget | None:
+        """A hybrid model's snapshot pool (None for other models): `linear_snapshots`, else
+        the default from `max_running` and the caches' share `cache_bytes` (None: kv_tokens
+        given); none without a prefix cache."""
+        layout, config = self.decoder.linear_layout, self.config
+        if layout is None:
+            return None
+        count = config.linear_snapshots
+        if not config.enable_prefix_cache:
+            count = 0
+        elif count is None:
+            count = memory.default_linear_snapshots(
+                config.resolved_max_running, layout.snapshot_bytes, cache_bytes
+            )
+        return memory.SnapshotBudget(count, layout.snapshot_bytes)
+
     def _kv_budget(self) -> memory.KVBudget:
         """Size the KV pool from memory (lockstep/engine/memory.py): on CUDA what is free after
         the weights less the largest step's workspace and the CUDA graphs, on the CPU a share
-        of the available RAM."""
+        of the available RAM; a hybrid model's snapshot pool comes out of it first."""
         spec, config = self.decoder.spec, self.config
-        layout = self.decoder.linear_layout
-        per_token = memory.bytes_per_token(spec, self.decoder.plan.num_local_kv_heads,
-                                           self.kv_dtype, layout.chunk if layout else 1)  # fmt: skip
+        per_token = self._bytes_per_token()
         fraction = config.resolved_kv_memory_fraction
         if self.device.type != "cuda":
-            return memory.cpu_kv_budget(memory.available_ram(), per_token, fraction)
+            available = memory.available_ram()
+            snapshots = self._snapshot_budget(int(available * fraction))
+            return memory.cpu_kv_budget(available, per_token, fraction, snapshots)
         max_running = config.resolved_max_running
         buckets = None
         if config.use_cuda_graphs:
@@ -613,17 +659,13 @@ class Engine:
         )  # fmt: skip
         torch.cuda.empty_cache()  # blocks cached while loading the weights are free memory
         free, _ = torch.cuda.mem_get_info(self.device)
-        return memory.cuda_kv_budget(free, per_token, reserved, fraction)
+        snapshots = self._snapshot_budget(memory.cuda_cache_bytes(free, reserved, fraction))
+        return memory.cuda_kv_budget(free, per_token, reserved, fraction, snapshots)
 
 
 # The interpreter's last collection at exit reclaims what the engines froze (extension modules
 # that count their live objects at exit, Triton's among them, would otherwise report leaks).
 atexit.register(gc.unfreeze)
-
-
-def _state_budget(layout: LinearLayout, kv_tokens: int) -> int:
-    """Snapshot bytes the radix cache may hold: one per chunk of a full KV pool."""
-    return (kv_tokens // layout.chunk + 1) * layout.snapshot_bytes
 
 
 def _spec_mismatch(served: ModelSpec, new: ModelSpec) -> str | None:

@@ -27,8 +27,25 @@ fast mode (the yardstick) also gathers a decode step's keys and values into copi
 the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
 
 Bytes per cached token (`bytes_per_token`): what every layer's mixer block says it keeps
-(`Mixer.cache_bytes`): K and V per attention layer, plus the radix cache's state snapshots of
-the linear-attention layers spread over the chunk of tokens each covers.
+per token (`Mixer.cache_bytes`): K and V per attention layer (multi-head latent attention:
+one latent row of kv_lora_rank + qk_rope_head_dim values, 576 for DeepSeek-V3);
+linear-attention layers keep none. A hybrid model's radix snapshots
+(`Mixer.cache_bytes().per_snapshot` summed over the layers, `snapshot_bytes`) come from a pool
+of their own (lockstep/cache/linear_snapshots.py) whose bytes come out of the same share once,
+before the KV pool takes the rest:
+
+    cache share = kv_memory_fraction x (free - reserved)      (CPU: x available RAM)
+    snapshots   = linear_snapshots x snapshot_bytes
+    KV tokens   = (cache share - snapshots) // bytes_per_token
+
+`linear_snapshots` left out: SNAPSHOTS_PER_RUNNING per running request, at most
+SNAPSHOT_SHARE of the cache share (`default_linear_snapshots`). A cached prefix is reusable
+only up to its last snapshot, so KV without snapshots is dead weight and snapshots without KV
+are never reached: half and half keeps both useful. Four per running request: a 1k-in /
+1k-out request keeps five (its prompt end, 512, 1024, 1536 and the end of its text:
+lockstep/cache/linear_snapshots.py), the first two shared by the requests of one prompt. The
+running requests' working states (`LinearStatePool`, a slot per running request) are
+allocated before free memory is measured.
 
 Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights
 alone exceed the free device memory (a lower bound: every parameter at its stored width, split
@@ -52,6 +69,10 @@ from lockstep.errors import ConfigError
 from lockstep.models.spec import ModelSpec
 
 CPU_DEFAULT_KV_TOKEN_CAP = 65536
+# The default snapshot pool (module docstring): per running request, and its most share of
+# the memory the caches get.
+SNAPSHOTS_PER_RUNNING = 4
+SNAPSHOT_SHARE = 0.5
 # Bytes per vocabulary entry of a row the sampler works on: index_select copies of the logits
 # and log-softmax rows (4 + 4), then for sampled rows float64 scores, Gumbel noise, the noisy
 # scores and their -inf fill (4 x 8), the keep mask (1), and top-p's masked, sorted, unit and
@@ -77,10 +98,31 @@ class StepWorkspace:
 
 
 @dataclass(frozen=True)
+class SnapshotBudget:
+    """A hybrid model's pool of radix snapshots: `count` slots of `snapshot_bytes` each."""
+
+    count: int
+    snapshot_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.count * self.snapshot_bytes
+
+    def describe(self, bytes_per_token: int) -> str:
+        """One line: the pool and what it costs in KV tokens."""
+        return (
+            f"linear snapshots {self.count} x {self.snapshot_bytes / 2**20:.2f} MiB = "
+            f"{self.total / GIB:.2f} GiB, the memory of {self.total // bytes_per_token} KV "
+            "tokens"
+        )
+
+
+@dataclass(frozen=True)
 class KVBudget:
     """How the KV pool's size was chosen: from `available_bytes` (free device memory after
-    the weights, or available RAM), less `reserved`, times `fraction`, in tokens of
-    `bytes_per_token`; `capped`: the CPU's token cap applied."""
+    the weights, or available RAM), less `reserved`, times `fraction`, less the `snapshots`
+    pool (hybrid models), in tokens of `bytes_per_token`; `capped`: the CPU's token cap
+    applied."""
 
     device: str
     available_bytes: int
@@ -89,6 +131,7 @@ class KVBudget:
     bytes_per_token: int
     kv_tokens: int
     capped: bool = False
+    snapshots: SnapshotBudget | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -97,29 +140,50 @@ class KVBudget:
         return out
 
     def describe(self) -> str:
-        """One line: where the pool's memory came from."""
+        """One line: where the pool's memory came from (and the snapshots' share)."""
         kv = self.kv_tokens * self.bytes_per_token / GIB
+        less, tail = "", ""
+        if self.snapshots is not None:
+            less = f" less {self.snapshots.total / GIB:.2f} GiB of linear snapshots"
+            tail = "; " + self.snapshots.describe(self.bytes_per_token)
         if self.reserved is None:
             cap = f", capped at {CPU_DEFAULT_KV_TOKEN_CAP} tokens" if self.capped else ""
-            return (f"KV pool {self.kv_tokens} tokens ({kv:.2f} GiB): {self.fraction:g} of "
-                    f"{self.available_bytes / GIB:.2f} GiB available RAM{cap}")  # fmt: skip
+            return (f"KV pool {self.kv_tokens} tokens of {self.bytes_per_token} bytes ({kv:.2f} "
+                    f"GiB): {self.fraction:g} of {self.available_bytes / GIB:.2f} GiB available "
+                    f"RAM{less}{cap}{tail}")  # fmt: skip
         r = self.reserved
         return (
-            f"KV pool {self.kv_tokens} tokens ({kv:.2f} GiB): {self.fraction:g} of "
-            f"{self.available_bytes / GIB:.2f} GiB free after the weights less "
+            f"KV pool {self.kv_tokens} tokens of {self.bytes_per_token} bytes ({kv:.2f} GiB): "
+            f"{self.fraction:g} of {self.available_bytes / GIB:.2f} GiB free after the weights less "
             f"{r.total / GIB:.2f} GiB reserved (activations {r.activations / GIB:.2f}, logits "
             f"{r.logits / GIB:.2f}, sampler {r.sampler / GIB:.2f}, CUDA graphs "
-            f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f})"
+            f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f}){less}{tail}"
         )
 
 
-def bytes_per_token(spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype, chunk: int) -> int:
-    """The bytes one cached token costs: the sum over layers of each mixer's per-token bytes,
-    plus their snapshot bytes (one snapshot per `chunk` tokens) per token, rounded up once.
-    `kv_heads`: this rank's KV heads."""
-    parts = [plan.mixer.cache_bytes(spec, kv_heads, kv_dtype) for plan in spec.layer_plans]
-    snapshot = sum(p.per_snapshot for p in parts)
-    return sum(p.per_token for p in parts) + -(-snapshot // chunk)
+def bytes_per_token(spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> int:
+    """The bytes one cached token costs in the KV pool: the sum over layers of each mixer's
+    per-token bytes (snapshots have their own pool: `snapshot_bytes`). `kv_heads`: this
+    rank's KV heads."""
+    return sum(plan.mixer.cache_bytes(spec, kv_heads, kv_dtype).per_token
+               for plan in spec.layer_plans)  # fmt: skip
+
+
+def snapshot_bytes(spec: ModelSpec) -> int:
+    """The bytes of one radix snapshot of a hybrid model's linear-attention state (every
+    linear layer's window and state; 0 for a model without)."""
+    return sum(plan.mixer.cache_bytes(spec, 1, torch.float32).per_snapshot
+               for plan in spec.layer_plans)  # fmt: skip
+
+
+def default_linear_snapshots(max_running: int, snapshot_bytes: int, cache_bytes: int | None) -> int:
+    """The snapshot pool's size when not given: SNAPSHOTS_PER_RUNNING per running request, and
+    when the caches are sized from memory (`cache_bytes`: the share they get) at most
+    SNAPSHOT_SHARE of it."""
+    wanted = SNAPSHOTS_PER_RUNNING * max_running
+    if cache_bytes is None:
+        return wanted
+    return min(wanted, int(cache_bytes * SNAPSHOT_SHARE) // snapshot_bytes)
 
 
 def step_workspace(
@@ -180,29 +244,66 @@ def refuse_oversized_weights(
     )
 
 
+def cuda_cache_bytes(free_bytes: int, reserved: StepWorkspace, fraction: float) -> int:
+    """The share of the device memory free after the weights that the caches get."""
+    return int(max(free_bytes - reserved.total, 0) * fraction)
+
+
 def cuda_kv_budget(
-    free_bytes: int, bytes_per_token: int, reserved: StepWorkspace, fraction: float
+    free_bytes: int,
+    bytes_per_token: int,
+    reserved: StepWorkspace,
+    fraction: float,
+    snapshots: SnapshotBudget | None = None,
 ) -> KVBudget:
-    """The KV pool from the device memory free after the weights. Raises `ConfigError` when
-    the reservation leaves no room for a pool."""
-    usable = free_bytes - reserved.total
-    tokens = int(max(usable, 0) * fraction) // bytes_per_token
+    """The KV pool from the device memory free after the weights, less the snapshot pool.
+    Raises `ConfigError` when the reservation and the snapshots leave no room for a pool."""
+    taken = 0 if snapshots is None else snapshots.total
+    tokens = (cuda_cache_bytes(free_bytes, reserved, fraction) - taken) // bytes_per_token
     if tokens < 1:
+        snaps, options = "", "--max-batch-tokens or --max-running"
+        if snapshots is not None:
+            snaps = f" and {taken / GIB:.2f} GiB by {snapshots.count} linear snapshots"
+            options = "--max-batch-tokens, --max-running or --linear-snapshots"
         raise ConfigError(
             f"kv_tokens: no device memory is left for the KV pool: {free_bytes / GIB:.2f} GiB "
             f"free after the weights, {reserved.total / GIB:.2f} GiB needed by the largest "
-            "step and the CUDA graphs; lower --max-batch-tokens or --max-running, or give "
-            "--kv-tokens"
+            f"step and the CUDA graphs{snaps}; lower {options}, or give --kv-tokens"
         )
-    return KVBudget("cuda", free_bytes, reserved, fraction, bytes_per_token, tokens)
+    return KVBudget("cuda", free_bytes, reserved, fraction, bytes_per_token, tokens,
+                    snapshots=snapshots)  # fmt: skip
 
 
-def cpu_kv_budget(available_bytes: int, bytes_per_token: int, fraction: float) -> KVBudget:
-    """The KV pool from the available RAM, capped at CPU_DEFAULT_KV_TOKEN_CAP tokens."""
-    tokens = int(available_bytes * fraction) // bytes_per_token
+def cpu_kv_budget(
+    available_bytes: int,
+    bytes_per_token: int,
+    fraction: float,
+    snapshots: SnapshotBudget | None = None,
+) -> KVBudget:
+    """The KV pool from the available RAM less the snapshot pool, capped at
+    CPU_DEFAULT_KV_TOKEN_CAP tokens. Raises `ConfigError` when the snapshots alone exceed the
+    share."""
+    share = int(available_bytes * fraction)
+    if snapshots is not None:
+        refuse_oversized_snapshots(snapshots, share, f"{fraction:g} of the available RAM")
+    taken = 0 if snapshots is None else snapshots.total
+    tokens = (share - taken) // bytes_per_token
     capped = tokens > CPU_DEFAULT_KV_TOKEN_CAP
     tokens = max(1, min(tokens, CPU_DEFAULT_KV_TOKEN_CAP))
-    return KVBudget("cpu", available_bytes, None, fraction, bytes_per_token, tokens, capped)
+    return KVBudget("cpu", available_bytes, None, fraction, bytes_per_token, tokens, capped,
+                    snapshots)  # fmt: skip
+
+
+def refuse_oversized_snapshots(snapshots: SnapshotBudget, room: int, what: str) -> None:
+    """Raise `ConfigError` when the snapshot pool needs more than `room` bytes (`what`: where
+    that room comes from, for the message), before anything is allocated."""
+    if snapshots.total <= room:
+        return
+    raise ConfigError(
+        f"linear_snapshots={snapshots.count} is invalid here: {snapshots.count} snapshots of "
+        f"{snapshots.snapshot_bytes / 2**20:.2f} MiB need {snapshots.total / GIB:.2f} GiB and "
+        f"{what} is {room / GIB:.2f} GiB; expected at most {room // snapshots.snapshot_bytes}"
+    )
 
 
 def available_ram() -> int:

@@ -21,8 +21,12 @@ Slot ownership (see `Request`): the radix cache owns `slots[:prefix_len]` (locke
 Hybrid models: a running request also owns its linear-attention working state
 (`Request.linear_state`, at `num_computed` between steps), made at admission from the
 snapshot the prefix match resumed at (the match is cut back to one: RadixCache,
-`state_aligned`). The snapshots of the chunk boundaries it crosses go to the radix cache with
-its KV (`cache_prefix`); its working state is dropped at release.
+`state_aligned`). For each planned chunk the scheduler reserves snapshot slots for the
+boundaries it crosses that the cache keeps (`SnapshotPolicy`, lockstep/cache/linear_snapshots.py),
+evicting unlocked radix leaves when the pool is empty; a boundary that finds no slot is not
+kept (`snapshots_not_kept`), nothing is allocated. The step fills the reserved snapshots, they
+go to the radix cache with the KV (`cache_prefix`), and release gives back whatever the
+request still holds.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 
 from lockstep.cache.kv_pool import CacheIntegrityError, KVPool
+from lockstep.cache.linear_snapshots import SnapshotPolicy
 from lockstep.cache.radix import PrefixMatch, RadixCache
 from lockstep.engine.request import Request, Status
 
@@ -66,10 +71,15 @@ class Scheduler:
         chunk_size: int,
         max_running: int,
         new_linear_state: Callable[[Any], Any] | None = None,
+        snapshot_policy: SnapshotPolicy | None = None,
     ) -> None:
         """`new_linear_state(snapshot or None)`: a working state resumed from a radix
-        snapshot (hybrid models; None for models without linear attention)."""
+        snapshot (hybrid models; None for models without linear attention) that captures the
+        boundaries reserved in its `keep`; `snapshot_policy`: which boundaries those are, in
+        slots of `radix.snapshots`."""
         self.new_linear_state = new_linear_state
+        self.snapshot_policy = snapshot_policy
+        self.snapshots_not_kept = 0  # boundaries the policy asked for that found no free slot
         self.pool = pool
         self.radix = radix
         self.max_batch_tokens = max_batch_tokens
@@ -105,6 +115,13 @@ class Scheduler:
         idle = [r.request_id for r in self.waiting if r.linear_state is not None]
         if idle:
             raise CacheIntegrityError(f"waiting requests hold linear states: {idle[:8]}")
+        snapshots = self.radix.snapshots
+        if snapshots is not None:
+            held = self.radix.pooled_snapshots()
+            for r in self.running:
+                state = r.linear_state
+                held += [*(state.keep or {}).values(), *state.captured.values()]
+            snapshots.check_integrity(held)
 
     # ----------------------------------------------------------------- planning
     def schedule(self) -> list[ScheduledChunk]:
@@ -151,7 +168,36 @@ class Scheduler:
                 break
             plan.append(chunk)
             budget -= chunk.end - chunk.start
+        self._reserve_snapshots(plan)
         return plan
+
+    def _reserve_snapshots(self, plan: list[ScheduledChunk]) -> None:
+        """Reserve a snapshot slot for each boundary the plan crosses that the policy keeps,
+        evicting unlocked radix leaves for one when the pool is empty; without a slot the
+        boundary is not kept (never an allocation). A chunk that keeps a boundary past the
+        prompt gives back the end-of-text snapshot (`SnapshotPolicy.latest`) its request
+        captured in an earlier step and not yet cached: the new one replaces it."""
+        pool, policy = self.radix.snapshots, self.snapshot_policy
+        if pool is None or policy is None or not self.radix.enabled:
+            return
+        for chunk in plan:
+            request, state = chunk.request, chunk.request.linear_state
+            prompt_len = len(request.prompt_ids)
+            wanted = policy.kept(prompt_len, chunk.start, chunk.end)
+            latest = policy.latest(prompt_len, chunk.start, chunk.end)
+            newest = 0
+            for position in wanted if latest is None else [*wanted, latest]:
+                if pool.num_free == 0:
+                    self.radix.evict_for_snapshots(1)
+                snap = pool.acquire(position)
+                if snap is None:
+                    self.snapshots_not_kept += 1
+                else:
+                    state.keep[position] = snap
+                    newest = position
+            if newest > prompt_len:
+                for position in [p for p in state.captured if not policy.fixed(prompt_len, p)]:
+                    state.captured.pop(position).release()
 
     def _admit_one(self, budget: int, plan: list[ScheduledChunk]) -> ScheduledChunk | None:
         best, match = None, None
@@ -230,6 +276,8 @@ class Scheduler:
         state = request.linear_state
         states = state.take_captured() if state is not None else None
         if not self.radix.enabled or upto <= request.prefix_len:
+            for snap in (states or {}).values():
+                snap.release()
             return
         result = self.radix.insert(
             request.all_ids[:upto],
@@ -245,8 +293,6 @@ class Scheduler:
         request.slots.replace_prefix(result.cached_slots.tolist())
         request.prefix_node = result.node
         request.prefix_len = upto
-        if states:
-            self.radix.keep_state_budget()
 
     def _release(self, request: Request, keep_in_cache: bool) -> None:
         if keep_in_cache:

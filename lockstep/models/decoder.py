@@ -56,10 +56,16 @@ from lockstep.models.blocks.base import (
     Step,
 )
 from lockstep.models.blocks.gated_deltanet import ungroup_projections
+from lockstep.models.blocks.mla import absorbed, rope_rows_reordered
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
-from lockstep.models.spec import ModelSpec, expected_weight_names, expected_weight_shape
+from lockstep.models.spec import (
+    ModelSpec,
+    YarnScaling,
+    expected_weight_names,
+    expected_weight_shape,
+)
 from lockstep.ops.base import (
     AttentionMeta,
     DenseOps,
@@ -114,6 +120,9 @@ def rope_tables(
         inv_freq = 1.0 / (spec.sliding.rope_theta**exponent)
     else:
         inv_freq = 1.0 / (spec.rope_theta**exponent) / spec.rope_linear_factor
+    yarn = None if sliding else spec.yarn
+    if yarn is not None:
+        inv_freq = _yarn_inv_freq(yarn, spec.rope_theta, spec.rotary_dim)
     s = None if sliding else spec.rope_scaling
     if s is not None:
         # Llama 3 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
@@ -128,7 +137,29 @@ def rope_tables(
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
     angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+    factor = 1.0 if yarn is None else yarn.attention_factor  # YaRN scales cos and sin
+    return (angles.cos() * factor).to(torch.float32), (angles.sin() * factor).to(torch.float32)
+
+
+def _yarn_inv_freq(yarn: YarnScaling, theta: float, dim: int) -> torch.Tensor:
+    """YaRN's frequencies (float64), as transformers' _compute_yarn_parameters: each blends
+    the interpolated (divided by the factor) and the extrapolated frequency by a linear ramp
+    between the dims where `beta_fast` and `beta_slow` rotations fit the original context."""
+
+    def correction_dim(rotations: float) -> float:
+        ratio = yarn.original_max_position / (rotations * 2 * math.pi)
+        return dim * math.log(ratio) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation = 1 - ramp
+    return extrapolated / yarn.factor * (1 - extrapolation) + extrapolated * extrapolation
 
 
 class Decoder:
@@ -329,7 +360,8 @@ class Decoder:
 
 
 class ScratchKV:
-    """A private KV cache for `cold_prefill`, k and v [KV layers, n, Hkv, D] (the engine uses
+    """A private KV cache for `cold_prefill`, k and v [KV layers, n, Hkv, D] (MLA: one latent
+    row per token, k and v the same tensor [KV layers, n, 1, W]; the engine uses
     the shared KV pool), and the linear-attention state the prefill ended in (hybrid); Hkv:
     `num_kv_heads`, this rank's KV heads (default: the model's)."""
 
@@ -341,10 +373,12 @@ class ScratchKV:
         device: torch.device,
         num_kv_heads: int | None = None,
     ) -> None:
-        shape = (len(spec.kv_layers), n, num_kv_heads or spec.num_kv_heads, spec.head_dim)
+        heads = num_kv_heads or spec.cache_kv_heads
+        shape = (len(spec.kv_layers), n, heads, spec.cache_head_dim)
         self.linear_state: LinearState | None = None
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # MLA keeps one latent row per token: its values are its keys' first columns.
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if spec.cache_values else self.k
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.k[layer]
@@ -354,7 +388,8 @@ class ScratchKV:
 
 
 # Tensors kept in float32 whatever the model dtype (name endings).
-FLOAT32_TENSORS = ("norm.weight", ".bias", ".A_log", ".dt_bias", ".conv1d.weight")
+FLOAT32_TENSORS = ("norm.weight", ".bias", ".A_log", ".dt_bias", ".conv1d.weight",
+                   ".e_score_correction_bias")  # fmt: skip
 
 
 def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
@@ -364,7 +399,10 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     Qwen3.5 stores w - 1), "conv" (float32 [channels, kernel]), "bias" (float32,
     concatenated), "embed" (as is), "linear" (rows
     concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
-    gate rows separated: q | k | v | gate, then "linear"), "qkvz_ba" (Qwen3-Next's grouped
+    gate rows separated: q | k | v | gate, then "linear"), "mla_linear" (MLA projections whose
+    interleaved RoPE rows are reordered, `rope_rows_reordered`, then "linear"), "mla_absorb_k"
+    and "mla_absorb_v" (kv_b_proj split per head into W_UK^T and W_UV, blocks/mla.py's
+    `absorbed`, each head prepared as a linear and stacked), "qkvz_ba" (Qwen3-Next's grouped
     Gated DeltaNet inputs reordered to q | k | v | z | b | a, `ungroup_projections`, then
     "linear"), "row_attention" and "row_mlp"
     (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
@@ -454,6 +492,12 @@ def _prepare(
         assert spec.linear is not None
         parts = ungroup_projections(spec.linear, parts[0], parts[1])
         kind = "linear"
+    if kind == "mla_linear":
+        parts = [rope_rows_reordered(spec, n, p) for n, p in zip(entry.sources, parts, strict=True)]
+        kind = "linear"
+    if kind in ("mla_absorb_k", "mla_absorb_v"):
+        per_head = absorbed(spec, parts[0], kind[-1]).to(device=device, dtype=dtype)
+        return prepare_expert_weights(ops.prepare_linear_weight, per_head)
     if kind == "qkv_gate":
         q_gate = parts[0].reshape(spec.num_heads, 2, spec.head_dim, -1)
         parts = [q_gate[:, 0].reshape(spec.q_size, -1), parts[1], parts[2],

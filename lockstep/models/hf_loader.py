@@ -78,7 +78,8 @@ class SafetensorsWeights:
             )
         self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key in file)
         self.fp8_modules: set[str] = set()  # linears whose weight is stored as e4m3
-        kv_scales = []
+        kv_scales: list[str] = []
+        extra_layers: list[str] = []
         for file_name in files:
             path = folder / file_name
             if not path.exists():
@@ -98,10 +99,19 @@ class SafetensorsWeights:
                 if key in fp8:
                     self._check_fp8_weight(folder, key)
                     self.fp8_modules.add(key.removesuffix(".weight"))
+                if _beyond_last_layer(key, spec):
+                    extra_layers.append(key)  # DeepSeek's multi-token-prediction layers
+                    continue
                 name = family.tensor_name(key if fmt is None else fmt.canonical(key))
                 if name is None:
                     continue  # the family does not serve it (a vision tower)
                 self._where[name] = (path, key)
+        if extra_layers:
+            logger.info(
+                "%s: %d tensors of layers past the last decoder layer (e.g. %s, DeepSeek's "
+                "multi-token prediction) are not loaded", folder, len(extra_layers),
+                extra_layers[0],
+            )  # fmt: skip
         if kv_scales:
             logger.warning(
                 "%s: %d k/v cache scales (e.g. %s) are not used: the FP8 KV cache has scale 1.0",
@@ -142,6 +152,15 @@ class SafetensorsWeights:
                     else:
                         target = dtype
                     yield name, tensor.to(device=device, dtype=target).contiguous()
+
+
+def _beyond_last_layer(key: str, spec: ModelSpec) -> bool:
+    """Whether `key` belongs to a layer past the spec's last one in an MLA (DeepSeek) folder:
+    its multi-token-prediction layers `model.layers.{num_layers + j}.*`, which are not run."""
+    if spec.mla is None or not key.startswith("model.layers."):
+        return False
+    index = key.split(".", 3)[2]
+    return index.isdigit() and int(index) >= spec.num_layers
 
 
 def _token_text(value: Any) -> str | None:

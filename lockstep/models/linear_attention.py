@@ -14,16 +14,18 @@ in chunks of `CHUNK` rows at absolute positions 0, C, 2C, ...:
 the chunk its next position falls in, and that chunk's rows so far ("open rows": key, the
 cumulative log decay and the corrected value u of each). A step of any size continues from
 it with the per-row formula of `Ops.gated_delta_rule`, so a decode step gives the bits of a
-prefill. Each boundary a step crosses is captured as a `LinearSnapshot`, which the radix cache
-keeps beside the full-attention layers' KV; a prefix hit resumes from the last snapshot at or
-below the matched length and recomputes the rest.
+prefill. The boundaries a step crosses that the radix cache will keep (an engine request's
+`keep`, reserved from a `LinearSnapshotPool`: lockstep/cache/linear_snapshots.py; every one for
+a state of its own) are captured as `LinearSnapshot`s, which the cache keeps beside the
+full-attention layers' KV; a prefix hit resumes from the last snapshot at or below the matched
+length and recomputes the rest.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,18 +73,27 @@ class LinearLayout:
         return 4 * self.num_layers * (window + state)
 
 
-@dataclass
+@dataclass(eq=False)
 class LinearSnapshot:
     """The state after `position` tokens (a multiple of the chunk): conv windows [L, K-1,
-    conv_dim] and boundary states [L, Hv, Dk, Dv]. Never modified once complete."""
+    conv_dim] and boundary states [L, Hv, Dk, Dv]. Never modified once complete. `pool`,
+    `slot`: the `LinearSnapshotPool` slot it views (lent until `release`), or None, -1 for
+    tensors of its own."""
 
     position: int
     conv: torch.Tensor
     recurrent: torch.Tensor
+    pool: Any = None
+    slot: int = -1
 
     @property
     def nbytes(self) -> int:
         return self.conv.numel() * 4 + self.recurrent.numel() * 4
+
+    def release(self) -> None:
+        """Give a pooled snapshot's slot back (a no-op for one with tensors of its own)."""
+        if self.pool is not None:
+            self.pool.release(self)
 
 
 class LinearStatePool:
@@ -134,8 +145,11 @@ class LinearState:
     [L, K-1, conv_dim], the boundary state of the chunk holding `position` [L, Hv, Dk, Dv]
     and that chunk's open rows (keys [L, C, Hk, Dk], cumulative log decays [L, C, Hv],
     corrected values [L, C, Hv, Dv]; rows 0 .. position % C - 1 are meaningful). `captured`:
-    snapshots of the boundaries crossed since the owner last took them. A pooled state's
-    tensors are its slot's views of a `LinearStatePool` (`release` gives the slot back)."""
+    snapshots of the boundaries crossed since the owner last took them. `keep`: the snapshots
+    reserved for the boundaries to capture, by position (the engine's requests: a step
+    captures only those); None: capture every boundary into tensors of its own. A pooled
+    state's tensors are its slot's views of a `LinearStatePool`; `release` gives the slot and
+    every snapshot the state still holds back."""
 
     layout: LinearLayout
     position: int
@@ -147,6 +161,7 @@ class LinearState:
     captured: dict[int, LinearSnapshot] = field(default_factory=dict)
     pool: LinearStatePool | None = None
     slot: int = -1
+    keep: dict[int, LinearSnapshot] | None = None
 
     @classmethod
     def resume(
@@ -154,9 +169,19 @@ class LinearState:
         layout: LinearLayout,
         snapshot: LinearSnapshot | None,
         pool: LinearStatePool | None = None,
+        keep_all: bool = True,
     ) -> LinearState:
         """A state at the snapshot's position (a copy: the snapshot stays intact), or at
-        position 0 from nothing; in a slot of `pool` if given, else in tensors of its own."""
+        position 0 from nothing; in a slot of `pool` if given, else in tensors of its own.
+        `keep_all`: capture every boundary; else only those reserved in `keep`."""
+        state = cls._resume(layout, snapshot, pool)
+        state.keep = None if keep_all else {}
+        return state
+
+    @classmethod
+    def _resume(
+        cls, layout: LinearLayout, snapshot: LinearSnapshot | None, pool: LinearStatePool | None
+    ) -> LinearState:
         z, lay = layout._zeros, layout
         if pool is not None:
             slot = pool.acquire()
@@ -191,18 +216,36 @@ class LinearState:
         )  # fmt: skip
 
     def release(self) -> None:
-        """Give a pooled state's slot back (once; a no-op for a state of its own)."""
+        """Give a pooled state's slot back (once; a no-op for a state of its own), and every
+        snapshot it still holds, reserved or captured, to its pool."""
+        for snap in [*(self.keep or {}).values(), *self.captured.values()]:
+            snap.release()
+        self.captured = {}
+        if self.keep is not None:
+            self.keep = {}
         if self.pool is not None:
             self.pool.release(self.slot)
             self.pool, self.slot = None, -1
 
+    def keeps(self, position: int) -> bool:
+        """Whether the boundary at `position` is captured (`keep`)."""
+        return self.keep is None or position in self.keep or position in self.captured
+
     def advance(self, n: int) -> None:
-        """Move past a step's n rows; a pooled state that ends on a chunk boundary the step
-        did not capture takes it from its slot (the pooled path leaves that one there)."""
+        """Move past a step's n rows; a pooled state that ends on a chunk boundary it keeps
+        and the step did not capture takes it from its slot (the pooled path leaves that one
+        there)."""
         self.position += n
         p = self.position
-        if self.pool is not None and n and p % self.layout.chunk == 0 and p not in self.captured:
+        if self.pool is None or not n or p % self.layout.chunk or p in self.captured:
+            return
+        if self.keep is None:
             self.captured[p] = LinearSnapshot(p, self.conv.clone(), self.recurrent.clone())
+        elif p in self.keep:
+            snap = self.keep.pop(p)
+            snap.conv.copy_(self.conv)
+            snap.recurrent.copy_(self.recurrent)
+            self.captured[p] = snap
 
     def take_captured(self) -> dict[int, LinearSnapshot]:
         """Hand over the captured snapshots (the caller keeps or drops them)."""
@@ -295,13 +338,16 @@ def pooled_rows(
         return None
     return PooledRows.build(
         rows, [s.position for s in states], [s.slot for s in states], layout.chunk,
-        pool.recurrent.device,
+        pool.recurrent.device, keep=lambda seq, position: states[seq].keeps(position),
     )  # fmt: skip
 
 
 def _snapshot(state: LinearState, position: int) -> LinearSnapshot:
-    """The state's snapshot at `position`, made (empty) on its first layer."""
+    """The state's snapshot at `position` (one it keeps), taken from `keep` or made (empty)
+    on its first layer."""
     snap = state.captured.get(position)
+    if snap is None and state.keep is not None:
+        snap = state.captured[position] = state.keep.pop(position)
     if snap is None:
         lay = state.layout
         snap = LinearSnapshot(
@@ -354,6 +400,8 @@ def _delta_rule_by_sequence(
         )  # fmt: skip
         out[r0:r1] = o
         for position, s in boundaries:
+            if not state.keeps(position):
+                continue
             snap = _snapshot(state, position)
             snap.conv[layer].copy_(seq_rows[position - start : position - start + k1])
             snap.recurrent[layer].copy_(s)

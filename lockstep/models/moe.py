@@ -6,10 +6,11 @@ Supported routing (Qwen3-MoE, `MoeSpec`): softmax over fp32 router logits, the t
 capacity limit. Qwen3-Next and Qwen3.5-MoE add a shared expert gated by a sigmoid
 (`shared_expert_intermediate_size`, allowed for their model types only:
 `GATED_SHARED_EXPERT_TYPES`). A family with the same routing (OLMoE, Mixtral) needs only its
-config keys and tensor names mapped here and in the loader; another shared-expert form
-(DeepSeek's ungated experts) is a variant of blocks/moe.py's shared expert; grouped or sigmoid
-routing (DeepSeek V3) is a new routing formula in every backend's `Ops.moe`. Until then each is
-refused at load, in one line naming the config key.
+config keys and tensor names mapped here and in the loader. The DeepSeek-architecture
+families (`DEEPSEEK_TYPES`) read their own routing keys (families/deepseek.py: sigmoid or
+softmax scores, a correction bias, expert groups, a routed scaling factor, ungated shared
+experts); for every other model type those keys are refused at load, in one line naming the
+config key.
 
 Checkpoints name experts one tensor each (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`,
 the canonical names, which `save_pretrained` writes). transformers 5 holds them in memory fused
@@ -31,11 +32,15 @@ from lockstep.models.spec import MoeSpec
 
 SUPPORTED_ROUTING = (
     "Qwen3-MoE routing (softmax top-k, optional renormalization, no expert groups), with a "
-    "sigmoid-gated shared expert in Qwen3-Next and Qwen3.5-MoE only"
+    "sigmoid-gated shared expert in Qwen3-Next and Qwen3.5-MoE only; DeepSeek's routing in "
+    "the deepseek_v2, deepseek_v3 and glm4_moe_lite model types"
 )
 # model_type values whose shared expert is the one blocks/moe.py runs (Qwen2MoeSparseMoeBlock's
 # sigmoid-gated shared expert), so their `shared_expert_intermediate_size` is served.
 GATED_SHARED_EXPERT_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+# model_type values whose routing (sigmoid or softmax scores, groups, correction bias, scaling)
+# and ungated shared experts families/deepseek.py reads.
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm4_moe_lite")
 
 # (config key, is the value unsupported?, what the key turns on). Keys of MoE families whose
 # routing Lockstep does not implement; any of them set is refused whatever the model_type.
@@ -52,7 +57,10 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
 
 
 def refuse_unsupported_moe(config: dict[str, Any], where: str) -> None:
-    """Raise `ModelLoadError` (one line) if `config` turns on an MoE feature Lockstep lacks."""
+    """Raise `ModelLoadError` (one line) if `config` turns on an MoE feature Lockstep lacks.
+    The DeepSeek-architecture families read their own routing keys (families/deepseek.py)."""
+    if config.get("model_type") in DEEPSEEK_TYPES:
+        return
     gated_shared = config.get("model_type") in GATED_SHARED_EXPERT_TYPES
     for key, unsupported, feature in _UNSUPPORTED:
         if gated_shared and key == "shared_expert_intermediate_size":

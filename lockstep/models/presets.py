@@ -109,6 +109,22 @@ def _gemma3(
     )  # fmt: skip
 
 
+def _yarn(factor: float, mscale: float, mscale_all_dim: float, original: int) -> dict[str, Any]:
+    """DeepSeek's YaRN RoPE scaling keys."""
+    return {"type": "yarn", "factor": factor, "mscale": mscale, "mscale_all_dim": mscale_all_dim,
+            "original_max_position_embeddings": original, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+
+
+def _deepseek(model_type: str, **keys: Any) -> dict[str, Any]:
+    """The keys DeepSeek-V2 and V3 configs share (DeepSeek-V3's values), under `keys`."""
+    shared = {
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    }  # fmt: skip
+    return _config(model_type, **(shared | keys))
+
+
 def _hybrid_layers(num_layers: int, interval: int) -> tuple[str, ...]:
     """Qwen3.5's pattern: every `interval`-th layer full attention, the others linear."""
     return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -234,6 +250,49 @@ PRESETS: dict[str, Preset] = {
                         sparse_layers=tuple(range(48)), shared_expert_size=512),
         ),
         add_bos=False,
+    ),
+    # The DeepSeek architecture (multi-head latent attention, DeepSeek MoE routing), small:
+    # tiny-deepseek-v3 has a q LoRA, sigmoid routing within the best 2 of 4 expert groups with
+    # a correction bias, one ungated shared expert, layer 0 dense and YaRN RoPE.
+    "tiny-deepseek-v3": _preset(
+        _deepseek("deepseek_v3", vocab_size=512, hidden_size=128, intermediate_size=256,
+                  moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                  v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                  topk_group=2, first_k_dense_replace=1, max_position_embeddings=4096,
+                  rope_scaling=_yarn(8.0, 1.0, 1.0, 512)),
+        add_bos=False,
+    ),
+    # DeepSeek-V2-Lite (15.7 B): no q LoRA, softmax greedy routing, two shared experts.
+    "deepseek-v2-lite": _preset(
+        _deepseek("deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                  moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                  q_lora_rank=None, n_routed_experts=64, num_experts_per_tok=6,
+                  n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                  norm_topk_prob=False, routed_scaling_factor=1.0,
+                  rope_scaling=_yarn(40.0, 0.707, 0.707, 4096)),
+        add_bos=True,
+    ),
+    # GLM-4.7-Flash (transformers' Glm4MoeLiteConfig defaults): DeepSeek-V3's attention and
+    # routing without expert groups, value heads of 256.
+    "glm-4.7-flash": _preset(
+        _config("glm4_moe_lite", vocab_size=154880, hidden_size=2048, intermediate_size=10240,
+                moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20,
+                q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+                v_head_dim=256, n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1,
+                n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+                rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=202752),
+        add_bos=False,
+    ),
+    # DeepSeek-V3 / R1 (671 B without its multi-token-prediction layer): 1.25 TiB in bf16,
+    # refused on one GPU with that arithmetic (MoE models run at tp 1).
+    "deepseek-v3": _preset(
+        _deepseek("deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                  moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                  q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+                  topk_group=4, first_k_dense_replace=3, max_position_embeddings=163840,
+                  rope_scaling=_yarn(40.0, 1.0, 1.0, 4096)),
+        add_bos=True,
     ),
     "smollm2-135m": _preset(
         _config("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -376,7 +435,7 @@ class RandomWeights:
         values = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
         if name.endswith(".conv1d.weight"):
             std = shape[-1] ** -0.5
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", ".e_score_correction_bias")):
             std = 0.1
         elif "embed_tokens" in name:
             std = 0.02

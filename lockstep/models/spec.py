@@ -1,13 +1,15 @@
 """Architecture description shared by every loader and the decoder.
 
 Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, the hybrid MoE families
-Qwen3.5-MoE and Qwen3-Next, and Gemma 3) is a pre-norm decoder with rotary embeddings whose
-layers are (norm, mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP
-block (lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
-Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), or in a hybrid
-model (`ModelSpec.linear`) Gated DeltaNet in most layers; the dense SwiGLU (or GeGLU) MLP, or
-in the sparse layers of a mixture-of-experts model (`ModelSpec.moe`) a router and routed
-experts, plus a gated shared expert where the family has one. The hybrid families and Gemma 3
+Qwen3.5-MoE and Qwen3-Next, Gemma 3, and the DeepSeek architecture: DeepSeek-V2, DeepSeek-V3
+and GLM-4.7-Flash) is a pre-norm decoder with rotary embeddings whose layers are (norm,
+mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP block
+(lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
+Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), multi-head
+latent attention (`ModelSpec.mla`), or in a hybrid model (`ModelSpec.linear`) Gated DeltaNet
+in most layers; the dense SwiGLU (or GeGLU) MLP, or in the sparse layers of a
+mixture-of-experts model (`ModelSpec.moe`) a router and routed experts, plus a gated or
+(DeepSeek) ungated shared expert where the family has one. The hybrid families and Gemma 3
 store their RMSNorm weights as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and
 MLP's output (its four norms per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec`
 plus a state dict in the canonical (Hugging Face) naming: each block's module docstring lists
@@ -41,8 +43,11 @@ if TYPE_CHECKING:
     from lockstep.models.blocks import LayerPlan
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-            "gemma3")  # fmt: skip
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
+            "gemma3", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # fmt: skip
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", *MLA_FAMILIES)
+SCORING_FUNCTIONS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
@@ -60,6 +65,58 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (rope_type "yarn", DeepSeek-V2/V3), as transformers computes it: each
+    frequency blends its interpolated (divided by `factor`) and extrapolated value by a linear
+    ramp between the correction dims of `beta_fast` and `beta_slow` rotations over
+    `original_max_position` (floored / ceiled when `truncate`), and the cos / sin tables are
+    multiplied by `attention_factor`."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, blocks/mla.py). Each token's query is
+    `qk_nope_head_dim` + `qk_rope_head_dim` wide per head (through a LoRA of rank
+    `q_lora_rank`, or one q_proj when None); its key and value come from one latent of
+    `kv_lora_rank` (normalized) plus one RoPE key of `qk_rope_head_dim` shared by every head,
+    which is all the cache keeps. `rope_interleave`: the checkpoint's RoPE dims are
+    interleaved pairs (DeepSeek's layout; the loader reorders them to rotate-half).
+    `softmax_scale` multiplies the scores (qk_head_dim ** -0.5, times YaRN's mscale squared
+    where the config sets mscale_all_dim)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values the cache keeps per token and layer: the latent, then the RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class MoeSpec:
     """The routed experts of a mixture-of-experts model (docs/design.md, "Mixture of experts").
 
@@ -71,7 +128,15 @@ class MoeSpec:
 
     `shared_expert_size` > 0 (Qwen3-Next, Qwen3.5-MoE): every sparse layer also runs a shared
     SwiGLU expert of that width on every token, gated per token by a sigmoid of one more
-    linear row: out = routed + sigmoid(x . g) * shared(x) (blocks/moe.py)."""
+    linear row: out = routed + sigmoid(x . g) * shared(x) (blocks/moe.py). DeepSeek's shared
+    experts (`shared_expert_gated` False) are one SwiGLU of that width added ungated.
+
+    DeepSeek routing (lockstep/ops/moe.py, "DeepSeek routing"): `scoring` "sigmoid" scores
+    each expert by sigmoid(logit) and chooses by score + the expert's correction bias
+    (`correction_bias`, a tensor of the checkpoint) while weighting by the unbiased score;
+    `groups` > 1 first keeps the `topk_groups` best groups of experts by `group_score` ("max"
+    of a group's scores, DeepSeek-V2's group_limited_greedy; "top2_sum", the sum of its two
+    best biased scores, DeepSeek-V3); the weights are then multiplied by `routed_scaling`."""
 
     num_experts: int
     top_k: int
@@ -79,8 +144,46 @@ class MoeSpec:
     renormalize: bool
     sparse_layers: tuple[int, ...]
     shared_expert_size: int = 0
+    shared_expert_gated: bool = True
+    scoring: str = "softmax"
+    correction_bias: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    routed_scaling: float = 1.0
+
+    @property
+    def deepseek_routing(self) -> bool:
+        """Whether routing goes beyond softmax top-k (sigmoid scores, a correction bias,
+        expert groups or a routed scaling factor): `Ops.moe` needs `DeepseekRoutingOps`."""
+        return (self.scoring != "softmax" or self.correction_bias or self.groups > 1
+                or self.routed_scaling != 1.0)  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.scoring not in SCORING_FUNCTIONS:
+            raise ValueError(f"scoring_func={self.scoring!r}: supported {SCORING_FUNCTIONS}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group score {self.group_score!r}: supported {GROUP_SCORES}")
+        if self.groups < 1 or self.num_experts % self.groups:
+            raise ValueError(
+                f"n_group={self.groups} must be >= 1 and divide n_routed_experts={self.num_experts}"
+            )
+        if not 1 <= self.topk_groups <= self.groups:
+            raise ValueError(f"topk_group={self.topk_groups} must be between 1 and n_group="
+                             f"{self.groups}")  # fmt: skip
+        if self.groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.groups):
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
+                f"{self.topk_groups} groups"
+            )
+        if (
+            self.group_score == "top2_sum"
+            and self.groups > 1
+            and self.num_experts // self.groups < 2
+        ):
+            raise ValueError("a top2_sum group score needs at least 2 experts per group")
+        if not self.routed_scaling > 0:
+            raise ValueError(f"routed_scaling_factor={self.routed_scaling} must be > 0")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.top_k} must be between 1 and num_experts="
@@ -218,8 +321,19 @@ class ModelSpec:
     attention_scale: float | None = None
     rope_linear_factor: float = 1.0
     final_logit_softcap: float | None = None
+    # DeepSeek's multi-head latent attention (blocks/mla.py) and YaRN RoPE scaling.
+    mla: MlaSpec | None = field(default=None)
+    yarn: YarnScaling | None = field(default=None)
 
     def __post_init__(self) -> None:
+        if (self.mla is not None) != (self.family in MLA_FAMILIES):
+            raise ValueError(
+                f"family={self.family!r} with mla={self.mla!r}: the latent-attention families "
+                f"{MLA_FAMILIES} need an MlaSpec, the others none"
+            )
+        if self.mla is not None and self.rotary_dim != self.mla.qk_rope_head_dim:
+            raise ValueError(f"an MLA model rotates qk_rope_head_dim={self.mla.qk_rope_head_dim}"
+                             f" dims, not {self.rotary_dim}")  # fmt: skip
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp activation {self.mlp_activation!r}: supported {MLP_ACTIVATIONS}")
         if self.sliding is not None and len(self.sliding.layer_types) != self.num_layers:
@@ -331,6 +445,22 @@ class ModelSpec:
         return tuple(i for i, plan in enumerate(self.layer_plans) if plan.mixer.cache == "kv")
 
     @property
+    def cache_kv_heads(self) -> int:
+        """Heads of one KV pool row: the KV heads, or 1 for MLA's latent."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Values per head of one KV pool row: head_dim, or MLA's latent + RoPE key."""
+        return self.mla.cache_width if self.mla is not None else self.head_dim
+
+    @property
+    def cache_values(self) -> bool:
+        """Whether the KV pool keeps values apart from keys (MLA reads its values from the
+        key rows: the latent is both)."""
+        return self.mla is None
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -344,9 +474,18 @@ class ModelSpec:
 
     @property
     def num_parameters(self) -> int:
-        """Every weight but biases and q/k norms (which published counts leave out too)."""
+        """Every weight but biases (DeepSeek routers' correction biases too) and q/k norms
+        (which published counts leave out too)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.mla is not None:
+            m, heads = self.mla, self.num_heads
+            q_out = heads * m.qk_head_dim
+            q = h * q_out if m.q_lora_rank is None else m.q_lora_rank * (h + 1 + q_out)
+            kv = h * m.cache_width + m.kv_lora_rank * (
+                1 + heads * (m.qk_nope_head_dim + m.v_head_dim)
+            )
+            attn = q + kv + heads * m.v_head_dim * h
         dense = attn + 3 * h * i + len(self.norm_names()) * h
         total = v * h + self.num_layers * dense + h + (0 if self.tie_word_embeddings else v * h)
         if self.linear is not None:
@@ -360,7 +499,8 @@ class ModelSpec:
             e = self.moe.num_experts
             sparse_mlp = e * h + e * 3 * h * self.moe.intermediate_size
             if self.moe.shared_expert_size:
-                sparse_mlp += 3 * h * self.moe.shared_expert_size + h  # its MLP and gate row
+                sparse_mlp += 3 * h * self.moe.shared_expert_size  # its MLP
+                sparse_mlp += h if self.moe.shared_expert_gated else 0  # and gate row
             total += len(self.moe.sparse_layers) * (sparse_mlp - 3 * h * i)
         return total
 
@@ -369,14 +509,27 @@ class ModelSpec:
 def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
     # Cached by spec (frozen, hashable): weight names and shapes ask for every tensor.
     # Imported here: the blocks import modules that import this one.
-    from lockstep.models.blocks import Attention, DenseMlp, GatedDeltaNet, LayerPlan, MoeMlp
+    from lockstep.models.blocks import (
+        Attention,
+        DenseMlp,
+        GatedDeltaNet,
+        LatentAttention,
+        LayerPlan,
+        MoeMlp,
+    )
 
-    def attention(layer: int) -> Attention:
+    def attention(layer: int) -> Attention | LatentAttention:
+        if spec.mla is not None:
+            return LatentAttention(q_lora=spec.mla.q_lora_rank is not None)
         return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid,
                          window=spec.window(layer))  # fmt: skip
 
     linear = GatedDeltaNet(grouped=spec.linear is not None and spec.linear.grouped_projections)
-    experts = MoeMlp(shared_expert=spec.moe is not None and spec.moe.shared_expert_size > 0)
+    moe = spec.moe
+    shared = "" if moe is None or not moe.shared_expert_size else "gated"
+    if shared and moe is not None and not moe.shared_expert_gated:
+        shared = "ungated"
+    experts = MoeMlp(shared=shared, deepseek_routing=moe is not None and moe.deepseek_routing)
     dense = DenseMlp(activation=spec.mlp_activation)
     return tuple(
         LayerPlan(

@@ -41,7 +41,7 @@ from torch import Tensor
 from lockstep.ops.fp8 import E4M3, Fp8Weight, e4m3_sat
 
 if TYPE_CHECKING:
-    from lockstep.ops.moe import MoeLayer
+    from lockstep.ops.moe import MoeLayer, Routing
 
 
 @dataclass(frozen=True)
@@ -405,6 +405,46 @@ class MoeOps(Protocol):
         ...
 
 
+@runtime_checkable
+class DeepseekRoutingOps(Protocol):
+    """DeepSeek's routing inside `MoeOps.moe` (lockstep/ops/moe.py, "DeepSeek routing"):
+    sigmoid or softmax scores, a correction bias for the choice, expert groups, a routed
+    scaling factor. A backend without it cannot run DeepSeek MoE layers."""
+
+    def route_deepseek(self, logits: Tensor, layer: MoeLayer) -> Routing:
+        """Each token's experts (rank order) and weights from fp32 router logits [T, E] and
+        `layer.deepseek`; a deterministic backend keeps steps 2'-3' of `lockstep.ops.moe`."""
+        ...
+
+
+@runtime_checkable
+class LatentAttentionOps(Protocol):
+    """Multi-head latent attention in the absorbed form (DeepSeek-V2/V3,
+    lockstep/models/blocks/mla.py): one cache row per token and layer, [S, 1, W], holding the
+    normalized latent (its first Dv values, which are also the token's value) and the rotated
+    RoPE key (the rest); every query head attends over the same rows."""
+
+    def rope(self, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate-half RoPE of x [T, H, D] at `positions` from float32 tables [max_position,
+        D/2], in x's dtype, per element (`ComposedAttentionInput`)."""
+        ...
+
+    def write_latent(self, cache: Tensor, rows: Tensor, slots: Tensor) -> None:
+        """Copy rows [T, W] into cache [S, 1, W] at `slots` [T], rounded to the cache's dtype
+        (float8_e4m3fn: saturating, at scale 1.0), exactly."""
+        ...
+
+    def latent_attention(
+        self, q: Tensor, cache: Tensor, meta: AttentionMeta, scale: float, value_dim: int
+    ) -> Tensor:
+        """Causal attention of q [T, H, W] over the cache rows [S, 1, W] of each query's keys
+        0..p: scores q . row * scale, values row[:value_dim]; returns [T, H, value_dim] in q's
+        dtype. A deterministic backend visits keys in blocks at fixed absolute positions and
+        computes a row's scores, softmax and sum in one order that depends on its position
+        alone (the CPU kernel's header), so prefill, chunks and decode give the same bits."""
+        ...
+
+
 class Ops(
     DenseOps,
     Fp8Ops,
@@ -424,7 +464,16 @@ class Ops(
 class IndexCopyKVWrite:
     """`write_kv` (for `ComposedAttentionInput`) as an exact torch copy (index_copy_): k, v
     [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T], rounded to the cache's dtype
-    (float8_e4m3fn: saturating round-to-nearest-even at scale 1.0, `lockstep.ops.fp8`)."""
+    (float8_e4m3fn: saturating round-to-nearest-even at scale 1.0, `lockstep.ops.fp8`); and
+    `write_latent` (`LatentAttentionOps`), the same copy of one latent row per token."""
+
+    def write_latent(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        index = slots.to(torch.int64)
+        rows = rows.reshape(rows.shape[0], *cache.shape[1:])
+        if cache.dtype == E4M3:  # no index_copy_ for fp8: copy the bytes
+            cache.view(torch.uint8).index_copy_(0, index, e4m3_sat(rows.float()).view(torch.uint8))
+            return
+        cache.index_copy_(0, index, rows.to(cache.dtype))
 
     def write_kv(
         self,

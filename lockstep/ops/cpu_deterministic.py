@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.cpu_build import load_extension
 from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear
-from lockstep.ops.moe import MoeLayer, combine_in_rank_order, experts_grouped
+from lockstep.ops.moe import (
+    MoeLayer,
+    Routing,
+    combine_in_rank_order,
+    experts_grouped,
+    route_deepseek,
+)
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
 LANES = 16
@@ -149,6 +155,36 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         )
         return out.to(q.dtype)
 
+    def latent_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:
+        """The C++ `latent_attention` (its formula in the kernel's header): 32-key blocks at
+        absolute positions, the same score and softmax sequence as `attention`. An FP8 cache
+        is widened exactly first, as for `attention`."""
+        if cache.dtype == E4M3:
+            cache, _, meta = fp32_key_values(cache, cache, meta)
+        if cache.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"KV cache dtype {cache.dtype} is invalid: expected fp32, bf16 or float8_e4m3fn"
+            )
+        out = self._ext.latent_attention(
+            _f32(q),
+            cache.reshape(cache.shape[0], -1).contiguous(),
+            meta.cu_q.to(torch.int32).contiguous(),
+            meta.q_start.to(torch.int32).contiguous(),
+            meta.cu_kv.to(torch.int32).contiguous(),
+            meta.slot_table.to(torch.int32).contiguous(),
+            scale,
+            value_dim,
+            self._simd,
+        )
+        return out.to(q.dtype)
+
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._ext.log_softmax(_f32(logits), self._simd)
 
@@ -199,10 +235,29 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         fp32 combine."""
         x = _f32(x)
         logits = self.linear(x, layer.router)
-        experts, weights = self._ext.moe_route(logits, layer.top_k, layer.renormalize, self._simd)
+        if layer.deepseek is not None:
+            experts, weights = self.route_deepseek(logits, layer)
+        else:
+            experts, weights = self._ext.moe_route(
+                logits, layer.top_k, layer.renormalize, self._simd
+            )
         linear = self.fp8_expert_linear if layer.fp8 else self.linear
         slots = experts_grouped(x, experts, layer, linear, self.silu_mul)
         return combine_in_rank_order(slots, weights)
+
+    def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
+        """DeepSeek routing (`lockstep.ops.moe`, steps 2'-3'): the scores from the extension's
+        own per-element kernels (sigmoid: `gate_activation` of ones; softmax: `moe_route` over
+        every expert, scattered back to expert order), then `route_deepseek`'s exact steps."""
+        r = layer.deepseek
+        assert r is not None
+        logits = _f32(logits)
+        if r.scoring == "sigmoid":
+            scores = self._ext.gate_activation(torch.ones_like(logits), logits, 0, self._simd)
+        else:
+            ids, probs = self._ext.moe_route(logits, logits.shape[1], False, self._simd)
+            scores = torch.empty_like(probs).scatter_(1, ids, probs)
+        return route_deepseek(scores, layer.top_k, layer.renormalize, r)
 
 
 def fp32_key_values(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lockstep.ops import fp8
 from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.moe import MoeLayer, dequantized_experts, experts_dense
-from lockstep.ops.torch_fast import TorchRowOps, stock_route
+from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
 
 class GpuFastOps(TorchRowOps):
@@ -77,7 +77,7 @@ class GpuFastOps(TorchRowOps):
         linears over all rows (`experts_dense`); a torch sum over the k. No host sync
         either way, so decode graphs can hold it."""
         logits = F.linear(x, layer.router).float()
-        experts, weights = stock_route(logits, layer.top_k, layer.renormalize)
+        experts, weights = stock_routing(logits, layer)
         silu_mul = self.silu_mul
         if layer.fp8:
             # Block-FP8 experts: every expert dequantized to x's dtype at each call, and the

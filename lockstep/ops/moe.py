@@ -20,6 +20,20 @@ The contract (docs/design.md, "Mixture of experts"), for activations x [T, H]:
 No capacity limit: every token gets all of its k experts, whatever its batch-mates chose.
 Every step above is per token, so a token's output is a function of its own row of x.
 
+DeepSeek routing (`MoeLayer.deepseek`, `route_deepseek`) replaces steps 2-3:
+
+  2'. Scores: s = sigmoid(l) per element (DeepSeek-V3, GLM-4.7-Flash) or the softmax
+      probabilities over all E (DeepSeek-V2), by the backend's own per-element kernel.
+      Choice scores c = s + b, b the checkpoint's per-expert correction bias (zero without).
+      With G > 1 groups of E/G consecutive experts, each group scores the max of its c
+      ("max") or the sum of its two largest c, larger + smaller ("top2_sum"); the topk_groups
+      best groups are kept (ties toward the lower group) and every other expert's c is -inf.
+      The experts are the top_k of c in rank order, ties toward the lower id.
+  3'. Their weights are the unbiased scores s of the chosen experts; renormalized, each is
+      divided by ((s_0 + s_1) + ...) + 1e-20 (ascending rank, as transformers adds it); then
+      multiplied by routed_scaling. Every operation is an exact IEEE one per element or a
+      stable sort, so a token's experts and weights depend on its own logits alone.
+
 Weights (`MoeLayer`): the router is a prepared linear weight [E, H]; the experts are stacked,
 gate_up [E, 2I, K'] (rows gate | up) and down [E, H, I'], where slice [e] is exactly the
 prepared linear weight `Ops.linear` takes (the backend's `prepare_linear_weight` of the
@@ -54,6 +68,20 @@ ExpertFn = Callable[[Tensor, int], Tensor]  # (rows [M, H], expert id) -> expert
 
 
 @dataclass(frozen=True)
+class DeepseekRouting:
+    """DeepSeek's routing parameters (module docstring, steps 2'-3'): `scoring` "sigmoid" or
+    "softmax", the fp32 correction bias [E] (None: zero), `groups` and `topk_groups`, the
+    `group_score` ("max" or "top2_sum") and the factor the weights are multiplied by."""
+
+    scoring: str
+    correction_bias: Tensor | None
+    groups: int
+    topk_groups: int
+    group_score: str
+    routed_scaling: float
+
+
+@dataclass(frozen=True)
 class MoeLayer:
     """One sparse layer's router and experts, as `Ops.moe` takes them (module docstring)."""
 
@@ -64,6 +92,7 @@ class MoeLayer:
     renormalize: bool
     gate_up_scale: Tensor | None = None  # FP8 experts: fp32 [E, 2 * ceil(I/128), ceil(H/128)]
     down_scale: Tensor | None = None  # FP8 experts: fp32 [E, ceil(H/128), ceil(I/128)]
+    deepseek: DeepseekRouting | None = None  # DeepSeek routing (steps 2'-3'); None: 2-3
 
     def __post_init__(self) -> None:
         if (self.gate_up_scale is None) != (self.down_scale is None):
@@ -187,6 +216,64 @@ def route_sorted(logits: Tensor, top_k: int, renormalize: bool) -> Routing:
             terms = terms[:, :width] + terms[:, width:]
         total = terms[:, 0]
     return Routing(ids[:, :top_k].contiguous(), e / total[:, None])
+
+
+def route_deepseek(scores: Tensor, top_k: int, renormalize: bool, r: DeepseekRouting) -> Routing:
+    """Steps 2'-3' (module docstring) from the per-element scores s [T, E] (fp32, computed by
+    the caller's own sigmoid or softmax kernel), in torch operations that are exact per element
+    (add, multiply, divide, max, masking, gather) or stable sorts: no summation order or
+    vectorized transcendental function can move a bit. Selection ties go to the lower id."""
+    scores = scores.float()
+    choice = scores if r.correction_bias is None else scores + r.correction_bias.float()
+    t, e = choice.shape
+    if r.groups > 1:
+        grouped = choice.view(t, r.groups, e // r.groups)
+        if r.group_score == "max":
+            group = grouped.amax(dim=-1)
+        else:
+            best = torch.sort(grouped, dim=-1, descending=True, stable=True).values
+            group = best[..., 0] + best[..., 1]
+        kept = torch.sort(group, dim=-1, descending=True, stable=True).indices[:, : r.topk_groups]
+        mask = torch.zeros(t, r.groups, dtype=torch.bool, device=choice.device)
+        mask.scatter_(1, kept, True)
+        mask = mask.repeat_interleave(e // r.groups, dim=1)
+        choice = choice.masked_fill(~mask, float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
+    weights = scores.gather(1, ids)
+    if renormalize:
+        total = weights[:, 0]
+        for rank in range(1, top_k):
+            total = total + weights[:, rank]
+        weights = weights / (total + 1e-20)[:, None]
+    if r.routed_scaling != 1.0:
+        weights = weights * r.routed_scaling
+    return Routing(ids, weights)
+
+
+def stock_route_deepseek(
+    logits: Tensor, top_k: int, renormalize: bool, r: DeepseekRouting
+) -> Routing:
+    """DeepSeek routing as transformers writes it (DeepseekV3TopkRouter, DeepseekV2TopkRouter):
+    torch's sigmoid or softmax, `torch.topk` for groups and experts (whose order among equal
+    values is unspecified), a torch sum for the renormalization. The fast backends' routing."""
+    logits = logits.float()
+    scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if r.correction_bias is None else scores + r.correction_bias.float()
+    t, e = choice.shape
+    if r.groups > 1:
+        grouped = choice.view(t, r.groups, e // r.groups)
+        if r.group_score == "max":
+            group = grouped.max(dim=-1).values
+        else:
+            group = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.topk(group, k=r.topk_groups, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group).scatter_(1, kept, 1).bool()
+        choice = choice.masked_fill(~mask.repeat_interleave(e // r.groups, dim=1), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * r.routed_scaling)
 
 
 def swiglu_expert(layer: MoeLayer, linear: Linear, silu_mul: SiluMul) -> ExpertFn:

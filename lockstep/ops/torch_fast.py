@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import ComposedAttentionInput, IndexCopyKVWrite
-from lockstep.ops.moe import Routing
+from lockstep.ops.moe import MoeLayer, Routing, stock_route_deepseek
 
 
 class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
@@ -45,6 +45,10 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float(), dim=-1)
+
+    def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
+        assert layer.deepseek is not None
+        return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)
 
     def gdn_gates(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -134,6 +138,14 @@ def stock_gated_delta_rule(
         tail = (last[:, None] - gamma[:, c]).exp()[..., None]
         s = s * last.exp()[:, None, None] + (k[:, c] * tail).transpose(-1, -2) @ v_new
     return out.reshape(hv, m * chunk, -1)[:, :n].transpose(0, 1), s
+
+
+def stock_routing(logits: torch.Tensor, layer: MoeLayer) -> Routing:
+    """The fast backends' routing of `layer`: DeepSeek's as transformers writes it where the
+    layer has it, else `stock_route`."""
+    if layer.deepseek is not None:
+        return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)
+    return stock_route(logits, layer.top_k, layer.renormalize)
 
 
 def stock_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:

@@ -57,7 +57,7 @@ class KVShard:
 
     def __init__(self, plan: ShardPlan, num_slots: int, dtype: torch.dtype, device: torch.device):
         spec = plan.spec
-        shape = (len(spec.kv_layers), num_slots, plan.num_local_kv_heads, spec.head_dim)
+        shape = (len(spec.kv_layers), num_slots, plan.num_local_kv_heads, spec.cache_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

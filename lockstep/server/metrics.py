@@ -70,6 +70,14 @@ class _EngineStatsCollector(Collector):
                 "state_snapshots",
             ),
             "lockstep_linear_state_bytes": ("Bytes of those snapshots", "state_bytes"),
+            "lockstep_linear_snapshot_slots": (
+                "Slots of the snapshot pool (hybrid models)",
+                "state_snapshot_slots",
+            ),
+            "lockstep_linear_snapshots_free": (
+                "Snapshot slots neither cached nor held by running requests",
+                "state_snapshots_free",
+            ),
         }
         for name, (doc, key) in gauges.items():
             if key in s:
@@ -91,6 +99,10 @@ class _EngineStatsCollector(Collector):
             "lockstep_cached_prompt_tokens": ("Prompt tokens hit in cache", "cached_tokens_total"),
             "lockstep_generation_tokens": ("Tokens generated", "generated_tokens_total"),
             "lockstep_preemptions": ("Requests preempted for KV space", "num_preemptions"),
+            "lockstep_linear_snapshots_not_kept": (
+                "Chunk boundaries not kept for want of a free snapshot slot (hybrid models)",
+                "state_snapshots_not_kept",
+            ),
         }
         for name, (doc, key) in counters.items():
             if key in s:

@@ -79,6 +79,10 @@ class _Item:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cached_tokens: int = 0
+    # Logprob entries rendered by earlier events of a stream (`_render` adds only new ones).
+    rendered_output: list[list[Any]] = field(default_factory=list)
+    rendered_top: list[list[list[Any]] | None] = field(default_factory=list)
+    rendered_prompt: tuple[object, list[list[Any]], list[Any]] | None = None
 
     def add(self, output: StepOutput) -> None:
         self.text += output.new_text
@@ -465,11 +469,13 @@ def _sampling_params(item: _Item, sample: int, vocab_size: int) -> SamplingParam
 
 
 def _render(served: Served, item: _Item, started: float, with_text: bool) -> dict[str, Any]:
-    """One output object as SGLang shapes it (the whole output so far while streaming)."""
+    """One output object as SGLang shapes it (the whole output so far while streaming). The
+    logprob entries of earlier events are kept on the item, so an event renders only the
+    tokens that are new since the last one (the prompt's once)."""
     tok = served.tokenizer
-    ids, text, lps, top = item.output_ids, item.text, item.output_logprobs, item.output_top
+    ids, text = item.output_ids, item.text
     if item.scores_only:
-        ids, text, lps, top = [], "", [], []
+        ids, text = [], ""
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": _finish_reason(item, len(ids)),
@@ -489,18 +495,26 @@ def _render(served: Served, item: _Item, started: float, with_text: bool) -> dic
 
     if item.return_logprob:
         start = item.logprob_start_len
-        prompt: list[TokenLogprob | None] = []
-        if start >= 0:
-            prompt = list(item.prompt_logprobs or [None] * len(item.prompt_ids))[start:]
-            prompt[0] = None  # SGLang's shape: the first returned position has no logprob
-        meta["input_token_logprobs"] = [
-            entry(None if e is None else e.logprob, t)
-            for e, t in zip(prompt, item.prompt_ids[max(start, 0) :], strict=False)
-        ]
-        meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(lps, ids, strict=True)]
+        if item.rendered_prompt is None or item.rendered_prompt[0] is not item.prompt_logprobs:
+            prompt: list[TokenLogprob | None] = []
+            if start >= 0:
+                prompt = list(item.prompt_logprobs or [None] * len(item.prompt_ids))[start:]
+                prompt[0] = None  # SGLang's shape: the first returned position has no logprob
+            entries = [
+                entry(None if e is None else e.logprob, t)
+                for e, t in zip(prompt, item.prompt_ids[max(start, 0) :], strict=False)
+            ]
+            tops = [alternatives(e) for e in prompt] if item.top_logprobs_num else []
+            item.rendered_prompt = (item.prompt_logprobs, entries, tops)
+        done, lps = item.rendered_output, item.output_logprobs
+        done.extend(entry(lps[i], ids[i]) for i in range(len(done), len(ids)))
+        meta["input_token_logprobs"] = item.rendered_prompt[1]
+        meta["output_token_logprobs"] = done[: len(ids)]
         if item.top_logprobs_num:
-            meta["input_top_logprobs"] = [alternatives(e) for e in prompt]
-            meta["output_top_logprobs"] = [alternatives(e) for e in top]
+            top, source = item.rendered_top, [] if item.scores_only else item.output_top
+            top.extend(alternatives(source[i]) for i in range(len(top), len(source)))
+            meta["input_top_logprobs"] = item.rendered_prompt[2]
+            meta["output_top_logprobs"] = top[: len(source)]
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 

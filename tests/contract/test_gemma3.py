@@ -321,18 +321,18 @@ def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
 def test_cache_bytes_per_token_are_the_blocks_sum() -> None:
     """Each mixer block declares its cache bytes (`Mixer.cache_bytes`) and the pool's budget
     sums them: Gemma 3's sliding layers keep every key, so random:gemma3-4b costs K and V of
-    34 layers x 4 KV heads x 256 in bf16 per token, half that in e4m3; a hybrid's budget is its
-    attention layers' K/V plus its snapshots' share per token, as its state layout counts it."""
-    from lockstep.engine.memory import bytes_per_token
-    from lockstep.models.linear_attention import CHUNK, LinearLayout
+    34 layers x 4 KV heads x 256 in bf16 per token, half that in e4m3; a hybrid's per token is
+    its attention layers' K/V alone, its snapshots (their own pool) the size its state layout
+    counts."""
+    from lockstep.engine.memory import bytes_per_token, snapshot_bytes
+    from lockstep.models.linear_attention import LinearLayout
     from lockstep.models.presets import PRESETS
 
     gemma = PRESETS["gemma3-4b"].spec
-    assert bytes_per_token(gemma, 4, torch.bfloat16, CHUNK) == 2 * 34 * 4 * 256 * 2 == 139264
-    assert bytes_per_token(gemma, 4, torch.float8_e4m3fn, CHUNK) == 139264 // 2
+    assert bytes_per_token(gemma, 4, torch.bfloat16) == 2 * 34 * 4 * 256 * 2 == 139264
+    assert bytes_per_token(gemma, 4, torch.float8_e4m3fn) == 139264 // 2
+    assert snapshot_bytes(gemma) == 0
     hybrid = PRESETS["qwen3.5-9b"].spec
     layout = LinearLayout.of(hybrid, torch.device("cpu"))
-    kv = 2 * len(hybrid.kv_layers) * 4 * 256 * 2
-    assert bytes_per_token(hybrid, 4, torch.bfloat16, CHUNK) == kv + -(
-        -layout.snapshot_bytes // CHUNK
-    )
+    assert bytes_per_token(hybrid, 4, torch.bfloat16) == 2 * len(hybrid.kv_layers) * 4 * 256 * 2
+    assert snapshot_bytes(hybrid) == layout.snapshot_bytes

@@ -237,8 +237,12 @@ def test_generation_logprobs_equal_scoring(hybrid: Engine) -> None:
 
 
 def test_prefix_hit_resumes_at_the_last_snapshot_and_is_reported(hybrid: Engine) -> None:
-    """cached_tokens counts what was reused: the last chunk boundary at or below the match.
-    Snapshots are counted, freed with their nodes, and checked by check_integrity."""
+    """cached_tokens counts what was reused: the last kept chunk boundary at or below the
+    match. A prompt of 94 tokens and 4 generated keeps the prompt's end (64) and the end of
+    its text (96), not 32 (the interval is 512): a prompt that branches off inside the
+    generated text resumes at 64, one that continues the whole text (the next turn) at 96.
+    Snapshots are counted, go back to their pool with their nodes, and are checked by
+    check_integrity."""
     hybrid.flush_cache()
     assert hybrid.stats()["state_snapshots"] == 0
     llm = _llm(hybrid)
@@ -247,17 +251,69 @@ def test_prefix_hit_resumes_at_the_last_snapshot_and_is_reported(hybrid: Engine)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
     stats = hybrid.stats()
-    assert stats["state_snapshots"] == (len(prompt) + 3) // CHUNK  # computed: all but the last
-    assert (
-        stats["state_bytes"]
-        == stats["state_snapshots"] * hybrid.decoder.linear_layout.snapshot_bytes
-    )
-    again = llm.generate([prompt + [1, 2, 3]], params, use_tqdm=False)[0]
+    assert stats["state_snapshots"] == 2
+    assert stats["state_bytes"] == 2 * hybrid.decoder.linear_layout.snapshot_bytes
+    assert stats["state_snapshots_free"] == stats["state_snapshot_slots"] - 2
+    branch = [t for t in range(VOCAB) if t != first.token_ids[0]][:3]
+    again = llm.generate([prompt + branch], params, use_tqdm=False)[0]
     assert first.cached_tokens == 0 and again.cached_tokens == 2 * CHUNK
+    turn = llm.generate([prompt + first.token_ids + [5, 6]], params, use_tqdm=False)[0]
+    assert turn.cached_tokens == 3 * CHUNK
     hybrid.check_integrity()
     hybrid.flush_cache()
-    assert hybrid.stats()["state_snapshots"] == hybrid.stats()["state_bytes"] == 0
+    stats = hybrid.stats()
+    assert stats["state_snapshots"] == stats["state_bytes"] == 0
+    assert stats["state_snapshots_free"] == stats["state_snapshot_slots"]
     hybrid.check_integrity()
+
+
+def test_a_long_decode_holds_one_end_of_text_snapshot_at_a_time(hybrid: Engine) -> None:
+    """Decoding past 32, 64 and 96 keeps each boundary until the next replaces it: the
+    request never holds more than one, and the cache gets the last (96 of 109 computed)."""
+    hybrid.flush_cache()
+    hybrid.add_request("long", [7] * 10, SamplingParams(max_tokens=100, ignore_eos=True))
+    held = set()
+    while hybrid.has_unfinished():
+        hybrid.step()
+        for request in hybrid.scheduler.running:
+            state = request.linear_state
+            assert len(state.captured) + len(state.keep) <= 1, (state.position, state.captured)
+            held |= set(state.captured)
+    assert held == {CHUNK, 2 * CHUNK, 3 * CHUNK}
+    assert [s.position for s in hybrid.radix.pooled_snapshots()] == [3 * CHUNK]
+    hybrid.check_integrity()
+    hybrid.flush_cache()
+
+
+def test_a_step_captures_only_the_reserved_boundaries(hybrid: Engine) -> None:
+    """An engine request's state (`keep` reserved from a snapshot pool, in a working-state
+    slot) captures exactly the reserved boundaries, inside the step (64) and at its end (96),
+    with the bits of a state that captures every one; the others (32) take no slot."""
+    from lockstep.cache.linear_snapshots import LinearSnapshotPool
+    from lockstep.models.decoder import ScratchKV
+    from lockstep.models.forward_batch import ForwardBatch
+    from lockstep.models.linear_attention import LinearState, LinearStatePool
+    from lockstep.ops.base import build_attention_meta
+
+    decoder, layout = hybrid.decoder, hybrid.decoder.linear_layout
+    tokens = [random.Random(4).randrange(VOCAB) for _ in range(3 * CHUNK)]
+    every = reference(hybrid, tokens).snapshots
+    assert sorted(every) == [CHUNK, 2 * CHUNK, 3 * CHUNK]
+    snapshots = LinearSnapshotPool(layout, 3)
+    state = LinearState.resume(layout, None, LinearStatePool(layout, 1), keep_all=False)
+    state.keep = {p: snapshots.acquire(p) for p in (2 * CHUNK, 3 * CHUNK)}
+    n = len(tokens)
+    kv = ScratchKV(decoder.spec, n, decoder.kv_dtype, decoder.device)
+    meta = build_attention_meta([n], [0], [list(range(n))])
+    batch = ForwardBatch.from_lists(tokens, range(n), range(n), meta, range(n), [state])
+    decoder.forward(batch, kv)
+    assert sorted(state.captured) == [2 * CHUNK, 3 * CHUNK] and state.keep == {}
+    for p, snap in state.captured.items():
+        assert snap.pool is snapshots
+        assert torch.equal(snap.conv, every[p][0]) and torch.equal(snap.recurrent, every[p][1])
+    assert snapshots.num_free == 1
+    state.release()
+    assert snapshots.num_free == 3
 
 
 @settings(max_examples=40 if LONG else 10, **_SETTINGS)

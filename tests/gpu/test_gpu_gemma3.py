@@ -153,7 +153,9 @@ def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
         n = rng.randint(WINDOW, WINDOW + 300)
         tokens = _tokens(engine, n, rng)
         plan = random_plan(rng, n, max_mates=4, allow_prefix=False)
-        plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks]
+        # Mates on the first 16 steps only: a token-by-token plan has over a thousand steps,
+        # and mates hold their KV until the plan ends.
+        plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks[:16]]
         failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
     assert failures > 0
     del engine

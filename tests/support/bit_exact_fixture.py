@@ -111,6 +111,10 @@ CASES = (
     Case("gguf:default", None, text=GGUF_TEXT),
     Case("random:tiny-gemma3", "random:tiny-gemma3"),
     Case("folder:gemma3", None, _tiny_folder("gemma3")),
+    Case("random:tiny-deepseek-v3", "random:tiny-deepseek-v3"),
+    Case("folder:deepseek_v3", None, _tiny_folder("deepseek_v3")),
+    Case("folder:deepseek_v2", None, _tiny_folder("deepseek_v2")),
+    Case("folder:glm4_moe_lite", None, _tiny_folder("glm4_moe_lite")),
 )
 
 

@@ -75,6 +75,35 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
             return transformers.Qwen3_5MoeTextConfig(**{**qwen3, **hybrid, **overrides})
         sparse = dict(decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
         return transformers.Qwen3NextConfig(**{**qwen3, **hybrid, **sparse, **overrides})
+    if family in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
+        # MLA (latent 64 + RoPE key 32: a cache row of 96) and DeepSeek routing over 8
+        # experts of width 40, top 2, plus one ungated shared expert; layer 0 dense. V3: a q
+        # LoRA, sigmoid scores within the best 2 of 4 groups, a correction bias (set by
+        # save_tiny), YaRN with an mscale on both the tables and the scores. V2: no q LoRA,
+        # softmax greedy routing scaled by 1.5. GLM-4.7-Flash: V3's routing without groups.
+        mla = dict(
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+            q_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+            n_shared_experts=1, tie_word_embeddings=False,
+        )  # fmt: skip
+        if family == "deepseek_v3":
+            rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "mscale": 1.0,
+                    "mscale_all_dim": 0.707, "original_max_position_embeddings": 64,
+                    "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+            v3 = dict(n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+                      routed_scaling_factor=2.5, rope_parameters=rope)  # fmt: skip
+            return transformers.DeepseekV3Config(**{**common, **mla, **v3, **overrides})
+        if family == "deepseek_v2":
+            rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.707,
+                    "mscale_all_dim": 0.707, "original_max_position_embeddings": 128}  # fmt: skip
+            v2 = dict(q_lora_rank=None, first_k_dense_replace=1, topk_method="greedy",
+                      routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=rope)  # fmt: skip
+            return transformers.DeepseekV2Config(**{**common, **mla, **v2, **overrides})
+        glm = dict(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+                   mlp_layer_types=["dense", "sparse", "sparse"],
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
+        return transformers.Glm4MoeLiteConfig(**{**common, **mla, **glm, **overrides})
     if family == "qwen3_moe":
         # 8 experts, top 2, over 4 layers of which `decoder_sparse_step` and `mlp_only_layers`
         # make some dense; an expert width (40) that is not a multiple of the CPU's 16 lanes.
@@ -89,11 +118,12 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (the Qwen3 families and gemma3, e.g.
+    `config_overrides`: config keys (the Qwen3, Gemma 3 and DeepSeek families, e.g.
     decoder_sparse_step=2)."""
     import transformers
 
-    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3")
+    overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
+                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # fmt: skip
     if config_overrides and family not in overridable:
         raise ValueError(f"config overrides are for {', '.join(overridable)}, not {family}")
     # The hybrid MoE seeds give models whose float32 logits are well-conditioned: with some
@@ -101,7 +131,8 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # router and the delta rule amplify rounding), which leaves nothing under the 1e-4
     # tolerance the reference tests use.
     default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5,
-                    "qwen3_5_moe": 11, "qwen3_next": 7, "gemma3": 6}[family]  # fmt: skip
+                    "qwen3_5_moe": 11, "qwen3_next": 7, "gemma3": 6, "deepseek_v3": 8,
+                    "deepseek_v2": 9, "glm4_moe_lite": 10}[family]  # fmt: skip
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
         _tiny_config(family, config_overrides), dtype=torch.float32
@@ -118,6 +149,9 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
                 param.copy_(0.2 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: zero at init
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(folder)
     byte_tokenizer(model.config.vocab_size, add_bos=False).backend.save(
         str(folder / "tokenizer.json")

@@ -115,8 +115,8 @@ class BuildContext:
 
 class CacheBytes(NamedTuple):
     """What one layer's mixer keeps: `per_token` bytes in the KV pool for each cached token,
-    and `per_snapshot` bytes of each state snapshot the radix cache keeps (one per chunk of
-    cached tokens; 0 for a mixer without state)."""
+    and `per_snapshot` bytes of each state snapshot the radix cache keeps (in a pool of their
+    own: lockstep/engine/memory.py; 0 for a mixer without state)."""
 
     per_token: int
     per_snapshot: int = 0

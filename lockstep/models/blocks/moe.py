@@ -1,6 +1,6 @@
 """The routed-experts MLP of a mixture-of-experts layer (`ModelSpec.moe`, lockstep/ops/moe.py):
 a router and `num_experts` SwiGLU experts, run by `Ops.moe`, and in Qwen3-Next and
-Qwen3.5-MoE a gated shared expert beside them.
+Qwen3.5-MoE a gated shared expert beside them, in the DeepSeek families an ungated one.
 
 Canonical tensors (after "model.layers.{i}.", H hidden, E experts, I the expert width, S the
 shared expert's width):
@@ -11,12 +11,18 @@ shared expert's width):
     mlp.shared_expert.{gate,up}_proj.weight  [S, H]   (shared expert only)
     mlp.shared_expert.down_proj.weight       [H, S]
     mlp.shared_expert_gate.weight            [1, H]
+    mlp.shared_experts.{gate,up}_proj.weight [S, H]   (DeepSeek's ungated shared experts, S
+    mlp.shared_experts.down_proj.weight      [H, S]    = n_shared_experts x their width)
+    mlp.gate.e_score_correction_bias         [E]      (DeepSeek-V3 routing: float32)
 
 With a shared expert, a token's output is routed + sigmoid(x . g) * shared(x), as
 transformers' Qwen2MoeSparseMoeBlock computes it: the routed experts' sum (`Ops.moe`, rounded
 to x's dtype), the shared SwiGLU (gate | up fused by rows, as the dense MLP) scaled by the
 sigmoid of its gate row (`Ops.gate_activation`, whose arithmetic is per element), then one
-elementwise add. Every step is row-local, so the contract below holds unchanged.
+elementwise add. DeepSeek's shared experts are one SwiGLU of S added ungated: routed +
+shared(x). DeepSeek routing (sigmoid scores, the correction bias, expert groups, a routed
+scaling factor: lockstep/ops/moe.py) runs inside `Ops.moe` from `MoeLayer.deepseek`. Every
+step is row-local, so the contract below holds unchanged.
 
 In a block-FP8 model (`ModelSpec.fp8`, scheme "block") every expert projection is e4m3 with
 its `weight_scale` [ceil(N/128), ceil(K/128)] beside it (spec.py), as Qwen3-30B-A3B-FP8
@@ -46,8 +52,8 @@ from lockstep.models.blocks.base import (
     linear,
     linear_entry,
 )
-from lockstep.ops.base import DenseOps, GatedOutputOps, MoeOps
-from lockstep.ops.moe import Fp8Experts, MoeLayer
+from lockstep.ops.base import DeepseekRoutingOps, DenseOps, GatedOutputOps, MoeOps
+from lockstep.ops.moe import DeepseekRouting, Fp8Experts, MoeLayer
 
 if TYPE_CHECKING:
     from lockstep.models.spec import ModelSpec
@@ -66,32 +72,48 @@ class MoeMlpWeights:
     shared_gate_up: Linear | None = None  # rows gate | up
     shared_down: Linear | None = None
     shared_gate: torch.Tensor | None = None  # [8, H]: row 0 the shared expert's sigmoid gate
+    correction_bias: torch.Tensor | None = None  # DeepSeek-V3: [E] fp32, `layer.deepseek`'s
 
 
-_SHARED = [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+SHARED_KINDS = ("", "gated", "ungated")
 
 
 @dataclass(frozen=True)
 class MoeMlp:
-    """Softmax top-k routing over `ModelSpec.moe`'s experts, with a sigmoid-gated
-    `shared_expert` of width `MoeSpec.shared_expert_size` when set."""
+    """Top-k routing over `ModelSpec.moe`'s experts (softmax, or DeepSeek's when
+    `deepseek_routing`), with a `shared` expert of width `MoeSpec.shared_expert_size`:
+    "gated" (Qwen3-Next, Qwen3.5-MoE), "ungated" (DeepSeek) or none ("")."""
 
-    shared_expert: bool = False
+    shared: str = ""
+    deepseek_routing: bool = False
 
     prefix: ClassVar[str] = "mlp"
 
+    def __post_init__(self) -> None:
+        if self.shared not in SHARED_KINDS:
+            raise ValueError(f"shared={self.shared!r}: expected one of {SHARED_KINDS}")
+
     @property
     def requires(self) -> tuple[type, ...]:
-        shared = (DenseOps, GatedOutputOps) if self.shared_expert else ()
-        return (MoeOps, *shared)
+        shared = {"": (), "gated": (DenseOps, GatedOutputOps), "ungated": (DenseOps,)}
+        routing = (DeepseekRoutingOps,) if self.deepseek_routing else ()
+        return (MoeOps, *shared[self.shared], *routing)
+
+    @property
+    def _shared_module(self) -> str:
+        return "mlp.shared_experts." if self.shared == "ungated" else "mlp.shared_expert."
 
     def weight_names(self, spec: ModelSpec) -> list[str]:
         assert spec.moe is not None
         names = ["mlp.gate.weight"]
+        if spec.moe.correction_bias:
+            names.append("mlp.gate.e_score_correction_bias")
         for e in range(spec.moe.num_experts):
             names += [f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
-        if self.shared_expert:
-            names += [*_SHARED, "mlp.shared_expert_gate.weight"]
+        if self.shared:
+            names += [f"{self._shared_module}{p}_proj.weight" for p in ("gate", "up", "down")]
+        if self.shared == "gated":
+            names.append("mlp.shared_expert_gate.weight")
         return names
 
     def weight_shape(self, spec: ModelSpec, name: str) -> tuple[int, ...]:
@@ -99,9 +121,11 @@ class MoeMlp:
         h, i = spec.hidden_size, spec.moe.intermediate_size
         if name == "mlp.gate.weight":
             return (spec.moe.num_experts, h)
+        if name == "mlp.gate.e_score_correction_bias":
+            return (spec.moe.num_experts,)
         if name == "mlp.shared_expert_gate.weight":
             return (1, h)
-        if name.startswith("mlp.shared_expert."):
+        if name.startswith(self._shared_module):
             i = spec.moe.shared_expert_size
         return (h, i) if name.endswith("down_proj.weight") else (i, h)
 
@@ -116,38 +140,52 @@ class MoeMlp:
             _experts_entry(spec, t + "experts_gate_up", gate_up),
             _experts_entry(spec, t + "experts_down", down),
         ]
-        if self.shared_expert:
-            s = p + "shared_expert."
+        if spec.moe.correction_bias:
+            entries.append(
+                LayoutEntry(t + "correction_bias", "bias", [p + "gate.e_score_correction_bias"])
+            )
+        if self.shared:
+            s = f"model.layers.{layer}.{self._shared_module}"
             entries += [
                 linear_entry(spec, t + "shared_gate_up", [s + "gate_proj", s + "up_proj"]),
                 linear_entry(spec, t + "shared_down", [s + "down_proj"]),
-                LayoutEntry(t + "shared_gate", "linear", [p + "shared_expert_gate.weight"]),
             ]
+        if self.shared == "gated":
+            entries.append(
+                LayoutEntry(t + "shared_gate", "linear", [p + "shared_expert_gate.weight"])
+            )
         return entries
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> MoeMlpWeights:
         moe = context.spec.moe
         assert moe is not None
         router, gate_up, down = parts["router"], parts["experts_gate_up"], parts["experts_down"]
+        deepseek = None
+        if moe.deepseek_routing:
+            deepseek = DeepseekRouting(moe.scoring, parts.get("correction_bias"), moe.groups,
+                                       moe.topk_groups, moe.group_score, moe.routed_scaling)  # fmt: skip
         if isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts):
             layer = MoeLayer(router, gate_up.weight, down.weight, moe.top_k, moe.renormalize,
-                             gate_up.scale, down.scale)  # fmt: skip
+                             gate_up.scale, down.scale, deepseek)  # fmt: skip
         else:
-            layer = MoeLayer(router, gate_up, down, moe.top_k, moe.renormalize)
+            layer = MoeLayer(router, gate_up, down, moe.top_k, moe.renormalize, deepseek=deepseek)
         shared_gate = parts.get("shared_gate")
         if shared_gate is not None:
             # Zero rows up to 8: a one-column output's rows would not be 16-byte aligned,
             # which the GPU matmul's tensor descriptors require; column 0 is the gate.
             shared_gate = torch.cat([shared_gate, shared_gate.new_zeros(7, shared_gate.shape[1])])
         return MoeMlpWeights(router, gate_up, down, layer, parts.get("shared_gate_up"),
-                             parts.get("shared_down"), shared_gate)  # fmt: skip
+                             parts.get("shared_down"), shared_gate,
+                             parts.get("correction_bias"))  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: MoeMlpWeights, step: Step) -> torch.Tensor:
         routed = ops.moe(x, w.layer)
         if w.shared_gate_up is None:
             return routed
-        assert w.shared_down is not None and w.shared_gate is not None
+        assert w.shared_down is not None
         shared = linear(ops, ops.silu_mul(linear(ops, x, w.shared_gate_up)), w.shared_down)
+        if w.shared_gate is None:  # DeepSeek: ungated, one elementwise add
+            return routed + shared.to(routed.dtype)
         # One gate value per token, broadcast over its row so the gate op (which takes x and
         # gate of one shape) computes each element's sigmoid by the same per-element formula.
         gate = linear(ops, x, w.shared_gate)[:, :1].expand_as(shared).contiguous()

@@ -8,7 +8,10 @@ from typing import Any
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.families import (
+    deepseek_v2,
+    deepseek_v3,
     gemma3,
+    glm4_moe_lite,
     llama,
     qwen2,
     qwen3,
@@ -23,7 +26,20 @@ from lockstep.models.moe import refuse_unsupported_moe
 __all__ = ["FAMILIES", "Family", "family_of"]
 
 FAMILIES: tuple[Family, ...] = tuple(
-    m.FAMILY for m in (llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, qwen3_next, gemma3)
+    m.FAMILY
+    for m in (
+        llama,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+        qwen3_5,
+        qwen3_5_moe,
+        qwen3_next,
+        gemma3,
+        deepseek_v2,
+        deepseek_v3,
+        glm4_moe_lite,
+    )  # fmt: skip
 )
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

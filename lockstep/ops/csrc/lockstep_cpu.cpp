@@ -1106,6 +1106,188 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 
 // ----------------------------------------------------------------------------------------
+// latent_attention: MLA in the absorbed form (DeepSeek-V2/V3), causal and paged. One latent
+// "head" per token: cache rows [S, Dk] hold c (the normalized KV latent, the first Dv
+// columns) then the rotated RoPE key; a token's key is its whole row and its value the first
+// Dv columns of the same row. Every query head attends over the same rows:
+//
+//   for each query row (position p) and head, for each block j0 = 0, B, ... <= p (B = 32):
+//     s[j]  = (sum_e q[e]*row_j[e], ascending e < Dk, FMA from 0) * scale
+//     m'    = max(m, max_j s[j]);  a = exp(m - m')
+//     e[j]  = exp(s[j] - m')                   (keys past p: exp(-inf) = 0)
+//     l     = l*a + tree_sum(e);  acc[c] = acc[c]*a, then acc[c] += e[j]*row_j[c] for
+//             j ascending up to p (c < Dv)
+//   out = acc / l
+//
+// the same sequence of operations as `attention`, with keys and values of different widths.
+// A row's bits depend on q and rows 0..p only: work is tiled as (sequence, 16 query rows, up
+// to 16 heads), and the tile decides only who shares the gathered block. Workspace is a few
+// tile-sized buffers per task, never proportional to the context.
+// ----------------------------------------------------------------------------------------
+
+constexpr int64_t kLatentBlock = 32;
+constexpr int64_t kLatentHeadTile = 16;
+
+template <class V, class KV>
+void latent_attention_impl(const float* q, const KV* cache, const int32_t* cu_q,
+                           const int32_t* q_start, const int32_t* cu_kv, const int32_t* slots,
+                           int64_t num_seqs, int64_t hq, int64_t dk, int64_t dv, float scale,
+                           float* out) {
+  constexpr int64_t kBlock = kLatentBlock, NV = kBlock / 16;
+  std::vector<AttnTask> tasks;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t n = cu_q[b + 1] - cu_q[b];
+    for (int64_t r0 = ((n - 1) / kAttnRowTile) * kAttnRowTile; r0 >= 0; r0 -= kAttnRowTile)
+      for (int64_t h0 = 0; h0 < hq; h0 += kLatentHeadTile)
+        tasks.push_back({b, r0, std::min(kAttnRowTile, n - r0), 0, h0,
+                         std::min(kLatentHeadTile, hq - h0)});
+  }
+  parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t ti) {
+    const AttnTask& t = tasks[ti];
+    const int64_t pairs = t.rows * t.heads;
+    const int64_t padded = pairs + kPairGroup;  // inert pairs so score groups run full width
+    std::vector<float> kt(dk * kBlock), rows(kBlock * dk), acc(padded * dv, 0.f);
+    std::vector<float> sc(padded * kBlock), m_run(padded, -kInf), l_run(padded, 0.f);
+    std::vector<int64_t> pos(padded, -1);
+    std::vector<const float*> qrow(padded);
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t h = 0; h < t.heads; ++h) {
+        const int64_t p = r * t.heads + h;
+        pos[p] = q_start[t.seq] + t.row0 + r;
+        qrow[p] = q + ((cu_q[t.seq] + t.row0 + r) * hq + t.head0 + h) * dk;
+      }
+    for (int64_t p = pairs; p < padded; ++p) qrow[p] = qrow[0];
+    const int32_t* table = slots + cu_kv[t.seq];
+    const int64_t last = pos[pairs - 1];
+    int64_t first_active = 0;
+    for (int64_t j0 = 0; j0 <= last; j0 += kBlock) {
+      const int64_t nk = std::min(kBlock, last + 1 - j0);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        float* row = rows.data() + j * dk;
+        if (j < nk) {
+          to_f32(cache + static_cast<int64_t>(table[j0 + j]) * dk, row, dk);
+        } else {
+          std::fill(row, row + dk, 0.f);
+        }
+        for (int64_t e = 0; e < dk; ++e) kt[e * kBlock + j] = row[e];
+      }
+      while (pos[first_active] < j0) ++first_active;
+      for (int64_t p0 = first_active; p0 < pairs; p0 += kPairGroup) {
+        V s[kPairGroup][NV];
+        for (int g = 0; g < kPairGroup; ++g)
+          for (int i = 0; i < NV; ++i) s[g][i] = V::zero();
+        for (int64_t e = 0; e < dk; ++e) {
+          V kv[NV];
+          for (int i = 0; i < NV; ++i) kv[i] = V::load(kt.data() + e * kBlock + i * 16);
+          for (int g = 0; g < kPairGroup; ++g) {
+            const V qe = V::set1(qrow[p0 + g][e]);
+            for (int i = 0; i < NV; ++i) s[g][i] = V::fma(qe, kv[i], s[g][i]);
+          }
+        }
+        const V vscale = V::set1(scale);
+        for (int g = 0; g < kPairGroup; ++g) {
+          const int64_t p = p0 + g;
+          if (p >= pairs || pos[p] < j0) continue;  // padding pair, or a block in its future
+          const int64_t valid = std::min(kBlock, pos[p] - j0 + 1);
+          float* sp = sc.data() + p * kBlock;
+          for (int i = 0; i < NV; ++i) V::mul(s[g][i], vscale).store(sp + i * 16);
+          for (int64_t j = valid; j < kBlock; ++j) sp[j] = -kInf;
+          V mx = V::load(sp);
+          for (int i = 1; i < NV; ++i) mx = V::max(mx, V::load(sp + i * 16));
+          const float bmax = mx.reduce_max();
+          const float m_old = m_run[p];
+          const float m_new = m_old > bmax ? m_old : bmax;
+          const float alpha = sexp<V>(m_old - m_new);
+          const V vm = V::set1(m_new);
+          V bsum = V::zero();
+          for (int i = 0; i < NV; ++i) {
+            const V ex = vexp(V::sub(V::load(sp + i * 16), vm));
+            ex.store(sp + i * 16);
+            bsum = V::add(bsum, ex);
+          }
+          l_run[p] = l_run[p] * alpha + bsum.reduce_add();
+          m_run[p] = m_new;
+          // acc[c] = acc[c]*alpha, then += e[j]*value_j[c] for j ascending; column chunks of
+          // 16 lanes are independent, so chunking changes no element's operations.
+          float* a = acc.data() + p * dv;
+          const V va = V::set1(alpha);
+          for (int64_t c = 0; c < dv; c += 16) {
+            V x = V::mul(V::load(a + c), va);
+            for (int64_t j = 0; j < valid; ++j)
+              x = V::fma(V::set1(sp[j]), V::load(rows.data() + j * dk + c), x);
+            x.store(a + c);
+          }
+        }
+      }
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const V vl = V::set1(l_run[p]);
+      const int64_t row = cu_q[t.seq] + t.row0 + p / t.heads;
+      float* o = out + (row * hq + t.head0 + p % t.heads) * dv;
+      for (int64_t c = 0; c < dv; c += 16)
+        V::div(V::load(acc.data() + p * dv + c), vl).store(o + c);
+    }
+  });
+}
+
+at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& cu_q,
+                            const at::Tensor& q_start, const at::Tensor& cu_kv,
+                            const at::Tensor& slot_table, double scale, int64_t value_dim,
+                            int64_t simd) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "latent_attention: q must be contiguous fp32 [T, H, Dk]");
+  const int64_t hq = q.size(1), dk = q.size(2), dv = value_dim;
+  TORCH_CHECK(cache.dim() == 2 && cache.size(1) == dk && cache.is_contiguous(),
+              "latent_attention: the cache must be contiguous [S, Dk] with q's Dk=", dk);
+  TORCH_CHECK(dk % 16 == 0 && dv % 16 == 0 && dv >= 16 && dv <= dk,
+              "latent_attention: key width ", dk, " and value width ", dv,
+              " must be multiples of 16 with the value width at most the key width");
+  for (const at::Tensor* t : {&cu_q, &q_start, &cu_kv, &slot_table})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "latent_attention: metadata tensors must be contiguous int32");
+  const int64_t num_seqs = q_start.size(0);
+  TORCH_CHECK(cu_q.size(0) == num_seqs + 1 && cu_kv.size(0) == num_seqs + 1,
+              "latent_attention: cu_q / cu_kv must have B+1 entries");
+  const int32_t* cq = cu_q.data_ptr<int32_t>();
+  const int32_t* qs = q_start.data_ptr<int32_t>();
+  const int32_t* ck = cu_kv.data_ptr<int32_t>();
+  const int32_t* st = slot_table.data_ptr<int32_t>();
+  TORCH_CHECK(cq[0] == 0 && cq[num_seqs] == q.size(0) && ck[0] == 0 &&
+                  ck[num_seqs] <= slot_table.size(0),
+              "latent_attention: cu_q must run from 0 to the ", q.size(0),
+              " query rows and cu_kv from 0 within the slot table");
+  const int64_t num_slots = cache.size(0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(cq[b + 1] >= cq[b] && ck[b + 1] >= ck[b],
+                "latent_attention: cu_q / cu_kv must be non-decreasing (sequence ", b, ")");
+    const int64_t kv_len = qs[b] + cq[b + 1] - cq[b];
+    TORCH_CHECK(qs[b] >= 0 && ck[b + 1] - ck[b] >= kv_len,
+                "latent_attention: sequence ", b, " has fewer slots than keys");
+    for (int64_t j = 0; j < kv_len; ++j)
+      TORCH_CHECK(st[ck[b] + j] >= 0 && st[ck[b] + j] < num_slots, "latent_attention: slot ",
+                  st[ck[b] + j], " outside the cache");
+  }
+  at::Tensor out = at::empty({q.size(0), hq, dv}, q.options());
+  if (q.size(0) == 0) return out;
+  const float fscale = static_cast<float>(scale);
+  dispatch_simd(simd, [&](auto vec) {
+    using V = decltype(vec);
+    if (cache.scalar_type() == at::kFloat) {
+      latent_attention_impl<V, float>(q.data_ptr<float>(), cache.data_ptr<float>(), cq, qs, ck,
+                                      st, num_seqs, hq, dk, dv, fscale, out.data_ptr<float>());
+    } else {
+      TORCH_CHECK(cache.scalar_type() == at::kBFloat16,
+                  "latent_attention: the cache must be fp32 or bf16");
+      latent_attention_impl<V, at::BFloat16>(q.data_ptr<float>(),
+                                             cache.data_ptr<at::BFloat16>(), cq, qs, ck, st,
+                                             num_seqs, hq, dk, dv, fscale, out.data_ptr<float>());
+    }
+    return 0;
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------
 // sampling noise: bit for bit lockstep.engine.sampler.gumbel_noise_reference (float64 basic
 // operations in the same sequence; frexp by bit fields so that the column loop vectorizes)
 // ----------------------------------------------------------------------------------------
@@ -1581,6 +1763,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route", &lockstep::moe_route, release);
   m.def("rope", &lockstep::rope, release);
   m.def("attention", &lockstep::attention, release);
+  m.def("latent_attention", &lockstep::latent_attention, release);
   m.def("gumbel_noise", &lockstep::gumbel_noise, release);
   m.def("probability_units", &lockstep::probability_units, release);
   m.def("top_p_cutoff", &lockstep::top_p_cutoff, release);

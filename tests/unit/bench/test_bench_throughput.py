@@ -45,6 +45,7 @@ def test_json_line_holds_the_figures_and_the_spot_check_passes(
     assert sum(b["steps"] for b in r["decode_by_context"]) == r["decode_steps"]["steps"]
     assert r["steps_s"] <= r["wall_s"]
     assert doc["kv"]["capacity_tokens"] == 2048 and 0 < r["kv_peak_tokens"] <= 2048
+    assert doc["kv"]["linear_snapshots"] == 0  # a model without linear attention
     assert doc["spot_check"] == {"requests": doc["spot_check"]["requests"], "passed": True,
                                  "mismatches": []} and len(doc["spot_check"]["requests"]) == 3  # fmt: skip
     assert doc["engine"]["max_running"] == 8 and doc["engine"]["device"] == "cpu"

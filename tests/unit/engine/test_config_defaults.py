@@ -112,6 +112,9 @@ def test_cuda_pool_without_room_is_a_clear_error() -> None:
     reserved, per_token = _qwen3_8b_reservation()
     with pytest.raises(ConfigError, match="--max-batch-tokens or --max-running, or give"):
         memory.cuda_kv_budget(reserved.total - 1, per_token, reserved, 0.9)
+    snapshots = memory.SnapshotBudget(10, GIB)  # a pool that takes the whole share
+    with pytest.raises(ConfigError, match="10 linear snapshots; lower .* or --linear-snapshots"):
+        memory.cuda_kv_budget(reserved.total + 10 * GIB, per_token, reserved, 0.9, snapshots)
 
 
 def test_cpu_pool_is_a_share_of_ram_capped() -> None:
@@ -130,3 +133,73 @@ def test_engine_sizes_its_cpu_pool_from_ram_and_reports_how() -> None:
     assert engine.scheduler.max_running == 64 and engine.scheduler.max_batch_tokens == 1024
     given = Engine(EngineConfig(model="random:tiny", device="cpu", kv_tokens=300))
     assert given.kv_budget is None and given.pool.num_slots == 300
+
+
+def test_hybrid_snapshots_are_a_pool_of_their_own_out_of_the_cache_share() -> None:
+    """random:qwen3.5-9b on a 139 GiB H200 at the defaults: a token costs only its 8 attention
+    layers' K/V (32 KiB; a snapshot of the 24 linear layers, 50.25 MiB, is no longer charged
+    per 32 tokens), the snapshot pool (4 per running request, at most half the cache share)
+    comes out of the share once, and the KV pool holds more tokens than a dense Qwen3-8B's
+    (680k there), 25 times what a snapshot per chunk left."""
+    from lockstep.models.linear_attention import LinearLayout, LinearStatePool
+
+    spec = PRESETS["qwen3.5-9b"].spec
+    layout = LinearLayout.of(spec, torch.device("cpu"))
+    per_token = memory.bytes_per_token(spec, spec.num_kv_heads, torch.bfloat16)
+    snapshot = memory.snapshot_bytes(spec)
+    assert per_token == 2 * 8 * 4 * 256 * 2 == 32768
+    assert snapshot == layout.snapshot_bytes == 4 * 24 * (3 * 8192 + 32 * 128 * 128) == 52690944
+    c = EngineConfig(device="cuda")
+    buckets = (graph_batch_buckets(256), graph_context_buckets(spec.max_position))
+    reserved = memory.step_workspace(spec, 2, 8192, 256, buckets)
+    # What is free after the bf16 weights and the 257 working-state slots (allocated first).
+    free = 139 * GIB - 2 * spec.num_parameters - 257 * LinearStatePool.slot_bytes(layout)
+    cache = memory.cuda_cache_bytes(free, reserved, c.resolved_kv_memory_fraction)
+    count = memory.default_linear_snapshots(256, snapshot, cache)
+    assert count == int(cache * memory.SNAPSHOT_SHARE) // snapshot < 4 * 256  # the cap binds
+    snapshots = memory.SnapshotBudget(count, snapshot)
+    budget = memory.cuda_kv_budget(free, per_token, reserved, 0.9, snapshots)
+    assert budget.kv_tokens == (cache - count * snapshot) // per_token
+    assert budget.kv_tokens * per_token + snapshots.total <= cache
+    per_chunk = cache // (per_token + -(-snapshot // 32))  # a snapshot charged per 32 tokens
+    assert budget.kv_tokens > 1_000_000 and budget.kv_tokens > 25 * per_chunk
+    line = budget.describe()
+    assert f"linear snapshots {count} x 50.25 MiB" in line
+    assert f"the memory of {snapshots.total // per_token} KV tokens" in line
+    # Given a pool size or a KV size, the default is what is asked or 4 per running request.
+    assert memory.default_linear_snapshots(64, snapshot, None) == 256
+    assert memory.default_linear_snapshots(64, snapshot, 10**15) == 256
+
+
+def test_cpu_pool_takes_the_snapshots_out_of_its_share() -> None:
+    snapshots = memory.SnapshotBudget(3, 100 * 1024)
+    budget = memory.cpu_kv_budget(10 * 1024 * 1024, 1024, 0.3, snapshots)
+    assert budget.kv_tokens == (int(10 * 1024 * 1024 * 0.3) - 3 * 100 * 1024) // 1024
+    assert "less 0.00 GiB of linear snapshots; linear snapshots 3 x 0.10 MiB" in budget.describe()
+
+
+def test_linear_snapshot_options_are_checked() -> None:
+    assert EngineConfig().linear_snapshots is None
+    assert EngineConfig().linear_snapshot_interval == 512
+    EngineConfig(linear_snapshots=0, linear_snapshot_interval=32)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="linear_snapshots="):
+            EngineConfig(linear_snapshots=bad)
+    with pytest.raises(ConfigError, match=r"linear_snapshot_interval=100 .* multiple .* 32"):
+        EngineConfig(linear_snapshot_interval=100)
+    with pytest.raises(ConfigError, match="linear_snapshot_interval=0"):
+        EngineConfig(linear_snapshot_interval=0)
+
+
+def test_a_snapshot_pool_that_cannot_fit_is_refused_before_allocating() -> None:
+    """On the CPU the snapshots must fit the caches' share; with --kv-tokens given, the memory
+    there is: a clear error naming the option and the count that fits, never an allocation."""
+    from lockstep.engine.engine import Engine
+
+    snapshots = memory.SnapshotBudget(100, 1 << 20)
+    with pytest.raises(ConfigError, match=r"linear_snapshots=100 .* expected at most 30"):
+        memory.cpu_kv_budget(100 << 20, 1024, 0.3, snapshots)
+    memory.cpu_kv_budget(100 << 20, 1024, 0.3, memory.SnapshotBudget(30, 1 << 20))  # fits
+    with pytest.raises(ConfigError, match="linear_snapshots=10000000000 .* the available RAM"):
+        Engine(EngineConfig(model="random:tiny-qwen3.5", device="cpu", kv_tokens=64,
+                            linear_snapshots=10**10))  # fmt: skip

@@ -494,8 +494,8 @@ def test_hf_folder_unsupported_configs(tmp_path, config_extra, expected):
         ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid' (a router scoring function)"),
         ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc' (a top-k method other than greedy)"),
         ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 (a routed scaling factor)"),
-        # DeepSeek's own config is refused for its first unsupported feature, not its name.
-        ({"model_type": "deepseek_v3", "n_shared_experts": 1}, "n_shared_experts=1"),
+        # A deepseek_v3 config is read by the DeepSeek family: without MLA keys it is refused.
+        ({"model_type": "deepseek_v3", "n_shared_experts": 1}, "required key kv_lora_rank"),
         ({"num_experts_per_tok": 9}, "inconsistent experts: num_experts_per_tok=9 must be"),
         ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step=0; a qwen3_moe config needs"),
@@ -630,8 +630,10 @@ def test_presets_have_real_shapes(preset):
     extras = sum(
         int(np.prod(expected_weight_shape(spec, n)))
         for n in loaded.weight_names()
-        if n.endswith((".bias", "_scale")) or "q_norm" in n or "k_norm" in n
-    )  # FP8 scales, like biases and q/k norms, are not counted as parameters
+        if n.endswith((".bias", "_scale", ".e_score_correction_bias"))
+        or "q_norm" in n
+        or "k_norm" in n
+    )  # FP8 scales, like biases (routers' too) and q/k norms, are not counted as parameters
     assert total - extras == spec.num_parameters
     assert loaded.tokenizer.vocab_size == spec.vocab_size
 

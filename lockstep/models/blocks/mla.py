@@ -1,0 +1,219 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight, GLM-4.7-Flash: `MlaSpec`),
+run in the absorbed form for prefill and decode alike, so both compute every row the same way.
+
+Canonical tensors (after "model.layers.{i}.", H hidden, n heads, dn / dr / dv the no-RoPE,
+RoPE and value widths per head, R the KV latent's rank, Q the q LoRA rank):
+
+    self_attn.q_proj.weight                [n (dn + dr), H]      (no q LoRA)
+    self_attn.q_a_proj.weight              [Q, H]                (q LoRA)
+    self_attn.q_a_layernorm.weight         [Q]
+    self_attn.q_b_proj.weight              [n (dn + dr), Q]
+    self_attn.kv_a_proj_with_mqa.weight    [R + dr, H]
+    self_attn.kv_a_layernorm.weight        [R]
+    self_attn.kv_b_proj.weight             [n (dn + dv), R]      (per head: W_UK rows, W_UV rows)
+    self_attn.o_proj.weight                [H, n dv]
+
+A token's cache row (one per layer, `MlaSpec.cache_width` values) is c | k_pe: the latent
+c = rmsnorm(kv_a x[:R]) and its RoPE key k_pe = rope(kv_a x[R:]), shared by every head. The
+scores of head h are q_nope_h . (W_UK_h c) + q_pe_h . k_pe = (W_UK_h^T q_nope_h | q_pe_h) .
+(c | k_pe): W_UK is absorbed into the query, so attention is one MQA over the cache rows
+with keys of R + dr values and values of R (the latent, the first R values of the same row);
+W_UV_h then maps head h's output to dv values, and o_proj mixes the heads.
+
+                   x ──> [q_a | kv_a] ──> rmsnorm ──> q_b ──> q_nope ──W_UK^T──> q_lat ─┐
+                                     └──> c, rope(k_pe) ──> cache row                  │
+    out <── o_proj <── W_UV per head <── latent_attention(q_lat | rope(q_pe), rows) <──┘
+
+Prepared: the projections from x fused by rows (q_a | kv_a, or q | kv_a without a q LoRA),
+q_b, the two norms (float32), W_UK_h^T [R, dn] and W_UV_h [dv, R] stacked per head, o. Where
+the checkpoint's RoPE dims are interleaved pairs (`rope_interleave`), their rows are
+reordered at load to rotate-half order (evens, then odds): a plain rotate-half RoPE then
+computes transformers' interleaved rotation exactly, and queries and keys share the order, so
+their dot products are unchanged. The q LoRA and KV norms use epsilon 1e-6 whatever the
+config says, as transformers builds them. Every step but the attention is row-local; the
+attention's rows depend only on cache rows 0..p of their sequence (`LatentAttentionOps`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+
+from lockstep.models.blocks.base import (
+    BuildContext,
+    CacheBytes,
+    LayoutEntry,
+    Linear,
+    Step,
+    linear,
+    linear_entry,
+)
+from lockstep.ops.base import DenseOps, LatentAttentionOps
+
+if TYPE_CHECKING:
+    from lockstep.models.spec import MlaSpec, ModelSpec
+    from lockstep.ops.base import Ops
+
+# transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon.
+MLA_NORM_EPS = 1e-6
+
+
+@dataclass
+class LatentAttentionWeights:
+    """One MLA layer, prepared (module docstring): `a` rows q_a | kv_a (or q | kv_a), `q_b`
+    (None without a q LoRA), the norms, `w_uk` [n, R, dn'] (W_UK_h^T per head), `w_uv`
+    [n, dv, R'] (W_UV_h per head), `o`, the layer's index among the cache layers, the score
+    scale and the RoPE tables."""
+
+    a: Linear
+    q_b: Linear | None
+    q_a_norm: torch.Tensor | None
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    o: Linear
+    kv_index: int
+    scale: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _names(q_lora: bool) -> list[str]:
+    q = (
+        ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+        if q_lora
+        else ["q_proj.weight"]
+    )
+    rest = [
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+        "kv_b_proj.weight",
+        "o_proj.weight",
+    ]
+    return ["self_attn." + n for n in q + rest]
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """MLA with (`q_lora`) or without a low-rank query projection."""
+
+    q_lora: bool = True
+
+    prefix: ClassVar[str] = "self_attn"
+    cache: ClassVar[str] = "kv"  # one latent row per token in the KV pool
+    requires: ClassVar[tuple[type, ...]] = (DenseOps, LatentAttentionOps)
+
+    def cache_bytes(self, spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> CacheBytes:
+        """The latent and the RoPE key of every cached token (576 values for DeepSeek-V3),
+        whatever the head count: MLA keeps no per-head K or V."""
+        assert spec.mla is not None
+        return CacheBytes(per_token=spec.mla.cache_width * kv_dtype.itemsize)
+
+    def weight_names(self, spec: ModelSpec) -> list[str]:
+        return _names(self.q_lora)
+
+    def weight_shape(self, spec: ModelSpec, name: str) -> tuple[int, ...]:
+        m, n, h = _mla(spec), spec.num_heads, spec.hidden_size
+        q_lora = m.q_lora_rank or 0
+        return {
+            "self_attn.q_proj.weight": (n * m.qk_head_dim, h),
+            "self_attn.q_a_proj.weight": (q_lora, h),
+            "self_attn.q_a_layernorm.weight": (q_lora,),
+            "self_attn.q_b_proj.weight": (n * m.qk_head_dim, q_lora),
+            "self_attn.kv_a_proj_with_mqa.weight": (m.cache_width, h),
+            "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (n * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            "self_attn.o_proj.weight": (h, n * m.v_head_dim),
+        }[name]
+
+    def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
+        a, t = f"model.layers.{layer}.self_attn.", f"layers.{layer}.{role}."
+        first = "q_a_proj" if self.q_lora else "q_proj"
+        entries = [LayoutEntry(t + "a", "mla_linear", [a + first + ".weight",
+                                                       a + "kv_a_proj_with_mqa.weight"])]  # fmt: skip
+        if self.q_lora:
+            entries += [
+                LayoutEntry(t + "q_a_norm", "norm", [a + "q_a_layernorm.weight"]),
+                LayoutEntry(t + "q_b", "mla_linear", [a + "q_b_proj.weight"]),
+            ]
+        entries += [
+            LayoutEntry(t + "kv_a_norm", "norm", [a + "kv_a_layernorm.weight"]),
+            LayoutEntry(t + "w_uk", "mla_absorb_k", [a + "kv_b_proj.weight"]),
+            LayoutEntry(t + "w_uv", "mla_absorb_v", [a + "kv_b_proj.weight"]),
+            linear_entry(spec, t + "o", [a + "o_proj"]),  # MLA models run at tp 1
+        ]
+        return entries
+
+    def build(self, parts: dict[str, Any], context: BuildContext) -> LatentAttentionWeights:
+        return LatentAttentionWeights(
+            a=parts["a"], q_b=parts.get("q_b"), q_a_norm=parts.get("q_a_norm"),
+            kv_a_norm=parts["kv_a_norm"], w_uk=parts["w_uk"], w_uv=parts["w_uv"], o=parts["o"],
+            kv_index=context.cache_index, scale=_mla(context.spec).softmax_scale,
+            cos=context.rope_cos, sin=context.rope_sin,
+        )  # fmt: skip
+
+    def forward(
+        self, ops: Ops, x: torch.Tensor, w: LatentAttentionWeights, step: Step
+    ) -> torch.Tensor:
+        """The cache row written, then the absorbed attention (module docstring)."""
+        mla_ops = cast(LatentAttentionOps, ops)
+        batch = step.batch
+        t, heads, rank = x.shape[0], w.w_uk.shape[0], w.w_uk.shape[1]
+        rope_dim = 2 * w.cos.shape[1]
+        a = linear(ops, x, w.a)
+        kv = a[:, -(rank + rope_dim) :]
+        if w.q_b is not None:
+            assert w.q_a_norm is not None
+            q_a = ops.rms_norm(a[:, : -(rank + rope_dim)].contiguous(), w.q_a_norm, MLA_NORM_EPS)
+            q = linear(ops, q_a, w.q_b)
+        else:
+            q = a[:, : -(rank + rope_dim)]
+        latent = ops.rms_norm(kv[:, :rank].contiguous(), w.kv_a_norm, MLA_NORM_EPS)
+        k_pe = mla_ops.rope(kv[:, rank:].reshape(t, 1, rope_dim).contiguous(), batch.positions,
+                            w.cos, w.sin)  # fmt: skip
+        cache = step.kv.k_cache(w.kv_index)
+        mla_ops.write_latent(cache, torch.cat([latent, k_pe.reshape(t, rope_dim)], dim=1),
+                             batch.out_slots)  # fmt: skip
+        q = q.reshape(t, heads, -1)
+        nope = q.shape[2] - rope_dim
+        q_pe = mla_ops.rope(q[:, :, nope:].contiguous(), batch.positions, w.cos, w.sin)
+        q_lat = [linear(ops, q[:, h, :nope].contiguous(), w.w_uk[h]) for h in range(heads)]
+        query = torch.cat([torch.stack(q_lat, dim=1), q_pe.to(q_lat[0].dtype)], dim=2)
+        o = mla_ops.latent_attention(query.contiguous(), cache, batch.meta, w.scale, rank)
+        out = torch.cat([linear(ops, o[:, h].contiguous(), w.w_uv[h]) for h in range(heads)], 1)
+        return linear(ops, out, w.o)
+
+
+def _mla(spec: ModelSpec) -> MlaSpec:
+    assert spec.mla is not None
+    return spec.mla
+
+
+def rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (a checkpoint tensor named `source`) with its RoPE rows in rotate-half order
+    when the checkpoint interleaves them (module docstring); other rows, and every row of a
+    checkpoint that does not interleave, unchanged. The RoPE rows are each head's last dr
+    rows of q_proj / q_b_proj and the last dr rows of kv_a_proj_with_mqa."""
+    m = _mla(spec)
+    if not m.rope_interleave or source.endswith("q_a_proj.weight"):
+        return weight
+    dr = m.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+    if source.endswith("kv_a_proj_with_mqa.weight"):
+        return torch.cat([weight[: m.kv_lora_rank], weight[m.kv_lora_rank :][order]])
+    heads = weight.reshape(spec.num_heads, m.qk_head_dim, -1)
+    rotated = heads[:, m.qk_nope_head_dim :][:, order]
+    return torch.cat([heads[:, : m.qk_nope_head_dim], rotated], dim=1).reshape(weight.shape)
+
+
+def absorbed(spec: ModelSpec, kv_b: torch.Tensor, part: str) -> torch.Tensor:
+    """kv_b_proj [n (dn + dv), R] split per head: "k" gives W_UK_h^T stacked [n, R, dn] (a
+    linear from q_nope to the latent), "v" gives W_UV_h stacked [n, dv, R]. Slices and
+    transposes only: no value is rounded."""
+    m = _mla(spec)
+    per_head = kv_b.reshape(spec.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+    if part == "k":
+        return per_head[:, : m.qk_nope_head_dim].transpose(1, 2).contiguous()
+    return per_head[:, m.qk_nope_head_dim :].contiguous()
