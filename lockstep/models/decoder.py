@@ -100,6 +100,13 @@ class Layer:
     mlp_norm: torch.Tensor | None = None
 
 
+def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the activations between ops: float32 on the CPU (its kernels compute in
+    float32 whatever the weights), the model dtype on CUDA. The training module
+    (lockstep/training/model.py) takes it from here, so its ops see what the decoder's see."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 def rope_tables(
     spec: ModelSpec, max_position: int, sliding: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +185,7 @@ class Decoder:
         self.device = device
         self.max_position = max_position
         self.kv_dtype = kv_dtype or dtype  # the KV cache's (float8_e4m3fn: lockstep/ops/fp8.py)
-        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.act_dtype = activation_dtype(device, dtype)
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)

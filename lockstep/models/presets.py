@@ -482,10 +482,30 @@ def byte_tokenizer(vocab_size: int, add_bos: bool) -> Tokenizer:
 
 
 def load_preset(name: str, random_seed: int) -> tuple[ModelSpec, Tokenizer, RandomWeights]:
-    if name not in PRESETS:
+    """A preset by name; "NAME,layers=N" keeps the first N layers of a dense preset (the same
+    tensors the whole preset has: each is drawn by its own name), for benchmarks and GPU
+    tests of one layer's work at real shapes without loading all of them."""
+    base, _, option = name.partition(",")
+    if base not in PRESETS:
         raise ModelLoadError(
-            f"unknown preset random:{name}; presets: {', '.join('random:' + p for p in PRESETS)}"
+            f"unknown preset random:{base}; presets: {', '.join('random:' + p for p in PRESETS)}"
         )
-    preset = PRESETS[name]
-    tokenizer = byte_tokenizer(preset.spec.vocab_size, preset.add_bos)
-    return preset.spec, tokenizer, RandomWeights(preset.spec, random_seed)
+    preset = PRESETS[base]
+    spec = preset.spec if not option else _first_layers(preset.spec, name, option)
+    tokenizer = byte_tokenizer(spec.vocab_size, preset.add_bos)
+    return spec, tokenizer, RandomWeights(spec, random_seed)
+
+
+def _first_layers(spec: ModelSpec, name: str, option: str) -> ModelSpec:
+    """`spec` cut to the layer count `option` ("layers=N") names."""
+    key, _, value = option.partition("=")
+    per_layer = spec.sliding is not None or spec.linear is not None or spec.moe is not None
+    if key != "layers" or not value.isdigit() or not 1 <= int(value) <= spec.num_layers:
+        raise ModelLoadError(
+            f"random:{name}: expected random:NAME,layers=N with N in 1..{spec.num_layers}"
+        )
+    if per_layer:
+        raise ModelLoadError(
+            f"random:{name}: layers=N is for dense presets (this one has per-layer types)"
+        )
+    return dataclasses.replace(spec, num_layers=int(value))

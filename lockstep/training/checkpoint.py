@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from lockstep.training.model import LockstepForCausalLM
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
 # Files of a source folder that describe the model besides its weights.
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
@@ -55,8 +55,9 @@ def save_folder(model: LockstepForCausalLM, folder: Path) -> None:
 def hf_config(
     spec: ModelSpec, bos_token_id: int | None, eos_token_id: int | None, dtype: str
 ) -> dict[str, Any]:
-    """A transformers config.json for a dense spec (Llama, Qwen2, Qwen3), RoPE in
-    transformers 5's `rope_parameters` (Lockstep reads it too)."""
+    """A transformers config.json for a spec of a trainable family (Llama, Qwen2, Qwen3,
+    Qwen3-MoE: its sparse layers as `mlp_only_layers`' complement), RoPE in transformers 5's
+    `rope_parameters` (Lockstep reads it too)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.rope_scaling is not None:
         s = spec.rope_scaling
@@ -84,4 +85,11 @@ def hf_config(
     }
     if spec.family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    if spec.moe is not None:
+        moe = spec.moe
+        config.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      moe_intermediate_size=moe.intermediate_size,
+                      norm_topk_prob=moe.renormalize, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(spec.num_layers)
+                                       if i not in moe.sparse_layers])  # fmt: skip
     return config

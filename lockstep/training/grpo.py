@@ -1,10 +1,12 @@
-"""A minimal GRPO-style loop on the CPU: the engine samples groups, the training module
+"""A minimal GRPO-style loop: the engine samples groups, the training module
 recomputes the sampled tokens' logprobs (the sampler's bits, so the importance ratio is
 exactly 1 and the k3 KL between the rollout and training policies exactly 0), an optimizer
 step follows, and the new weights go back to the engine in-process.
 
     python -m lockstep.training.grpo                      # the embedded default model
     python -m lockstep.training.grpo --model random:tiny --steps 5
+    python -m lockstep.training.grpo --model random:qwen3-8b,layers=4 --device cuda \
+        --dtype bfloat16
 
 One line per step, then one JSON document on the last line (every step's figures). The
 reward is a toy (the share of the letter "e" in the completion's text): the point is the
@@ -58,14 +60,22 @@ def run(
     reward: Callable[[str], float] = e_share,
     trainer_mode: str = "deterministic",
     on_step: Callable[[StepReport], None] | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    kv_tokens: int | None = None,
 ) -> tuple[list[StepReport], LockstepForCausalLM, LLM]:
-    """`steps` GRPO steps in float32 on the CPU; returns the reports, the trained module and
+    """`steps` GRPO steps with the engine and the trainer on `device` in `dtype` ("float32" or
+    "bfloat16"), each picking its backend as the engine does; `kv_tokens`: the engine's KV
+    pool (None: the engine's default, which on CUDA takes most of the free memory; give a
+    size there to leave the trainer room); returns the reports, the trained module and
     the engine (which serves the trained weights). Each sampled token's rollout logprob is
     the sampler's, its training logprob the module's; k3 = exp(d) - d - 1 with d = rollout -
     training logprob, ratio = exp(-d). `trainer_mode` "fast" recomputes on the fast backend
     (a control: then the two policies differ in their last bits)."""
-    llm = LLM(model, device="cpu", dtype="float32")
-    trainer = LockstepForCausalLM.from_pretrained(model, dtype=torch.float32, mode=trainer_mode)
+    llm = LLM(model, device=device, dtype=dtype, kv_tokens=kv_tokens)
+    trainer = LockstepForCausalLM.from_pretrained(
+        model, device=device, dtype=getattr(torch, dtype), mode=trainer_mode
+    )
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
     prompt_ids = [llm.tokenizer.encode(p) for p in prompts]
     reports = []
@@ -87,7 +97,7 @@ def run(
         per_rollout = zip(rollouts, outs, out.per_sequence(), advantages.tolist(), strict=True)
         for p, o, lps, advantage in per_rollout:
             training = lps[len(p) - 1 :]  # the completion's tokens
-            rollout = torch.tensor(o.logprobs, dtype=torch.float32)
+            rollout = torch.tensor(o.logprobs, dtype=torch.float32, device=training.device)
             d = (rollout - training.detach()).double()
             k3 = d.exp() - d - 1.0
             ratio = (training - rollout).exp()  # 1 exactly when the bits agree
@@ -117,6 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=16384,
+        help="the engine's KV pool; the rest of the device is the trainer's",
+    )
     args = parser.parse_args(argv)
     print("step  reward   loss       k3_max  ratio_min  ratio_max  tokens")
 
@@ -125,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
               f"  {r.ratio_max:.7f}  {r.tokens}")  # fmt: skip
 
     reports, _, _ = run(args.model, args.steps, args.group_size, PROMPTS, args.max_tokens,
-                        args.lr, args.seed, on_step=show)  # fmt: skip
+                        args.lr, args.seed, on_step=show, device=args.device,
+                        dtype=args.dtype, kv_tokens=args.kv_tokens)  # fmt: skip
     print(json.dumps({"steps": [asdict(r) for r in reports]}))
 
 

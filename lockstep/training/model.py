@@ -19,12 +19,12 @@ to float32 in the forward, as the engine widens them at load). The engine fuses 
 gate|up by rows; the forward concatenates the same rows each step, which leaves every output
 element's reduction unchanged and keeps the parameters separate.
 
-Supported: the dense families (Llama, Qwen2, Qwen3), unquantized, in float32 or bfloat16, with
-the bits of an engine at tensor-parallel degree 1 (`tp_reduction="ranks"`, its default) or of
-an engine at any degree with the chunked reduction (`tp_reduction="chunked"`, the default at
-TP > 1). Mixture-of-experts (Qwen3-MoE)
-and hybrid (Qwen3.5) models and FP8 checkpoints are refused at load (docs/training.md says what
-each lacks).
+Supported: the dense families (Llama, Qwen2, Qwen3) and Qwen3-MoE, unquantized, in float32
+or bfloat16, on the CPU or CUDA (the backend and activation dtype the engine picks for the
+device), with the bits of an engine at tensor-parallel degree 1 (`tp_reduction="ranks"`, its
+default) or of an engine at any degree with the chunked reduction (`tp_reduction="chunked"`,
+the default at TP > 1). Hybrid (Qwen3.5) models and FP8 checkpoints are refused at load
+(docs/training.md says what each lacks).
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.decoder import rope_tables
+from lockstep.models.decoder import activation_dtype, rope_tables
 from lockstep.models.resolver import LoadedModel, resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer
 from lockstep.ops import build_attention_meta, get_ops
-from lockstep.ops.base import AttentionInput, AttentionMeta
+from lockstep.ops.base import AttentionInput, AttentionMeta, Ops
 from lockstep.parallel.sharding import chunk_bounds, tree_sum
 from lockstep.training import functions as fn
 
-TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MODES = ("deterministic", "fast")
 # The engine's row-parallel reductions at TP 1 (lockstep/parallel/layers.py) this module
 # reproduces: "ranks", the one-call linear (the TP 1 default), and "chunked", the fixed
@@ -96,7 +96,8 @@ class LockstepForCausalLM(nn.Module):
     `from_pretrained`; `gradient_checkpointing` recomputes each layer in the backward instead
     of keeping its activations (the recomputation has the same bits: the forward is
     deterministic). `tp_reduction`: the engine reduction of o_proj and down_proj whose bits
-    to give (`REDUCTIONS`)."""
+    to give (`REDUCTIONS`). `ops`: a backend instead of the engine's for `device` and `mode`
+    (tests run the Triton backend on CPU tensors under its interpreter)."""
 
     def __init__(
         self,
@@ -106,6 +107,7 @@ class LockstepForCausalLM(nn.Module):
         mode: str = "deterministic",
         gradient_checkpointing: bool = False,
         tp_reduction: str = "ranks",
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         spec = loaded.spec
@@ -121,9 +123,10 @@ class LockstepForCausalLM(nn.Module):
         self.mode = mode
         self.dtype = dtype
         self.device_type = device.type
-        self.ops = get_ops(device.type, mode)
+        # The backend the engine picks for this device and mode (lockstep/engine/engine.py).
+        self.ops = ops if ops is not None else get_ops(device.type, mode)
         # The decoder's activation dtype and KV cache dtype (lockstep/models/decoder.py).
-        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.act_dtype = activation_dtype(device, dtype)
         self.kv_dtype = dtype
         self.gradient_checkpointing = gradient_checkpointing
         cos, sin = rope_tables(spec, spec.max_position)
@@ -181,7 +184,8 @@ class LockstepForCausalLM(nn.Module):
     def _layer(
         self, i: int, h: torch.Tensor, residual: torch.Tensor | None, batch: _Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i as `Decoder.forward` runs it: (norm, attention, norm, MLP)."""
+        """Layer i as `Decoder.forward` runs it: (norm, attention, norm, MLP), the MLP a
+        routed-experts one in a sparse layer (Qwen3-MoE)."""
         ops, eps, p = self.ops, self.spec.rms_norm_eps, f"model.layers.{i}."
         input_norm = self._norm(p + "input_layernorm.weight")
         if residual is None:
@@ -194,6 +198,15 @@ class LockstepForCausalLM(nn.Module):
             ops, h, residual, self._norm(p + "post_attention_layernorm.weight"), eps
         )
         m = p + "mlp."
+        moe = self.spec.moe
+        if moe is not None and i in moe.sparse_layers:
+            experts = [
+                tuple(self.get_parameter(f"{m}experts.{e}.{q}_proj.weight")
+                      for q in ("gate", "up", "down"))
+                for e in range(moe.num_experts)
+            ]  # fmt: skip
+            router = self.get_parameter(m + "gate.weight")
+            return fn.moe(ops, x, router, experts, moe.top_k, moe.renormalize), residual
         gate_up = self._cat([m + "gate_proj.weight", m + "up_proj.weight"])
         act = fn.silu_mul(ops, fn.linear(ops, x, gate_up))
         down = self.get_parameter(m + "down_proj.weight")
@@ -286,10 +299,10 @@ class LockstepForCausalLM(nn.Module):
         """Row j - 1's log-probability of token j, for every j but each sequence's first."""
         t = batch.token_ids.numel()
         cu = batch.cu_seqlens
-        mask = torch.ones(t, dtype=torch.bool)
+        device = batch.token_ids.device
+        mask = torch.ones(t, dtype=torch.bool, device=device)
         mask[cu[:-1]] = False
-        mask = mask.to(batch.token_ids.device)
-        rows = torch.arange(t, device=mask.device).clamp(min=1) - 1
+        rows = torch.arange(t, device=device).clamp(min=1) - 1
         picked = logprobs_all[rows, batch.token_ids]
         logprobs = torch.where(mask, picked, torch.zeros_like(picked))
         return PackedOutput(logprobs, mask, cu, logits)

@@ -1,7 +1,8 @@
 """The training module (lockstep.training): its logprobs are the engine's bits for packed
 batches of any composition and order, its gradients are transformers' (float32, relative
 1e-4), and trained weights go back to the engine (in-process and through a saved folder)
-with the trainer's bits. Tiny random models written by transformers (tests/support/tiny_hf.py)."""
+with the trainer's bits; dense families and Qwen3-MoE. Tiny random models written by
+transformers (tests/support/tiny_hf.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import transformers  # noqa: E402
 
 from lockstep import LLM  # noqa: E402
 from lockstep.errors import ModelLoadError  # noqa: E402
+from lockstep.models.moe import split_fused_experts  # noqa: E402
 from lockstep.training import LockstepForCausalLM  # noqa: E402
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
@@ -130,8 +132,10 @@ def _transformers_grads(
 
 
 def _worst_relative_error(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> float:
+    """The largest relative error over `reference`'s tensors (every parameter with a gradient
+    is among them)."""
     grads = dict(model.named_parameters())
-    assert set(grads) == set(reference)
+    assert {n for n, p in grads.items() if p.grad is not None and p.grad.any()} <= set(reference)
     return max(((grads[n].grad - ref).norm() / ref.norm()).item() for n, ref in reference.items())
 
 
@@ -205,10 +209,41 @@ def test_trained_weights_serve_with_the_trainer_bits(
         )
 
 
-@pytest.mark.parametrize("preset", ["random:tiny-qwen3-moe", "random:tiny-qwen3.5"])
-def test_families_without_a_training_forward_are_refused(preset: str) -> None:
+def test_qwen3_moe_bits_gradients_and_weight_update(tmp_path: Path) -> None:
+    """Qwen3-MoE (routed experts, some layers dense): the engine's bits for a packed batch in
+    two orders (control: fast mode differs), transformers' float32 gradients (its fused
+    expert tensors split per expert; experts no token chose get none), and an optimizer step
+    served by `update_weights` with the trainer's bits (control: the old weights differ)."""
+    folder = tmp_path / "qwen3_moe"
+    save_tiny("qwen3_moe", folder)
+    sequences = _sequences(seed=4, lengths=[2, 9, 17, 5])
+    llm = _llm(str(folder), "float32")
+    scores = _scores(llm, sequences)
+    model = LockstepForCausalLM.from_pretrained(str(folder))
+    fast = LockstepForCausalLM.from_pretrained(str(folder), mode="fast")
+    with torch.no_grad():
+        assert _bitwise_equal(model(sequences).per_sequence(), scores)
+        assert _bitwise_equal(model(sequences[::-1]).per_sequence()[::-1], scores)
+        assert not _bitwise_equal(fast(sequences).per_sequence(), scores)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
+    reference = dict(split_fused_experts(_transformers_grads(folder, sequences, weights).items()))
+    _weighted_loss(model(sequences).per_sequence(), weights).backward()
+    chosen = {n: r for n, r in reference.items() if r.norm() > 0}
+    unchosen = [dict(model.named_parameters())[n].grad for n in reference if n not in chosen]
+    assert all(g is None or not g.any() for g in unchosen)
+    assert _worst_relative_error(model, chosen) < 1e-4
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        trained = model(sequences).per_sequence()
+    assert not _bitwise_equal(scores, trained)
+    llm.update_weights(model.state_dict())
+    assert _bitwise_equal(_scores(llm, sequences), trained)
+
+
+def test_families_without_a_training_forward_are_refused() -> None:
     with pytest.raises(ModelLoadError, match="no training forward yet"):
-        LockstepForCausalLM.from_pretrained(preset)
+        LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5")
 
 
 def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> None:
@@ -235,6 +270,46 @@ def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> N
     (fast,), _, _ = run(folder, 1, group_size=2, prompts=one_prompt, max_tokens=6,
                         reward=mean_code_point, trainer_mode="fast")  # fmt: skip
     assert fast.k3_max > 0.0 and (fast.ratio_min, fast.ratio_max) != (1.0, 1.0)
+
+
+def _readme_trainer_block() -> str:
+    """The README's Python block that loads `LockstepForCausalLM` (the trainer's lines)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    blocks = readme.split("```python\n")[1:]
+    (block,) = [b.split("```")[0] for b in blocks if "LockstepForCausalLM" in b]
+    return block
+
+
+def test_readme_trainer_lines_run_and_serve_the_trainer_bits(folders: dict[str, Path]) -> None:
+    """The README's lines, run as written (with the names its text defines): afterwards the
+    engine scores with the trained policy's bits; the control, an engine on the weights the
+    policy started from, differs. docs/training.md shows the same lines."""
+    block = _readme_trainer_block()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text("utf-8")
+    code_lines = [line.split("  #")[0] for line in block.splitlines()]
+    assert all(line in docs for line in code_lines)
+    assert sum(1 for line in code_lines if line and not line.startswith("llm =")) == 5
+    folder = str(folders["qwen3"])
+    sequences = _sequences(seed=21, lengths=[4, 11])
+    gen = torch.Generator().manual_seed(1)
+    names = {
+        "LLM": lambda path: _llm(path, "float32"),
+        "LockstepForCausalLM": LockstepForCausalLM,
+        "path": folder,
+        "token_id_lists": sequences,
+        "advantages": torch.randn(sum(map(len, sequences)), generator=gen),
+    }
+
+    class FirstStepMakesTheOptimizer:  # `optimizer` over the policy the block creates
+        def step(self) -> None:
+            torch.optim.SGD(names["policy"].parameters(), lr=0.5).step()
+
+    names["optimizer"] = FirstStepMakesTheOptimizer()
+    exec(block, names)  # noqa: S102
+    with torch.no_grad():
+        trained = names["policy"](sequences).per_sequence()
+    assert _bitwise_equal(_scores(names["llm"], sequences), trained)
+    assert not _bitwise_equal(_scores(_llm(folder, "float32"), sequences), trained)
 
 
 def test_a_module_moved_after_loading_is_refused() -> None:

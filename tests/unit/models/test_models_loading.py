@@ -593,6 +593,21 @@ def test_preset_weights_are_reproducible_and_order_independent():
     assert torch.equal(bf16["lm_head.weight"], a["lm_head.weight"].to(torch.bfloat16))
 
 
+def test_a_preset_cut_to_its_first_layers_keeps_their_tensors():
+    whole = dict(resolve_model("random:tiny-qwen3").iter_weights(torch.float32, "cpu"))
+    cut = resolve_model("random:tiny-qwen3,layers=1")
+    assert cut.spec.num_layers == 1
+    weights = dict(cut.iter_weights(torch.float32, "cpu"))
+    assert not any(n.startswith("model.layers.1.") for n in weights)
+    assert all(torch.equal(t, whole[n]) for n, t in weights.items())
+    for bad in ("random:tiny-qwen3,layers=3", "random:tiny-qwen3,layers=0",
+                "random:tiny-qwen3,depth=1"):  # fmt: skip
+        with pytest.raises(ModelLoadError, match="layers=N with N in 1..2"):
+            resolve_model(bad)
+    with pytest.raises(ModelLoadError, match="for dense presets"):
+        resolve_model("random:tiny-qwen3-moe,layers=1")
+
+
 def test_preset_scales_keep_activations_order_one():
     weights = dict(resolve_model("random:tiny-qwen2").iter_weights(torch.float32, "cpu"))
     assert all(

@@ -1,0 +1,41 @@
+"""scripts/training_throughput.py on the CPU with a tiny model: it times both implementations
+and reports the training module's logprobs equal to LLM.score bit for bit; the control, the
+module on the fast backend, is reported unequal."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "training_throughput.py"
+ARGS = ["--device", "cpu", "--model", "random:tiny-qwen3", "--batch", "2", "--seq-len", "24",
+        "--steps", "1", "--warmup", "0"]  # fmt: skip
+
+
+def _script():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("training_throughput", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_throughput_script_reports_rates_and_the_bitwise_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    script = _script()
+    doc = script.main(ARGS)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == doc  # the JSON document is the last line
+    assert doc["bitwise_equal_llm_score"] is True and doc["max_abs_diff_llm_score"] == 0.0
+    assert doc["tokens"] == 48
+    for name in ("lockstep", "transformers"):
+        assert doc["implementations"][name]["tokens_per_s"] > 0
+    # The control: the fast backend's logprobs are not the engine's bits.
+    fast = script.main([*ARGS, "--mode", "fast"])
+    assert fast["bitwise_equal_llm_score"] is False and fast["max_abs_diff_llm_score"] > 0
