@@ -27,7 +27,8 @@ class GpuFastOps(TorchRowOps):
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        # Biases are prepared in float32; the stock layer adds them in the activations' dtype.
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def prepare_fp8_linear(
         self,
