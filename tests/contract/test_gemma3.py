@@ -21,7 +21,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockstep.check.compare import PASS, SKIP
 from lockstep.config import EngineConfig
 from lockstep.engine.engine import Engine
 from lockstep.engine.llm import LLM
@@ -35,7 +34,7 @@ from tests.support.invariance_harness import (
     random_plan,
     reference,
 )
-from tests.support.tiny_hf import save_tiny
+from tests.support.tiny_hf import check_serve_passes_every_scenario, save_tiny
 
 WINDOW = 8  # tiny_hf's Gemma 3 window
 VOCAB = 300  # tiny_hf's vocabulary
@@ -293,29 +292,8 @@ def test_negative_control_fast_mode_breaks_the_contract(hf_folder) -> None:
 
 @pytest.mark.slow
 def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
-    """`lockstep check --serve --model <tiny Gemma 3 folder>`: every scenario passes, the
-    radix one with cached tokens reported on every hit."""
-    import argparse
-
-    from lockstep.check.cli import add_check_parser
-
-    folder = tmp_path / "gemma3"
-    folder.mkdir()
-    save_tiny("gemma3", folder, vocab_size=8192)  # the check draws token ids up to 8000
-    out = tmp_path / "out.json"
-    parser = argparse.ArgumentParser(prog="lockstep")
-    add_check_parser(parser.add_subparsers())
-    args = parser.parse_args([
-        "check", "--serve", "--model", str(folder), "--max-model-len", "512", "--max-tokens",
-        "8", "--concurrency", "4", "--device", "cpu", "--budget-s", "1800", "--no-progress",
-        "--json", str(out),
-    ])  # fmt: skip
-    code = args.func(args)
-    results = {r["name"]: r for r in json.loads(out.read_text())["scenarios"]}
-    for name, r in results.items():  # restart needs a second server: skipped in one run
-        assert r["status"] == (SKIP if name == "restart" else PASS), r
-    assert code == 0
-    assert results["radix"]["cached_tokens"] > 0
+    """`lockstep check --serve --model <tiny Gemma 3 folder>` passes every scenario."""
+    check_serve_passes_every_scenario("gemma3", tmp_path)
 
 
 def test_cache_bytes_per_token_are_the_blocks_sum() -> None:

@@ -38,7 +38,7 @@ from tests.support.invariance_harness import (
     random_plan,
     reference,
 )
-from tests.support.tiny_hf import save_tiny
+from tests.support.tiny_hf import check_serve_passes_every_scenario, save_tiny
 
 FAMILIES = ("qwen3_5_moe", "qwen3_next")
 PRESET = {"qwen3_5_moe": "random:tiny-qwen3.5-moe", "qwen3_next": "random:tiny-qwen3-next"}
@@ -315,30 +315,8 @@ def test_engine_schedules_with_preemption_match_alone(seed: int, family: str) ->
 
 @pytest.mark.slow
 def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
-    """`lockstep check --serve --model <tiny Qwen3-Next folder>`: every scenario passes, the
-    radix one with cached tokens reported on every hit."""
-    import argparse
-
-    from lockstep.check.cli import add_check_parser
-    from lockstep.check.compare import PASS, SKIP
-
-    folder = tmp_path / "qwen3_next"
-    folder.mkdir()
-    save_tiny("qwen3_next", folder, vocab_size=8192)  # the check draws token ids up to 8000
-    out = tmp_path / "out.json"
-    parser = argparse.ArgumentParser(prog="lockstep")
-    add_check_parser(parser.add_subparsers())
-    args = parser.parse_args([
-        "check", "--serve", "--model", str(folder), "--max-model-len", "512", "--max-tokens",
-        "8", "--concurrency", "4", "--device", "cpu", "--budget-s", "1800", "--no-progress",
-        "--json", str(out),
-    ])  # fmt: skip
-    code = args.func(args)
-    results = {r["name"]: r for r in json.loads(out.read_text())["scenarios"]}
-    for name, r in results.items():  # restart needs a second server: skipped in one run
-        assert r["status"] == (SKIP if name == "restart" else PASS), r
-    assert code == 0
-    assert results["radix"]["cached_tokens"] > 0
+    """`lockstep check --serve --model <tiny Qwen3-Next folder>` passes every scenario."""
+    check_serve_passes_every_scenario("qwen3_next", tmp_path)
 
 
 # ---------------------------------------------------------------- negative controls
