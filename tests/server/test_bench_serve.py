@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from test_server import ServerProcess
@@ -94,3 +95,20 @@ def test_a_server_that_is_down_fails_every_request(capsys: pytest.CaptureFixture
     assert r["e2e_latency_ms"] is None
     assert main(["bench", "serve", *WORKLOAD, "--url", url]) == 2
     assert "GET /v1/models gave no model name" in capsys.readouterr().err
+
+
+def test_a_prompts_file_of_text_and_ids_through_chat(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Text goes as text, token ids are decoded for the chat route; a line's own output_len
+    wins over --output-len."""
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "hello there"}, {"prompt_token_ids": [104, 105, 33], "output_len": 3}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    status = main(["bench", "serve", "--url", server.base_url, "--api", "chat", "--prompts-file",
+                   str(path), "--output-len", "4", "--ignore-eos", "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0, out
+    r = json.loads(out.strip().splitlines()[-1])["results"]
+    assert (r["completed"], r["failed"]) == (2, 0)
+    assert r["output_tokens"] == r["requested_output_tokens"] == 4 + 3
