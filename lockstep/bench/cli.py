@@ -100,7 +100,7 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
                        help="SGLang-native POST /generate, /v1/completions or "
                        "/v1/chat/completions (default completions)")  # fmt: skip
     serve.add_argument("--model", default=None,
-                       help="the model name to send (default: the first GET /v1/models lists)")  # fmt: skip
+                       help="the model name to send (default: GET /v1/models' first)")  # fmt: skip
     serve.add_argument("--tokenizer", default=None,
                        help="where the client finds the served model's tokenizer (for random "
                        "prompts' vocabulary, text prompts' lengths and chat prompts' text), as "
@@ -217,8 +217,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "ignore_eos": ignore_eos,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
     }
+    warm_outcomes = warm.outcomes if warm else []
     warm_figures = {"requests": len(warmup), "seconds": warm.wall_s if warm else 0.0,
-                    "failed": sum(o.error is not None for o in warm.outcomes) if warm else 0}  # fmt: skip
+                    "failed": sum(o.error is not None for o in warm_outcomes)}  # fmt: skip
     server = {"url": args.url, "api": args.api, "model": model}
     doc = serve.document(bench_options, server, figures, warm_figures)
     doc["command"] = _command("lockstep bench serve", args, {}, _SERVE_OPTIONS)

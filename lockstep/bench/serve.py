@@ -216,7 +216,8 @@ def print_report(figures: dict[str, Any]) -> None:
           f"{f['num_requests']}; at most {f['peak_in_flight']} in flight")  # fmt: skip
     print(f"wall time         {f['wall_s']:.2f} s (client CPU {f['client_cpu_s']:.2f} s)")
     print(f"throughput        {f['requests_per_s']:.2f} req/s; input {f['input_tok_s']:.1f} "
-          f"tok/s, output {f['output_tok_s']:.1f} tok/s, total {f['total_tok_s']:.1f} tok/s")  # fmt: skip
+          f"tok/s, output {f['output_tok_s']:.1f} tok/s, "
+          f"total {f['total_tok_s']:.1f} tok/s")  # fmt: skip
     print(f"tokens            {f['input_tokens']} input, {f['output_tokens']} output "
           f"({f['requested_output_tokens']} asked for; counted by the server for "
           f"{f['output_counted_by_server']} of {f['completed']} requests)")  # fmt: skip

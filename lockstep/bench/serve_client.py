@@ -210,7 +210,7 @@ class ServeClient:
         start = time.perf_counter()
         try:
             if self.options.stream:
-                await self._stream(path, body, reader, outcome, on_output)
+                await self._stream(path, body, reader, outcome, on_output, start)
             else:
                 response = await self._http.post(path, json=body)
                 _check_status(response.status_code, response.text)
@@ -236,9 +236,10 @@ class ServeClient:
         reader: ResponseReader,
         outcome: Outcome,
         on_output: Callable[[int], None] | None,
+        start: float,
     ) -> None:
         decoder = SSEDecoder()
-        start = last = time.perf_counter()
+        last = start
         async with self._http.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")

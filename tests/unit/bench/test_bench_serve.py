@@ -1,6 +1,6 @@
 """`lockstep bench serve`'s parts that need no server: the SSE decoder, the reading of each
 API's responses and stream events, the request bodies, the arrivals, the percentiles and the
-figures of a run. tests/server/test_bench_serve.py runs it against a real `lockstep serve`."""
+figures of a run. tests/server/test_server_bench_serve.py runs it against a real server."""
 
 from __future__ import annotations
 
