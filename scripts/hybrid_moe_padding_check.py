@@ -12,9 +12,9 @@ sequences' open chunks included. Per decode step it counts the graph's non-finit
 padding and real apart; at the end, whether the scratch slot is finite, how many generated
 tokens are 0 (greedy on NaN logits) and the spot check's verdict.
 
-`--route unsafe` swaps in a route kernel that gives a row of NaN logits expert id E_PAD, as
-`lockstep/ops/triton/moe.py` did before NaN logits ranked as -inf: with NaN padding rows the
-spot check should fail (token 0 in the batch). `--no-graphs`, `--no-overlap` and
+`--route unsafe` swaps in the route kernel without its NaN guard, which gives a row of NaN
+logits expert id E_PAD: with NaN padding rows its spot check should fail (token 0 in the
+batch), the fixed one pass. `--no-graphs`, `--no-overlap` and
 `--max-batch-tokens` bisect. A table, then one JSON document on the last line.
 """
 
