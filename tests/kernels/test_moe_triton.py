@@ -106,6 +106,25 @@ def test_grouping_kernel_equals_the_stable_sort() -> None:
         assert torch.equal(offsets, torch.searchsorted(sorted_ids, bounds)), (slots, experts)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_row_leaves_its_batch_mates_bits(ops, bad) -> None:
+    """A row of NaN (or inf, whose router logits are NaN) is routed to real experts and
+    changes no other row, in both grouping paths (one program, blocks). Such rows exist: a
+    hybrid model's CUDA-graph padding rows run from the state pool's scratch slot, whose
+    contents nobody keeps finite. An expert id past E would give the grouping a position
+    another slot owns, and a real token would read a row no GEMM wrote."""
+    layer = layer_for(ops, raw_weights(6))
+    for n in (9, 70):  # 18 slots: the one-program grouping; 140: the block kernels
+        x = tokens(n, 12)
+        bad_rows = [0, 3, n - 1]
+        x_bad = x.clone()
+        x_bad[bad_rows] = bad
+        keep = [i for i in range(n) if i not in bad_rows]
+        assert torch.equal(gm.moe(x_bad, layer)[keep], gm.moe(x, layer)[keep]), n
+        routing = gm.route(gm.router_logits(x_bad, layer), TOP_K, True)
+        assert ((routing.experts >= 0) & (routing.experts < E)).all(), routing.experts[bad_rows]
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_moe_matches_the_float64_reference(ops, renormalize) -> None:
     raw = raw_weights(1)

@@ -99,12 +99,16 @@ def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: t
                   RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One token: k passes of (max, lowest id holding it), then w_r = exp(l_r - l_0) / s with
     s summed over the k in ascending rank (renormalize) or over all E by one tl.sum of a
-    fixed shape."""
+    fixed shape. A NaN logit ranks as -inf, so every pass finds an expert id below E: a row
+    of NaN (a padding row's garbage) takes experts 0..k-1 with NaN weights, its own loss.
+    An id of E_PAD would send its slots to positions the grouping gives other slots, and
+    those tokens would read rows no GEMM wrote."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, E_PAD)
     valid = ids < E
     lg = tl.load(logits + row * sl + ids, mask=valid, other=-float("inf"))
+    lg = tl.where(lg == lg, lg, -float("inf"))
     taken = ids >= E
     ranks = tl.arange(0, K_PAD)
     top_e = tl.zeros([K_PAD], tl.float32)
