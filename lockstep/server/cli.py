@@ -154,7 +154,14 @@ def run_serve_command(args: argparse.Namespace) -> int:
         sock.close()
         print(f"lockstep serve: error: {exc}", file=sys.stderr)
         return exc.exit_status
+    try:
+        return _serve(args, engine, sock)
+    finally:
+        engine.close()
 
+
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
+    """Serve HTTP over the started engine process until a signal or its death."""
     import uvicorn
 
     from lockstep.server.api import build_app
@@ -206,10 +213,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"Lockstep serving {engine.info.model_name} on http://{host}:{port}", file=sys.stderr)
     sys.stderr.flush()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        engine.close()
+    server.run(sockets=[sock])
     return 1 if failures else 0
 
 

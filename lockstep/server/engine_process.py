@@ -64,8 +64,13 @@ class EngineProcess:
         self._closing = False
         self._callbacks: list[Callable[[str], None]] = []
         self.failure: str | None = None
-        self.info = self._wait_ready()
         self._grammars: Any = None
+        try:
+            self.info = self._wait_ready()
+        except BaseException:  # a start-up error, or Ctrl-C while the model loads
+            self.process.kill()
+            self.process.join(STOP_TIMEOUT_S)
+            raise
 
     @property
     def pid(self) -> int | None:
