@@ -12,7 +12,8 @@ the events that engine_loop.py lists:
     group.queue <-- _on_event <-- "outputs" -- engine.step()
 
 Which HTTP request an engine request belongs to is known here only: outputs of a request
-whose group has left (aborted) are dropped on arrival.
+whose group has left (aborted) are dropped on arrival. When the engine sends token ids only
+(the engine process), each request's text and stop strings are made here (output_text.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lockstep.engine.outputs import StepOutput
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.server.engine_loop import Command, EngineInfo, Event
 from lockstep.server.metrics import ServerMetrics
+from lockstep.server.output_text import OutputText
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,8 @@ class AsyncEngine:
         self._stopping = False
         self._shedding = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._routes: dict[str, tuple[RequestGroup, int]] = {}  # request_id -> group, choice
+        # request_id -> its group, its choice index there, and its text when made here.
+        self._routes: dict[str, tuple[RequestGroup, int, OutputText | None]] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._calls = itertools.count()
@@ -199,8 +202,10 @@ class AsyncEngine:
     ) -> None:
         """Add a group's requests in one command turn, all or none: if the engine refuses one,
         its `RequestError` is re-raised here and none was added."""
-        for index, (request_id, _, _) in enumerate(requests):
-            self._routes[request_id] = (group, index)
+        tokenizer = None if self.info.detokenizes else self.info.tokenizer
+        for index, (request_id, prompt, params) in enumerate(requests):
+            text = None if tokenizer is None else OutputText(tokenizer, prompt, params)
+            self._routes[request_id] = (group, index, text)
         try:
             await self._call("add", requests, namespace)
         except BaseException:
@@ -269,17 +274,22 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         routes = self._routes
+        stopped: list[str] = []  # ended here by a stop string, still running in the engine
         for output in outputs:
             route = routes.get(output.request_id)
             if route is None:
-                continue  # aborted by its client after this step began
+                continue  # aborted by its client after this step began, or stopped here
+            group, index, text = route
+            if text is not None and text.fill(output):
+                stopped.append(output.request_id)
             if output.finished:
                 del routes[output.request_id]
-            group, index = route
             group.queue.put_nowait((index, output))
+        if stopped:
+            self.link.send(("abort", stopped))
 
     def _fail_all(self, failure: EngineFailure) -> None:
-        for group, index in self._routes.values():
+        for group, index, _ in self._routes.values():
             group.queue.put_nowait((index, failure))
         self._routes.clear()
         for future in self._replies.values():

@@ -72,6 +72,7 @@ class EngineInfo:
     model_type: str | None  # the model family (SGLang's /model_info)
     model_vocab_size: int  # the logits' width (structured outputs' masks)
     tokenizer_path: str | None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
+    detokenizes: bool  # outputs carry text (False: the front end makes it, output_text.py)
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
@@ -100,6 +101,7 @@ class EngineInfo:
             if decoder is None
             else decoder.spec.vocab_size,
             tokenizer_path=tokenizer_path,
+            detokenizes=getattr(engine, "detokenize", True),
         )
 
 

@@ -8,8 +8,9 @@ process's interpreter (its event loop, JSON, tokenization and rendering):
     event loop <-- reader thread <------pipe---- writer thread <- events (outputs per step)
 
 Messages are pickled tuples (engine_loop.py lists them); a step's outputs cross as tuples of
-ids, floats and strings (`_outputs_to_wire`), never as code. Detokenization and stop strings
-stay with the engine: a stop string ends its request in the step that completes it.
+ids and floats (`_outputs_to_wire`), never as code. The engine makes no text
+(`Engine(detokenize=False)`): the HTTP process detokenizes and looks for stop strings
+(output_text.py), off the step loop.
 
 The engine process ignores SIGINT and SIGTERM (the HTTP process drains, then sends "stop") and
 dies with the HTTP process (PR_SET_PDEATHSIG, and end of file on its pipe). If it dies first,
@@ -194,7 +195,7 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
     from lockstep.parallel.group import TensorParallelError
 
     try:
-        engine = Engine(config)
+        engine = Engine(config, detokenize=False)
         info = EngineInfo.of(engine)
     except (LockstepError, TensorParallelError) as exc:
         conn.send(("error", str(exc), 2))
@@ -269,7 +270,8 @@ def _outputs_to_wire(outputs: list[StepOutput]) -> list[tuple]:
             None if o.prompt_logprobs is None else list(map(_logprob_to_wire, o.prompt_logprobs)),
             o.stop_reason,
             o.new_token_logprobs,
-        )  # fmt: skip
+            o.hides_token,
+        )
         for o in outputs
     ]
 
@@ -277,7 +279,7 @@ def _outputs_to_wire(outputs: list[StepOutput]) -> list[tuple]:
 def _outputs_from_wire(wire: list[tuple]) -> list[StepOutput]:
     outputs = []
     for (rid, ids, text, lps, finished, reason, prompt_tokens, cached, completion, seed,
-         prompt_lps, stop_reason, token_lps) in wire:  # fmt: skip
+         prompt_lps, stop_reason, token_lps, hides_token) in wire:  # fmt: skip
         outputs.append(
             StepOutput(
                 rid,
@@ -293,6 +295,7 @@ def _outputs_from_wire(wire: list[tuple]) -> list[StepOutput]:
                 None if prompt_lps is None else list(map(_logprob_from_wire, prompt_lps)),
                 stop_reason,
                 token_lps,
-            )  # fmt: skip
+                hides_token,
+            )
         )
     return outputs
