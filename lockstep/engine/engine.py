@@ -2,7 +2,7 @@
 
 Every entry point (the Python `LLM`, the CLI, the HTTP server, `lockstep check --serve`) runs
 through this class. It is not thread-safe: exactly one thread calls it (the server runs it in
-a dedicated loop thread).
+a process of its own, lockstep/server/engine_process.py).
 
     add_request -> Scheduler.waiting -> Scheduler.schedule() -> ModelRunner.launch()
                 -> LaunchedStep (tokens and logprobs on their way to the host)
