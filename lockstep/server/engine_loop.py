@@ -243,8 +243,3 @@ class EngineThread:
             self._loop.post(("stop",))
         if self._thread is not None:
             self._thread.join(timeout)
-
-    def on_failure(self, callback: Callable[[str], None]) -> None:
-        on_failure = getattr(self.engine, "on_failure", None)
-        if on_failure is not None:
-            on_failure(callback)

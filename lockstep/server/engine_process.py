@@ -244,6 +244,10 @@ def _write(conn: Connection, events: queue.SimpleQueue, loop: EngineLoop) -> Non
         except OSError:  # the HTTP process is gone
             loop.post(("stop",))
             return
+        except Exception as exc:  # a value that does not pickle: a bug, but never a hang
+            logger.exception("an engine event could not be sent")
+            if event[0] == "reply":
+                conn.send(("reply", event[1], None, RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
 def _logprob_to_wire(lp: TokenLogprob | None) -> tuple | None:
