@@ -1,15 +1,20 @@
-"""`lockstep bench decode` (prefill/decode throughput, deterministic vs fast) and `lockstep
+"""`lockstep bench decode` (prefill/decode throughput, deterministic vs fast), `lockstep
 bench throughput` (offline end-to-end throughput of a whole workload, with a bitwise spot
-check)."""
+check) and `lockstep bench serve` (a load client against a running server)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lockstep.cli_options import add_engine_arguments, engine_flags, engine_options_from_args
+
+if TYPE_CHECKING:  # the engine and the models are imported only by the commands that use them
+    from lockstep.bench.workload import BenchRequest, LengthRange
+    from lockstep.models.tokenizer import Tokenizer
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,24 +38,30 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_engine_arguments(decode)
     decode.set_defaults(func=run_bench_decode)
     _add_throughput_parser(kinds)
+    _add_serve_parser(kinds)
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The requests of `bench throughput` and `bench serve` (lockstep/bench/workload.py)."""
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests (default 256; with --prompts-file: every line)")  # fmt: skip
+    parser.add_argument("--input-len", default=None,
+                        help="prompt tokens of random prompts: N or a range a:b (default 1024)")  # fmt: skip
+    parser.add_argument("--output-len", default="1024",
+                        help="most tokens each request generates: N or a range a:b")  # fmt: skip
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="JSONL prompts ({\"prompt\": text} or {\"prompt_token_ids\": [...]}, "
+                        "optional \"output_len\") instead of random tokens")  # fmt: skip
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                        help="generate --output-len tokens whatever is sampled (default: on for "
+                        "random prompts, off for --prompts-file)")  # fmt: skip
 
 
 def _add_throughput_parser(kinds: argparse._SubParsersAction) -> None:
     tput = kinds.add_parser(
         "throughput", help="end-to-end throughput of a whole workload, then a bitwise spot check"
     )
-    tput.add_argument("--num-prompts", type=int, default=None,
-                      help="requests (default 256; with --prompts-file: every line)")  # fmt: skip
-    tput.add_argument("--input-len", default=None,
-                      help="prompt tokens of random prompts: N or a range a:b (default 1024)")  # fmt: skip
-    tput.add_argument("--output-len", default="1024",
-                      help="most tokens each request generates: N or a range a:b")  # fmt: skip
-    tput.add_argument("--prompts-file", type=Path, default=None,
-                      help="JSONL prompts ({\"prompt\": text} or {\"prompt_token_ids\": [...]}, "
-                      "optional \"output_len\") instead of random tokens")  # fmt: skip
-    tput.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                      help="generate --output-len tokens whatever is sampled (default: on for "
-                      "random prompts, off for --prompts-file)")  # fmt: skip
+    _add_workload_arguments(tput)
     tput.add_argument("--temperature", type=float, default=0.0,
                       help="sample at this temperature (default 0: greedy)")  # fmt: skip
     tput.add_argument("--top-p", type=float, default=1.0,
@@ -78,6 +89,48 @@ def _add_throughput_parser(kinds: argparse._SubParsersAction) -> None:
     tput.set_defaults(func=run_bench_throughput)
 
 
+def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
+    serve = kinds.add_parser(
+        "serve", help="a load client against a running server (Lockstep, vLLM, SGLang)"
+    )
+    serve.add_argument("--url", default="http://127.0.0.1:8000",
+                       help="the server's base URL (default http://127.0.0.1:8000)")  # fmt: skip
+    serve.add_argument("--api", choices=("generate", "completions", "chat"),
+                       default="completions",
+                       help="SGLang-native POST /generate, /v1/completions or "
+                       "/v1/chat/completions (default completions)")  # fmt: skip
+    serve.add_argument("--model", default=None,
+                       help="the model name to send (default: GET /v1/models' first)")  # fmt: skip
+    serve.add_argument("--tokenizer", default=None,
+                       help="where the client finds the served model's tokenizer (for random "
+                       "prompts' vocabulary, text prompts' lengths and chat prompts' text), as "
+                       "`lockstep serve --model` takes a model (default: --model)")  # fmt: skip
+    _add_workload_arguments(serve)
+    serve.add_argument("--max-concurrency", type=int, default=None,
+                       help="requests in flight at most (default: no limit)")  # fmt: skip
+    serve.add_argument("--request-rate", type=float, default=math.inf,
+                       help="requests per second on average, Poisson arrivals drawn with "
+                       "--seed (default inf: all at once)")  # fmt: skip
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="sample at this temperature (default 0: greedy)")  # fmt: skip
+    serve.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=False,
+                       help="ask for the sampled tokens' logprobs")  # fmt: skip
+    serve.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                       help="stream the responses (default; TTFT and ITL need it)")  # fmt: skip
+    serve.add_argument("--warmup", type=int, default=0,
+                       help="send this many requests of the first requests' lengths (other "
+                       "random tokens) first, untimed")  # fmt: skip
+    serve.add_argument("--seed", type=int, default=0,
+                       help="draws the lengths, the random prompts and the arrivals")  # fmt: skip
+    serve.add_argument("--timeout", type=float, default=3600.0,
+                       help="seconds a request may wait for the server to connect, accept or "
+                       "send its next bytes (default 3600)")  # fmt: skip
+    serve.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    serve.add_argument("--no-progress", dest="progress", action="store_false",
+                       help="no progress bar on stderr")  # fmt: skip
+    serve.set_defaults(func=run_bench_serve)
+
+
 _THROUGHPUT_OPTIONS = ("num_prompts", "input_len", "output_len", "prompts_file", "ignore_eos",
                        "temperature", "top_p", "top_k", "seed", "spot_check", "warmup",
                        "context_band")  # fmt: skip
@@ -85,29 +138,16 @@ _THROUGHPUT_OPTIONS = ("num_prompts", "input_len", "output_len", "prompts_file",
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
     """Exit status 0, or 1 when the spot check found a difference."""
-    from lockstep.bench import throughput, workload
+    from lockstep.bench import throughput
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
-    from lockstep.errors import ConfigError
 
     options = engine_options_from_args(args)
-    output_len = workload.LengthRange.parse(args.output_len, "--output-len")
-    if args.prompts_file is not None and args.input_len is not None:
-        raise ConfigError("--input-len is for random prompts: a --prompts-file brings its own "
-                          "prompts (leave --input-len out)")  # fmt: skip
-    input_len = workload.LengthRange.parse(args.input_len or "1024", "--input-len")
+    lengths = _workload_lengths(args)
     engine = Engine(EngineConfig.from_options(**options))
-    if args.prompts_file is None:
-        num_prompts = 256 if args.num_prompts is None else args.num_prompts
-        requests = workload.random_requests(
-            num_prompts, input_len, output_len, engine.decoder.spec.vocab_size, args.seed
-        )
-        ignore_eos = True if args.ignore_eos is None else args.ignore_eos
-    else:
-        requests = workload.file_requests(
-            args.prompts_file, engine.tokenizer, args.num_prompts, output_len, args.seed
-        )
-        ignore_eos = bool(args.ignore_eos)
+    requests, ignore_eos = _workload(
+        args, lengths, engine.decoder.spec.vocab_size, engine.tokenizer
+    )
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     params = throughput.request_params(requests, sampling, ignore_eos, args.seed)
     run, check, warm_s = throughput.bench_throughput(
@@ -120,7 +160,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     throughput.print_report(figures, engine.pool.num_slots, check)
     bench_options = {k: getattr(args, k) for k in _THROUGHPUT_OPTIONS} | {
         "num_prompts": len(requests),
-        "input_len": None if args.prompts_file else str(input_len),
+        "input_len": None if args.prompts_file else str(lengths[0]),
         "prompts_file": None if args.prompts_file is None else str(args.prompts_file),
         "ignore_eos": ignore_eos,
     }
@@ -133,11 +173,108 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     return 0 if check.passed else 1
 
 
-def _command(prefix: str, args: argparse.Namespace, engine_options: dict[str, Any]) -> str:
-    """The command line that repeats this run: the benchmark's options as given (defaults
-    included) and the engine options that differ from their defaults."""
+_SERVE_OPTIONS = ("url", "api", "model", "tokenizer", "num_prompts", "input_len", "output_len",
+                  "prompts_file", "ignore_eos", "max_concurrency", "request_rate",
+                  "temperature", "logprobs", "stream", "warmup", "seed", "timeout")  # fmt: skip
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """Exit status 0, or 1 when a request failed."""
+    import asyncio
+
+    from lockstep.bench import serve
+    from lockstep.bench.serve_client import RequestOptions, ServeClient, served_model
+    from lockstep.errors import ConfigError
+
+    lengths = _workload_lengths(args)
+    arrivals = serve.Arrivals(args.max_concurrency, args.request_rate, args.seed)
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout} is invalid: expected seconds > 0")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature {args.temperature} is invalid: expected >= 0")
+    model = args.model
+    if model is None and not (args.api == "generate" and args.tokenizer):
+        model = asyncio.run(served_model(args.url, args.timeout))
+    tokenizer = serve.load_tokenizer(args.tokenizer or model)
+    requests, ignore_eos = _workload(args, lengths, tokenizer.vocab_size, tokenizer)
+    options = RequestOptions(api=args.api, model=model, stream=args.stream,
+                             temperature=args.temperature, ignore_eos=ignore_eos,
+                             logprobs=args.logprobs)  # fmt: skip
+    warmup = serve.warmup_requests(requests, args.warmup, tokenizer.vocab_size, args.seed)
+
+    async def both() -> tuple[serve.RunResult, serve.RunResult | None]:
+        async with ServeClient(args.url, options, tokenizer, args.timeout) as client:
+            return await serve.bench_serve(client, requests, warmup, arrivals, args.progress)
+
+    run, warm = asyncio.run(both())
+    figures = serve.summary(requests, run)
+    serve.print_report(figures)
+    bench_options = {k: getattr(args, k) for k in _SERVE_OPTIONS} | {
+        "model": model,
+        "num_prompts": len(requests),
+        "input_len": None if args.prompts_file else str(lengths[0]),
+        "prompts_file": None if args.prompts_file is None else str(args.prompts_file),
+        "ignore_eos": ignore_eos,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+    }
+    warm_outcomes = warm.outcomes if warm else []
+    warm_figures = {"requests": len(warmup), "seconds": warm.wall_s if warm else 0.0,
+                    "failed": sum(o.error is not None for o in warm_outcomes)}  # fmt: skip
+    server = {"url": args.url, "api": args.api, "model": model}
+    doc = serve.document(bench_options, server, figures, warm_figures)
+    doc["command"] = _command("lockstep bench serve", args, {}, _SERVE_OPTIONS)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc))
+    return 0 if figures["failed"] == 0 else 1
+
+
+def _workload_lengths(args: argparse.Namespace) -> tuple[LengthRange, LengthRange]:
+    """`--input-len` and `--output-len`, checked before anything is started."""
+    from lockstep.bench.workload import LengthRange
+    from lockstep.errors import ConfigError
+
+    if args.prompts_file is not None and args.input_len is not None:
+        raise ConfigError("--input-len is for random prompts: a --prompts-file brings its own "
+                          "prompts (leave --input-len out)")  # fmt: skip
+    return (LengthRange.parse(args.input_len or "1024", "--input-len"),
+            LengthRange.parse(args.output_len, "--output-len"))  # fmt: skip
+
+
+def _workload(
+    args: argparse.Namespace,
+    lengths: tuple[LengthRange, LengthRange],
+    vocab_size: int,
+    tokenizer: Tokenizer,
+) -> tuple[list[BenchRequest], bool]:
+    """The requests `_add_workload_arguments`' options ask for, and whether they ignore EOS
+    (default: on for random prompts, off for a prompts file)."""
+    from lockstep.bench import workload
+
+    input_len, output_len = lengths
+    if args.prompts_file is None:
+        num_prompts = 256 if args.num_prompts is None else args.num_prompts
+        requests = workload.random_requests(
+            num_prompts, input_len, output_len, vocab_size, args.seed
+        )
+        return requests, True if args.ignore_eos is None else args.ignore_eos
+    requests = workload.file_requests(
+        args.prompts_file, tokenizer, args.num_prompts, output_len, args.seed
+    )
+    return requests, bool(args.ignore_eos)
+
+
+def _command(
+    prefix: str,
+    args: argparse.Namespace,
+    engine_options: dict[str, Any],
+    names: tuple[str, ...] = _THROUGHPUT_OPTIONS,
+) -> str:
+    """The command line that repeats this run: the benchmark's options `names` as given
+    (defaults included) and the engine options that differ from their defaults."""
     words = [prefix]
-    for name in _THROUGHPUT_OPTIONS:
+    for name in names:
         value = getattr(args, name)
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -1,4 +1,5 @@
-"""The requests of `lockstep bench throughput`: random token prompts or a JSONL file.
+"""The requests of `lockstep bench throughput` and `lockstep bench serve`: random token
+prompts or a JSONL file.
 
 Every length is a fixed number or a range `a:b` (both ends included), drawn per request from
 one `random.Random(seed)`, so the same options give the same requests on every machine.
@@ -7,7 +8,8 @@ hundreds of tokens per prompt no two prompts share a prefix, so the prefix cache
 
 A prompts file holds one JSON object per line, with the prompt as `"prompt"` or `"text"` (a
 string, tokenized as the engine tokenizes text prompts) or as `"prompt_token_ids"` or
-`"token_ids"` (a list of ids), and optionally its own `"output_len"`.
+`"token_ids"` (a list of ids), and optionally its own `"output_len"`. A text prompt keeps its
+text beside its ids, for the routes that take text (`bench serve --api chat`).
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ class LengthRange:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of the benchmark: its prompt ids and how many tokens it may generate."""
+    """One request of the benchmark: its prompt ids, how many tokens it may generate, and
+    the prompt's text where it was given as text (None for token ids)."""
 
     prompt_ids: list[int]
     output_len: int
+    text: str | None = None
 
 
 def random_requests(
@@ -122,13 +126,14 @@ def _parse_line(line: str, where: str, tokenizer: Tokenizer, output_len: int) ->
             raise ConfigError(f"{where}: {text_key} must be a non-empty string")
         ids = tokenizer.encode(text)
     else:
+        text = None
         ids = item[ids_key]
         if not (isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)):
             raise ConfigError(f"{where}: {ids_key} must be a non-empty list of token ids >= 0")
     out = item.get("output_len", output_len)
     if not (_is_int(out) and out >= 1):
         raise ConfigError(f"{where}: output_len={out!r} is invalid: expected an integer >= 1")
-    return BenchRequest(list(ids), out)
+    return BenchRequest(list(ids), out, text)
 
 
 def _is_int(value: object) -> bool:

@@ -39,9 +39,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _engine(snapshots: int = SNAPSHOTS, debug_checks: bool = True) -> Engine:
+CPU = {"model": "random:tiny-qwen3.5", "device": "cpu", "dtype": "float32"}
+
+
+def _engine(snapshots: int = SNAPSHOTS, debug_checks: bool = True, model: dict = CPU) -> Engine:
     return Engine(EngineConfig(
-        model="random:tiny-qwen3.5", device="cpu", dtype="float32", kv_tokens=512,
+        **model, kv_tokens=512,
         max_running=MAX_RUNNING, max_batch_tokens=96, chunk_size=48,
         linear_snapshots=snapshots, linear_snapshot_interval=64, debug_checks=debug_checks,
     ))  # fmt: skip
@@ -92,7 +95,14 @@ def _differ_alone(engine: Engine, requests: Requests, together: dict) -> list[st
 
 
 def test_300_requests_under_small_budgets_equal_each_alone_and_free_every_pool() -> None:
-    engine = _engine()
+    check_300_requests_under_small_budgets(CPU)
+
+
+def check_300_requests_under_small_budgets(model: dict) -> None:
+    """The overload run on `model` (EngineConfig's model, device and dtype): every request
+    completes, equals itself alone, and every pool is free at the end (tests/gpu runs it on
+    the GPU)."""
+    engine = _engine(model=model)
     requests = _requests(300)
     together, cached, seen = _run_together(engine, requests)
     stats = engine.stats()

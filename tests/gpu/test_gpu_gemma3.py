@@ -152,10 +152,11 @@ def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
         rng = random.Random(seed)
         n = rng.randint(WINDOW, WINDOW + 300)
         tokens = _tokens(engine, n, rng)
-        plan = random_plan(rng, n, max_mates=4, allow_prefix=False)
-        # Mates on the first 16 steps only: a token-by-token plan has over a thousand steps,
-        # and mates hold their KV until the plan ends.
-        plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks[:16]]
+        # Eight chunks at random cuts, each step with mates: a random plan may go token by
+        # token (over a thousand steps of a 4B model), which the control does not need.
+        cuts = sorted(rng.sample(range(1, n), 7))
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+        plan = Plan(0, chunks, [[rng.randint(8, 64) for _ in range(4)] for _ in chunks])
         failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
     assert failures > 0
     del engine
