@@ -10,7 +10,8 @@ process's interpreter (its event loop, JSON, tokenization and rendering):
 Messages are pickled tuples (engine_loop.py lists them); a step's outputs cross as tuples of
 ids and floats (`_outputs_to_wire`), never as code. The engine makes no text
 (`Engine(detokenize=False)`): the HTTP process detokenizes and looks for stop strings
-(output_text.py), off the step loop.
+(output_text.py), off the step loop. Structured outputs' grammars are compiled by the reader
+thread as their requests arrive, so the step loop finds them compiled.
 
 The engine process ignores SIGINT and SIGTERM (the HTTP process drains, then sends "stop") and
 dies with the HTTP process (PR_SET_PDEATHSIG, and end of file on its pipe). If it dies first,
@@ -210,7 +211,7 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
     conn.send(("ready", info))
     writer = threading.Thread(target=_write, args=(conn, events, loop), daemon=True)
     writer.start()
-    threading.Thread(target=_read_commands, args=(conn, loop), daemon=True).start()
+    threading.Thread(target=_read_commands, args=(conn, loop, engine), daemon=True).start()
     try:
         loop.run()
     finally:
@@ -221,14 +222,27 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
     os._exit(0)
 
 
-def _read_commands(conn: Connection, loop: EngineLoop) -> None:
+def _read_commands(conn: Connection, loop: EngineLoop, engine: Any) -> None:
     while True:
         try:
             command = conn.recv()
         except (EOFError, OSError):  # the HTTP process is gone
             loop.post(("stop",))
             return
+        if command[0] == "add":
+            _compile_grammars(engine, command[2])
         loop.post(command)
+
+
+def _compile_grammars(engine: Any, requests: list[tuple[str, list[int], Any]]) -> None:
+    """Compile the requests' structured outputs here, off the step loop: `add_request` then
+    finds them in the compiler's cache (a spec that does not compile is refused there)."""
+    for _, _, params in requests:
+        if params.structured_output is not None:
+            try:
+                engine.grammars.grammar(params.structured_output)
+            except LockstepError:
+                pass
 
 
 def _write(conn: Connection, events: queue.SimpleQueue, loop: EngineLoop) -> None:
