@@ -3,8 +3,8 @@ chat_completions.py, SGLang's native ones in native_api.py.
 
 `build_app(engine)` wraps an already-loaded engine: an `EngineProcess` (engine_process.py;
 `cli.py` loads it before the port opens, so a bad model is a start-up error and not a failing
-first request) or an engine object served from a thread of this process (tests' fakes). Every client
-mistake is refused before any engine work with an OpenAI-style 4xx body (`preparation.py`,
+first request) or an engine object served from a thread of this process (tests' fakes). Every
+client mistake is refused before any engine work with an OpenAI-style 4xx body (`preparation.py`,
 `http_errors.py`); a request whose client goes away, streaming or not, is aborted so its KV
 slots return to the pool at once.
 """
@@ -87,8 +87,9 @@ def build_app(
     admin_api_key: str | None = None,
 ) -> FastAPI:
     """The app over a loaded engine: an `EngineProcess`, or any object with the `Engine`
-    interface, which then steps on a thread of this process. `max_waiting`: sequences admitted beyond the engine's
-    `max_running` to wait for a running slot; more are refused with a 429 (default:
+    interface, which then steps on a thread of this process. `max_waiting`: sequences admitted
+    beyond the engine's `max_running` to wait for a running slot; more are refused with a 429
+    (default:
     `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`: `--tool-call-parser`
     (`tool_parser.resolve_tool_call_parser`). `api_key`, `admin_api_key`: the keys routes
     require (auth.py); None: open."""
