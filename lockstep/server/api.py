@@ -89,10 +89,9 @@ def build_app(
     """The app over a loaded engine: an `EngineProcess`, or any object with the `Engine`
     interface, which then steps on a thread of this process. `max_waiting`: sequences admitted
     beyond the engine's `max_running` to wait for a running slot; more are refused with a 429
-    (default:
-    `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`: `--tool-call-parser`
-    (`tool_parser.resolve_tool_call_parser`). `api_key`, `admin_api_key`: the keys routes
-    require (auth.py); None: open."""
+    (default: `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`:
+    `--tool-call-parser` (`tool_parser.resolve_tool_call_parser`). `api_key`, `admin_api_key`:
+    the keys routes require (auth.py); None: open."""
     metrics = ServerMetrics()
     link: EngineLink = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
     info = link.info
