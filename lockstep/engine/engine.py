@@ -626,6 +626,7 @@ class Engine:
     def _free_memory(self) -> tuple[int, str]:
         """The device memory free now (the available RAM on the CPU), and what it is."""
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks cached while loading the weights are free memory
             return torch.cuda.mem_get_info(self.device)[0], "the free device memory"
         return memory.available_ram(), "the available RAM"
 
