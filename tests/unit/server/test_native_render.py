@@ -25,7 +25,8 @@ class CountingTokenizer:
 
 
 def _served(tok: CountingTokenizer) -> SimpleNamespace:
-    return SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(weight_version="w0"))
+    return SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(engine=SimpleNamespace(
+        weight_version="w0")))  # fmt: skip
 
 
 def _item() -> _Item:
