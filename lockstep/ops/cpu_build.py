@@ -215,6 +215,8 @@ def _build(name: str, directory: Path, ldflags: list[str]) -> ModuleType:
     except OSError as exc:
         raise _unwritable(directory, exc) from exc
     except Exception as exc:  # the compiler's own message is in exc; keep it
+        if "interrupted by user" in str(exc):  # ninja saw the Ctrl-C first: it is the Ctrl-C
+            raise KeyboardInterrupt from exc
         raise KernelBuildError(f"building Lockstep's CPU kernels failed: {exc}") from exc
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
