@@ -1,7 +1,8 @@
 """A hybrid MoE model's CUDA-graph padding rows against its real rows, on one GPU.
 
-    python scripts/hybrid_moe_padding_check.py                       # the fixed route
-    python scripts/hybrid_moe_padding_check.py --route unsafe        # the negative control
+    python scripts/hybrid_moe_padding_check.py                            # this build's route
+    git show eab10c9:lockstep/ops/triton/moe.py > moe_before.py
+    python scripts/hybrid_moe_padding_check.py --route-from moe_before.py  # negative control
 
 The throughput benchmark's workload at a smaller output length (random:qwen3.5-35b-a3b,
 200 x 1000 tokens in, 40 out, a warm-up run first, as `lockstep bench throughput` does), then
@@ -12,9 +13,9 @@ sequences' open chunks included. Per decode step it counts the graph's non-finit
 padding and real apart; at the end, whether the scratch slot is finite, how many generated
 tokens are 0 (greedy on NaN logits) and the spot check's verdict.
 
-`--route unsafe` swaps in the route kernel without its NaN guard, which gives a row of NaN
-logits expert id E_PAD: with NaN padding rows its spot check should fail (token 0 in the
-batch), the fixed one pass. `--no-graphs`, `--no-overlap` and
+`--route-from` routes with another build's kernel: the one before the NaN guard gives a row of
+NaN logits expert id E_PAD, so with NaN padding rows its spot check should fail (token 0 in
+the batch) where this build's passes. `--no-graphs`, `--no-overlap` and
 `--max-batch-tokens` bisect. A table, then one JSON document on the last line.
 """
 
@@ -38,41 +39,19 @@ from lockstep.engine.engine import Engine  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
 
 
-def install_unsafe_route() -> None:
-    """The route kernel without the NaN guard (its selection as it was; weights unchanged)."""
-    import triton
-    import triton.language as tl
+def use_route_from(path: str) -> None:
+    """Route with the `_route_kernel` of another build's moe.py (the negative control: the
+    kernel before its NaN guard, `git show eab10c9:lockstep/ops/triton/moe.py`)."""
+    import importlib.util
 
     from lockstep.ops.triton import moe
-    from lockstep.ops.triton.launch import wait_for_inputs
 
-    @triton.jit
-    def unsafe_route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr,
-                            K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
-                            PDL: tl.constexpr):  # fmt: skip
-        wait_for_inputs(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        ids = tl.arange(0, E_PAD)
-        valid = ids < E
-        lg = tl.load(logits + row * sl + ids, mask=valid, other=-float("inf"))
-        taken = ids >= E
-        ranks = tl.arange(0, K_PAD)
-        top_e = tl.zeros([K_PAD], tl.float32)
-        top0 = tl.max(lg, axis=0)
-        total = 0.0
-        for r in tl.static_range(TOP_K):
-            m = tl.max(tl.where(taken, -float("inf"), lg), axis=0)
-            e = tl.min(tl.where((lg == m) & (~taken), ids, E_PAD), axis=0)
-            taken = taken | (ids == e)
-            tl.store(experts + row * TOP_K + r, e.to(tl.int64))
-            ex = tl.exp(m - top0)
-            total = total + ex
-            top_e = tl.where(ranks == r, ex, top_e)
-        if not RENORMALIZE:
-            total = tl.sum(tl.where(valid, tl.exp(lg - top0), 0.0), axis=0)
-        tl.store(weights + row * TOP_K + ranks, top_e / total, mask=ranks < TOP_K)
-
-    moe._route_kernel = unsafe_route_kernel
+    spec = importlib.util.spec_from_file_location("moe_other_build", path)
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other  # its dataclasses look their module up there
+    spec.loader.exec_module(other)
+    moe._route_kernel = other._route_kernel
 
 
 def watch_graph_rows(steps: list[dict]) -> None:
@@ -113,12 +92,16 @@ def main() -> int:
     ap.add_argument("--spot-check", type=int, default=6)
     ap.add_argument("--kv-tokens", type=int, default=None)
     ap.add_argument("--max-batch-tokens", type=int, default=None)
-    ap.add_argument("--route", choices=("fixed", "unsafe"), default="fixed")
+    ap.add_argument(
+        "--route-from",
+        default=None,
+        help="another build's lockstep/ops/triton/moe.py whose route kernel to use",
+    )
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args()
-    if args.route == "unsafe":
-        install_unsafe_route()
+    if args.route_from:
+        use_route_from(args.route_from)
     steps: list[dict] = []
     watch_graph_rows(steps)
     config = EngineConfig(
@@ -144,7 +127,7 @@ def main() -> int:
     padding_bad = [i for i, s in enumerate(steps) if s["padding_nonfinite"]]
     real_bad = [i for i, s in enumerate(steps) if s["real_nonfinite"]]
     doc = {
-        "model": args.model, "route": args.route, "graphs": not args.no_graphs,
+        "model": args.model, "route_from": args.route_from, "graphs": not args.no_graphs,
         "overlap": not args.no_overlap, "max_batch_tokens": args.max_batch_tokens,
         "graph_steps": len(steps),
         "graph_steps_with_nonfinite_padding": len(padding_bad),
