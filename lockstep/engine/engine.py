@@ -658,8 +658,7 @@ class Engine:
             spec, self.decoder.act_dtype.itemsize, config.resolved_max_batch_tokens, max_running,
             buckets,
         )  # fmt: skip
-        torch.cuda.empty_cache()  # blocks cached while loading the weights are free memory
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free, _ = self._free_memory()
         snapshots = self._snapshot_budget(memory.cuda_cache_bytes(free, reserved, fraction))
         return memory.cuda_kv_budget(free, per_token, reserved, fraction, snapshots)
 
