@@ -4,7 +4,8 @@
 * 256 concurrent `/generate` requests (token ids in, logprobs out, greedy and seeded sampling,
   stop strings) get exactly the tokens, logprobs, text and finish reasons the offline engine
   (`LLM`) gives the same prompts: the HTTP process makes the text and cuts the stop strings
-  (lockstep/server/output_text.py), `LLM`'s engine does both itself.
+  (lockstep/server/output_text.py), `LLM`'s engine does both itself. The HTTP process has
+  not imported torch by then; the engine process has.
 * The engine process killed (SIGKILL) while requests run: each gets a 503 (or, streaming, an
   error event) saying the engine process died, and the server exits with status 1 within
   seconds; no hang (every wait has a timeout).
@@ -85,6 +86,11 @@ def _engine_pid(server: ServerProcess) -> int:
     return spawned[0]
 
 
+def _loads_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped (imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -119,6 +125,9 @@ def test_256_concurrent_generate_requests_give_the_offline_bits() -> None:
     try:
         served = asyncio.run(_generate_all(server.base_url))
         server.wait_idle(TIMEOUT_S)
+        # torch lives in the engine process only (the control: it is seen there).
+        assert server.proc is not None and not _loads_torch(server.proc.pid)
+        assert _loads_torch(_engine_pid(server))
     finally:
         code = server.stop()
     assert code == 0, "".join(server.log[-40:])  # SIGTERM: drained, then a clean exit
