@@ -195,6 +195,11 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
     from lockstep.engine.engine import Engine
     from lockstep.parallel.group import TensorParallelError
 
+    threads = _default_cpu_threads(config)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         engine = Engine(config, detokenize=False)
         info = EngineInfo.of(engine)
@@ -220,6 +225,18 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
         writer.join(STOP_TIMEOUT_S)
     # Threads blocked on the pipe would hold the interpreter's exit.
     os._exit(0)
+
+
+def _default_cpu_threads(config: Any) -> int | None:
+    """torch's threads for a CPU engine given no --num-threads: every core but one, which the
+    HTTP process keeps for its event loop, tokenization and text. torch's default (every core)
+    leaves that process, and a client on the same machine, to wait for a time slice behind the
+    step's threads at each turn of every request. None: leave torch's default (a GPU engine,
+    or threads asked for). The CPU kernels give the same bits at any thread count."""
+    if config.num_threads is not None or config.resolved_device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) - 1)
 
 
 def _read_commands(conn: Connection, loop: EngineLoop, engine: Any) -> None:
