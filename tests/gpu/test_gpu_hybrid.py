@@ -2,7 +2,8 @@
 replayed from graphs (batch padding included) equals eager decode; one request among 64
 batch-mates equals the request alone; decode logprobs over 512+ generated tokens equal a
 teacher-forced rescoring (prefill); fast mode breaks batch invariance (the control).
-`LOCKSTEP_GPU_HYBRID_MODEL` picks the model (default random:qwen3.5-9b)."""
+`LOCKSTEP_GPU_HYBRID_MODEL` picks the model (default random:qwen3.5-9b). One engine lives at a
+time: two copies of random:qwen3.5-35b-a3b (65 GiB each) do not fit one H200."""
 
 from __future__ import annotations
 
@@ -53,27 +54,50 @@ def _free(llm) -> None:
     torch.cuda.empty_cache()
 
 
+class _OneEngine:
+    """The module's engine: `get(**options)` returns the live one when its options match,
+    else frees it and builds one with those options."""
+
+    def __init__(self) -> None:
+        self.llm, self.options = None, None
+
+    def get(self, **options):
+        if self.llm is None or self.options != options:
+            self.release()
+            self.llm, self.options = _llm(**options), options
+        return self.llm
+
+    def release(self) -> None:
+        if self.llm is not None:
+            _free(self.llm)
+            self.llm = None
+
+
 @pytest.fixture(scope="module")
-def graphed():
-    llm = _llm()
+def engines():
+    one = _OneEngine()
+    yield one
+    one.release()
+
+
+@pytest.fixture
+def graphed(engines):
+    llm = engines.get()
     assert llm.engine.runner.graphs is not None
-    yield llm
-    _free(llm)
+    return llm
 
 
-def test_graph_decode_equals_eager(graphed) -> None:
+def test_graph_decode_equals_eager(engines) -> None:
     """11 sampled sequences (padded to the 16-row graph bucket), 40 steps each, crossing
     chunk boundaries: graph replays give the eager steps' tokens and logprobs bit for bit."""
     prompts = _prompts(11, seed=9)
+    graphed = engines.get()
     with_graphs = _run(graphed, prompts, 40)
     assert graphed.engine.runner.graphs.num_graphs > 0
-    eager = _llm(cuda_graphs=False)
-    assert eager.engine.runner.graphs is None
-    try:
-        assert _run(eager, prompts, 40) == with_graphs
-    finally:
-        _free(eager)
     graphed.engine.check_integrity()
+    eager = engines.get(cuda_graphs=False)
+    assert eager.engine.runner.graphs is None
+    assert _run(eager, prompts, 40) == with_graphs
 
 
 def test_one_request_among_64_batch_mates_equals_it_alone(graphed) -> None:
@@ -95,13 +119,10 @@ def test_decode_over_512_tokens_equals_teacher_forced_scoring(graphed) -> None:
         assert score.logprobs[len(prompt) :] == logprobs
 
 
-def test_negative_control_fast_mode_differs_among_batch_mates() -> None:
-    fast = _llm(mode="fast")
-    try:
-        prompts = _prompts(65, seed=3)
-        together = _run(fast, prompts, 48)
-        fast.engine.flush_cache()
-        alone = _run(fast, prompts[:1], 48)
-        assert alone[0] != together[0]
-    finally:
-        _free(fast)
+def test_negative_control_fast_mode_differs_among_batch_mates(engines) -> None:
+    fast = engines.get(mode="fast")
+    prompts = _prompts(65, seed=3)
+    together = _run(fast, prompts, 48)
+    fast.engine.flush_cache()
+    alone = _run(fast, prompts[:1], 48)
+    assert alone[0] != together[0]
