@@ -18,6 +18,7 @@ from typing import Any
 
 from lockstep.errors import ConfigError
 from lockstep.models.hub import is_hub_id
+from lockstep.models.spec import LINEAR_ATTENTION_CHUNK
 
 MODES = ("deterministic", "fast")
 TP_REDUCTIONS = ("chunked", "ranks", "all_reduce")  # lockstep.parallel.layers
@@ -151,8 +152,6 @@ class EngineConfig:
             )
 
     def _check_linear_snapshots(self) -> None:
-        from lockstep.models.linear_attention import CHUNK
-
         count = self.linear_snapshots
         if count is not None and (not isinstance(count, int) or isinstance(count, bool)
                                   or count < 0):  # fmt: skip
@@ -162,10 +161,11 @@ class EngineConfig:
             )
         interval = self.linear_snapshot_interval
         _positive_int("linear_snapshot_interval", interval)
-        if interval % CHUNK:
+        chunk = LINEAR_ATTENTION_CHUNK
+        if interval % chunk:
             raise ConfigError(
                 f"linear_snapshot_interval={interval} is invalid: expected a multiple of the "
-                f"linear-attention chunk, {CHUNK} (e.g. {max(CHUNK, interval // CHUNK * CHUNK)})"
+                f"linear-attention chunk, {chunk} (e.g. {max(chunk, interval // chunk * chunk)})"
             )
 
     def _check_tp(self) -> None:

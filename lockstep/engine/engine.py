@@ -2,7 +2,7 @@
 
 Every entry point (the Python `LLM`, the CLI, the HTTP server, `lockstep check --serve`) runs
 through this class. It is not thread-safe: exactly one thread calls it (the server runs it in
-a dedicated loop thread).
+a process of its own, lockstep/server/engine_process.py).
 
     add_request -> Scheduler.waiting -> Scheduler.schedule() -> ModelRunner.launch()
                 -> LaunchedStep (tokens and logprobs on their way to the host)
@@ -73,8 +73,13 @@ class Engine:
         gc.freeze()
         return super().__new__(cls)
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """`detokenize` False: outputs carry no text and stop strings end nothing; the caller
+        makes the text from the token ids with `TextOutput`, as `_advance` does (the server's
+        HTTP process, lockstep/server/output_text.py), and aborts a request its stop string
+        ended."""
         self.config = config
+        self.detokenize = detokenize
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device)
@@ -245,7 +250,8 @@ class Engine:
             arrival=next(self._arrival),
             namespace=namespace,
         )
-        request.text_output = TextOutput(self.tokenizer, ids, params)
+        if self.detokenize:
+            request.text_output = TextOutput(self.tokenizer, ids, params)
         if params.processes_logits:
             self._prepare_processing(request)
         if params.prompt_logprobs is not None:
@@ -309,10 +315,11 @@ class Engine:
         self._drop_dead_inflight()
         if request is None:
             return None
+        text = request.text_output
         return StepOutput(
             request_id=request_id,
             new_token_ids=[],
-            new_text=request.text_output.push(None, final=True).text,
+            new_text="" if text is None else text.push(None, final=True).text,
             new_logprobs=[] if request.params.logprobs is not None else None,
             finished=True,
             finish_reason="abort",
@@ -464,17 +471,20 @@ class Engine:
         # The text of an EOS or stop token is not part of the output (as in vLLM); the token
         # that completes a structured output is.
         hidden = finish == "stop" and not (request.grammar and request.grammar.finished_on_text)
-        text = request.text_output.push(
-            None if hidden else token,
-            final=finish is not None,
-            check_stops=len(request.output_ids) >= params.min_tokens,
-        )
-        if text.stop_string is not None:
-            finish, stop_reason = "stop", text.stop_string
+        new_text = ""
+        if request.text_output is not None:
+            text = request.text_output.push(
+                None if hidden else token,
+                final=finish is not None,
+                check_stops=len(request.output_ids) >= params.min_tokens,
+            )
+            new_text = text.text
+            if text.stop_string is not None:
+                finish, stop_reason = "stop", text.stop_string
         out = StepOutput(
             request_id=request.request_id,
             new_token_ids=[token],
-            new_text=text.text,
+            new_text=new_text,
             new_logprobs=[chosen] if params.logprobs is not None else None,
             finished=finish is not None,
             finish_reason=finish,
@@ -484,6 +494,7 @@ class Engine:
             seed=request.seed,
             stop_reason=stop_reason,
             new_token_logprobs=[chosen.logprob],
+            hides_token=hidden,
         )
         if not request.prompt_logprobs_sent:
             out.prompt_logprobs = request.prompt_logprobs

@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import threading
 from functools import lru_cache
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lockstep.engine.structured_output import StructuredOutput
 from lockstep.errors import RequestError
+
+if TYPE_CHECKING:  # the HTTP process compiles grammars too, and never imports torch
+    import torch
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -20,7 +20,8 @@ class StepOutput:
     """What one engine step produced for one request.
 
     `new_text` is the detokenized text of `new_token_ids` with stop strings already cut; it is
-    safe to stream as is (incomplete UTF-8 sequences are held back until complete).
+    safe to stream as is (incomplete UTF-8 sequences are held back until complete); empty
+    from an engine that makes no text (`Engine(detokenize=False)`).
     `prompt_logprobs` is set only on the request's first output (position 0 has no logprob:
     it is None there, as in vLLM)."""
 
@@ -37,6 +38,9 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     new_token_logprobs: list[float] = field(default_factory=list)  # always: chosen tokens'
+    # The new token's text is no part of the output (an EOS or stop token): what text made
+    # outside the engine (`Engine(detokenize=False)`) needs to know.
+    hides_token: bool = False
 
 
 @dataclass

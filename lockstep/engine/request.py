@@ -100,7 +100,7 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output_ids
     num_preemptions: int = 0
     prompt_counted: bool = False  # prompt/cached tokens added to the engine's totals
-    text_output: Any = None  # TextOutput: detokenization and stop strings
+    text_output: Any = None  # TextOutput: detokenization and stop strings (None: not here)
     prompt_logprobs_sent: bool = False
     # Tokens chosen by launched steps, not yet appended: 0 or 1, and 2 between launching a
     # step ahead and completing the step before it.

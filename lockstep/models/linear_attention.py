@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep.models.spec import ModelSpec
+from lockstep.models.spec import LINEAR_ATTENTION_CHUNK, ModelSpec
 from lockstep.ops.base import PooledLinearAttentionOps, PooledRows
 
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
     from lockstep.ops.base import Ops
 
-# Rows per chunk of the gated delta rule. Part of the numerics: changing it changes the bits.
-CHUNK = 32
+CHUNK = LINEAR_ATTENTION_CHUNK  # rows per chunk: part of the numerics (spec.py)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# Rows per chunk of the gated delta rule (linear_attention.CHUNK). Part of the numerics:
+# changing it changes the bits. Here, in a module without torch, because EngineConfig checks
+# snapshot intervals against it in the HTTP process too.
+LINEAR_ATTENTION_CHUNK = 32
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ def gather_kv(
 
 def worker_main(config: EngineConfig, rank: int, store_port: int, conn: Connection) -> None:
     """The worker process's entry point (multiprocessing, spawn)."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     try:
         set_threads(config)
@@ -173,7 +173,7 @@ def _serve(decoder: Decoder, conn: Connection) -> None:
             raise ValueError(f"unknown command {command!r}")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent exits, however the parent ended."""
     if not sys.platform.startswith("linux"):
         return
@@ -184,4 +184,4 @@ def _die_with_parent() -> None:
         pass
 
 
-__all__ = ["KVShard", "gather_kv", "load_rank_decoder", "worker_main"]
+__all__ = ["KVShard", "die_with_parent", "gather_kv", "load_rank_decoder", "worker_main"]

@@ -1,9 +1,10 @@
 """The HTTP API: the app and its routes. The completion routes live in completions.py and
 chat_completions.py, SGLang's native ones in native_api.py.
 
-`build_app(engine)` wraps an already-loaded engine (loading happens in `cli.py`, before the
-port opens, so a bad model is a start-up error and not a failing first request). Every client
-mistake is refused before any engine work with an OpenAI-style 4xx body (`preparation.py`,
+`build_app(engine)` wraps an already-loaded engine: an `EngineProcess` (engine_process.py;
+`cli.py` loads it before the port opens, so a bad model is a start-up error and not a failing
+first request) or an engine object served from a thread of this process (tests' fakes). Every
+client mistake is refused before any engine work with an OpenAI-style 4xx body (`preparation.py`,
 `http_errors.py`); a request whose client goes away, streaming or not, is aborted so its KV
 slots return to the pool at once.
 """
@@ -23,15 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.models.tokenizer import Tokenizer
-from lockstep.models.tokenizer_folder import tokenizer_folder
-from lockstep.ops.cpu_build import cache_root
-from lockstep.server.async_engine import AsyncEngine, RequestGroup
+from lockstep.server.async_engine import AsyncEngine, EngineLink, RequestGroup
 from lockstep.server.auth import RequireApiKey
 from lockstep.server.chat_completions import chat_completions
 from lockstep.server.chat_prompt import ChatOptions, chat_prompt
 from lockstep.server.completions import completions
 from lockstep.server.delivery import run_to_end
+from lockstep.server.engine_loop import EngineThread
+from lockstep.server.engine_process import EngineProcess
 from lockstep.server.http_errors import (
     HeadAsGet,
     RefuseWhenFull,
@@ -86,35 +86,38 @@ def build_app(
     api_key: str | None = None,
     admin_api_key: str | None = None,
 ) -> FastAPI:
-    """The app over a loaded engine. `max_waiting`: sequences admitted beyond the engine's
-    `max_running` to wait for a running slot; more are refused with a 429 (default:
-    `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`: `--tool-call-parser`
-    (`tool_parser.resolve_tool_call_parser`). `api_key`, `admin_api_key`: the keys routes
-    require (auth.py); None: open."""
+    """The app over a loaded engine: an `EngineProcess`, or any object with the `Engine`
+    interface, which then steps on a thread of this process. `max_waiting`: sequences admitted
+    beyond the engine's `max_running` to wait for a running slot; more are refused with a 429
+    (default: `DEFAULT_WAITING_PER_RUNNING` x max_running). `tool_call_parser`:
+    `--tool-call-parser` (`tool_parser.resolve_tool_call_parser`). `api_key`, `admin_api_key`:
+    the keys routes require (auth.py); None: open."""
     metrics = ServerMetrics()
-    max_running = engine.config.resolved_max_running
+    link: EngineLink = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
+    info = link.info
+    max_running = info.config.resolved_max_running
     if max_waiting is None:
         max_waiting = DEFAULT_WAITING_PER_RUNNING * max_running
-    async_engine = AsyncEngine(engine, metrics, capacity=max_running + max_waiting)
+    async_engine = AsyncEngine(link, metrics, capacity=max_running + max_waiting)
     served = Served(
         engine=async_engine,
-        model_name=engine.model_name,
-        tokenizer=engine.tokenizer,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.tokenizer.vocab_size,
+        model_name=info.model_name,
+        tokenizer=info.tokenizer,
+        max_model_len=info.max_model_len,
+        vocab_size=info.tokenizer.vocab_size,
         created=int(time.time()),
-        system_fingerprint=_system_fingerprint(engine),
-        kv_tokens=engine.pool.num_slots,
-        max_text_chars=text_bound(engine.tokenizer, engine.max_model_len),
+        system_fingerprint=_system_fingerprint(info.fingerprint),
+        kv_tokens=info.kv_slots,
+        max_text_chars=text_bound(info.tokenizer, info.max_model_len),
         tool_call_parser=resolve_tool_call_parser(
-            tool_call_parser, getattr(engine.tokenizer, "chat_template", None)
+            tool_call_parser, getattr(info.tokenizer, "chat_template", None)
         ),
-        grammars=getattr(engine, "grammars", None),
-        tokenizer_path=_tokenizer_path(engine),
+        grammars=link.grammars,
+        tokenizer_path=info.tokenizer_path,
     )
 
     def refresh_fingerprint() -> None:
-        served.system_fingerprint = _system_fingerprint(engine)
+        served.system_fingerprint = _system_fingerprint(async_engine.fingerprint)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -123,7 +126,7 @@ def build_app(
             yield
         finally:
             # Uvicorn has already drained (or timed out on) open connections by now.
-            await asyncio.to_thread(async_engine.stop)
+            await async_engine.stop()
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
     body_reads = BodyReads()
@@ -150,8 +153,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        failure = getattr(engine, "failure", None)
-        if failure is not None:  # a tensor-parallel worker is gone: the server is exiting
+        failure = async_engine.failure
+        if failure is not None:  # the engine process or a tensor-parallel worker is gone
             return JSONResponse({"status": "unhealthy", "error": failure}, status_code=503)
         if not async_engine.alive:
             return JSONResponse({"status": "stopping"}, status_code=503)
@@ -168,15 +171,12 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        stats = await async_engine.call(lambda e: e.stats())
+        stats = await async_engine.stats()
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/engine")
     async def engine_info() -> dict[str, Any]:
-        def snapshot(e: Any) -> dict[str, Any]:
-            return {"stats": e.stats(), "fingerprint": e.fingerprint(), "config": e.config}
-
-        snap = await async_engine.call(snapshot)
+        snap = await async_engine.snapshot()
         config = snap["config"].resolved_options()
         return {
             "model": served.model_name,
@@ -193,7 +193,7 @@ def build_app(
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict[str, Any]:
-        freed = await async_engine.call(lambda e: e.flush_cache())
+        freed = await async_engine.flush_cache()
         return {"flushed_tokens": freed}
 
     @app.post("/v1/completions", response_model=None)
@@ -232,11 +232,11 @@ def build_app(
     return app
 
 
-def _system_fingerprint(engine: Any) -> str:
-    """OpenAI's `system_fingerprint`: a digest of what the results depend on (the weights
-    served included, so it changes with a weight update)."""
-    fingerprint = json.dumps(engine.fingerprint(), sort_keys=True, default=str)
-    return "lockstep-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+def _system_fingerprint(fingerprint: dict[str, Any]) -> str:
+    """OpenAI's `system_fingerprint`: a digest of what the results depend on (the engine's
+    fingerprint, the weights served included, so it changes with a weight update)."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str)
+    return "lockstep-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
@@ -261,16 +261,6 @@ def _tokenize(served: Served, body: TokenizeRequest) -> dict[str, Any]:
         "tokens": ids,
         "token_strs": strs,
     }
-
-
-def _tokenizer_path(engine: Any) -> str | None:
-    """The Hugging Face tokenizer folder routers load (`/server_info`'s `model_path`, also
-    reported as `tokenizer_path`):
-    the model's own folder, or one written into Lockstep's cache for a GGUF file or preset."""
-    loaded = getattr(engine, "loaded", None)
-    if loaded is None or not isinstance(engine.tokenizer, Tokenizer):
-        return None
-    return tokenizer_folder(engine.tokenizer, loaded.source, engine.max_model_len, cache_root())
 
 
 def _tokenizer_info(served: Served) -> dict[str, Any]:

@@ -1,44 +1,42 @@
-"""The bridge between asyncio handlers and the single-threaded `Engine`.
+"""The front end's view of the engine: admission, request routing and named engine calls,
+on the HTTP process's event loop. The engine itself runs behind an `EngineLink`: in a process
+of its own (engine_process.py, what `lockstep serve` uses) or on a thread of this process
+(engine_loop.EngineThread, for tests serving a fake engine). Both take the commands and give
+the events that engine_loop.py lists:
 
-`Engine` is not thread-safe, so exactly one dedicated thread ever touches it. Handlers talk to
-that thread through a command queue; the thread runs commands between engine steps and hands
-each `StepOutput` back to the event loop with `call_soon_threadsafe`:
+    handler (event loop)                 engine loop (engine process or thread)
+    --------------------                 --------------------------------------
+    RequestGroup.add ----- "add" ------> engine.add_request   (RequestError comes back)
+    RequestGroup.abort --- "abort" ----> engine.abort_request (slots freed at once)
+    AsyncEngine.stats() -- "call" -----> ENGINE_CALLS["stats"](engine), flush_cache, ...
+    group.queue <-- _on_event <-- "outputs" -- engine.step()
 
-    handler (event loop)                 engine thread
-    --------------------                 -------------
-    RequestGroup.add ----- command ----> engine.add_request   (RequestError comes back)
-    RequestGroup.abort --- command ----> engine.abort_request (slots freed at once)
-    AsyncEngine.call(fn) - command ----> fn(engine)           (stats, flush_cache, ...)
-    group.queue <-- call_soon_threadsafe -- engine.step() outputs
-
-While requests are unfinished the thread steps continuously, taking new commands between
-steps; when idle it sleeps on a condition variable. A command therefore waits at most one step.
+Which HTTP request an engine request belongs to is known here only: outputs of a request
+whose group has left (aborted) are dropped on arrival. When the engine sends token ids only
+(the engine process), each request's text and stop strings are made here (output_text.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 from lockstep.engine.outputs import StepOutput
 from lockstep.engine.sampling_params import SamplingParams
+from lockstep.server.engine_loop import Command, EngineInfo, Event
 from lockstep.server.metrics import ServerMetrics
+from lockstep.server.output_text import OutputText
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 
 class EngineFailure(Exception):
-    """The engine raised inside `step()`, or is stopping: every request in flight is failed
-    with this. `unavailable` marks the second case (a 503, not a bug)."""
+    """The engine raised inside `step()`, is stopping, or is gone: every request in flight is
+    failed with this. `unavailable` marks the last two (a 503, not a bug)."""
 
     def __init__(self, message: str, *, unavailable: bool = False) -> None:
         super().__init__(message)
@@ -54,29 +52,50 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class EngineLink(Protocol):
+    """An engine loop somewhere (engine_process.EngineProcess, engine_loop.EngineThread)."""
+
+    info: EngineInfo
+    grammars: Any  # a GrammarCompiler for the front end's checks, or None
+
+    def start(self, deliver: Callable[[Event], None]) -> None:
+        """Start the loop; `deliver(event)` is then called for every event, on any thread."""
+
+    def send(self, command: Command) -> None:
+        """Queue a command (never blocks for long; ignored once the engine is gone)."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the loop (it aborts what still runs) and wait for it."""
+
+
 class AsyncEngine:
-    """Owns the engine and its thread. Create it, `start()` it inside the event loop,
-    `stop()` it on shutdown (after the HTTP server has drained its connections).
+    """The engine as the routes see it. Create it, `start()` it inside the event loop,
+    `await stop()` on shutdown (after the HTTP server has drained its connections).
 
     Admission: at most `capacity` engine requests (sequences) are in flight at once, the
     running ones and those waiting for a running slot; `RequestGroup.add` reserves its
-    sequences first and raises `Overloaded` beyond that. Counted on the event loop only."""
+    sequences first and raises `Overloaded` beyond that. Everything here runs on the event
+    loop, but `shed` (any thread)."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, capacity: int | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self, link: EngineLink, metrics: ServerMetrics, capacity: int | None = None
+    ) -> None:
+        self.link = link
+        self.info = link.info
         self.metrics = metrics
         self.capacity = capacity
         self.in_flight = 0
-        self._commands: deque[Callable[[], None]] = deque()
-        self._wakeup = threading.Condition()
+        self.fingerprint = dict(link.info.fingerprint)  # refreshed by a weight update
+        self.failure: str | None = None  # why the engine cannot go on (its process died)
+        self.last_failure: str | None = None  # the last engine step error, for /v1/engine
         self._stopping = False
         self._shedding = False
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # request_id -> (group, choice index); touched only on the engine thread.
-        self._routes: dict[str, tuple[RequestGroup, int]] = {}
+        # request_id -> its group, its choice index there, and its text when made here.
+        self._routes: dict[str, tuple[RequestGroup, int, OutputText | None]] = {}
+        self._replies: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
-        self.last_failure: str | None = None  # the last engine step error, for /v1/engine
+        self._calls = itertools.count()
         self._admission_open = asyncio.Event()  # cleared while a weight update drains
         self._admission_open.set()
 
@@ -84,40 +103,48 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
-        self._thread.start()
+        loop = self._loop
+        self.link.start(lambda event: loop.call_soon_threadsafe(self._on_event, event))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort whatever still runs (the HTTP server has already drained or given up on its
-        connections) and end the thread."""
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Fail whatever still runs (the HTTP server has already drained or given up on its
+        connections) and stop the engine."""
+        self._stopping = True
+        self._fail_all(EngineFailure("the server is shutting down", unavailable=True))
+        await asyncio.to_thread(self.link.close, timeout)
 
     @property
     def alive(self) -> bool:
         return (
-            self._thread is not None
-            and self._thread.is_alive()
+            self._loop is not None
             and not self._stopping
             and not self._shedding
-            and getattr(self.engine, "failure", None) is None
+            and self.failure is None
         )
+
+    @property
+    def weight_version(self) -> str:
+        return self.fingerprint["weight_version"]
 
     def shed(self, reason: str) -> None:
         """Fail every request in flight as unavailable (a 503, or an error event ending a
         stream) and refuse new ones: the end of a shutdown's grace period, so that each
         client gets an answer before the connections close. Callable from any thread."""
         self._shedding = True
-        self._post(lambda: self._abort_all(reason, unavailable=True))
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._shed, reason)
+
+    def _shed(self, reason: str) -> None:
+        ids = list(self._routes)
+        self._fail_all(EngineFailure(reason, unavailable=True))
+        if ids:
+            self.link.send(("abort", ids))
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns()}"
 
     def reserve(self, n: int) -> None:
-        """Admit n more sequences, or raise `Overloaded` (event loop only)."""
+        """Admit n more sequences, or raise `Overloaded`."""
         self._refuse_beyond(n)
         self.in_flight += n
 
@@ -137,29 +164,35 @@ class AsyncEngine:
     def release(self, n: int) -> None:
         self.in_flight -= n
 
-    # -- commands --------------------------------------------------------------------------
+    # -- named engine calls ----------------------------------------------------------------
 
-    def _post(self, command: Callable[[], None]) -> None:
-        with self._wakeup:
-            self._commands.append(command)
-            self._wakeup.notify()
-
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run `fn(engine)` on the engine thread and return its result (or raise its error)."""
+    async def _call(self, command: str, *args: Any) -> Any:
+        """Send a command that is answered with a reply, and return its value (or raise its
+        error)."""
         if not self.alive:
-            raise EngineFailure("the engine is not running", unavailable=True)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+            raise EngineFailure(self.failure or "the engine is not running", unavailable=True)
+        assert self._loop is not None
+        call_id = next(self._calls)
+        future = self._loop.create_future()
+        self._replies[call_id] = future
+        try:
+            self.link.send((command, call_id, *args))
+            return await future
+        finally:
+            self._replies.pop(call_id, None)
 
-        def command() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn(self.engine))
-            except BaseException as exc:  # handed to the awaiting handler, whatever it is
-                future.set_exception(exc)
+    async def stats(self) -> dict[str, Any]:
+        return await self._call("call", "stats", ())
 
-        self._post(command)
-        return await asyncio.wrap_future(future)
+    async def snapshot(self) -> dict[str, Any]:
+        """The engine's stats, fingerprint and config, read in one command turn."""
+        return await self._call("call", "snapshot", ())
+
+    async def flush_cache(self) -> int:
+        return await self._call("call", "flush_cache", ())
+
+    async def update_weights_from_disk(self, path: str, version: str | None) -> None:
+        self.fingerprint = await self._call("call", "update_weights_from_disk", (path, version))
 
     async def add_requests(
         self,
@@ -167,53 +200,38 @@ class AsyncEngine:
         requests: list[tuple[str, list[int], SamplingParams]],
         namespace: str | None,
     ) -> None:
-        """Add a group's requests in one command turn, all or none: if the engine refuses one
-        (its `RequestError` is re-raised here), those already added are aborted."""
-
-        def register(engine: Any) -> None:
-            added: list[str] = []
-            try:
-                for index, (request_id, prompt, params) in enumerate(requests):
-                    engine.add_request(request_id, prompt, params, namespace=namespace)
-                    added.append(request_id)
-                    self._routes[request_id] = (group, index)
-            except BaseException:
-                for request_id in added:
-                    self._routes.pop(request_id, None)
-                    engine.abort_request(request_id)
-                raise
-
-        await self.call(register)
+        """Add a group's requests in one command turn, all or none: if the engine refuses one,
+        its `RequestError` is re-raised here and none was added."""
+        tokenizer = None if self.info.detokenizes else self.info.tokenizer
+        for index, (request_id, prompt, params) in enumerate(requests):
+            text = None if tokenizer is None else OutputText(tokenizer, prompt, params)
+            self._routes[request_id] = (group, index, text)
+        try:
+            await self._call("add", requests, namespace)
+        except BaseException:
+            for request_id, _, _ in requests:
+                self._routes.pop(request_id, None)
+            raise
 
     def finish_aborted(self, request_ids: list[str] | None = None) -> None:
         """Abort requests (None: every request in flight) and hand each its closing output
         (finish reason "abort", the text and counts so far), queued behind the outputs it
         already produced, so its handler answers with what was generated (SGLang's
         `/abort_request`). Fire and forget, like `abort`."""
+        self.link.send(("finish", request_ids))
 
-        def command() -> None:
-            ids = list(self._routes) if request_ids is None else request_ids
-            for request_id in ids:
-                route = self._routes.pop(request_id, None)
-                if route is None:
-                    continue
-                try:
-                    output = self.engine.abort_request(request_id)
-                except Exception:
-                    logger.exception("aborting %s failed", request_id)
-                    continue
-                if output is not None:
-                    assert self._loop is not None
-                    group, index = route
-                    self._loop.call_soon_threadsafe(group.queue.put_nowait, (index, output))
-
-        self._post(command)
+    def abort(self, request_ids: list[str]) -> None:
+        """Fire and forget: the engine frees the requests' KV slots at its next command turn."""
+        for request_id in request_ids:
+            self._routes.pop(request_id, None)
+        if request_ids:
+            self.link.send(("abort", request_ids))
 
     # -- admission pause (weight updates) --------------------------------------------------
 
     def pause_admission(self) -> None:
-        """New request groups wait in `RequestGroup.add` until `resume_admission` (event
-        loop only); those already admitted run on."""
+        """New request groups wait in `RequestGroup.add` until `resume_admission`; those
+        already admitted run on."""
         self._admission_open.clear()
 
     def resume_admission(self) -> None:
@@ -222,75 +240,61 @@ class AsyncEngine:
     async def wait_for_admission(self) -> None:
         await self._admission_open.wait()
 
-    def abort(self, request_id: str) -> None:
-        """Fire and forget: the engine frees the request's KV slots at its next command turn."""
+    # -- events ----------------------------------------------------------------------------
 
-        def command() -> None:
-            if self._routes.pop(request_id, None) is not None:
-                try:
-                    self.engine.abort_request(request_id)
-                except Exception:
-                    logger.exception("aborting %s failed", request_id)
-
-        self._post(command)
-
-    # -- the engine thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        busy = False
-        while True:
-            with self._wakeup:
-                while not self._commands and not busy and not self._stopping:
-                    self._wakeup.wait()
-                commands = list(self._commands)
-                self._commands.clear()
-                stopping = self._stopping
-            for command in commands:
-                command()
-            if stopping:
-                self._abort_all("the server is shutting down", unavailable=True)
-                return
-            busy = self.engine.has_unfinished()
-            if not busy:
-                continue
-            try:
-                started = time.perf_counter()
-                outputs = self.engine.step()
-            except Exception as exc:
-                # A bug, not a client mistake: fail what is in flight, keep serving.
-                logger.exception("engine step failed")
-                self.last_failure = f"{type(exc).__name__}: {exc}"
-                self._abort_all(f"engine step failed: {exc}")
-                busy = self.engine.has_unfinished()
-                continue
-            self.metrics.observe_step(
-                time.perf_counter() - started, sum(len(o.new_token_ids) for o in outputs)
-            )
+    def _on_event(self, event: Event) -> None:
+        kind = event[0]
+        if kind == "outputs":
+            _, outputs, step_seconds, new_tokens = event
+            if step_seconds is not None:
+                self.metrics.observe_step(step_seconds, new_tokens)
             self._dispatch(outputs)
-            busy = self.engine.has_unfinished()
+        elif kind == "reply":
+            _, call_id, value, error = event
+            future = self._replies.get(call_id)
+            if future is None or future.done():
+                return  # its caller was cancelled
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+        elif kind == "step_failed":
+            _, message, request_ids = event
+            self.last_failure = message
+            failure = EngineFailure(f"engine step failed: {message}")
+            for request_id in request_ids:
+                route = self._routes.pop(request_id, None)
+                if route is not None:
+                    route[0].queue.put_nowait((route[1], failure))
+        elif kind == "fatal":
+            if self.failure is None:
+                logger.error("%s", event[1])
+            self.failure = event[1]
+            self._fail_all(EngineFailure(event[1], unavailable=True))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
-        assert self._loop is not None
+        routes = self._routes
+        stopped: list[str] = []  # ended here by a stop string, still running in the engine
         for output in outputs:
-            route = self._routes.get(output.request_id)
+            route = routes.get(output.request_id)
             if route is None:
-                continue  # aborted by its client after this step began
+                continue  # aborted by its client after this step began, or stopped here
+            group, index, text = route
+            if text is not None and text.fill(output):
+                stopped.append(output.request_id)
             if output.finished:
-                del self._routes[output.request_id]
-            group, index = route
-            self._loop.call_soon_threadsafe(group.queue.put_nowait, (index, output))
+                del routes[output.request_id]
+            group.queue.put_nowait((index, output))
+        if stopped:
+            self.link.send(("abort", stopped))
 
-    def _abort_all(self, reason: str, *, unavailable: bool = False) -> None:
-        assert self._loop is not None
-        for request_id, (group, index) in list(self._routes.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("aborting %s failed", request_id)
-            self._loop.call_soon_threadsafe(
-                group.queue.put_nowait, (index, EngineFailure(reason, unavailable=unavailable))
-            )
+    def _fail_all(self, failure: EngineFailure) -> None:
+        for group, index, _ in self._routes.values():
+            group.queue.put_nowait((index, failure))
         self._routes.clear()
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(failure)
 
 
 class RequestGroup:
@@ -341,8 +345,7 @@ class RequestGroup:
     def abort(self) -> None:
         """Abort every unfinished request and give back the group's admitted sequences
         (idempotent: called on exit, after a stream ends and by its background task)."""
-        for index in sorted(self._unfinished):
-            self._engine.abort(self.request_ids[index])
+        self._engine.abort([self.request_ids[i] for i in sorted(self._unfinished)])
         self._unfinished.clear()
         self._engine.release(self._reserved)
         self._reserved = 0

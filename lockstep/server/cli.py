@@ -1,7 +1,10 @@
-"""`lockstep serve`: load the engine, then serve the OpenAI-compatible API with uvicorn.
+"""`lockstep serve`: start the engine process, then serve the OpenAI-compatible API with
+uvicorn in this one.
 
-The model is loaded and the port bound before uvicorn starts, so a bad option, a model that
-will not load or a port in use ends the command with one line on stderr and exit status 2, and
+The engine runs in a process of its own (engine_process.py): this process keeps HTTP, the
+tokenizer, chat templates, validation and rendering, and never initialises the device. The
+model is loaded and the port bound before uvicorn starts, so a bad option, a model that will
+not load or a port in use ends the command with one line on stderr and exit status 2, and
 never with a half-started server. `--port 0` picks a free port; the line
 `Lockstep serving <model> on http://<host>:<port>` on stderr names it.
 
@@ -9,9 +12,10 @@ SIGTERM or SIGINT stops accepting connections and lets running requests finish f
 `--shutdown-timeout` seconds; whatever still runs then is aborted and its slots freed. The
 process then exits with status 0.
 
-With `--tp` > 1, a worker process that dies makes the server print one line naming its rank,
-answer /health with 503 "unhealthy", fail what is in flight, stop the other workers and exit
-with status 1 (lockstep.parallel.group).
+An engine process that dies (killed, out of memory) makes the server print one line saying
+so, fail what is in flight with a 503, answer /health with 503 "unhealthy" and exit with
+status 1. With `--tp` > 1, a worker process that dies does the same, naming its rank, and the
+engine process stops the other workers (lockstep.parallel.group).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 from lockstep.cli_options import add_engine_arguments, engine_options_from_args
 from lockstep.config import EngineConfig
-from lockstep.errors import ConfigError, ModelLoadError
+from lockstep.errors import ConfigError
 from lockstep.server.tool_parser import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("lockstep.server")
@@ -142,16 +146,22 @@ def run_serve_command(args: argparse.Namespace) -> int:
             args.host,
             "" if args.admin_api_key else ", abort others' requests and replace the weights",
         )
-    from lockstep.engine.engine import Engine
-    from lockstep.parallel.group import TensorParallelError
+    from lockstep.server.engine_process import EngineProcess, EngineStartError
 
     try:
-        engine = Engine(config)
-    except (ConfigError, ModelLoadError, TensorParallelError) as exc:
+        engine = EngineProcess(config, args.log_level)
+    except EngineStartError as exc:
         sock.close()
         print(f"lockstep serve: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
+    try:
+        return _serve(args, engine, sock)
+    finally:
+        engine.close()
 
+
+def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
+    """Serve HTTP over the started engine process until a signal or its death."""
     import uvicorn
 
     from lockstep.server.api import build_app
@@ -192,7 +202,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
     failures: list[str] = []
 
     def on_engine_failure(message: str) -> None:
-        # A tensor-parallel worker died: report unhealthy, shut down, exit with status 1.
+        # The engine process or a tensor-parallel worker died: report unhealthy, shut down,
+        # exit with status 1.
         failures.append(message)
         print(f"lockstep serve: error: {message}; shutting down", file=sys.stderr)
         sys.stderr.flush()
@@ -200,12 +211,9 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
     engine.on_failure(on_engine_failure)
     host, port = sock.getsockname()[:2]
-    print(f"Lockstep serving {engine.model_name} on http://{host}:{port}", file=sys.stderr)
+    print(f"Lockstep serving {engine.info.model_name} on http://{host}:{port}", file=sys.stderr)
     sys.stderr.flush()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        engine.close()
+    server.run(sockets=[sock])
     return 1 if failures else 0
 
 

@@ -1,10 +1,10 @@
 """Prometheus metrics for `/metrics`.
 
 Latency histograms are observed as outputs reach their handlers (so they include the hop from
-the engine thread to the event loop, as a client sees it). Engine gauges and counters are read
-from `Engine.stats()` at scrape time on the engine thread, so a scrape is always a consistent
-snapshot and never races a step. Each server gets its own registry: two apps in one process
-(tests) do not collide in the global one.
+the engine to the event loop, as a client sees it). Engine gauges and counters are read from
+`Engine.stats()` at scrape time by the engine loop, between steps, so a scrape is always a
+consistent snapshot and never races a step. Each server gets its own registry: two apps in one
+process (tests) do not collide in the global one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _THROUGHPUT_WINDOW_S = 10.0
 
 
 class _ThroughputMeter:
-    """Generated tokens per second over the last few seconds; fed by the engine thread."""
+    """Generated tokens per second over the last few seconds; fed as steps are reported."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -158,7 +158,7 @@ class ServerMetrics:
         )
 
     def observe_step(self, seconds: float, new_tokens: int) -> None:
-        """Called by the engine thread after every step."""
+        """Called on the event loop as each step's outputs arrive."""
         self.step_time.observe(seconds)
         self._meter.add(new_tokens)
 

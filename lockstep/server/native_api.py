@@ -179,25 +179,21 @@ def add_native_routes(
     @app.get("/model_info")  # SGLang's current name; routers ask it first
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        core = engine.engine
         return {
-            "model_path": core.weights_source,
+            "model_path": engine.fingerprint["weights_source"],
             "tokenizer_path": served.tokenizer_path,
             "served_model_name": served.model_name,
             "is_generation": True,
-            "model_type": core.decoder.spec.family,
+            "model_type": engine.info.model_type,
             "preferred_sampling_params": None,
-            "weight_version": core.weight_version,
+            "weight_version": engine.weight_version,
             "max_model_len": served.max_model_len,
         }
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        def snapshot(e: Any) -> dict[str, Any]:
-            return {"stats": e.stats(), "config": e.config, "fingerprint": e.fingerprint()}
-
-        snap = await engine.call(snapshot)
+        snap = await engine.snapshot()
         config, stats = snap["config"], snap["stats"]
         from lockstep import __version__
 
@@ -231,7 +227,7 @@ def add_native_routes(
     async def get_load() -> list[dict[str, int]]:
         """SGLang's load report (one entry per data-parallel rank; Lockstep has one), which
         load-aware router policies read: requests running and waiting, KV tokens in use."""
-        stats = await engine.call(lambda e: e.stats())
+        stats = await engine.stats()
         return [{"dp_rank": 0, "num_reqs": stats["num_running"],
                  "num_waiting_reqs": stats["num_waiting"], "num_tokens": stats["kv_in_use"]}]  # fmt: skip
 
@@ -269,7 +265,7 @@ def add_native_routes(
                     await asyncio.sleep(_DRAIN_POLL_S)
                 path, version = body.model_path, body.weight_version
                 try:
-                    await engine.call(lambda e: e.update_weights_from_disk(path, version))
+                    await engine.update_weights_from_disk(path, version)
                 except (ModelLoadError, RequestError) as exc:
                     logger.warning("weight update refused: %s", exc)
                     message = str(exc)
@@ -291,7 +287,7 @@ def add_native_routes(
                 "success": True,
                 "message": f"Succeeded to update model weights from {path}.",
                 "num_paused_requests": 0,
-                "weight_version": engine.engine.weight_version,
+                "weight_version": engine.weight_version,
             }
         )
 
@@ -482,7 +478,7 @@ def _render(served: Served, item: _Item, started: float, with_text: bool) -> dic
         "prompt_tokens": len(item.prompt_ids),
         "completion_tokens": len(ids),
         "cached_tokens": item.cached_tokens,
-        "weight_version": served.engine.engine.weight_version,
+        "weight_version": served.engine.weight_version,
         "e2e_latency": time.perf_counter() - started,
     }
 

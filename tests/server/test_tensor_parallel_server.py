@@ -25,8 +25,8 @@ ARGS = ["--model", "random:tiny", "--device", "cpu", "--kv-tokens", "4096", "--t
 EXIT_WITHIN_S = 15.0
 
 
-def _workers(pid: int) -> list[int]:
-    """The server's tensor-parallel worker processes (multiprocessing spawn children)."""
+def _spawned(pid: int) -> list[int]:
+    """The multiprocessing spawn children of process `pid`."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     found = []
     for child in map(int, children):
@@ -37,6 +37,13 @@ def _workers(pid: int) -> list[int]:
         if b"spawn_main" in cmdline:
             found.append(child)
     return found
+
+
+def _workers(pid: int) -> list[int]:
+    """The server's tensor-parallel worker processes: spawned by its engine process (the
+    server's one spawn child, lockstep/server/engine_process.py)."""
+    (engine,) = _spawned(pid)
+    return _spawned(engine)
 
 
 def _gone(pid: int) -> bool:

@@ -25,8 +25,7 @@ class CountingTokenizer:
 
 
 def _served(tok: CountingTokenizer) -> SimpleNamespace:
-    return SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(engine=SimpleNamespace(
-        weight_version="w0")))  # fmt: skip
+    return SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(weight_version="w0"))
 
 
 def _item() -> _Item:

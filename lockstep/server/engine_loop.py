@@ -1,0 +1,245 @@
+"""The engine side of the server: one loop that owns the `Engine`, runs commands between steps
+and reports what happened as events. The same loop runs in the engine process
+(engine_process.py, what `lockstep serve` uses) and on a thread of the HTTP process
+(`EngineThread`, for tests that serve a fake engine); the front end (async_engine.py) sees
+the same commands and events either way.
+
+Commands (front end -> loop), plain tuples of ids, numbers, strings and small objects:
+
+    ("add", call_id, [(request_id, prompt_ids, params), ...], namespace)   all or none
+    ("abort", [request_id, ...])              free the requests' slots, no further output
+    ("finish", [request_id, ...] | None)      abort, each with its closing output (None: all)
+    ("call", call_id, name, args)             a named engine call (`ENGINE_CALLS`)
+    ("stop",)                                 abort whatever runs and end the loop
+
+Events (loop -> front end):
+
+    ("outputs", [StepOutput, ...], step_seconds | None, new_tokens)
+    ("reply", call_id, value, error)          error: None or the exception the call raised
+    ("step_failed", message, [request_id, ...])   a step raised; those requests were aborted
+    ("fatal", message)                        the engine cannot compute another step
+
+While requests are unfinished the loop steps continuously, taking new commands between steps;
+when idle it sleeps on a condition variable. A command therefore waits at most one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.errors import LockstepError
+
+logger = logging.getLogger(__name__)
+
+Event = tuple
+Command = tuple
+
+
+def _snapshot(engine: Any) -> dict[str, Any]:
+    return {"stats": engine.stats(), "fingerprint": engine.fingerprint(), "config": engine.config}
+
+
+def _update_weights_from_disk(engine: Any, path: str, version: str | None) -> dict[str, Any]:
+    engine.update_weights_from_disk(path, version)
+    return engine.fingerprint()  # the weights now served, for the front end's copy
+
+
+# What the front end may ask of the engine by name: the only engine calls that cross to it.
+ENGINE_CALLS: dict[str, Callable[..., Any]] = {
+    "stats": lambda engine: engine.stats(),
+    "snapshot": _snapshot,
+    "flush_cache": lambda engine: engine.flush_cache(),
+    "update_weights_from_disk": _update_weights_from_disk,
+}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the front end reads about the engine once, at start-up."""
+
+    model_name: str
+    tokenizer: Any
+    max_model_len: int
+    config: Any  # the EngineConfig
+    kv_slots: int  # the KV pool's slots: a sequence never holds more
+    fingerprint: dict[str, Any]  # Engine.fingerprint() at start
+    model_type: str | None  # the model family (SGLang's /model_info)
+    model_vocab_size: int  # the logits' width (structured outputs' masks)
+    tokenizer_path: str | None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
+    detokenizes: bool  # outputs carry text (False: the front end makes it, output_text.py)
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineInfo:
+        from lockstep.models.tokenizer import Tokenizer
+        from lockstep.models.tokenizer_folder import tokenizer_folder
+        from lockstep.ops.cpu_build import cache_root
+
+        decoder = getattr(engine, "decoder", None)
+        loaded = getattr(engine, "loaded", None)
+        tokenizer_path = None
+        if loaded is not None and isinstance(engine.tokenizer, Tokenizer):
+            # The model's own folder, or one written into Lockstep's cache for a GGUF file or
+            # preset (what SGLang's routers load).
+            tokenizer_path = tokenizer_folder(
+                engine.tokenizer, loaded.source, engine.max_model_len, cache_root()
+            )
+        return cls(
+            model_name=engine.model_name,
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            config=engine.config,
+            kv_slots=engine.pool.num_slots,
+            fingerprint=engine.fingerprint(),
+            model_type=None if decoder is None else decoder.spec.family,
+            model_vocab_size=engine.tokenizer.vocab_size
+            if decoder is None
+            else decoder.spec.vocab_size,
+            tokenizer_path=tokenizer_path,
+            detokenizes=getattr(engine, "detokenize", True),
+        )
+
+
+class EngineLoop:
+    """Runs `engine` and its commands on the calling thread (`run`); `post` is callable from
+    any thread. `emit(event)` is called on the loop's thread and must not block for long."""
+
+    def __init__(self, engine: Any, emit: Callable[[Event], None]) -> None:
+        self.engine = engine
+        self._emit = emit
+        self._commands: deque[Command] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+
+    def post(self, command: Command) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            if command[0] == "stop":
+                self._stopping = True
+            self._wakeup.notify()
+
+    def run(self) -> None:
+        """Step while requests are unfinished, run commands between steps; return after a
+        "stop" command, with every request aborted."""
+        busy = False
+        while True:
+            with self._wakeup:
+                while not self._commands and not busy and not self._stopping:
+                    self._wakeup.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                if command[0] == "stop":
+                    self._abort_all()
+                    return
+                self._run_command(command)
+            busy = self.engine.has_unfinished()
+            if busy:
+                self._step()
+                busy = self.engine.has_unfinished()
+
+    def _step(self) -> None:
+        try:
+            started = time.perf_counter()
+            outputs = self.engine.step()
+        except Exception as exc:
+            # A bug, not a client mistake: fail what is in flight, keep serving.
+            logger.exception("engine step failed")
+            message = f"{type(exc).__name__}: {exc}"
+            self._emit(("step_failed", message, self._abort_all()))
+            return
+        took = time.perf_counter() - started
+        self._emit(("outputs", outputs, took, sum(len(o.new_token_ids) for o in outputs)))
+
+    def _run_command(self, command: Command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, call_id, requests, namespace = command
+            self._reply(call_id, lambda: self._add(requests, namespace))
+        elif kind == "abort":
+            for request_id in command[1]:
+                self._abort(request_id)
+        elif kind == "finish":
+            ids = list(self.engine.requests) if command[1] is None else command[1]
+            closing = [out for out in map(self._abort, ids) if out is not None]
+            if closing:
+                self._emit(("outputs", closing, None, 0))
+        elif kind == "call":
+            _, call_id, name, args = command
+            self._reply(call_id, lambda: ENGINE_CALLS[name](self.engine, *args))
+        else:
+            raise ValueError(f"unknown engine command {kind!r}")
+
+    def _reply(self, call_id: int, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+        except LockstepError as exc:  # the user's mistake or the model's: said as is
+            self._emit(("reply", call_id, None, exc))
+        except Exception as exc:
+            logger.exception("engine call failed")
+            # Re-raised on the front end, perhaps in another process: a plain error that is
+            # sure to cross.
+            self._emit(("reply", call_id, None, RuntimeError(f"{type(exc).__name__}: {exc}")))
+        else:
+            self._emit(("reply", call_id, value, None))
+
+    def _add(self, requests: list[tuple[str, list[int], Any]], namespace: str | None) -> None:
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in requests:
+                self.engine.add_request(request_id, prompt, params, namespace=namespace)
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:
+                self._abort(request_id)
+            raise
+
+    def _abort(self, request_id: str) -> Any:
+        """The request's closing output (None: it had finished already, or is unknown)."""
+        try:
+            return self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("aborting %s failed", request_id)
+            return None
+
+    def _abort_all(self) -> list[str]:
+        ids = list(self.engine.requests)
+        for request_id in ids:
+            self._abort(request_id)
+        return ids
+
+
+class EngineThread:
+    """An engine in the HTTP process, its loop on a thread: for tests that serve a fake
+    engine in-process (tests/server/test_server.py's `_FaultyEngine`). `lockstep serve` runs
+    the engine in a process of its own (engine_process.py); both are an `EngineLink`."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.info = EngineInfo.of(engine)
+        self.grammars = getattr(engine, "grammars", None)  # shares the engine's cache
+        self._loop: EngineLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, deliver: Callable[[Event], None]) -> None:
+        self._loop = EngineLoop(self.engine, deliver)
+        on_failure = getattr(self.engine, "on_failure", None)
+        if on_failure is not None:
+            on_failure(lambda message: deliver(("fatal", message)))
+        self._thread = threading.Thread(target=self._loop.run, name="lockstep-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        assert self._loop is not None
+        self._loop.post(command)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._loop is not None:
+            self._loop.post(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
