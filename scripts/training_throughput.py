@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # The bitwise check against the engine, on the same device and dtype.
     llm = LLM(args.model, device=device, dtype=args.dtype, kv_tokens=total + 256,
-              max_model_len=max(args.seq_len, 256))  # fmt: skip
+              max_model_len=max(args.seq_len + 1, 256))  # fmt: skip
     scored = llm.score(sequences, use_tqdm=False)
     with torch.no_grad():
         ours = policy(sequences).per_sequence()
