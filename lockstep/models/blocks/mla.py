@@ -226,7 +226,7 @@ def rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) -> t
     """`weight` (a checkpoint tensor named `source`) with its rows in `rope_row_order`: a
     permutation, no value changes."""
     order = rope_row_order(spec, source, weight.shape[0])
-    return weight if order is None else weight[order]
+    return weight if order is None else weight[order.to(weight.device)]
 
 
 def fp8_rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) -> torch.Tensor:
@@ -247,7 +247,7 @@ def fp8_rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) 
             f"whose qk_rope_head_dim rows of each head lie within one {BLOCK}-row block"
         )
     # Indexed as bytes: the reorder copies e4m3 values exactly, whatever float8 ops exist.
-    return weight.view(torch.uint8)[order].view(weight.dtype)
+    return weight.view(torch.uint8)[order.to(weight.device)].view(weight.dtype)
 
 
 def absorbed(
