@@ -32,6 +32,13 @@ computes transformers' interleaved rotation exactly, and queries and keys share 
 their dot products are unchanged. The q LoRA and KV norms use epsilon 1e-6 whatever the
 config says, as transformers builds them. Every step but the attention is row-local; the
 attention's rows depend only on cache rows 0..p of their sequence (`LatentAttentionOps`).
+
+Block-FP8 checkpoints (DeepSeek-V3's own release, `ModelSpec.fp8`): q_a | kv_a (or q | kv_a),
+q_b and o are FP8 linears, each with its `weight_scale` [ceil(N/128), ceil(K/128)] (spec.py);
+the RoPE reorder moves e4m3 rows within their 128-row scale blocks only
+(`fp8_rope_rows_reordered` refuses a layout where it would not). kv_b_proj is dequantized at
+load (`absorbed`): W_UK^T and W_UV are slices of it per head, which its 128 x 128 scale blocks
+do not follow.
 """
 
 from __future__ import annotations
