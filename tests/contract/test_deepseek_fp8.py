@@ -25,12 +25,12 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 from safetensors.torch import load_file  # noqa: E402
 
 from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.engine import Engine  # noqa: E402
-from lockstep.engine.llm import LLM  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
 from lockstep.errors import ModelLoadError  # noqa: E402
 from lockstep.models.decoder import Decoder  # noqa: E402
@@ -38,7 +38,10 @@ from lockstep.models.presets import PRESETS, RandomWeights  # noqa: E402
 from lockstep.models.resolver import resolve_model  # noqa: E402
 from lockstep.ops import get_ops  # noqa: E402
 from lockstep.ops.fp8 import Fp8Weight  # noqa: E402
-from tests.support.invariance_harness import compute, mismatches, random_plan, reference  # noqa: E402
+from tests.support.invariance_harness import (  # noqa: E402
+    generation_scoring_mismatches,
+    schedule_failures,
+)
 from tests.support.tiny_fp8 import (  # noqa: E402
     edit_tensors,
     float64_reference,
@@ -50,15 +53,6 @@ VOCAB = 300  # the tiny folder's
 TOKENS = [5, 17, 200, 33, 91, 7, 150, 64, 2, 250, 11, 99, 42, 8, 120, 77, 3, 260, 19, 54]
 TOLERANCE = 1e-5  # float32 engine vs float64 emulation, on logprobs (measured ~1e-6)
 ATTN = "model.layers.1.self_attn."
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one thread computes instead of waking a pool (bits do not depend on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +92,6 @@ def _copy(folder: Path, to: Path) -> Path:
 def _engine(model: str | Path, mode: str = "deterministic", **options) -> Engine:
     options = {"kv_tokens": 2048, "dtype": "float32", **options}
     return Engine(EngineConfig(model=str(model), mode=mode, device="cpu", **options))
-
-
-def _schedule_failures(engine: Engine, seeds: range, max_len: int = 48) -> list[str]:
-    """Random schedules (radix hits, chunks, decode steps, batch-mates) against one cold
-    prefill, bitwise: the failing cases' descriptions."""
-    failures = []
-    for seed in seeds:
-        rng = random.Random(seed)
-        n = rng.randint(8, max_len)
-        tokens = [rng.randrange(VOCAB) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=3)
-        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
-        if problems:
-            failures.append(f"seed {seed} n={n} {plan.describe()}: {problems[0]}")
-    return failures
 
 
 # ---------------------------------------------------------------- what loads, and its values
@@ -168,25 +147,19 @@ def test_any_schedule_matches_cold_prefill(
     scoring the generated text."""
     engine = _engine(folder[0], dtype=dtype, kv_dtype=kv_dtype)
     assert engine.pool.k_cache(0).dtype == cache
-    failures = _schedule_failures(engine, range(8))
+    failures = schedule_failures(engine, 8, lengths=(8, 48), max_mates=3)
     assert not failures, failures
-    engine.check_integrity()
-    llm = LLM.__new__(LLM)  # the engine above, without loading the model again
-    llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
     rng = random.Random(2)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 37)]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
-    for out, score in zip(outs, scores, strict=True):
-        assert score.logprobs[len(out.prompt_token_ids) :] == out.logprobs
+    assert not generation_scoring_mismatches(engine, prompts, params)
     engine.check_integrity()
 
 
 def test_negative_control_fast_mode_breaks_the_contract(folder) -> None:
     """The same schedules in fast mode (dequantized oneDNN GEMMs, SDPA, transformers'
     routing) differ from the cold prefill: the check is not blind."""
-    assert _schedule_failures(_engine(folder[0], mode="fast"), range(8))
+    assert schedule_failures(_engine(folder[0], mode="fast"), 8, lengths=(8, 48), max_mates=3)
 
 
 def test_random_preset_runs_in_fp8() -> None:

@@ -18,10 +18,11 @@ these checks, with the float64 emulation, is tests/contract/test_deepseek_fp8.py
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
+
+from tests.support.invariance_harness import generation_scoring_mismatches, schedule_failures
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,35 +70,14 @@ def test_what_loads_in_fp8(model) -> None:
     assert mlp.layer.fp8 and mlp.router.dtype != torch.float8_e4m3fn
 
 
-def _schedule_failures(engine, cases: int, wide_mates: bool = False) -> list[str]:
-    """Random schedules (tests/support/invariance_harness.py) whose positions differ from a
-    cold prefill; wide_mates: 8 to 64-token batch-mates in every pass, no prefix hit (the fast
-    mode control, as in tests/gpu/test_gpu_moe.py)."""
-    from tests.support.invariance_harness import compute, mismatches, random_plan, reference
-
-    failures = []
-    for seed in range(cases):
-        rng = random.Random(seed)
-        n = rng.randint(16, 200) if wide_mates else rng.randint(1, 600)
-        tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=4, allow_prefix=not wide_mates)
-        if wide_mates:
-            plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks]
-        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
-        if problems:
-            failures.append(f"seed={seed} n={n} {plan.describe()}: {problems[0]}")
-        engine.check_integrity()
-    return failures
-
-
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_random_schedules_match_cold_prefill(model, kv_dtype: str) -> None:
-    failures = _schedule_failures(_engine(model, kv_dtype=kv_dtype), CASES)
+    failures = schedule_failures(_engine(model, kv_dtype=kv_dtype), CASES)
     assert not failures, "; ".join(failures)
 
 
 def test_negative_control_fast_mode_fails_the_property(model) -> None:
-    failures = _schedule_failures(_engine(model, mode="fast"), CASES, wide_mates=True)
+    failures = schedule_failures(_engine(model, mode="fast"), CASES, wide_mates=True)
     assert failures, "fast mode matched every schedule: the property lost its teeth"
 
 
@@ -105,15 +85,9 @@ def test_negative_control_fast_mode_fails_the_property(model) -> None:
 def test_generation_logprobs_equal_scoring(model, cuda_graphs: bool) -> None:
     """Sampled generations of 3 prompts side by side: their logprobs equal scoring the
     prompt + generated text in one prefill, bit for bit."""
-    from lockstep.engine.llm import LLM
     from lockstep.engine.sampling_params import SamplingParams
 
     engine = _engine(model, cuda_graphs=cuda_graphs, max_running=16)
-    llm = LLM.__new__(LLM)  # the engine above, without loading the model again
-    llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
     prompts = [list(range(5, 5 + n)) for n in (3, 40, 300)]
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
-    for out, score in zip(outs, scores, strict=True):
-        assert score.logprobs[len(out.prompt_token_ids) :] == out.logprobs
+    assert not generation_scoring_mismatches(engine, prompts, params)
