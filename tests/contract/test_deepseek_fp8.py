@@ -48,6 +48,7 @@ from tests.support.tiny_fp8 import (  # noqa: E402
     set_quantization_config,
     write_fp8_folder,
 )
+from tests.support.tiny_hf import check_serve_passes_every_scenario  # noqa: E402
 
 VOCAB = 300  # the tiny folder's
 TOKENS = [5, 17, 200, 33, 91, 7, 150, 64, 2, 250, 11, 99, 42, 8, 120, 77, 3, 260, 19, 54]
@@ -173,6 +174,16 @@ def test_random_preset_runs_in_fp8() -> None:
     engine = _engine("random:tiny-deepseek-v3-fp8")
     assert isinstance(engine.decoder.layers[1].mixer.q_b, Fp8Weight)
     assert torch.isfinite(engine.decoder.logits_for_sequence(TOKENS)).all()
+
+
+@pytest.mark.slow
+def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
+    """`lockstep check --serve --model <tiny FP8 DeepSeek-V3 folder>` passes every scenario."""
+
+    def write(family: str, folder: Path, **overrides) -> None:
+        write_fp8_folder(folder, "fp8-block", family=family, **overrides)
+
+    check_serve_passes_every_scenario("deepseek_v3", tmp_path, write)
 
 
 # ---------------------------------------------------------------- skipped and refused
