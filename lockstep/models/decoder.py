@@ -56,7 +56,7 @@ from lockstep.models.blocks.base import (
     Step,
 )
 from lockstep.models.blocks.gated_deltanet import ungroup_projections
-from lockstep.models.blocks.mla import absorbed, rope_rows_reordered
+from lockstep.models.blocks.mla import absorbed, fp8_rope_rows_reordered, rope_rows_reordered
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
@@ -400,9 +400,11 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     concatenated), "embed" (as is), "linear" (rows
     concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
     gate rows separated: q | k | v | gate, then "linear"), "mla_linear" (MLA projections whose
-    interleaved RoPE rows are reordered, `rope_rows_reordered`, then "linear"), "mla_absorb_k"
-    and "mla_absorb_v" (kv_b_proj split per head into W_UK^T and W_UV, blocks/mla.py's
-    `absorbed`, each head prepared as a linear and stacked), "qkvz_ba" (Qwen3-Next's grouped
+    interleaved RoPE rows are reordered, `rope_rows_reordered`, then "linear"), "mla_fp8"
+    (their block-FP8 form: e4m3 rows reordered within their scale blocks,
+    `fp8_rope_rows_reordered`, then "fp8"), "mla_absorb_k" and "mla_absorb_v" (kv_b_proj,
+    dequantized first where it is FP8 (its weight, then its block scales), split per head into
+    W_UK^T and W_UV, blocks/mla.py's `absorbed`, each head prepared as a linear and stacked), "qkvz_ba" (Qwen3-Next's grouped
     Gated DeltaNet inputs reordered to q | k | v | z | b | a, `ungroup_projections`, then
     "linear"), "row_attention" and "row_mlp"
     (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
@@ -473,7 +475,13 @@ def _prepare(
     ops = parallel.ops
     if kind == "fp8":  # FP8 models run at tp=1 (lockstep.parallel.sharding): never sharded
         assert spec.fp8 is not None
-        return _fuse_fp8(spec.fp8.scheme, parts, ops, device)
+        return _fuse_fp8(spec.fp8.scheme, parts, ops, device, entry.sources)
+    if kind == "mla_fp8":  # MLA models are MoE models, whose FP8 scheme is "block" (spec.py)
+        assert spec.fp8 is not None and spec.fp8.scheme == "block"
+        count = len(parts) // 2
+        names = entry.sources[:count]
+        weights = [fp8_rope_rows_reordered(spec, n, w) for n, w in zip(names, parts, strict=False)]
+        return _fuse_fp8("block", weights + parts[count:], ops, device, entry.sources)
     if kind == "fp8_experts":
         assert spec.moe is not None
         half = len(parts) // 2
@@ -495,8 +503,9 @@ def _prepare(
     if kind == "mla_linear":
         parts = [rope_rows_reordered(spec, n, p) for n, p in zip(entry.sources, parts, strict=True)]
         kind = "linear"
-    if kind in ("mla_absorb_k", "mla_absorb_v"):
-        per_head = absorbed(spec, parts[0], kind[-1]).to(device=device, dtype=dtype)
+    if kind in ("mla_absorb_k", "mla_absorb_v"):  # parts: kv_b_proj[, its FP8 block scales]
+        scale = parts[1] if len(parts) > 1 else None
+        per_head = absorbed(spec, parts[0], kind[-1], scale).to(device=device, dtype=dtype)
         return prepare_expert_weights(ops.prepare_linear_weight, per_head)
     if kind == "qkv_gate":
         q_gate = parts[0].reshape(spec.num_heads, 2, spec.head_dim, -1)
@@ -515,19 +524,25 @@ def _prepare(
     return fused if kind == "embed" else ops.prepare_linear_weight(fused.contiguous())
 
 
-def _fuse_fp8(scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.device) -> Fp8Weight:
+def _fuse_fp8(
+    scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.device, sources: list[str]
+) -> Fp8Weight:
     """One FP8 linear from its parts' (weights, weight scales[, input scales]) in canonical
-    form (spec.py): weights and per-row or per-block scales concatenated by rows; a "tensor"
-    part's scalar repeated over its rows; the parts' static input scales, which all see the
-    same activation, merged into their maximum (docs/models.md)."""
+    form (spec.py), `sources` their names (for messages): weights and per-row or per-block
+    scales concatenated by rows; a "tensor" part's scalar repeated over its rows; the parts'
+    static input scales, which all see the same activation, merged into their maximum
+    (docs/models.md). Block scales concatenate only where every part but the last has whole
+    128-row blocks (else a scale row would cover two parts' rows): refused otherwise."""
     count = len(parts) // (3 if scheme == "tensor" else 2)
     weights, scales = parts[:count], parts[count : 2 * count]
     if scheme == "block" and count > 1:
-        uneven = next((w for w in weights[:-1] if w.shape[0] % BLOCK), None)
+        uneven = next((i for i, w in enumerate(weights[:-1]) if w.shape[0] % BLOCK), None)
         if uneven is not None:
             raise ModelLoadError(
-                f"FP8 block scales cannot be fused: a part has {uneven.shape[0]} rows, not a "
-                f"multiple of {BLOCK}"
+                f"FP8 block scales cannot be fused: {sources[uneven]} has "
+                f"{weights[uneven].shape[0]} rows, not a multiple of {BLOCK}, and is fused by "
+                f"rows with {sources[uneven + 1]}; supported: fused parts of whole {BLOCK}-row "
+                "blocks but the last"
             )
     if scheme == "tensor":
         scales = [s.reshape(1).expand(w.shape[0]) for w, s in zip(weights, scales, strict=True)]

@@ -9,7 +9,8 @@ FP8 checkpoints' k/v cache scales, and what a family says it does not serve (Qwe
 tower).
 
 FP8 checkpoints (a `quantization_config`): the formats, their refusals and their tensor names
-are in fp8_formats.py; which projections are FP8 is read from the stored dtypes.
+are in fp8_formats.py; which projections are FP8 is read from the stored dtypes. DeepSeek's
+multi-token-prediction layers are skipped before the FP8 checks (their FP8 tensors included).
 """
 
 from __future__ import annotations
@@ -96,12 +97,14 @@ class SafetensorsWeights:
                 if fmt is not None and key.endswith(KV_SCALE_SUFFIXES):
                     kv_scales.append(key)  # the FP8 KV cache's scale is 1.0 (fp8_formats.py)
                     continue
+                if _beyond_last_layer(key, spec):
+                    # DeepSeek's multi-token-prediction layers, FP8 or not (their eh_proj and
+                    # shared_head are no decoder projection): skipped before any FP8 check.
+                    extra_layers.append(key)
+                    continue
                 if key in fp8:
                     self._check_fp8_weight(folder, key)
                     self.fp8_modules.add(key.removesuffix(".weight"))
-                if _beyond_last_layer(key, spec):
-                    extra_layers.append(key)  # DeepSeek's multi-token-prediction layers
-                    continue
                 name = family.tensor_name(key if fmt is None else fmt.canonical(key))
                 if name is None:
                     continue  # the family does not serve it (a vision tower)
@@ -125,8 +128,11 @@ class SafetensorsWeights:
                 "quantization_config naming its scales"
             )
         if not key.endswith(".weight") or key.rsplit(".", 2)[-2] not in QUANTIZABLE:
+            # A router's fp32 logits choose the experts: Lockstep keeps them unquantized.
+            is_router = key.endswith(".mlp.gate.weight")
+            router = " (a MoE router, which must stay unquantized)" if is_router else ""
             raise ModelLoadError(
-                f"{folder}: tensor {key!r} is float8_e4m3fn; FP8 is supported for the "
+                f"{folder}: tensor {key!r} is float8_e4m3fn{router}; FP8 is supported for the "
                 f"projections {', '.join(QUANTIZABLE)} only"
             )
 

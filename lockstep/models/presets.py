@@ -16,7 +16,8 @@ FP8 presets ("-fp8": block-wise, "-fp8-static": per-tensor with static input sca
 the checkpoint formats do (`lockstep.ops.fp8.quantize_weight`); a static input scale covers
 activations up to +-STATIC_INPUT_AMAX. Embeddings, LM head, norms and MoE routers stay
 unquantized; the MoE presets' "-fp8" twins quantize every expert block-wise, as
-Qwen3-30B-A3B-FP8 does.
+Qwen3-30B-A3B-FP8 does, and the DeepSeeks' ("tiny-deepseek-v3-fp8" has widths of whole
+128-row blocks) their MLA projections too, as DeepSeek-V3's own FP8 release does.
 
 The tokenizer is byte-level: ids 0-255 are the bytes, then a few special tokens, then unused
 ids up to the vocabulary size, with a ChatML template, so text prompts work end to end.
@@ -356,12 +357,28 @@ def _fp8_variants() -> dict[str, Preset]:
         for suffix, scheme in variants.items():
             spec = dataclasses.replace(preset.spec, fp8=Fp8Spec(scheme))
             out[base + suffix] = Preset(spec, preset.add_bos)
-    # Mixture of experts: block-FP8 only (Qwen3-30B-A3B-FP8's format), router unquantized.
-    for base in ("tiny-qwen3-moe", "qwen3-30b-a3b"):
+    # Mixture of experts: block-FP8 only (Qwen3-30B-A3B-FP8's format), router unquantized;
+    # the DeepSeeks as DeepSeek-V3's own release: MLA projections too (kv_b_proj dequantized
+    # at load), the correction bias unquantized.
+    for base in ("tiny-qwen3-moe", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"):
         preset = PRESETS[base]
         out[base + "-fp8"] = Preset(
             dataclasses.replace(preset.spec, fp8=Fp8Spec("block")), preset.add_bos
         )
+    # tiny-deepseek-v3's q LoRA (48 rows) cannot fuse with kv_a by 128-row scale blocks: the
+    # tiny FP8 DeepSeek-V3 has widths that 128 x 128 blocks tile, as DeepSeek-V3's do.
+    tiny_deepseek = _deepseek(
+        "deepseek_v3", vocab_size=512, hidden_size=256, intermediate_size=384,
+        moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=128,
+        kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, max_position_embeddings=4096,
+        rope_scaling=_yarn(8.0, 1.0, 1.0, 512),
+    )  # fmt: skip
+    out["tiny-deepseek-v3-fp8"] = Preset(
+        dataclasses.replace(_preset(tiny_deepseek, add_bos=False).spec, fp8=Fp8Spec("block")),
+        add_bos=False,
+    )
     return out
 
 

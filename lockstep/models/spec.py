@@ -28,9 +28,11 @@ float8_e4m3fn and adds, beside `{linear}.weight`, in canonical names and shapes:
                                      "tensor": []  (one scalar per checkpoint tensor)
     {linear}.input_scale    float32  [] ("tensor" only: the static activation scale)
 
-Quantized linears are the attention and dense MLP projections and (block scheme only) every
-expert's projections, less those `Fp8Spec.skipped` names; embeddings, the LM head, norms,
-biases and routers (`mlp.gate`) are never quantized.
+Quantized linears are the attention and dense MLP projections (MLA's too: q_a, q_b,
+kv_a_proj_with_mqa, o, and kv_b_proj, which the decoder dequantizes at load) and (block scheme
+only) every expert's projections, shared experts included, less those `Fp8Spec.skipped` names;
+embeddings, the LM head, norms, biases, routers (`mlp.gate`) and DeepSeek's correction bias
+are never quantized.
 """
 
 from __future__ import annotations
@@ -201,7 +203,11 @@ class MoeSpec:
             )
 
 
-QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# MLA's projections (blocks/mla.py): kv_b_proj is dequantized at load (the absorbed form
+# splits it per head), the others run as FP8 linears.
+MLA_QUANTIZABLE = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               *MLA_QUANTIZABLE)  # fmt: skip
 
 
 @dataclass(frozen=True)

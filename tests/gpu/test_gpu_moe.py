@@ -30,6 +30,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.invariance_harness import schedule_failures
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -373,48 +375,27 @@ def model(request, small_30b) -> str:
     return request.param
 
 
-def _schedule_failures(engine, cases: int, wide_mates: bool = False) -> list[str]:
-    """Random schedules (tests/support/invariance_harness.py) whose positions differ from a cold
-    prefill. wide_mates: 8 to 64-token batch-mates in every pass, no prefix hit (the fast
-    mode control, as in tests/gpu/test_gpu_engine.py: 16 to 200 tokens)."""
-    from tests.support.invariance_harness import compute, mismatches, random_plan, reference
-
-    failures = []
-    for seed in range(cases):
-        rng = random.Random(seed)
-        n = rng.randint(16, 200) if wide_mates else rng.randint(1, 600)
-        tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=4, allow_prefix=not wide_mates)
-        if wide_mates:
-            plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks]
-        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
-        if problems:
-            failures.append(f"seed={seed} n={n} {plan.describe()}: {problems[0]}")
-        engine.check_integrity()
-    return failures
-
-
 def test_random_schedules_match_cold_prefill(model) -> None:
     """Batch-mates (routing to the same experts and to others), chunking, prefix hits of
     random lengths and decode steps: every position's logits and K/V equal a cold prefill."""
-    failures = _schedule_failures(_engine(model), CASES)
+    failures = schedule_failures(_engine(model), CASES)
     assert not failures, "; ".join(failures)
 
 
 def test_fp8_kv_cache_random_schedules_match_cold_prefill(model) -> None:
     """The same with K/V stored as e4m3 (`--kv-dtype fp8_e4m3`), bf16 and FP8 experts."""
-    failures = _schedule_failures(_engine(model, kv_dtype="fp8_e4m3"), CASES)
+    failures = schedule_failures(_engine(model, kv_dtype="fp8_e4m3"), CASES)
     assert not failures, "; ".join(failures)
 
 
 def test_negative_control_fast_mode_fp8_kv_fails_the_property(model) -> None:
     engine = _engine(model, mode="fast", kv_dtype="fp8_e4m3")
-    failures = _schedule_failures(engine, CASES, wide_mates=True)
+    failures = schedule_failures(engine, CASES, wide_mates=True)
     assert failures, "fast mode matched every schedule: the property lost its teeth"
 
 
 def test_negative_control_fast_mode_fails_the_property(model) -> None:
-    failures = _schedule_failures(_engine(model, mode="fast"), CASES, wide_mates=True)
+    failures = schedule_failures(_engine(model, mode="fast"), CASES, wide_mates=True)
     assert failures, "fast mode matched every schedule: the property lost its teeth"
 
 

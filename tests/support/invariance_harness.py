@@ -267,3 +267,48 @@ def check_every_chunk_size(engine: Engine, vocab: int, chunk: int) -> None:
         problems = mismatches(ref, compute(engine, tokens, Plan(0, chunks), rng))
         assert not problems, f"chunk size {size}: " + "; ".join(problems)
     engine.check_integrity()
+
+
+def schedule_failures(
+    engine: Engine,
+    cases: int,
+    lengths: tuple[int, int] = (1, 600),
+    max_mates: int = 4,
+    wide_mates: bool = False,
+) -> list[str]:
+    """Random schedules (`random_plan`, seeds 0..cases-1, sequences of `lengths` tokens)
+    whose positions differ from a cold prefill: each failing case's description.
+    `wide_mates`: sequences of 16 to 200 tokens beside 8- to 64-token batch-mates in every
+    pass and no prefix hit (the fast-mode controls: wide mates change their GEMMs' shapes)."""
+    failures = []
+    for seed in range(cases):
+        rng = random.Random(seed)
+        n = rng.randint(16, 200) if wide_mates else rng.randint(*lengths)
+        tokens = [rng.randrange(engine.decoder.spec.vocab_size) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=max_mates, allow_prefix=not wide_mates)
+        if wide_mates:
+            plan.mates_per_step = [[rng.randint(8, 64) for _ in range(4)] for _ in plan.chunks]
+        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
+        if problems:
+            failures.append(f"seed={seed} n={n} {plan.describe()}: {problems[0]}")
+        engine.check_integrity()
+    return failures
+
+
+def generation_scoring_mismatches(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[int]:
+    """Generate from `prompts` side by side through `engine`, then score each prompt + its
+    generated tokens in one prefill: the prompts whose generated logprobs differ from the
+    scored ones (decode vs rescoring, which on-policy RL needs equal)."""
+    from lockstep.engine.llm import LLM
+
+    llm = LLM.__new__(LLM)  # around `engine`, without loading the model again
+    llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scores = llm.score([o.prompt_token_ids + o.token_ids for o in outs], use_tqdm=False)
+    return [
+        i
+        for i, (out, score) in enumerate(zip(outs, scores, strict=True))
+        if score.logprobs[len(out.prompt_token_ids) :] != out.logprobs
+    ]

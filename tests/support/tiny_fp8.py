@@ -5,10 +5,13 @@ with its projections replaced by FP8 emulations written here, not with lockstep'
 The model is a tiny random Qwen3 (tests/support/tiny_hf.py) with hidden size 192, so the 128-wide K
 blocks of q/k/v and gate/up end in a partial block, and every fused part has a multiple of 128
 rows; or a tiny Qwen3-MoE of the same width whose experts (block-FP8 only, as
-Qwen3-30B-A3B-FP8) are quantized one checkpoint tensor each. Its projections are quantized here the way each format's tools do: block-wise (Qwen/
-DeepSeek "fp8"), per-tensor with static input scales (ModelOpt), per-channel with dynamic
-per-token activations (compressed-tensors). `skip` leaves projections unquantized (a config's
-ignore list).
+Qwen3-30B-A3B-FP8) are quantized one checkpoint tensor each; or a tiny DeepSeek-V3
+(DEEPSEEK_SHAPE) quantized as DeepSeek-V3's own release is: every MLA projection (kv_b_proj
+included), dense MLP, shared expert and routed expert block-wise, routers, the correction bias,
+norms, embeddings and LM head not. Its projections are quantized here the way each format's
+tools do: block-wise (Qwen/DeepSeek "fp8"), per-tensor with static input scales (ModelOpt),
+per-channel with dynamic per-token activations (compressed-tensors). `skip` leaves projections
+unquantized (a config's ignore list).
 """
 
 from __future__ import annotations
@@ -25,13 +28,28 @@ from tests.support.tiny_hf import save_tiny
 E4M3 = torch.float8_e4m3fn
 FORMATS = ("fp8-block", "modelopt", "compressed-tensors")
 SCHEME = {"fp8-block": "block", "modelopt": "tensor", "compressed-tensors": "channel"}
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # fmt: skip
+# Stored FP8 but not run as an FP8 linear: MLA's kv_b_proj, which Lockstep (as SGLang)
+# dequantizes at load for the absorbed form; the reference runs its dequantized weight.
+DEQUANTIZED = ("kv_b_proj",)
 SHAPE = dict(hidden_size=192, intermediate_size=256)
 # The MoE folder: 8 experts of width 160, so each expert's gate and up (and down's K) end in a
 # partial 128-row block, which the published format stores with its own scale row; hidden 192
 # as above; layer 2 dense (tiny_hf.py's qwen3_moe), its gate | up fused by 128-row blocks.
 MOE_SHAPE = dict(hidden_size=192, intermediate_size=256, moe_intermediate_size=160)
 INPUT_AMAX = 8.0  # the static activation range of the ModelOpt folder's input scales
+# The DeepSeek-V3 folder (tiny_hf.py's deepseek_v3 with these sizes): 128 x 128 blocks tile
+# it as they tile DeepSeek-V3. Hidden 256 (two K blocks); q_a (128 rows) fused with kv_a
+# (latent 128 + RoPE 64 = 192 rows: a partial last block); q_b of 2 heads of 64 + 64 rows, so
+# each head's RoPE rows (reordered at load) stay in their block; kv_b of 2 x (64 + 64) rows;
+# experts and the shared expert of width 128; layer 0 dense (width 384), layer 1 sparse.
+DEEPSEEK_SHAPE = dict(
+    hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
+    qk_rope_head_dim=64, v_head_dim=64, moe_intermediate_size=128,
+)  # fmt: skip
+_SHAPES = {"qwen3": SHAPE, "qwen3_moe": MOE_SHAPE, "deepseek_v3": DEEPSEEK_SHAPE}
 
 
 def _sat(x: torch.Tensor) -> torch.Tensor:
@@ -81,14 +99,15 @@ def _quant_config(fmt: str, skip: list[str]) -> dict[str, Any]:
 
 
 def write_fp8_folder(
-    folder: Path, fmt: str, skip: tuple[str, ...] = (), family: str = "qwen3"
+    folder: Path, fmt: str, skip: tuple[str, ...] = (), family: str = "qwen3", **overrides: Any
 ) -> Any:
-    """Write a tiny Qwen3 (or, family "qwen3_moe", a tiny Qwen3-MoE: MOE_SHAPE) quantized in
-    format `fmt` (FORMATS) to `folder`; `skip`: module names left unquantized. Every
-    projection is quantized, each expert's too (transformers saves them one tensor per
-    expert, the published layout); routers and norms stay as they are. Returns the float32
-    transformers model it was made from."""
-    model = save_tiny(family, folder, **(MOE_SHAPE if family == "qwen3_moe" else SHAPE))
+    """Write a tiny Qwen3 (or, family "qwen3_moe", a tiny Qwen3-MoE: MOE_SHAPE; "deepseek_v3",
+    a tiny DeepSeek-V3: DEEPSEEK_SHAPE, `fmt` "fp8-block" only) quantized in format `fmt`
+    (FORMATS) to `folder`; `skip`: module names left unquantized; `overrides`: config keys
+    over the family's shape. Every projection is quantized, each expert's too (transformers
+    saves them one tensor per expert, the published layout); routers and norms stay as they
+    are. Returns the float32 transformers model it was made from."""
+    model = save_tiny(family, folder, **{**_SHAPES[family], **overrides})
     scheme = SCHEME[fmt]
     files = sorted(folder.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
@@ -98,7 +117,7 @@ def write_fp8_folder(
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         module = name.removesuffix(".weight")
-        if module.rsplit(".", 1)[-1] not in PROJECTIONS or module in skip:
+        if module.rsplit(".", 1)[-1] not in PROJECTIONS + DEQUANTIZED or module in skip:
             out[name] = tensor
             continue
         for leaf, value in quantize(tensor.float(), scheme).items():
@@ -209,10 +228,21 @@ class Fp8ExpertsEmulation(torch.nn.Module):
         return out
 
 
+def dequantized_linear(weight: torch.Tensor, scale: torch.Tensor) -> torch.nn.Linear:
+    """A float64 linear of the block-FP8 weight's exact value Wq * scale (no activation
+    quantization): MLA's kv_b_proj as Lockstep runs it."""
+    n, k = weight.shape
+    sw = scale.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    linear = torch.nn.Linear(k, n, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        linear.weight.copy_(weight.double() * sw)
+    return linear
+
+
 def float64_reference(model: Any, folder: Path, fmt: str, skip: tuple[str, ...] = ()) -> Any:
     """`model` (from write_fp8_folder) in float64 with its quantized projections replaced by
     `Fp8Emulation`s built from the folder's tensors (a MoE model's experts modules by
-    `Fp8ExpertsEmulation`s)."""
+    `Fp8ExpertsEmulation`s, MLA's kv_b_proj by its `dequantized_linear`)."""
     model = model.to(torch.float64)
     tensors = load_file(folder / "model.safetensors")
     scale_key = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
@@ -233,6 +263,10 @@ def float64_reference(model: Any, folder: Path, fmt: str, skip: tuple[str, ...] 
         parent.experts = Fp8ExpertsEmulation(experts)
     for name, _ in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if leaf in DEQUANTIZED and name not in skip:
+            weight, scale = tensors[f"{name}.weight"], tensors[f"{name}.{scale_key}"]
+            setattr(parent, leaf, dequantized_linear(weight, scale))
         if leaf not in PROJECTIONS or name in skip:
             continue
         parts = {
@@ -241,6 +275,5 @@ def float64_reference(model: Any, folder: Path, fmt: str, skip: tuple[str, ...] 
         }
         if fmt == "modelopt":
             parts["input_scale"] = tensors[f"{name}.input_scale"]
-        parent = model.get_submodule(name.rsplit(".", 1)[0])
         setattr(parent, leaf, Fp8Emulation(SCHEME[fmt], parts))
     return model

@@ -4,6 +4,7 @@ transformers builds and saves the model, which is also the reference implementat
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,10 +186,13 @@ def write_hub_cache(
     return snapshot
 
 
-def check_serve_passes_every_scenario(family: str, tmp_path: Path) -> None:
+def check_serve_passes_every_scenario(
+    family: str, tmp_path: Path, write: Callable[..., Any] = save_tiny
+) -> None:
     """`lockstep check --serve --model <tiny `family` folder>` (CPU, one run): every scenario
     passes but restart (it needs a second server), the radix one with cached tokens reported
-    on every hit."""
+    on every hit. `write(family, folder, vocab_size=...)` writes the folder (default
+    `save_tiny`; e.g. an FP8 writer of tests/support/tiny_fp8.py)."""
     import argparse
 
     from lockstep.check.cli import add_check_parser
@@ -196,7 +200,7 @@ def check_serve_passes_every_scenario(family: str, tmp_path: Path) -> None:
 
     folder = tmp_path / family
     folder.mkdir()
-    save_tiny(family, folder, vocab_size=8192)  # the check draws token ids up to 8000
+    write(family, folder, vocab_size=8192)  # the check draws token ids up to 8000
     out = tmp_path / "out.json"
     parser = argparse.ArgumentParser(prog="lockstep")
     add_check_parser(parser.add_subparsers())

@@ -32,6 +32,13 @@ computes transformers' interleaved rotation exactly, and queries and keys share 
 their dot products are unchanged. The q LoRA and KV norms use epsilon 1e-6 whatever the
 config says, as transformers builds them. Every step but the attention is row-local; the
 attention's rows depend only on cache rows 0..p of their sequence (`LatentAttentionOps`).
+
+Block-FP8 checkpoints (DeepSeek-V3's own release, `ModelSpec.fp8`): q_a | kv_a (or q | kv_a),
+q_b and o are FP8 linears, each with its `weight_scale` [ceil(N/128), ceil(K/128)] (spec.py);
+the RoPE reorder moves e4m3 rows within their 128-row scale blocks only
+(`fp8_rope_rows_reordered` refuses a layout where it would not). kv_b_proj is dequantized at
+load (`absorbed`): W_UK^T and W_UV are slices of it per head, which its 128 x 128 scale blocks
+do not follow.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
+from lockstep.errors import ModelLoadError
 from lockstep.models.blocks.base import (
     BuildContext,
     CacheBytes,
@@ -51,6 +59,7 @@ from lockstep.models.blocks.base import (
     linear_entry,
 )
 from lockstep.ops.base import DenseOps, LatentAttentionOps
+from lockstep.ops.fp8 import BLOCK, dequantize_weight
 
 if TYPE_CHECKING:
     from lockstep.models.spec import MlaSpec, ModelSpec
@@ -131,17 +140,19 @@ class LatentAttention:
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
         a, t = f"model.layers.{layer}.self_attn.", f"layers.{layer}.{role}."
         first = "q_a_proj" if self.q_lora else "q_proj"
-        entries = [LayoutEntry(t + "a", "mla_linear", [a + first + ".weight",
-                                                       a + "kv_a_proj_with_mqa.weight"])]  # fmt: skip
+        entries = [_rope_linear_entry(spec, t + "a", [a + first, a + "kv_a_proj_with_mqa"])]
         if self.q_lora:
             entries += [
                 LayoutEntry(t + "q_a_norm", "norm", [a + "q_a_layernorm.weight"]),
-                LayoutEntry(t + "q_b", "mla_linear", [a + "q_b_proj.weight"]),
+                _rope_linear_entry(spec, t + "q_b", [a + "q_b_proj"]),
             ]
+        kv_b = [a + "kv_b_proj.weight"]
+        if spec.is_fp8_linear(a + "kv_b_proj"):  # dequantized at load: weight, block scales
+            kv_b.append(a + "kv_b_proj.weight_scale")
         entries += [
             LayoutEntry(t + "kv_a_norm", "norm", [a + "kv_a_layernorm.weight"]),
-            LayoutEntry(t + "w_uk", "mla_absorb_k", [a + "kv_b_proj.weight"]),
-            LayoutEntry(t + "w_uv", "mla_absorb_v", [a + "kv_b_proj.weight"]),
+            LayoutEntry(t + "w_uk", "mla_absorb_k", kv_b),
+            LayoutEntry(t + "w_uv", "mla_absorb_v", kv_b),
             linear_entry(spec, t + "o", [a + "o_proj"]),  # MLA models run at tp 1
         ]
         return entries
@@ -191,28 +202,72 @@ def _mla(spec: ModelSpec) -> MlaSpec:
     return spec.mla
 
 
-def rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (a checkpoint tensor named `source`) with its RoPE rows in rotate-half order
-    when the checkpoint interleaves them (module docstring); other rows, and every row of a
-    checkpoint that does not interleave, unchanged. The RoPE rows are each head's last dr
-    rows of q_proj / q_b_proj and the last dr rows of kv_a_proj_with_mqa."""
+def _rope_linear_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:
+    """`linear_entry` over projections with RoPE rows: "mla_linear", or "mla_fp8" where they
+    are FP8 (weights, then block scales), both reordered by `rope_row_order` at load."""
+    entry = linear_entry(spec, target, modules)
+    return entry._replace(kind="mla_fp8" if entry.kind == "fp8" else "mla_linear")
+
+
+def rope_row_order(spec: ModelSpec, source: str, rows: int) -> torch.Tensor | None:
+    """The row order that puts the RoPE rows of `source` (a checkpoint weight of `rows` rows)
+    in rotate-half order when the checkpoint interleaves them (module docstring): new row i is
+    old row order[i]; None where nothing moves (q_a_proj, or no `rope_interleave`). The RoPE
+    rows are each head's last dr rows of q_proj / q_b_proj and the last dr rows of
+    kv_a_proj_with_mqa; within them, even dims first, then odd ones."""
     m = _mla(spec)
     if not m.rope_interleave or source.endswith("q_a_proj.weight"):
-        return weight
+        return None
     dr = m.qk_rope_head_dim
-    order = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+    rotate_half = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+    order = torch.arange(rows)
     if source.endswith("kv_a_proj_with_mqa.weight"):
-        return torch.cat([weight[: m.kv_lora_rank], weight[m.kv_lora_rank :][order]])
-    heads = weight.reshape(spec.num_heads, m.qk_head_dim, -1)
-    rotated = heads[:, m.qk_nope_head_dim :][:, order]
-    return torch.cat([heads[:, : m.qk_nope_head_dim], rotated], dim=1).reshape(weight.shape)
+        order[m.kv_lora_rank :] = m.kv_lora_rank + rotate_half
+        return order
+    heads = order.view(spec.num_heads, m.qk_head_dim)
+    heads[:, m.qk_nope_head_dim :] = heads[:, m.qk_nope_head_dim :][:, rotate_half]
+    return order
 
 
-def absorbed(spec: ModelSpec, kv_b: torch.Tensor, part: str) -> torch.Tensor:
+def rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (a checkpoint tensor named `source`) with its rows in `rope_row_order`: a
+    permutation, no value changes."""
+    order = rope_row_order(spec, source, weight.shape[0])
+    return weight if order is None else weight[order.to(weight.device)]
+
+
+def fp8_rope_rows_reordered(spec: ModelSpec, source: str, weight: torch.Tensor) -> torch.Tensor:
+    """An e4m3 `weight` with block scales ([ceil(N/128), ...]) in `rope_row_order`. The scales
+    stay as they are, which is exact only if no row leaves its 128-row scale block: each
+    head's RoPE rows must lie within one block (DeepSeek-V3's do: 128 + 64 rows per head, a
+    512-row latent); a checkpoint whose RoPE rows cross a block is refused."""
+    order = rope_row_order(spec, source, weight.shape[0])
+    if order is None:
+        return weight
+    moved = (order // BLOCK != torch.arange(len(order)) // BLOCK).nonzero()
+    if moved.numel():
+        row = int(moved[0])
+        raise ModelLoadError(
+            f"{source}: its interleaved RoPE rows cross a {BLOCK}-row FP8 scale block (row "
+            f"{int(order[row])} would move to row {row}), so reordering them for rotate-half "
+            "RoPE would separate rows from their scales; supported: block-FP8 MLA projections "
+            f"whose qk_rope_head_dim rows of each head lie within one {BLOCK}-row block"
+        )
+    # Indexed as bytes: the reorder copies e4m3 values exactly, whatever float8 ops exist.
+    return weight.view(torch.uint8)[order.to(weight.device)].view(weight.dtype)
+
+
+def absorbed(
+    spec: ModelSpec, kv_b: torch.Tensor, part: str, block_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """kv_b_proj [n (dn + dv), R] split per head: "k" gives W_UK_h^T stacked [n, R, dn] (a
     linear from q_nope to the latent), "v" gives W_UV_h stacked [n, dv, R]. Slices and
-    transposes only: no value is rounded."""
+    transposes only: no value is rounded. An e4m3 kv_b with its `block_scale` is dequantized
+    first (fp32(Wq) * scale per 128 x 128 block, float32, as SGLang does): the absorbed form
+    needs its per-head slices as plain matrices, which the block scales do not follow."""
     m = _mla(spec)
+    if block_scale is not None:
+        kv_b = dequantize_weight("block", kv_b, block_scale)
     per_head = kv_b.reshape(spec.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
     if part == "k":
         return per_head[:, : m.qk_nope_head_dim].transpose(1, 2).contiguous()

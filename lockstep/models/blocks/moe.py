@@ -26,8 +26,9 @@ step is row-local, so the contract below holds unchanged.
 
 In a block-FP8 model (`ModelSpec.fp8`, scheme "block") every expert projection is e4m3 with
 its `weight_scale` [ceil(N/128), ceil(K/128)] beside it (spec.py), as Qwen3-30B-A3B-FP8
-stores them; the router stays unquantized (such checkpoints list `mlp.gate` in
-`modules_to_not_convert`).
+and DeepSeek-V3 store them (DeepSeek's shared experts too, as FP8 linears); the router and
+the correction bias stay unquantized (Qwen's checkpoints list `mlp.gate` in
+`modules_to_not_convert`; an FP8 router is refused at load).
 
 Prepared: the router as a linear, the shared expert's gate | up, down and gate row as
 linears (whole: MoE models run at tp 1), the experts stacked into gate_up [E, 2I, K'] and down
