@@ -271,7 +271,7 @@ PRESETS: dict[str, Preset] = {
                   q_lora_rank=None, n_routed_experts=64, num_experts_per_tok=6,
                   n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
                   norm_topk_prob=False, routed_scaling_factor=1.0,
-                  rope_scaling=_yarn(40.0, 0.707, 0.707, 4096)),
+                  max_position_embeddings=163840, rope_scaling=_yarn(40.0, 0.707, 0.707, 4096)),
         add_bos=True,
     ),
     # GLM-4.7-Flash (transformers' Glm4MoeLiteConfig defaults): DeepSeek-V3's attention and
