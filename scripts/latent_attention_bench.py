@@ -41,6 +41,14 @@ def graph_time_ms(fn, replays: int = 50) -> float:
     return start.elapsed_time(end) / replays
 
 
+def time_latent(q, cache, meta, path: str | None, replays: int = 50) -> float:
+    """Milliseconds of one `latent_attention` call (production config) on `path`."""
+    scale = q.shape[1] ** -0.5
+    return graph_time_ms(
+        lambda: latent_attention(q, cache, meta, scale, DV, DEFAULT_LATENT_CONFIG, path), replays
+    )
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -76,8 +84,7 @@ def main() -> None:
             floor = batch * context * W * 2 / bw * 1e3
             auto = attention_path(cfg, meta, h, 1, q.device)
             for path in (None, "fold", "split"):
-                ms = graph_time_ms(lambda p=path: latent_attention(q, cache, meta, h**-0.5, DV,
-                                                                   cfg, p))  # fmt: skip
+                ms = time_latent(q, cache, meta, path)
                 name = f"decode b={batch} ctx={context}"
                 shown = path or f"{auto}*"
                 rows.append({"case": name, "path": shown, "ms": ms, "floor_ms": floor})
@@ -86,7 +93,7 @@ def main() -> None:
         q, cache, meta = case(1, context, h, context)
         flops = 2 * h * (W + DV) * context * context / 2
         floor = flops / 790e12 * 1e3
-        ms = graph_time_ms(lambda: latent_attention(q, cache, meta, h**-0.5, DV, cfg), 10)
+        ms = time_latent(q, cache, meta, None, 10)
         name = f"prefill ctx={context}"
         rows.append({"case": name, "path": "prefill", "ms": ms, "floor_ms": floor,
                      "tflops": flops / ms / 1e9})  # fmt: skip
