@@ -1,12 +1,13 @@
 """Time the Triton latent-attention kernel (MLA, absorbed) on one GPU at DeepSeek shapes.
 
-    python scripts/latent_attention_bench.py [--heads 16] [--out results.json]
+    python scripts/latent_attention_bench.py [--heads 16] [--sweep] [--out results.json]
 
 Decode at batch 1 and 64 over 1k/4k/16k-key contexts (the wrapper's path and each decode path
 forced) and a causal prefill of one 4k-token sequence, each timed as CUDA-graph replays, beside
 the floors: decode reads every sequence's cache rows once (W = 576 bf16 values per key) at the
 device's copy bandwidth; prefill does 2 * H * (W + 512) / 2 FLOP per (query, key) pair of the
-causal triangle at the bf16 matmul peak. Prints a table and ONE JSON document on the last line.
+causal triangle at the bf16 matmul peak. --sweep adds prefill tile configs (speed only: the
+same block_n and split). Prints a table and ONE JSON document on the last line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import torch
 
 from lockstep.ops.base import build_attention_meta
 from lockstep.ops.triton.attention import attention_path
-from lockstep.ops.triton.latent_attention import DEFAULT_LATENT_CONFIG, latent_attention
+from lockstep.ops.triton.latent_attention import (
+    DEFAULT_LATENT_CONFIG,
+    LatentConfig,
+    latent_attention,
+)
 
 W, DV = 576, 512
 
@@ -41,12 +46,16 @@ def graph_time_ms(fn, replays: int = 50) -> float:
     return start.elapsed_time(end) / replays
 
 
-def time_latent(q, cache, meta, path: str | None, replays: int = 50) -> float:
-    """Milliseconds of one `latent_attention` call (production config) on `path`."""
+# Prefill tile candidates for --sweep: (rows, value_cols, num_warps, num_stages).
+SWEEP_PREFILL = [(64, 512, 8, 2), (64, 256, 4, 2), (64, 128, 4, 2), (128, 256, 8, 1),
+                 (128, 128, 8, 2), (64, 256, 8, 1), (32, 512, 4, 2)]  # fmt: skip
+
+
+def time_latent(q, cache, meta, path: str | None, replays: int = 50,
+                cfg: LatentConfig = DEFAULT_LATENT_CONFIG) -> float:  # fmt: skip
+    """Milliseconds of one `latent_attention` call with `cfg` on `path`."""
     scale = q.shape[1] ** -0.5
-    return graph_time_ms(
-        lambda: latent_attention(q, cache, meta, scale, DV, DEFAULT_LATENT_CONFIG, path), replays
-    )
+    return graph_time_ms(lambda: latent_attention(q, cache, meta, scale, DV, cfg, path), replays)
 
 
 def copy_bandwidth() -> float:
@@ -71,6 +80,7 @@ def case(batch: int, context: int, heads: int, new: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     h, cfg = args.heads, DEFAULT_LATENT_CONFIG
@@ -99,6 +109,22 @@ def main() -> None:
                      "tflops": flops / ms / 1e9})  # fmt: skip
         print(f"{name:<28}{'prefill':<9}{ms:>9.4f}{floor:>10.4f}{floor / ms:>10.0%}"
               f"  {flops / ms / 1e9:.0f} TFLOP/s")  # fmt: skip
+        if not args.sweep:
+            continue
+        want = latent_attention(q, cache, meta, h**-0.5, DV, cfg)
+        for r, cols, warps, stages in SWEEP_PREFILL:
+            other = LatentConfig(rows=r, value_cols=cols, num_warps=warps, num_stages=stages)
+            try:
+                ms = time_latent(q, cache, meta, None, 10, other)
+                same = torch.equal(latent_attention(q, cache, meta, h**-0.5, DV, other), want)
+            except Exception as exc:  # a config the device refuses (shared memory)
+                print(f"  r{r} c{cols} w{warps} s{stages}: {type(exc).__name__}")
+                continue
+            shown = f"r{r}c{cols}w{warps}s{stages}"
+            rows.append({"case": name, "path": shown, "ms": ms, "floor_ms": floor,
+                         "same_bits": same})  # fmt: skip
+            print(f"{name:<28}{shown:<14}{ms:>9.4f}{floor:>10.4f}{floor / ms:>10.0%}"
+                  f"  bits {'same' if same else 'DIFFER'}")  # fmt: skip
     doc = {"heads": h, "config": cfg.__dict__, "copy_tb_s": bw / 1e12,
            "device": torch.cuda.get_device_name(), "rows": rows}  # fmt: skip
     if args.out:
