@@ -16,7 +16,7 @@ pieces (its module docstring is the argument):
   * split partials folded in ascending order by the one `merge_partials`: in-kernel on the
     prefill and fold paths, by `_attn_merge` on the split path (`split_waves`, the same
     workspace layout as paged attention with one KV head of width DL);
-  * the row sum of p is `row_sum_mma`, so decode tiles (16 rows) and prefill tiles (64 rows)
+  * the row sum of p is `row_sum_mma`, so decode tiles (16 rows) and prefill tiles (128 rows)
     sum p in the same MMA order; blocks wholly in a row's future are exact identities;
   * rows of a tile are (query position, head) pairs, `_tile_rows` with G = H: a V2-Lite
     decode tile is the 16 heads of one token, a prefill tile 4 positions x 16 heads;
@@ -25,7 +25,8 @@ pieces (its module docstring is the argument):
   * value columns: a program accumulates DVC of the DL output columns (prefill tiles may cut
     them in chunks, `LatentConfig.value_cols`, to keep the fp32 accumulator in registers;
     each chunk recomputes the same scores, so the chunking changes no bit); with DVC = DL
-    the loaded latent block is the key and the value at once, one read of the cache;
+    the loaded latent block is the key and the value at once, one read of the cache
+    (decode tiles always);
   * FP8 (e4m3) caches are widened by `widen_kv` exactly as for paged attention (q and the
     score scale times 2**(KV_WIDEN_EXP/2), p times 2**KV_WIDEN_EXP before p @ V);
   * multiply-add contraction off (`enable_fp_fusion=False`).
@@ -34,16 +35,17 @@ A row's bits therefore depend only on q and cache rows 0..p of its sequence: the
 prefill tiles, chunked prefill, decode (fold and split paths), batch-mates and CUDA-graph
 replays (every launch's grid and workspace are sized by the call's shapes alone).
 
-Shared memory per program (bf16): the q tile, ROWS x W x 2 bytes (18 KiB for 16 rows, 72 KiB
-for 64), and per pipeline stage one cache block BLOCK_N x W x 2 bytes (36 KiB for 32 keys),
+Shared memory per program (bf16): the q tile, ROWS x W x 2 bytes (18 KiB for 16 rows, 144 KiB
+for 128), and per pipeline stage one cache block BLOCK_N x W x 2 bytes (36 KiB for 32 keys),
 plus a DVC-wide value block when DVC < DL; `stages_that_fit` caps the stages on the device.
 Registers: the fp32 accumulator ROWS x DVC over the program's threads (16 x 512 on 4 warps:
-64 per thread; 64 x 256 on 8 warps: 64 per thread). Workspace of the split path: WAVE * T * H
+64 per thread; 128 x 256 on 8 warps: 128 per thread). Workspace of the split path: WAVE * T * H
 * (DL + 2) * 4 bytes, bounded by `workspace_bytes`, never by context.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,16 +79,22 @@ class LatentConfig(AttentionConfig):
     output columns a prefill-tile program accumulates (a power of two dividing the value
     width; speed only: module docstring). block_n and split are part of the numerics.
     Decode tiles: 16 rows (a V2-Lite token's heads) on 4 warps, the 512 value columns of
-    one program's accumulator spread over them. Prefill tiles: 64 rows on 8 warps."""
+    one program's accumulator spread over them. Prefill tiles: 128 rows on 8 warps, two
+    programs of 256 value columns each, one stage (the q tile takes 144 KiB of shared
+    memory). Decode calls whose sequences span several splits always take the split path
+    (fold_programs_per_sm infinite): a fold program walks its whole context alone, and
+    timed slower than split + merge at every batch of the benchmark
+    (scripts/latent_attention_bench.py)."""
 
     block_n: int = 32
     split: int = 256
-    rows: int = 64
+    rows: int = 128
     rows_split: int = 16
     num_warps: int = 8
     num_warps_split: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
     num_stages_split: int = 2
+    fold_programs_per_sm: float = math.inf
     value_cols: int = 256
 
     def __post_init__(self) -> None:
