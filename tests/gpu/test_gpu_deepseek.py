@@ -30,8 +30,9 @@ def _llm(mode: str = "deterministic", **options):
     from lockstep.engine.engine import Engine
     from lockstep.engine.llm import LLM
 
+    # max_model_len 2048: DeepSeek-V2-Lite's context (the preset's max_position_embeddings).
     config = dict(model=MODEL, mode=mode, device="cuda", dtype="bfloat16", kv_tokens=65536,
-                  max_model_len=4096, max_running=96)  # fmt: skip
+                  max_model_len=2048, max_running=96)  # fmt: skip
     config.update(options)
     llm = LLM.__new__(LLM)
     llm.engine = Engine(EngineConfig(**config))
