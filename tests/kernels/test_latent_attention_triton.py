@@ -149,10 +149,17 @@ def test_batch_mates_and_waves_do_not_matter(pool: LatentPool, full: torch.Tenso
     assert torch.equal(pool.run(SEQ - 3, 3, cfg=tiny, path="split"), full[SEQ - 3 :])
 
 
-def test_value_column_chunks_change_no_bit(pool: LatentPool, full: torch.Tensor) -> None:
-    for cols in (16, DL // 2, DL):
-        got = pool.run(0, SEQ, cfg=replace(CFG, value_cols=cols), path="prefill")
-        assert torch.equal(got, full), cols
+def test_value_column_chunks_and_tile_rows_change_no_bit(
+    pool: LatentPool, full: torch.Tensor
+) -> None:
+    """Prefill tiles of other value-column chunks and other row counts (on the GPU those
+    that fit its shared memory: 128 rows x 512 columns does not)."""
+    if GPU:
+        cfgs = [replace(CFG, value_cols=128), replace(CFG, rows=64, value_cols=512, num_stages=2)]
+    else:
+        cfgs = [replace(CFG, value_cols=c) for c in (16, DL // 2, DL)] + [replace(CFG, rows=16)]
+    for cfg in cfgs:
+        assert torch.equal(pool.run(0, SEQ, cfg=cfg, path="prefill"), full), cfg
 
 
 def test_negative_controls_the_bit_checks_can_fail(pool: LatentPool, full: torch.Tensor) -> None:
