@@ -96,6 +96,15 @@ def expert_pad(experts: int) -> int:
 
 
 @triton.jit
+def next_best(values, taken, ids, PAD: tl.constexpr):
+    """One pass of a top-k: the largest value not yet taken, the lowest id holding it (ties
+    toward the lower id), and `taken` with that id marked."""
+    m = tl.max(tl.where(taken, -float("inf"), values), axis=0)
+    pick = tl.min(tl.where((values == m) & (~taken), ids, PAD), axis=0)
+    return m, pick, taken | (ids == pick)
+
+
+@triton.jit
 def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One token: k passes of (max, lowest id holding it), then w_r = exp(l_r - l_0) / s with
@@ -116,9 +125,7 @@ def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: t
     top0 = tl.max(lg, axis=0)
     total = 0.0
     for r in tl.static_range(TOP_K):
-        m = tl.max(tl.where(taken, -float("inf"), lg), axis=0)
-        e = tl.min(tl.where((lg == m) & (~taken), ids, E_PAD), axis=0)
-        taken = taken | (ids == e)
+        m, e, taken = next_best(lg, taken, ids, E_PAD)
         tl.store(experts + row * TOP_K + r, e.to(tl.int64))
         ex = tl.exp(m - top0)
         total = total + ex
@@ -197,9 +204,7 @@ def _route_deepseek_kernel(
         gtaken = gids >= GROUPS
         keep = ids < 0
         for _ in tl.static_range(TOPK_GROUPS):
-            gm = tl.max(tl.where(gtaken, -float("inf"), gs), axis=0)
-            pick = tl.min(tl.where((gs == gm) & (~gtaken), gids, G_PAD), axis=0)
-            gtaken = gtaken | (gids == pick)
+            _, pick, gtaken = next_best(gs, gtaken, gids, G_PAD)
             keep = keep | (grp == pick)
         c = tl.where(keep, c, -float("inf"))
     taken = ids >= E
@@ -207,9 +212,7 @@ def _route_deepseek_kernel(
     top_w = tl.zeros([K_PAD], tl.float32)
     total = 0.0
     for r in tl.static_range(TOP_K):
-        m = tl.max(tl.where(taken, -float("inf"), c), axis=0)
-        e = tl.min(tl.where((c == m) & (~taken), ids, E_PAD), axis=0)
-        taken = taken | (ids == e)
+        _, e, taken = next_best(c, taken, ids, E_PAD)
         tl.store(experts + row * TOP_K + r, e.to(tl.int64))
         w = tl.sum(tl.where(ids == e, s, 0.0), axis=0)  # one nonzero term: exact
         total = total + w
