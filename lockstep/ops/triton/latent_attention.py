@@ -58,7 +58,6 @@ from lockstep.ops.triton.attention import (
     LOG2E,
     AttentionConfig,
     _block_slots,
-    _launch_opts,
     _tile_rows,
     attention_path,
     finalize_rows,
@@ -70,7 +69,7 @@ from lockstep.ops.triton.attention import (
     stages_that_fit,
     widen_kv,
 )
-from lockstep.ops.triton.launch import wait_for_inputs
+from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -287,8 +286,11 @@ def latent_attention(
     stages = stages_that_fit(
         config.num_stages if prefill else config.num_stages_split, rows, config.block_n, q, cache
     )
-    opts = _launch_opts(config.num_warps if prefill else config.num_warps_split, stages,
-                        q.device, t)  # fmt: skip
+    opts = {"num_warps": config.num_warps if prefill else config.num_warps_split,
+            "num_stages": stages}  # fmt: skip
+    if not interpreting():  # no multiply-add contraction (module docstring)
+        opts["enable_fp_fusion"] = False
+    pdl = pdl_launch(q.device, t)
     common = (meta.cu_q, meta.q_start, meta.cu_kv, meta.slot_table)
     strides = (q.stride(0), q.stride(1), cache.stride(0))
     out_strides = (out.stride(0), out.stride(1))
@@ -298,14 +300,14 @@ def latent_attention(
     if path in ("prefill", "fold"):
         _latent_fwd[(n_tiles, meta.num_seqs, dl // dvc)](
             q, cache, out, *common, q, q, q, 0, 0, *strides, *out_strides, qk_scale, DVC=dvc,
-            WRITE_PARTIALS=0, **consts,
+            WRITE_PARTIALS=0, **consts, **pdl,
         )  # fmt: skip
         return out
 
     def launch_split(grid: tuple[int, int, int], base: int, ws: tuple, r: int) -> None:
         _latent_fwd[grid](
             q, cache, out, *common, *ws, base, r, *strides, *out_strides, qk_scale, DVC=dl,
-            WRITE_PARTIALS=1, **consts,
+            WRITE_PARTIALS=1, **consts, **pdl,
         )  # fmt: skip
 
     split_waves(out, meta, config, n_tiles, 1, h, dl, rows, launch_split)
