@@ -59,3 +59,41 @@ class OneEngine:
             del self.llm.engine
             self.llm = None
             torch.cuda.empty_cache()
+
+
+# The suite's checks, each called by a test of every model file that runs it.
+
+
+def check_graph_decode_equals_eager(engines: OneEngine) -> None:
+    """11 sampled sequences (padded to the 16-row graph bucket), 40 steps each: graph replays
+    give the eager steps' tokens and logprobs bit for bit."""
+    prompts = random_prompts(11, seed=9)
+    graphed = engines.get()
+    with_graphs = sampled(graphed, prompts, 40)
+    assert graphed.engine.runner.graphs.num_graphs > 0
+    graphed.engine.check_integrity()
+    eager = engines.get(cuda_graphs=False)
+    assert eager.engine.runner.graphs is None
+    assert sampled(eager, prompts, 40) == with_graphs
+
+
+def check_one_request_among_64_batch_mates(llm, equal: bool = True) -> None:
+    """One request decoded beside 64 batch-mates, then alone after a cache flush: the same
+    tokens and logprobs (`equal`), or not (the fast-mode control)."""
+    prompts = random_prompts(65, seed=3)
+    together = sampled(llm, prompts, 48)
+    llm.engine.flush_cache()
+    alone = sampled(llm, prompts[:1], 48)
+    assert (alone[0] == together[0]) == equal
+
+
+def check_decode_equals_teacher_forced_scoring(llm) -> None:
+    """520 sampled tokens after 3 prompts: their decode logprobs equal a rescoring of the
+    whole text (prefill) bit for bit."""
+    prompts = random_prompts(3, seed=5, longest=100)
+    outs = sampled(llm, prompts, 520)
+    llm.engine.flush_cache()
+    scores = llm.score([p + toks for p, (toks, _) in zip(prompts, outs, strict=True)],
+                       use_tqdm=False)  # fmt: skip
+    for prompt, (_, logprobs), score in zip(prompts, outs, scores, strict=True):
+        assert score.logprobs[len(prompt) :] == logprobs

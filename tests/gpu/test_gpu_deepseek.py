@@ -16,7 +16,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gpu_engines import OneEngine, random_prompts, sampled
+from gpu_engines import (
+    OneEngine,
+    check_decode_equals_teacher_forced_scoring,
+    check_graph_decode_equals_eager,
+    check_one_request_among_64_batch_mates,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,45 +46,20 @@ def graphed(engines):
 
 
 def test_graph_decode_equals_eager(engines) -> None:
-    """11 sampled sequences (padded to the 16-row graph bucket), 40 steps each, contexts
-    crossing key blocks and splits: graph replays give the eager steps' tokens and logprobs
-    bit for bit."""
-    prompts = random_prompts(11, seed=9)
-    graphed = engines.get()
-    with_graphs = sampled(graphed, prompts, 40)
-    assert graphed.engine.runner.graphs.num_graphs > 0
-    graphed.engine.check_integrity()
-    eager = engines.get(cuda_graphs=False)
-    assert eager.engine.runner.graphs is None
-    assert sampled(eager, prompts, 40) == with_graphs
+    check_graph_decode_equals_eager(engines)
 
 
 def test_one_request_among_64_batch_mates_equals_it_alone(graphed) -> None:
-    prompts = random_prompts(65, seed=3)
-    together = sampled(graphed, prompts, 48)
-    graphed.engine.flush_cache()
-    alone = sampled(graphed, prompts[:1], 48)
-    assert alone[0] == together[0]
+    check_one_request_among_64_batch_mates(graphed)
     graphed.engine.check_integrity()
 
 
 def test_decode_over_512_tokens_equals_teacher_forced_scoring(graphed) -> None:
-    prompts = random_prompts(3, seed=5, longest=100)
-    outs = sampled(graphed, prompts, 520)
-    graphed.engine.flush_cache()
-    scores = graphed.score([p + toks for p, (toks, _) in zip(prompts, outs, strict=True)],
-                           use_tqdm=False)  # fmt: skip
-    for prompt, (_, logprobs), score in zip(prompts, outs, scores, strict=True):
-        assert score.logprobs[len(prompt) :] == logprobs
+    check_decode_equals_teacher_forced_scoring(graphed)
 
 
 def test_negative_control_fast_mode_differs_among_batch_mates(engines) -> None:
-    fast = engines.get(mode="fast")
-    prompts = random_prompts(65, seed=3)
-    together = sampled(fast, prompts, 48)
-    fast.engine.flush_cache()
-    alone = sampled(fast, prompts[:1], 48)
-    assert alone[0] != together[0]
+    check_one_request_among_64_batch_mates(engines.get(mode="fast"), equal=False)
 
 
 # ------------------------------------------------------------------- the kernel alone
