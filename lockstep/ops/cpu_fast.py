@@ -67,32 +67,6 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
             out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
         return out
 
-    def latent_attention(
-        self,
-        q: torch.Tensor,
-        cache: torch.Tensor,
-        meta: AttentionMeta,
-        scale: float,
-        value_dim: int,
-    ) -> torch.Tensor:
-        """The stock formulation: per sequence, torch SDPA over its rows gathered from the
-        cache (keys: whole rows; values: their first `value_dim` columns), a causal mask.
-        The GPU fast backend has none (a host sync per step, which decode graphs cannot
-        hold), so CUDA refuses MLA models at load in both modes."""
-        out = q.new_empty(q.shape[0], q.shape[1], value_dim)
-        cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()
-        for b in range(meta.num_seqs):
-            n, start = cu_q[b + 1] - cu_q[b], q_start[b]
-            slots = meta.slot_table[cu_kv[b] : cu_kv[b] + start + n].long()
-            rows = cache[slots, 0].to(q.dtype)  # [L, W]; an FP8 cache widens exactly
-            k = rows[None].expand(q.shape[1], -1, -1)
-            v = rows[None, :, :value_dim].expand(q.shape[1], -1, -1)
-            qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
-            mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.to(q.device), scale=scale)
-            out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
-        return out
-
     def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
         """transformers' eager loop: each expert that got tokens runs F.linear on them (FP8
         experts: on the dequantized activation, `fp8_expert_linear`), and its weighted rows

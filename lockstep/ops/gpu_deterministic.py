@@ -20,7 +20,7 @@ from lockstep.ops.base import (
     LayerKV,
     PooledRows,
 )
-from lockstep.ops.moe import MoeLayer
+from lockstep.ops.moe import MoeLayer, Routing
 
 try:
     from lockstep.ops.triton import activation, gated_delta, log_softmax, matmul, norm
@@ -28,6 +28,11 @@ try:
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
     from lockstep.ops.triton.fp8_moe import moe_fp8
+    from lockstep.ops.triton.latent_attention import (
+        DEFAULT_LATENT_CONFIG,
+        LatentConfig,
+        latent_attention,
+    )
 
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # triton missing: report when the backend is asked for
@@ -40,13 +45,18 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     name = "gpu_deterministic"
     deterministic = True
 
-    def __init__(self, attention_config: AttentionConfig | None = None) -> None:
+    def __init__(
+        self,
+        attention_config: AttentionConfig | None = None,
+        latent_config: LatentConfig | None = None,
+    ) -> None:
         if _IMPORT_ERROR is not None:
             raise RuntimeError(
                 f"the gpu_deterministic backend needs triton ({_IMPORT_ERROR}); install the "
                 "'gpu' extra or use mode=fast"
             )
         self.attention_config = attention_config or DEFAULT_CONFIG
+        self.latent_config = latent_config or DEFAULT_LATENT_CONFIG
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
         # [N, K] with K contiguous is the layout the matmul kernels read. The split-K arrival
@@ -134,6 +144,15 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
             q, k_cache, v_cache, meta, scale, self.attention_config, window=window
         )
 
+    def latent_attention(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMeta, scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """MLA's absorbed attention (`lockstep/ops/triton/latent_attention.py`): the paged
+        attention kernel family's blocks, splits and merge over one shared cache row per
+        token."""
+        return latent_attention(q, cache, meta, scale, value_dim, self.latent_config)
+
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)
 
@@ -187,8 +206,13 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         """fp32 router logits from the Triton matmul, the routing kernel, slots grouped by
         expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
         combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
-        experts' weights read. Block-FP8 experts: the same pipeline with grouped FP8 GEMMs
+        experts' weights read. DeepSeek layers (`layer.deepseek`) route by `route_deepseek`. Block-FP8 experts: the same pipeline with grouped FP8 GEMMs
         (`lockstep/ops/triton/fp8_moe.py`)."""
         if layer.fp8:
             return moe_fp8(x, layer)
         return grouped_moe.moe(x, layer)
+
+    def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
+        """DeepSeek routing, one Triton program per token (`moe.route_deepseek` in
+        `lockstep/ops/triton/moe.py`); `moe` routes DeepSeek layers through it."""
+        return grouped_moe.route_deepseek(logits.float().contiguous(), layer)

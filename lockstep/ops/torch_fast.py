@@ -1,14 +1,14 @@
 """The stock-torch row ops shared by both fast backends (CPU and GPU): RMSNorm, residual-add
-+ RMSNorm, SiLU-mul, RoPE, log-softmax, the KV write and MoE routing. They make no invariance
-promise; the device-specific parts (linear, attention, the experts) live in `cpu_fast.py` and
-`gpu_fast.py`."""
++ RMSNorm, SiLU-mul, RoPE, log-softmax, the KV write, MoE routing and MLA's latent attention.
+They make no invariance promise; the device-specific parts (linear, paged attention, the
+experts) live in `cpu_fast.py` and `gpu_fast.py`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import ComposedAttentionInput, IndexCopyKVWrite
+from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
 from lockstep.ops.moe import MoeLayer, Routing, stock_route_deepseek
 
 
@@ -50,6 +50,37 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
         assert layer.deepseek is not None
         return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)
 
+    def latent_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMeta,
+        scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:
+        """The stock formulation (keys: whole cache rows; values: their first `value_dim`
+        columns; an FP8 cache widens exactly, its scale is 1.0). A pure decode step
+        (meta.max_q == 1, one row per sequence) gathers every sequence's rows, padded to the
+        longest, into one masked matmul-softmax-matmul with no host synchronization, so
+        decode graphs can hold it; otherwise torch SDPA per sequence with a causal mask
+        offset by its cached prefix."""
+        if meta.max_q == 1 and q.shape[0] == meta.num_seqs:
+            return _latent_decode(q, cache, meta, scale, value_dim)
+        out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+        cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()
+        for b in range(meta.num_seqs):
+            n, start = cu_q[b + 1] - cu_q[b], q_start[b]
+            slots = meta.slot_table[cu_kv[b] : cu_kv[b] + start + n].long()
+            rows = cache[slots, 0].to(q.dtype)  # [L, W]
+            k = rows[None].expand(q.shape[1], -1, -1)
+            v = rows[None, :, :value_dim].expand(q.shape[1], -1, -1)
+            qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
+            keys = torch.arange(start + n, device=q.device)
+            mask = keys[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+            out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
+        return out
+
     def gdn_gates(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +118,21 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
         state.copy_(final)
         end = start + q.shape[0]
         return out, [(end, final.clone())] if end % open_k.shape[0] == 0 else []
+
+
+def _latent_decode(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMeta, scale: float, value_dim: int
+) -> torch.Tensor:
+    """One query per sequence (q [B, H, W]): its keys slot_table[cu_kv[b] + j], j < kv_len[b],
+    gathered into [B, L, W] (L = meta.max_kv) with a padding mask; softmax in float32."""
+    j = torch.arange(meta.max_kv, device=q.device)
+    valid = j[None, :] < meta.kv_len.long()[:, None]
+    idx = torch.where(valid, meta.cu_kv[:-1].long()[:, None] + j[None, :], 0)
+    rows = cache[meta.slot_table.long()[idx], 0].to(q.dtype)  # [B, L, W]
+    s = torch.matmul(q, rows.transpose(1, 2)).float() * scale  # [B, H, L]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, rows[:, :, :value_dim])
 
 
 def stock_gated_delta_rule(

@@ -200,8 +200,8 @@ def test_what_is_not_served_is_refused_in_one_line(
 
 
 def test_a_backend_without_latent_attention_is_refused_at_load(folders) -> None:
-    """The float64 reference has neither latent attention nor DeepSeek routing (nor has the
-    Triton backend yet): loading names the capability in one line."""
+    """The float64 reference has neither latent attention nor DeepSeek routing: loading
+    names the capability in one line."""
     loaded = resolve_model(str(folders["deepseek_v3"][0]))
     with pytest.raises(ModelLoadError) as err:
         Decoder.load(loaded, get_ops("cpu", "reference"), torch.float64, "cpu")

@@ -51,6 +51,47 @@ def _attention(
     return "attention._attn_fwd", types, constexprs
 
 
+def _latent(cache: str, path: str, q: str = "*bf16") -> tuple[str, dict, dict]:
+    """Latent attention at DeepSeek-V2-Lite's widths (16 heads, W = 512 + 64) on each path,
+    with the launch options of its config (`LATENT_OPTIONS`)."""
+    from lockstep.ops.triton.latent_attention import DEFAULT_LATENT_CONFIG as cfg
+
+    types = {"q": q, "cache": cache, "out": q, "ws_m": "*fp32", "ws_l": "*fp32",
+             "ws_acc": "*fp32", "qk_scale": "fp32"}  # fmt: skip
+    types |= dict.fromkeys(("cu_q", "q_start", "cu_kv", "slot_table"), "*i32")
+    types |= dict.fromkeys(("wave_base", "R", "sqt", "sqh", "sc", "sot", "soh"), "i32")
+    prefill = path == "prefill"
+    constexprs = {"H": 16, "ROWS": cfg.rows if prefill else cfg.rows_split,
+                  "BLOCK_N": cfg.block_n, "SPLIT": cfg.split, "DL": 512, "DR": 64,
+                  "DVC": cfg.value_cols if prefill else 512,
+                  "WRITE_PARTIALS": int(path == "split"), "WIDE": False, "PDL": True}  # fmt: skip
+    return "latent_attention._latent_fwd", types, constexprs
+
+
+def _latent_options(path: str) -> dict:
+    """The latent kernel's launch options on an H200 (`latent_attention.latent_attention`:
+    2 stages fit beside either tile's q rows, `stages_that_fit`)."""
+    from lockstep.ops.triton.latent_attention import DEFAULT_LATENT_CONFIG as cfg
+
+    prefill = path == "prefill"
+    return {"num_warps": cfg.num_warps if prefill else cfg.num_warps_split,
+            "num_stages": cfg.num_stages if prefill else cfg.num_stages_split,
+            "enable_fp_fusion": False}  # fmt: skip
+
+
+def _route_deepseek(groups: int, top2: bool, softmax: bool) -> tuple[str, dict, dict]:
+    """DeepSeek routing: V3's 256 experts in 8 groups (top-2 sums, sigmoid), V2-Lite's 64
+    (softmax, one group)."""
+    types = {"logits": "*fp32", "bias": "*fp32", "experts": "*i64", "weights": "*fp32",
+             "E": "i32", "sl": "i32", "routed_scaling": "fp32"}  # fmt: skip
+    e = 256 if groups > 1 else 64
+    return "moe._route_deepseek_kernel", types, {
+        "TOP_K": 8 if groups > 1 else 6, "K_PAD": 8, "RENORMALIZE": groups > 1,
+        "SOFTMAX": softmax, "HAS_BIAS": not softmax, "GROUPS": groups, "G_PAD": max(2, groups),
+        "TOPK_GROUPS": 4 if groups > 1 else 1, "TOP2": top2, "E_PAD": e, "PDL": True,
+    }  # fmt: skip
+
+
 def _gated_delta() -> tuple[str, dict, dict]:
     pointers = ("q", "k", "v", "g", "beta", "state", "open_k", "open_gamma", "open_u", "out",
                 "bounds")  # fmt: skip
@@ -91,11 +132,18 @@ CASES = {
         for c in CACHES
         for d, p in ((128, 0), (128, 1), (256, 0))
     },
+    **{
+        f"latent attention {c} {p}": _latent(c, p)
+        for c in CACHES
+        for p in ("prefill", "fold", "split")
+    },  # fmt: skip
+    "deepseek routing v3": _route_deepseek(8, True, False),
+    "deepseek routing v2-lite": _route_deepseek(1, False, True),
     "gated delta rule": _gated_delta(),
     "fp8 grouped moe gate_up": _fp8_grouped_moe(),
     "negative control": _two_ways(),
 }
-_STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh")
+_STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh", "sc")
 # Decode tiles as the engine launches them (num_warps_split warps): the dots' operand layouts.
 LAYOUTS = {
     **{
@@ -105,8 +153,15 @@ LAYOUTS = {
         for p in (0, 1)
         if c in (q, "*fp8e4nv") and (q == "*bf16" or p)
     },
+    **{
+        f"latent decode tiles {c} partials={p}": _latent(c, ("fold", "split")[p])
+        for c in CACHES
+        for p in (0, 1)
+    },  # fmt: skip
     "widened dot (control)": _widened_dot(),
 }
+# Shared memory one program may use on an H100/H200 (the opt-in limit).
+SM90_SHARED = 232448
 
 
 def _compile_all(names: list[str]) -> dict[str, str]:
@@ -117,7 +172,14 @@ def _compile_all(names: list[str]) -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lockstep.ops.triton import attention, attention_input, fp8_moe, gated_delta
+    from lockstep.ops.triton import (
+        attention,
+        attention_input,
+        fp8_moe,
+        gated_delta,
+        latent_attention,
+        moe,
+    )
 
     @triton.jit
     def widened_dot(q, k, out):
@@ -138,7 +200,8 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         tl.store(dst, 0.0)
 
     modules = {"attention": attention, "attention_input": attention_input,
-               "gated_delta": gated_delta, "fp8_moe": fp8_moe}  # fmt: skip
+               "gated_delta": gated_delta, "fp8_moe": fp8_moe,
+               "latent_attention": latent_attention, "moe": moe}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
@@ -147,11 +210,13 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         kernel = getattr(modules[mod], attr) if mod else local[path]
         signature = {a: types.get(a, "constexpr") for a in kernel.arg_names}
         options, aligned = {}, {}
+        if name.startswith("latent"):
+            options = _latent_options(name.rpartition(" ")[2] if name in CASES else "fold")
         if name in LAYOUTS:  # as the engine launches them: decode tiles on num_warps_split
             # warps, contraction off (attention._launch_opts), pointers and strides
             # 16-divisible (Triton specializes them so at launch)
-            options = {"num_warps": attention.DEFAULT_CONFIG.num_warps_split,
-                       "enable_fp_fusion": False}  # fmt: skip
+            options = options or {"num_warps": attention.DEFAULT_CONFIG.num_warps_split,
+                                  "enable_fp_fusion": False}  # fmt: skip
             aligned = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]]
                        for a, t in types.items() if t.startswith("*") or a in _STRIDES}  # fmt: skip
         try:
@@ -164,8 +229,12 @@ def _compile_all(names: list[str]) -> dict[str, str]:
             continue
         if name in LAYOUTS:
             results[name] = ",".join(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
+        elif "cubin" not in compiled.asm:
+            results[name] = "no cubin"
+        elif compiled.metadata.shared > SM90_SHARED:
+            results[name] = f"shared memory {compiled.metadata.shared} > {SM90_SHARED}"
         else:
-            results[name] = "ok" if "cubin" in compiled.asm else "no cubin"
+            results[name] = "ok"
     return results
 
 
@@ -193,6 +262,17 @@ def test_decode_tile_dots_over_an_fp8_cache_are_laid_out_as_over_the_q_dtype(
     in one, `attention.widen_kv` says why; what must match is the widths they use.)"""
     fp8 = compiled[f"decode tiles *fp8e4nv q {q} partials={partials}"]
     same = compiled[f"decode tiles {q} q {q} partials={partials}"]
+    assert fp8 and same and "error" not in fp8.lower(), (fp8, same)
+    assert set(fp8.split(",")) == set(same.split(",")), (fp8, same)
+
+
+@pytest.mark.parametrize("partials", [0, 1])
+def test_latent_decode_tile_dots_over_an_fp8_cache_are_laid_out_as_over_bf16(
+    compiled: dict[str, str], partials: int
+) -> None:
+    """The same layout rule for the latent kernel's decode tiles (fold and split paths)."""
+    fp8 = compiled[f"latent decode tiles *fp8e4nv partials={partials}"]
+    same = compiled[f"latent decode tiles *bf16 partials={partials}"]
     assert fp8 and same and "error" not in fp8.lower(), (fp8, same)
     assert set(fp8.split(",")) == set(same.split(",")), (fp8, same)
 

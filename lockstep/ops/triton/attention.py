@@ -43,6 +43,7 @@ same ascending order. The prefill and fold paths need no workspace at all.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -696,7 +697,30 @@ def paged_attention(
             WRITE_PARTIALS=0, WIDE=wide, SLOTS_AHEAD=ahead, **opts,
         )  # fmt: skip
         return out
+
+    def launch_split(grid: tuple[int, int, int], base: int, ws: tuple, r: int) -> None:
+        _attn_fwd[grid](
+            q, k_cache, v_cache, out, *common, *ws, base, r, *strides, qk_scale, win, HKV=hkv,
+            G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d, WRITE_PARTIALS=1,
+            WIDE=wide, SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **opts,
+        )  # fmt: skip
+
+    split_waves(out, meta, config, n_tiles, hkv, g, d, rows, launch_split)
+    return out
+
+
+def split_waves(
+    out: torch.Tensor, meta: AttentionMeta, config: AttentionConfig, n_tiles: int, hkv: int,
+    g: int, d: int, rows: int, launch_split: Callable[[tuple[int, int, int], int, tuple, int], None],
+) -> None:  # fmt: skip
+    """The split path's waves (module docstring, "Workspace"): for each wave of splits,
+    `launch_split(grid, wave_base, (ws_m, ws_l, ws_acc), R)` writes the wave's partials (grid
+    (tiles, sequences x kv heads, splits of the wave); R = T * Hq rows per split) and
+    `_attn_merge` folds them, ascending, into out [T, Hq, d] (d value columns). Shared by every
+    kernel whose split partials have this layout (`lockstep.ops.triton.latent_attention`)."""
+    t, hq = out.shape[0], out.shape[1]
     r = t * hq
+    b = meta.num_seqs
     # Merge tiles: the longest query chunk's rows (max_q x G) at most, as a power of two that
     # divides the split tile's rows (so a tile folds only partials its split tile wrote);
     # the output columns in chunks of m_cols.
@@ -711,34 +735,27 @@ def paged_attention(
         raise ValueError(f"the split path's workspace for {t} query rows x {hq} heads "
                          f"({wave * r * d} elements) reaches 2**31 elements, the merge's "
                          "32-bit offsets: split the batch")  # fmt: skip
-    f32 = torch.float32
-    ws_acc = torch.empty((wave, r, d), dtype=f32, device=q.device)
-    ws_m = torch.empty((wave, r), dtype=f32, device=q.device)
-    ws_l = torch.empty((wave, r), dtype=f32, device=q.device)
+    f32, dev = torch.float32, out.device
+    ws_acc = torch.empty((wave, r, d), dtype=f32, device=dev)
+    ws_m = torch.empty((wave, r), dtype=f32, device=dev)
+    ws_l = torch.empty((wave, r), dtype=f32, device=dev)
     n_waves = math.ceil(n_splits / wave)
     if n_waves > 1:
-        st_acc = torch.empty((r, d), dtype=f32, device=q.device)
-        st_m = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
-        st_l = torch.empty((d // m_cols, r), dtype=f32, device=q.device)
+        st_acc = torch.empty((r, d), dtype=f32, device=dev)
+        st_m = torch.empty((d // m_cols, r), dtype=f32, device=dev)
+        st_l = torch.empty((d // m_cols, r), dtype=f32, device=dev)
     else:
         st_acc, st_m, st_l = ws_acc, ws_m, ws_l
-    merge_opts = _launch_opts(config.merge_warps, 1, q.device, q.shape[0])
+    merge_opts = _launch_opts(config.merge_warps, 1, dev, t)
     # At most one stage per partial of a wave (a deeper prologue only costs), rounded up to
     # a power of two so that eager calls compile few variants.
     merge_stages = min(config.merge_stages, triton.next_power_of_2(wave))
     for i in range(n_waves):
         base = i * wave
-        grid = (n_tiles, b * hkv, min(wave, n_splits - base))
-        _attn_fwd[grid](
-            q, k_cache, v_cache, out, *common, ws_m, ws_l, ws_acc, base, r, *strides, qk_scale,
-            win, HKV=hkv, G=g, ROWS=rows, BLOCK_N=config.block_n, SPLIT=config.split, D=d,
-            WRITE_PARTIALS=1, WIDE=wide,
-            SLOTS_AHEAD=split_slots_ahead(config, math.prod(grid), q.device), **opts,
-        )  # fmt: skip
+        launch_split((n_tiles, b * hkv, min(wave, n_splits - base)), base, (ws_m, ws_l, ws_acc), r)
         _attn_merge[merge_grid](
             out, meta.cu_q, meta.q_start, ws_m, ws_l, ws_acc, st_m, st_l, st_acc, base, wave, r,
             out.stride(0), out.stride(1), HKV=hkv, G=g, ROWS=m_rows, SPLIT=config.split, D=d,
             DC=m_cols, STAGES=merge_stages, FIRST=i == 0,
             LAST=i == n_waves - 1, **merge_opts,
         )  # fmt: skip
-    return out

@@ -3,7 +3,7 @@ is lockstep/ops/moe.py's, "FP8 experts"): `moe.py`'s pipeline with each expert G
 one. One sparse layer, x [T, H], k experts per token, S = T * k slots:
 
     router    matmul(x, router, fp32)            the router is never quantized (`moe.py`)
-    route, group                                 `moe.route`, `moe.group_slots`
+    route, group                                 `moe.route_layer`, `moe.group_slots`
     quantize  x -> q [T, H] e4m3, sx [T, ceil(H/128)]   (`fp8_gemm.quantize_activation`,
               per token and 128-column group: the dense FP8 linear's bits)
     gate_up   grouped FP8 GEMM over sorted slots, rows and their scales gathered from q,
@@ -49,7 +49,7 @@ from lockstep.ops.triton.moe import (
     expert_pad,
     expert_tile_rows,
     group_slots,
-    route,
+    route_layer,
     router_logits,
     store_tile,
 )
@@ -209,7 +209,7 @@ def moe_fp8(
         raise ValueError("moe_fp8 wants a layer with FP8 experts (MoeLayer.fp8)")
     top_k = layer.top_k
     slots = x.shape[0] * top_k
-    routing = route(router_logits(x, layer), top_k, layer.renormalize)
+    routing = route_layer(router_logits(x, layer), layer)
     order, offsets = group_slots(routing.experts, layer.num_experts)
     q, sx = quantize_activation(x, "block")
     h = grouped_fp8_gemm(

@@ -5,6 +5,7 @@ One sparse layer, x [T, H], k experts per token, S = T * k slots (slot = token *
 
     router   matmul(x, router, out_dtype=float32)                     [T, E] fp32 logits
     route    one program per token: top k (ties -> lower id), softmax weights   [T, k]
+             (DeepSeek layers: grouped choice with a correction bias, `route_deepseek`)
     group    slots sorted by expert id, stably, by counting (one program up to 128 slots,
              else per-block counts, a scan over blocks, placement); offsets[e] = first of e
     gate_up  grouped GEMM over sorted slots, rows gathered from x, gate and up columns in one
@@ -95,6 +96,15 @@ def expert_pad(experts: int) -> int:
 
 
 @triton.jit
+def next_best(values, taken, ids, PAD: tl.constexpr):
+    """One pass of a top-k: the largest value not yet taken, the lowest id holding it (ties
+    toward the lower id), and `taken` with that id marked."""
+    m = tl.max(tl.where(taken, -float("inf"), values), axis=0)
+    pick = tl.min(tl.where((values == m) & (~taken), ids, PAD), axis=0)
+    return m, pick, taken | (ids == pick)
+
+
+@triton.jit
 def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One token: k passes of (max, lowest id holding it), then w_r = exp(l_r - l_0) / s with
@@ -115,9 +125,7 @@ def _route_kernel(logits, experts, weights, E, sl, TOP_K: tl.constexpr, K_PAD: t
     top0 = tl.max(lg, axis=0)
     total = 0.0
     for r in tl.static_range(TOP_K):
-        m = tl.max(tl.where(taken, -float("inf"), lg), axis=0)
-        e = tl.min(tl.where((lg == m) & (~taken), ids, E_PAD), axis=0)
-        taken = taken | (ids == e)
+        m, e, taken = next_best(lg, taken, ids, E_PAD)
         tl.store(experts + row * TOP_K + r, e.to(tl.int64))
         ex = tl.exp(m - top0)
         total = total + ex
@@ -152,6 +160,108 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
             **pdl_launch(logits.device, t),
         )  # fmt: skip
     return Routing(experts, weights)
+
+
+@triton.jit
+def _route_deepseek_kernel(
+    logits, bias, experts, weights, E, sl, routed_scaling, TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP2: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One token, DeepSeek's steps 2'-3' (`lockstep.ops.moe`): scores s (sigmoid per element,
+    or softmax with one tl.sum of a fixed shape), choice c = s + bias; with groups, each
+    group's max or top-two sum (the larger plus the next, a tie counted twice) and
+    TOPK_GROUPS passes of (max, lowest group holding it); then TOP_K passes of (max, lowest
+    id holding it) over the kept groups' c; weights the chosen s, renormalized by
+    ((s_0 + s_1) + ...) + 1e-20, times routed_scaling. A NaN choice ranks as -inf, so every
+    pass finds an id below E (`_route_kernel`)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    ids = tl.arange(0, E_PAD)
+    valid = ids < E
+    lg = tl.load(logits + row * sl + ids, mask=valid, other=-float("inf"))
+    if SOFTMAX:
+        ex = tl.exp(lg - tl.max(lg, axis=0))
+        s = ex / tl.sum(ex, axis=0)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-lg))
+    c = s
+    if HAS_BIAS:
+        c = c + tl.load(bias + ids, mask=valid, other=0.0)
+    c = tl.where(valid & (c == c), c, -float("inf"))
+    if GROUPS > 1:
+        grp = ids // (E // GROUPS)
+        gids = tl.arange(0, G_PAD)
+        gs = tl.full([G_PAD], -float("inf"), tl.float32)
+        for g in tl.static_range(GROUPS):
+            mine = valid & (grp == g)
+            best = tl.max(tl.where(mine, c, -float("inf")), axis=0)
+            if TOP2:
+                first = tl.min(tl.where(mine & (c == best), ids, E_PAD), axis=0)
+                best = best + tl.max(tl.where(mine & (ids != first), c, -float("inf")), axis=0)
+            gs = tl.where(gids == g, best, gs)
+        gtaken = gids >= GROUPS
+        keep = ids < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            _, pick, gtaken = next_best(gs, gtaken, gids, G_PAD)
+            keep = keep | (grp == pick)
+        c = tl.where(keep, c, -float("inf"))
+    taken = ids >= E
+    ranks = tl.arange(0, K_PAD)
+    top_w = tl.zeros([K_PAD], tl.float32)
+    total = 0.0
+    for r in tl.static_range(TOP_K):
+        _, e, taken = next_best(c, taken, ids, E_PAD)
+        tl.store(experts + row * TOP_K + r, e.to(tl.int64))
+        w = tl.sum(tl.where(ids == e, s, 0.0), axis=0)  # one nonzero term: exact
+        total = total + w
+        top_w = tl.where(ranks == r, w, top_w)
+    if RENORMALIZE:
+        top_w = top_w / (total + 1e-20)
+    tl.store(weights + row * TOP_K + ranks, top_w * routed_scaling, mask=ranks < TOP_K)
+
+
+def route_deepseek(logits: torch.Tensor, layer: MoeLayer) -> Routing:
+    """DeepSeek's steps 2'-3' (`lockstep.ops.moe`) for fp32 logits [T, E] and
+    `layer.deepseek`, one program per token (`_route_deepseek_kernel`): every reduction is a
+    max, a min of ids or one tl.sum of a fixed shape over the token's own row, so a token's
+    experts and weights depend on its logits alone; selection ties go to the lower id (group
+    or expert). No host synchronization (CUDA-graph safe)."""
+    r = layer.deepseek
+    if r is None:
+        raise ValueError("route_deepseek wants a layer with DeepSeek routing (layer.deepseek)")
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"route_deepseek wants fp32 logits [T, E] with E contiguous; got "
+                         f"{tuple(logits.shape)} {logits.dtype}")  # fmt: skip
+    t, e = logits.shape
+    if not 1 <= layer.top_k <= e or e % r.groups or not 1 <= r.topk_groups <= r.groups:
+        raise ValueError(f"top_k={layer.top_k}, groups={r.groups}, topk_groups="
+                         f"{r.topk_groups} are invalid for {e} experts")  # fmt: skip
+    if r.scoring not in ("sigmoid", "softmax") or r.group_score not in ("max", "top2_sum"):
+        raise ValueError(f"scoring={r.scoring!r} / group_score={r.group_score!r}: expected "
+                         "sigmoid or softmax / max or top2_sum")  # fmt: skip
+    experts = torch.empty((t, layer.top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, layer.top_k), dtype=torch.float32, device=logits.device)
+    bias = r.correction_bias
+    if t:
+        _route_deepseek_kernel[(t,)](
+            logits, logits if bias is None else bias.float().contiguous(), experts, weights, e,
+            logits.stride(0), float(r.routed_scaling), TOP_K=layer.top_k,
+            K_PAD=max(2, triton.next_power_of_2(layer.top_k)), RENORMALIZE=layer.renormalize,
+            SOFTMAX=r.scoring == "softmax", HAS_BIAS=bias is not None, GROUPS=r.groups,
+            G_PAD=max(2, triton.next_power_of_2(r.groups)), TOPK_GROUPS=r.topk_groups,
+            TOP2=r.group_score == "top2_sum", E_PAD=expert_pad(e),
+            num_warps=1 if e <= 256 else 4, **pdl_launch(logits.device, t),
+        )  # fmt: skip
+    return Routing(experts, weights)
+
+
+def route_layer(logits: torch.Tensor, layer: MoeLayer) -> Routing:
+    """Contract steps 2-3, or DeepSeek's 2'-3' for a layer with `deepseek` routing."""
+    if layer.deepseek is not None:
+        return route_deepseek(logits, layer)
+    return route(logits, layer.top_k, layer.renormalize)
 
 
 # ------------------------------------------------------------------------------- grouped GEMM
@@ -445,7 +555,7 @@ def moe(
         raise ValueError(f"moe wants x [T, H] with H contiguous; got {tuple(x.shape)}")
     top_k = layer.top_k
     slots = x.shape[0] * top_k
-    routing = route(router_logits(x, layer), top_k, layer.renormalize)
+    routing = route_layer(router_logits(x, layer), layer)
     order, offsets = group_slots(routing.experts, layer.num_experts)
     h = grouped_gemm(
         x, layer.gate_up, order, offsets, top_k, gather=True, scatter=False, silu=True,
