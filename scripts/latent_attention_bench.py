@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -125,7 +126,8 @@ def main() -> None:
                          "same_bits": same})  # fmt: skip
             print(f"{name:<28}{shown:<14}{ms:>9.4f}{floor:>10.4f}{floor / ms:>10.0%}"
                   f"  bits {'same' if same else 'DIFFER'}")  # fmt: skip
-    doc = {"heads": h, "config": cfg.__dict__, "copy_tb_s": bw / 1e12,
+    config = {k: None if v == math.inf else v for k, v in cfg.__dict__.items()}  # strict JSON
+    doc = {"heads": h, "config": config, "copy_tb_s": bw / 1e12,
            "device": torch.cuda.get_device_name(), "rows": rows}  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:

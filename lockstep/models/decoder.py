@@ -41,7 +41,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -70,6 +70,7 @@ from lockstep.ops.base import (
     AttentionMeta,
     DenseOps,
     Fp8Ops,
+    LatentAttentionOps,
     Ops,
     SoftcapOps,
     build_attention_meta,
@@ -460,6 +461,13 @@ def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:
                 f"{cap.__name__}, which it lacks; the cpu_deterministic and gpu_deterministic "
                 "backends have every capability"
             )
+    if spec.mla is not None:  # a backend's kernel may take only some widths
+        refusal = cast(LatentAttentionOps, ops).latent_width_refusal(
+            spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim
+        )
+        if refusal is not None:
+            raise ModelLoadError(f"{source}: the {ops.name} backend cannot run this model: "
+                                 f"{refusal}; the CPU backends take any widths")  # fmt: skip
 
 
 def _prepare(

@@ -434,6 +434,11 @@ class LatentAttentionOps(Protocol):
         (float8_e4m3fn: saturating, at scale 1.0), exactly."""
         ...
 
+    def latent_width_refusal(self, latent: int, rope: int) -> str | None:
+        """Why this backend cannot run latent attention over rows of `latent` + `rope` values
+        (a model of those widths is refused at load with it), or None where it can."""
+        ...
+
     def latent_attention(
         self, q: Tensor, cache: Tensor, meta: AttentionMeta, scale: float, value_dim: int
     ) -> Tensor:

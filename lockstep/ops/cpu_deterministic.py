@@ -155,6 +155,9 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         )
         return out.to(q.dtype)
 
+    def latent_width_refusal(self, latent: int, rope: int) -> str | None:
+        return None  # any widths
+
     def latent_attention(
         self,
         q: torch.Tensor,

@@ -32,6 +32,7 @@ try:
         DEFAULT_LATENT_CONFIG,
         LatentConfig,
         latent_attention,
+        width_refusal,
     )
 
     _IMPORT_ERROR: ImportError | None = None
@@ -152,6 +153,10 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         attention kernel family's blocks, splits and merge over one shared cache row per
         token."""
         return latent_attention(q, cache, meta, scale, value_dim, self.latent_config)
+
+    def latent_width_refusal(self, latent: int, rope: int) -> str | None:
+        """The Triton kernel's width rule (`latent_attention.width_refusal`)."""
+        return width_refusal(latent, rope)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)

@@ -50,6 +50,9 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
         assert layer.deepseek is not None
         return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)
 
+    def latent_width_refusal(self, latent: int, rope: int) -> str | None:
+        return None  # any widths
+
     def latent_attention(
         self,
         q: torch.Tensor,

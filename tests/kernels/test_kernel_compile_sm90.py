@@ -51,9 +51,10 @@ def _attention(
     return "attention._attn_fwd", types, constexprs
 
 
-def _latent(cache: str, path: str, q: str = "*bf16") -> tuple[str, dict, dict]:
+def _latent(cache: str, path: str, q: str = "*bf16", wide: bool = False) -> tuple[str, dict, dict]:
     """Latent attention at DeepSeek-V2-Lite's widths (16 heads, W = 512 + 64) on each path,
-    with the launch options of its config (`LATENT_OPTIONS`)."""
+    with the launch options of its config (`LATENT_OPTIONS`); `wide`: 64-bit cache offsets
+    (a pool past 2**31 elements, e.g. an FP8 latent cache of V2-Lite at the default fraction)."""
     from lockstep.ops.triton.latent_attention import DEFAULT_LATENT_CONFIG as cfg
 
     types = {"q": q, "cache": cache, "out": q, "ws_m": "*fp32", "ws_l": "*fp32",
@@ -64,13 +65,14 @@ def _latent(cache: str, path: str, q: str = "*bf16") -> tuple[str, dict, dict]:
     constexprs = {"H": 16, "ROWS": cfg.rows if prefill else cfg.rows_split,
                   "BLOCK_N": cfg.block_n, "SPLIT": cfg.split, "DL": 512, "DR": 64,
                   "DVC": cfg.value_cols if prefill else 512,
-                  "WRITE_PARTIALS": int(path == "split"), "WIDE": False, "PDL": True}  # fmt: skip
+                  "WRITE_PARTIALS": int(path == "split"), "WIDE": wide, "PDL": True}  # fmt: skip
     return "latent_attention._latent_fwd", types, constexprs
 
 
 def _latent_options(path: str) -> dict:
     """The latent kernel's launch options on an H200 (`latent_attention.latent_attention`:
-    2 stages fit beside either tile's q rows, `stages_that_fit`)."""
+    the config's stages, 1 beside a prefill tile's q rows and 2 beside a decode tile's, what
+    `stages_that_fit` allows)."""
     from lockstep.ops.triton.latent_attention import DEFAULT_LATENT_CONFIG as cfg
 
     prefill = path == "prefill"
@@ -137,6 +139,7 @@ CASES = {
         for c in CACHES
         for p in ("prefill", "fold", "split")
     },  # fmt: skip
+    "latent attention wide *fp8e4nv split": _latent("*fp8e4nv", "split", wide=True),
     "deepseek routing v3": _route_deepseek(8, True, False),
     "deepseek routing v2-lite": _route_deepseek(1, False, True),
     "gated delta rule": _gated_delta(),

@@ -55,7 +55,7 @@ SCALE = W**-0.5
 class LatentPool:
     """One sequence's cache rows scattered over random slots of a pool, and batch-mates."""
 
-    def __init__(self, seed: int, mates: int = 2) -> None:
+    def __init__(self, seed: int, mates: int = 2, heads: int = HEADS) -> None:
         rng = random.Random(seed)
         self.mate_lens = [rng.randint(1, SEQ + 10) for _ in range(mates)]
         total = SEQ + sum(self.mate_lens) + 5
@@ -67,8 +67,8 @@ class LatentPool:
             at += n
         g = torch.Generator().manual_seed(seed + 1)
         self.cache = torch.randn(total, 1, W, generator=g).to(DEV, DTYPE)
-        self.q = torch.randn(SEQ, HEADS, W, generator=g).to(DEV, DTYPE)
-        self.mate_q = [torch.randn(n, HEADS, W, generator=g).to(DEV, DTYPE)
+        self.q = torch.randn(SEQ, heads, W, generator=g).to(DEV, DTYPE)
+        self.mate_q = [torch.randn(n, heads, W, generator=g).to(DEV, DTYPE)
                        for n in self.mate_lens]  # fmt: skip
 
     def run(self, start: int, count: int, mates: list[tuple[int, int, int]] = (),
@@ -174,6 +174,28 @@ def test_negative_controls_the_bit_checks_can_fail(pool: LatentPool, full: torch
     assert torch.equal(pool.run(SEQ - 2, 1, q=q), full[SEQ - 2 : SEQ - 1])
 
 
+def test_heads_that_straddle_tiles_and_64_bit_offsets_change_no_bit(monkeypatch) -> None:
+    """5 heads (GLM-4.7-Flash's 20 on the GPU): tiles of 16 rows hold heads of two or more
+    positions, cut at other places in prefill chunks and decodes. And 64-bit offsets (a
+    cache past 2**31 elements, e.g. an FP8 latent pool of 5.8M tokens) forced on every path:
+    the same bits."""
+    import lockstep.ops.triton.latent_attention as kernel
+
+    pool = LatentPool(seed=202, heads=20 if GPU else 5)
+    full = pool.run(0, SEQ, path="prefill")
+    rng = random.Random(11)
+    for p in sorted(rng.sample(range(SEQ), 10)):
+        n = min(SEQ - p, rng.randint(1, 6))
+        mates = [(0, 0, min(pool.mate_lens[0], 3))]
+        assert torch.equal(pool.run(p, n, mates, path="prefill"), full[p : p + n]), (p, n)
+        for decode in ("fold", "split"):
+            assert torch.equal(pool.run(p, 1, mates, path=decode), full[p : p + 1]), (p, decode)
+    monkeypatch.setattr(kernel, "needs_wide_offsets", lambda cache: True)
+    assert torch.equal(pool.run(0, SEQ, path="prefill"), full)
+    for decode in ("fold", "split"):
+        assert torch.equal(pool.run(SEQ - 1, 1, path=decode), full[SEQ - 1 :]), decode
+
+
 def test_fp8_cache_widens_exactly() -> None:
     """An e4m3 cache gives the bits of the same values held in q's dtype (bfloat16 on the
     GPU, whose widening scales and unscales by powers of two; float32 in the interpreter)."""
@@ -238,3 +260,25 @@ def test_deepseek_routing_matches_the_cpu_backend_ties_included(case) -> None:
     assert not torch.equal((e - 1 - mirror.experts).cpu()[:14], want.experts[:14])
     assert torch.equal((e - 1 - mirror.experts).cpu()[14:].sort(1).values,
                        want.experts[14:].sort(1).values)  # fmt: skip
+
+
+def test_widths_the_kernel_cannot_take_are_refused_at_load() -> None:
+    """A latent of 48 values (a multiple of 16, which the family accepts, not a power of two)
+    is refused by the Triton backend at load, in one line naming kv_lora_rank, not at the
+    first request; the CPU backend loads and runs the same model (the control)."""
+    from lockstep.errors import ModelLoadError
+    from lockstep.models.decoder import Decoder
+    from lockstep.models.presets import PRESETS, RandomWeights, byte_tokenizer
+    from lockstep.models.resolver import LoadedModel
+
+    spec = PRESETS["tiny-deepseek-v3"].spec
+    assert spec.mla is not None and spec.mla.kv_lora_rank == 64
+    odd = replace(spec, mla=replace(spec.mla, kv_lora_rank=48))
+    loaded = LoadedModel("odd", "random:odd", odd, byte_tokenizer(odd.vocab_size, False),
+                         RandomWeights(odd, 0))  # fmt: skip
+    with pytest.raises(ModelLoadError) as err:
+        Decoder.load(loaded, GpuDeterministicOps(), torch.float32, "cpu")
+    message = str(err.value)
+    assert "kv_lora_rank=48" in message and "power of two" in message and "\n" not in message
+    decoder = Decoder.load(loaded, CpuDeterministicOps(), torch.float32, "cpu")
+    assert torch.isfinite(decoder.logits_for_sequence([5, 9, 300])).all()

@@ -19,7 +19,7 @@ pieces (its module docstring is the argument):
   * the row sum of p is `row_sum_mma`, so decode tiles (16 rows) and prefill tiles (128 rows)
     sum p in the same MMA order; blocks wholly in a row's future are exact identities;
   * rows of a tile are (query position, head) pairs, `_tile_rows` with G = H: a V2-Lite
-    decode tile is the 16 heads of one token, a prefill tile 4 positions x 16 heads;
+    decode tile is the 16 heads of one token, a prefill tile 8 positions x 16 heads;
   * the scores are the latent dot (K = DL) accumulated into by the RoPE dot (K = DR), in that
     order on every path; DL and DR are powers of two, so a W of 576 needs no padding;
   * value columns: a program accumulates DVC of the DL output columns (prefill tiles may cut
@@ -237,14 +237,24 @@ def _latent_fwd(
         tl.store(out + offs_o, o.to(out.dtype.element_ty), mask=valid[:, None])
 
 
+def width_refusal(latent: int, rope: int) -> str | None:
+    """The kernel's one shape rule, in the model's terms: the latent and the RoPE key are
+    each a power of two of at least 16 (the two dots' K widths; 512 and 64 in every
+    DeepSeek-V2/V3 and GLM-4.7-Flash size). None where the widths are fine."""
+    for name, d in (("kv_lora_rank", latent), ("qk_rope_head_dim", rope)):
+        if d < 16 or d & (d - 1):
+            return (f"{name}={d}: the Triton latent-attention kernel takes a latent and a RoPE "
+                    "width that are each a power of two >= 16")  # fmt: skip
+    return None
+
+
 def _check(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> None:
     if q.dim() != 3 or cache.dim() != 3 or cache.shape[1] != 1 or q.shape[2] != cache.shape[2]:
         raise ValueError(f"latent attention wants q [T, H, W] and a cache [S, 1, W]; got "
                          f"{tuple(q.shape)}, {tuple(cache.shape)}")  # fmt: skip
-    w = q.shape[2]
-    for name, d in (("value_dim", value_dim), ("the RoPE width W - value_dim", w - value_dim)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{name}={d} must be a power of two >= 16 (W={w})")
+    refusal = width_refusal(value_dim, q.shape[2] - value_dim)
+    if refusal is not None:
+        raise ValueError(refusal)
     fp8_cache = cache.dtype == torch.float8_e4m3fn
     if q.dtype != cache.dtype and not (fp8_cache and q.dtype in (torch.bfloat16, torch.float32)):
         raise ValueError(f"dtypes differ: q {q.dtype}, cache {cache.dtype}; the cache must have "
