@@ -16,12 +16,16 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
-from lockstep.ops.base import build_attention_meta
-from lockstep.ops.triton.attention import attention_path
-from lockstep.ops.triton.latent_attention import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench/
+
+from bench.gpu_kernels import copy_bandwidth, graph_ms  # noqa: E402
+from lockstep.ops.base import build_attention_meta  # noqa: E402
+from lockstep.ops.triton.attention import attention_path  # noqa: E402
+from lockstep.ops.triton.latent_attention import (  # noqa: E402
     DEFAULT_LATENT_CONFIG,
     LatentConfig,
     latent_attention,
@@ -30,41 +34,17 @@ from lockstep.ops.triton.latent_attention import (
 W, DV = 576, 512
 
 
-def graph_time_ms(fn, replays: int = 50) -> float:
-    """Mean milliseconds of one call replayed from a CUDA graph (after a warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 # Prefill tile candidates for --sweep: (rows, value_cols, num_warps, num_stages).
 SWEEP_PREFILL = [(64, 512, 8, 2), (64, 256, 4, 2), (64, 128, 4, 2), (128, 256, 8, 1),
                  (128, 128, 8, 2), (64, 256, 8, 1), (32, 512, 4, 2)]  # fmt: skip
 
 
-def time_latent(q, cache, meta, path: str | None, replays: int = 50,
+def time_latent(q, cache, meta, path: str | None,
                 cfg: LatentConfig = DEFAULT_LATENT_CONFIG) -> float:  # fmt: skip
-    """Milliseconds of one `latent_attention` call with `cfg` on `path`."""
+    """Milliseconds of one `latent_attention` call with `cfg` on `path` (`graph_ms`: the
+    median CUDA-graph replay, each after an L2 flush)."""
     scale = q.shape[1] ** -0.5
-    return graph_time_ms(lambda: latent_attention(q, cache, meta, scale, DV, cfg, path), replays)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = graph_time_ms(lambda: b.copy_(a), 20)
-    return 2 * a.numel() / (ms * 1e-3)
+    return graph_ms(lambda: latent_attention(q, cache, meta, scale, DV, cfg, path))
 
 
 def case(batch: int, context: int, heads: int, new: int):
@@ -87,12 +67,12 @@ def main() -> None:
     h, cfg = args.heads, DEFAULT_LATENT_CONFIG
     bw = copy_bandwidth()
     rows = []
-    print(f"latent attention, H={h}, W={W}, copy {bw / 1e12:.2f} TB/s", file=sys.stderr)
+    print(f"latent attention, H={h}, W={W}, copy {bw:.2f} TB/s", file=sys.stderr)
     print(f"{'case':<28}{'path':<9}{'ms':>9}{'floor ms':>10}{'of floor':>10}")
     for batch in (1, 64):
         for context in (1024, 4096, 16384):
             q, cache, meta = case(batch, context, h, 1)
-            floor = batch * context * W * 2 / bw * 1e3
+            floor = batch * context * W * 2 / (bw * 1e9)  # ms
             auto = attention_path(cfg, meta, h, 1, q.device)
             for path in (None, "fold", "split"):
                 ms = time_latent(q, cache, meta, path)
@@ -104,7 +84,7 @@ def main() -> None:
         q, cache, meta = case(1, context, h, context)
         flops = 2 * h * (W + DV) * context * context / 2
         floor = flops / 790e12 * 1e3
-        ms = time_latent(q, cache, meta, None, 10)
+        ms = time_latent(q, cache, meta, None)
         name = f"prefill ctx={context}"
         rows.append({"case": name, "path": "prefill", "ms": ms, "floor_ms": floor,
                      "tflops": flops / ms / 1e9})  # fmt: skip
@@ -116,7 +96,7 @@ def main() -> None:
         for r, cols, warps, stages in SWEEP_PREFILL:
             other = LatentConfig(rows=r, value_cols=cols, num_warps=warps, num_stages=stages)
             try:
-                ms = time_latent(q, cache, meta, None, 10, other)
+                ms = time_latent(q, cache, meta, None, other)
                 same = torch.equal(latent_attention(q, cache, meta, h**-0.5, DV, other), want)
             except Exception as exc:  # a config the device refuses (shared memory)
                 print(f"  r{r} c{cols} w{warps} s{stages}: {type(exc).__name__}")
@@ -127,7 +107,7 @@ def main() -> None:
             print(f"{name:<28}{shown:<14}{ms:>9.4f}{floor:>10.4f}{floor / ms:>10.0%}"
                   f"  bits {'same' if same else 'DIFFER'}")  # fmt: skip
     config = {k: None if v == math.inf else v for k, v in cfg.__dict__.items()}  # strict JSON
-    doc = {"heads": h, "config": config, "copy_tb_s": bw / 1e12,
+    doc = {"heads": h, "config": config, "copy_tb_s": bw,
            "device": torch.cuda.get_device_name(), "rows": rows}  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:

@@ -405,10 +405,10 @@ def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
     (their block-FP8 form: e4m3 rows reordered within their scale blocks,
     `fp8_rope_rows_reordered`, then "fp8"), "mla_absorb_k" and "mla_absorb_v" (kv_b_proj,
     dequantized first where it is FP8 (its weight, then its block scales), split per head into
-    W_UK^T and W_UV, blocks/mla.py's `absorbed`, each head prepared as a linear and stacked), "qkvz_ba" (Qwen3-Next's grouped
-    Gated DeltaNet inputs reordered to q | k | v | z | b | a, `ungroup_projections`, then
-    "linear"), "row_attention" and "row_mlp"
-    (row-parallel: `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
+    W_UK^T and W_UV, blocks/mla.py's `absorbed`, each head prepared as a linear and stacked),
+    "qkvz_ba" (Qwen3-Next's grouped Gated DeltaNet inputs reordered to q | k | v | z | b | a,
+    `ungroup_projections`, then "linear"), "row_attention" and "row_mlp" (row-parallel:
+    `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
     the same number per expert: each expert's rows concatenated, then stacked and prepared by
     `prepare_expert_weights`), "fp8_experts" (block-FP8 experts: the expert-major weights,
     then their block scales, `prepare_fp8_experts`) and "fp8" (an FP8 linear: its parts'
@@ -486,9 +486,9 @@ def _prepare(
         return _fuse_fp8(spec.fp8.scheme, parts, ops, device, entry.sources)
     if kind == "mla_fp8":  # MLA models are MoE models, whose FP8 scheme is "block" (spec.py)
         assert spec.fp8 is not None and spec.fp8.scheme == "block"
-        count = len(parts) // 2
-        names = entry.sources[:count]
-        weights = [fp8_rope_rows_reordered(spec, n, w) for n, w in zip(names, parts, strict=False)]
+        count = len(parts) // 2  # the weights, then their block scales
+        weights = [fp8_rope_rows_reordered(spec, n, w)
+                   for n, w in zip(entry.sources[:count], parts[:count], strict=True)]  # fmt: skip
         return _fuse_fp8("block", weights + parts[count:], ops, device, entry.sources)
     if kind == "fp8_experts":
         assert spec.moe is not None

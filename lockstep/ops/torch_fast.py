@@ -131,7 +131,7 @@ def _latent_decode(
     j = torch.arange(meta.max_kv, device=q.device)
     valid = j[None, :] < meta.kv_len.long()[:, None]
     idx = torch.where(valid, meta.cu_kv[:-1].long()[:, None] + j[None, :], 0)
-    rows = cache[meta.slot_table.long()[idx], 0].to(q.dtype)  # [B, L, W]
+    rows = cache[meta.slot_table[idx].long(), 0].to(q.dtype)  # [B, L, W]
     s = torch.matmul(q, rows.transpose(1, 2)).float() * scale  # [B, H, L]
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype)

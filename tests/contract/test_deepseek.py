@@ -58,13 +58,8 @@ def _engine(model: str, mode: str = "deterministic", **options) -> Engine:
     return Engine(EngineConfig(model=model, mode=mode, device="cpu", **options))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one thread computes instead of waking a pool (bits do not depend on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread for tiny shapes (tests/conftest.py): bits do not depend on the count.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

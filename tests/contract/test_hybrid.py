@@ -58,15 +58,9 @@ def _engine(model: str = HYBRID, mode: str = "deterministic", **options) -> Engi
     return Engine(EngineConfig(model=model, mode=mode, device="cpu", dtype="float32", **options))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one thread spends its time computing, not waking a pool on a busy
-    machine (the kernels' bits do not depend on the thread count; the second-process test
-    compares against the default count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread for tiny shapes (tests/conftest.py); the second-process test compares
+# against the default count.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

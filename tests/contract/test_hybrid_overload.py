@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from lockstep.cache.linear_snapshots import LinearSnapshotPool
 from lockstep.config import EngineConfig
@@ -30,13 +29,8 @@ MAX_RUNNING = 8
 SNAPSHOTS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one thread computes instead of waking a pool (bits do not depend on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread for tiny shapes (tests/conftest.py): bits do not depend on the count.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 CPU = {"model": "random:tiny-qwen3.5", "device": "cpu", "dtype": "float32"}
