@@ -24,8 +24,8 @@ _HELP = {
     "scale 1.0: twice the tokens of a bf16 cache in the same memory)",
     "kv_tokens": "KV pool size in tokens (default: a fraction of free memory)",
     "kv_memory_fraction": "share of memory for the KV pool when --kv-tokens is absent (default: "
-    "0.9 of the GPU memory left after the weights, the step's workspace and the CUDA graphs; "
-    "0.3 of available RAM on the CPU, at most 65536 tokens)",
+    "all the GPU memory left after the weights, the step's workspace, the CUDA graphs and 1 GiB "
+    "of headroom; 0.3 of available RAM on the CPU, at most 65536 tokens)",
     "max_model_len": "context limit in tokens (default: the model's)",
     "max_batch_tokens": "tokens per forward step, prefill and decode together (default: 8192 "
     "on CUDA, 1024 on the CPU)",
@@ -33,6 +33,12 @@ _HELP = {
     "on the CPU, at most --max-batch-tokens)",
     "max_running": "most requests running at once (default: 256 on CUDA, 64 on the CPU, at most "
     "--max-batch-tokens)",
+    "output_reserve": "share of each running request's remaining max_tokens (at most 4096) that "
+    "admission keeps free in the KV pool: 1 admits only what can run to its end without "
+    "preemption, 0 admits on the first chunk and preempts when the pool runs dry",
+    "max_mixed_step_cost": "a step that carries prefill beside running decodes costs at most "
+    "this many decode-only steps, by a roofline estimate (bounds inter-token latency; default: "
+    "2 on CUDA, 0 = no bound on the CPU)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
     "num_threads": "CPU threads (default: torch's)",

@@ -38,20 +38,23 @@ class DeviceDefaults:
     max_batch_tokens: int
     chunk_size: int
     max_running: int
+    max_mixed_step_cost: float
 
 
 # The CPU serves a few sequences at a time: a modest pool (a share of available RAM, capped
-# at CPU_DEFAULT_KV_TOKEN_CAP tokens in lockstep/engine/memory.py) and small steps. A GPU
-# server runs batches of hundreds (the RL-scale workload: 256 requests of 1k in / 1k out at
-# once): prefill steps of 8k tokens, and 90% of the device memory left after the weights,
-# the largest step's workspace and the CUDA graphs goes to the KV pool (the other 10% is
-# headroom for what that estimate leaves out; lockstep/engine/memory.py). The same in every
-# mode, so that both modes get the same capacity.
+# at CPU_DEFAULT_KV_TOKEN_CAP tokens in lockstep/engine/memory.py) and small steps, each of
+# which costs what its rows cost (no bound on mixed steps). A GPU server runs batches of
+# hundreds (the RL-scale workload: 256 requests of 1k in / 1k out at once): prefill steps of
+# 8k tokens, all the device memory left after the weights, the largest step's workspace, the
+# CUDA graphs and a fixed headroom goes to the KV pool (lockstep/engine/memory.py), and a step
+# that carries prefill beside running decodes costs at most about two decode-only steps
+# (lockstep/engine/step_budget.py). The same in every mode, so that both modes get the same
+# capacity.
 DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(kv_memory_fraction=0.3, max_batch_tokens=1024, chunk_size=512,
-                          max_running=64),
-    "cuda": DeviceDefaults(kv_memory_fraction=0.9, max_batch_tokens=8192, chunk_size=4096,
-                           max_running=256),
+                          max_running=64, max_mixed_step_cost=0.0),
+    "cuda": DeviceDefaults(kv_memory_fraction=1.0, max_batch_tokens=8192, chunk_size=4096,
+                           max_running=256, max_mixed_step_cost=2.0),
 }  # fmt: skip
 
 
@@ -71,6 +74,15 @@ class EngineConfig:
     max_batch_tokens: int | None = None  # tokens per forward step, prefill and decode together
     chunk_size: int | None = None  # most prompt tokens one request prefills in one step
     max_running: int | None = None  # most requests running (holding KV) at once
+    # Admission keeps this share of every running request's remaining output budget free in
+    # the KV pool (lockstep/engine/scheduler.py, "Admission"): 1.0 admits only what the pool
+    # can carry to its end, so nothing is preempted; 0 admits on the first chunk's slots alone
+    # and preempts when the pool runs dry.
+    output_reserve: float = 1.0
+    # A step that carries prefill rows beside running decodes costs at most this many
+    # decode-only steps (lockstep/engine/step_budget.py); 0: no bound, prefill fills the step
+    # budget. None: the device's default (2 on CUDA, off on the CPU).
+    max_mixed_step_cost: float | None = None
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
     num_threads: int | None = None  # CPU threads; None: torch's default
@@ -109,12 +121,20 @@ class EngineConfig:
         if self.kv_tokens is not None:
             _positive_int("kv_tokens", self.kv_tokens)
         if self.kv_memory_fraction is not None and not (
-            isinstance(self.kv_memory_fraction, (int, float))
-            and not isinstance(self.kv_memory_fraction, bool)
-            and 0 < self.kv_memory_fraction <= 0.95
+            _is_number(self.kv_memory_fraction) and 0 < self.kv_memory_fraction <= 1
         ):
             raise ConfigError(
-                f"kv_memory_fraction={self.kv_memory_fraction!r} is invalid: expected a number in (0, 0.95]"
+                f"kv_memory_fraction={self.kv_memory_fraction!r} is invalid: expected a number in (0, 1]"
+            )
+        if not (_is_number(self.output_reserve) and 0 <= self.output_reserve <= 1):
+            raise ConfigError(
+                f"output_reserve={self.output_reserve!r} is invalid: expected a number in [0, 1]"
+            )
+        cost = self.max_mixed_step_cost
+        if cost is not None and not (_is_number(cost) and (cost == 0 or cost >= 1)):
+            raise ConfigError(
+                f"max_mixed_step_cost={cost!r} is invalid: expected 0 (no bound) or a number >= 1"
+                " (decode-only steps)"
             )
         for name in ("max_model_len", "max_batch_tokens", "chunk_size", "max_running"):
             if getattr(self, name) is not None:
@@ -246,6 +266,13 @@ class EngineConfig:
         return self._defaults.kv_memory_fraction
 
     @property
+    def resolved_max_mixed_step_cost(self) -> float:
+        """0: no bound on a step that carries prefill beside decodes."""
+        if self.max_mixed_step_cost is not None:
+            return float(self.max_mixed_step_cost)
+        return self._defaults.max_mixed_step_cost
+
+    @property
     def resolved_max_batch_tokens(self) -> int:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
@@ -274,6 +301,7 @@ class EngineConfig:
             max_batch_tokens=self.resolved_max_batch_tokens,
             chunk_size=self.resolved_chunk_size,
             max_running=self.resolved_max_running,
+            max_mixed_step_cost=self.resolved_max_mixed_step_cost,
             overlap_decode=self.use_overlap_decode,
             tp_reduction=self.resolved_tp_reduction,
         )
@@ -294,6 +322,10 @@ class EngineConfig:
 def _choice(name: str, value: object, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
         raise ConfigError(f"{name}={value!r} is invalid: expected one of {', '.join(accepted)}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive_int(name: str, value: object) -> None:

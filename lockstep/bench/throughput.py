@@ -126,6 +126,7 @@ class RunResult:
     gc_s: float = 0.0  # in the garbage collector, over the run
     gc_collections: tuple[int, int, int] = (0, 0, 0)  # by generation
     steps: list[StepRecord] = field(default_factory=list)
+    peak_allocated_bytes: int | None = None  # torch's peak over the run (CUDA only)
 
 
 def request_params(
@@ -169,6 +170,9 @@ def run_requests(
                disable=not progress)  # fmt: skip
     collector = _CollectorClock()
     records: list[StepRecord] = []
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
     gc.callbacks.append(collector)
     t0 = time.perf_counter()
     try:
@@ -222,6 +226,7 @@ def run_requests(
         gc_s=collector.total,
         gc_collections=tuple(collector.collections),
         steps=records,
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(engine.device) if cuda else None,
     )
 
 
@@ -344,7 +349,13 @@ def summary(run: RunResult, num_requests: int) -> dict[str, Any]:
         "decode_steps": decode,
         "decode_by_context": bands,
         "preemptions": run.preemptions,
+        # Prompt positions computed again after a preemption (prefill rows beyond the
+        # uncached prompt tokens), and their share of the prompt tokens.
+        "recomputed_tokens": t.prefill.prefill_rows - (run.input_tokens - run.cached_tokens),
+        "recomputed_share": (t.prefill.prefill_rows - (run.input_tokens - run.cached_tokens))
+        / max(run.input_tokens, 1),
         "kv_peak_tokens": run.kv_peak_tokens,
+        "peak_allocated_bytes": run.peak_allocated_bytes,
         "gc_s": run.gc_s,
         "gc_collections": list(run.gc_collections),
     }
@@ -380,8 +391,11 @@ def print_report(figures: dict[str, Any], kv_capacity: int, check: SpotCheckResu
     )
     print(
         f"KV pool           {kv_capacity} tokens; peak {f['kv_peak_tokens']} in use "
-        f"(running + prefix cache); {f['preemptions']} preemptions"
+        f"(running + prefix cache); {f['preemptions']} preemptions, "
+        f"{f['recomputed_tokens']} prompt tokens recomputed ({100 * f['recomputed_share']:.1f}%)"
     )
+    if f["peak_allocated_bytes"] is not None:
+        print(f"device memory     peak allocated {f['peak_allocated_bytes'] / 2**30:.2f} GiB")
     if f["decode_by_context"]:
         print(f"{'mean context':>16}{'steps':>8}{'mean batch':>12}{'ms/step':>10}{'tok/s':>12}")
         for b in f["decode_by_context"]:
@@ -437,6 +451,7 @@ def document(
             # Hybrid models: the radix snapshots' pool (0 for other models).
             "linear_snapshots": engine.stats()["state_snapshot_slots"],
         },
+        "memory": engine.memory_bound(),
         "warmup_s": warmup_s,
         "results": figures,
         "spot_check": check.as_dict(),

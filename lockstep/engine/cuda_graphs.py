@@ -20,7 +20,7 @@ Why a replay gives the bits of an eager step:
 
 The first step of a bucket runs eagerly on the static buffers (warm-up and Triton compilation),
 then is captured and replayed; the eager run writes exactly the K/V the replay writes again.
-All graphs share one memory pool; they never run concurrently.
+All graphs share one memory pool and one output buffer; they never run concurrently.
 
     static inputs of bucket (B, C)       filled from a step of b <= B sequences
     token_ids, positions, out_slots [B]  real rows 0..b-1, then copies of row 0
@@ -74,7 +74,7 @@ def graph_context_buckets(
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: _StaticInputs  # the static inputs (`inputs.batch`)
-    logits: torch.Tensor  # static output [B, vocab]
+    logits: torch.Tensor  # static output [B, vocab]: rows of the runner's shared output
 
 
 class DecodeGraphRunner:
@@ -113,6 +113,12 @@ class DecodeGraphRunner:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._staging = _Staging(self.device)
+        # Every graph writes its logits into the first B rows of one buffer (graphs never run
+        # concurrently, and each replay's rows are copied out before the next): one bucket's
+        # worth of output memory, not one per bucket (lockstep/engine/memory.py).
+        self._out = torch.empty(
+            (self.max_batch, decoder.spec.vocab_size), dtype=torch.float32, device=self.device
+        )
 
     @property
     def max_batch(self) -> int:
@@ -193,12 +199,13 @@ class DecodeGraphRunner:
             self.decoder.forward(static, self.kv)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        out = self._out[:bb]
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.decoder.forward(static, self.kv)
+            out.copy_(self.decoder.forward(static, self.kv))
         if self.state_pool is not None:
             inputs.fill(batch, self._staging, patch)
         graph.replay()
-        return _Graph(graph, inputs, logits)
+        return _Graph(graph, inputs, out)
 
 
 class _Staging:

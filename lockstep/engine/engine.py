@@ -42,6 +42,7 @@ from lockstep.engine.request import Request, Status
 from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.step_budget import mixed_step_budget
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
@@ -142,10 +143,20 @@ class Engine:
         self.state_pool = None
         if layout is not None:
             self.state_pool = LinearStatePool(layout, config.resolved_max_running)
+        # Device memory allocated before the caches: the weights (and hybrid models' working
+        # states): the base of `memory_bound`.
+        self.allocated_before_pool = (
+            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        )
         # How the pool was sized from memory (lockstep/engine/memory.py); None: kv_tokens given.
         self.kv_budget = None if config.kv_tokens else self._kv_budget()
         kv_tokens = config.kv_tokens or self.kv_budget.kv_tokens
         _check_pool_holds_a_context(config, kv_tokens, self.max_model_len)
+        if self.kv_budget is None and self.device.type == "cuda":  # given: refused if too big
+            memory.refuse_oversized_pool(
+                kv_tokens, self._bytes_per_token(), self._free_memory()[0], self._reservation(),
+                self._snapshot_budget(None),
+            )  # fmt: skip
         if self.kv_budget is not None:
             logger.info("%s", self.kv_budget.describe())
         # Hybrid models: the radix snapshots' own pool, its share taken out of the budget above.
@@ -187,6 +198,14 @@ class Engine:
             max_running=config.resolved_max_running,
             new_linear_state=resume,
             snapshot_policy=policy,
+            output_reserve=config.output_reserve,
+            prompt_logprob_rows=memory.PROMPT_LOGPROB_ROWS,
+            mixed_step=mixed_step_budget(
+                spec,
+                spec.num_parameters * (1 if spec.fp8 is not None else self.dtype.itemsize),
+                self._bytes_per_token(),
+                config.resolved_max_mixed_step_cost,
+            ),
         )
         graphs = None
         if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
@@ -232,8 +251,11 @@ class Engine:
         params: SamplingParams,
         *,
         namespace: str | None = None,
+        stream: bool = False,
     ) -> None:
-        """Queue a request. Raises `RequestError` when it can never be served as given."""
+        """Queue a request. Raises `RequestError` when it can never be served as given.
+        `stream`: its caller reads the tokens as they come, so the scheduler bounds the steps
+        that stall it (`max_mixed_step_cost`); outputs never depend on it."""
         if request_id in self.requests:
             raise RequestError(f"request_id={request_id!r} is already in use")
         if params.n != 1:
@@ -249,6 +271,7 @@ class Engine:
             seed=seed,
             arrival=next(self._arrival),
             namespace=namespace,
+            streams=stream,
         )
         if self.detokenize:
             request.text_output = TextOutput(self.tokenizer, ids, params)
@@ -338,8 +361,8 @@ class Engine:
         """Run one scheduled forward step and return its outputs.
 
         With `overlap_decode`, when the next step is sure to be a pure decode of the same
-        requests (nothing waiting, every running request sampled this step, free slots for
-        all, not every one of them ending on max_tokens), it is scheduled and launched BEFORE this
+        requests (nothing admissible waiting, every running request sampled this step, free
+        slots for all, not every one of them ending on max_tokens), it is scheduled and launched BEFORE this
         step's tokens are brought to the host: its pending rows take their tokens from this
         step's token tensor on the device. The host then handles this step's outputs while the
         device computes the next. Outputs are the same: each request computes the same
@@ -383,7 +406,7 @@ class Engine:
         """Schedule the next step and launch it on the device; each request that samples in
         it gets a pending token. `after`: the step launched before, whose tokens are this
         one's pending rows (overlapped decode); `defer_processing`: see ModelRunner.launch."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(admit=after is None)
         if not plan:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting")
@@ -402,8 +425,8 @@ class Engine:
         running = scheduler.running
         if not running or len(running) > scheduler.max_batch_tokens:
             return False
-        if scheduler.waiting and len(running) < scheduler.max_running:
-            return False  # the next schedule would admit
+        if scheduler.would_admit():
+            return False  # the next schedule would admit (a step launched ahead never does)
         if launched.tokens is None or scheduler.pool.num_free < len(running):
             return False
         if any(part.prompt_positions for part in launched.layout):
@@ -566,6 +589,22 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def memory_bound(self) -> dict[str, Any] | None:
+        """What this engine's device memory may reach (CUDA; None on the CPU): what was
+        allocated before the caches, the KV pool, the snapshot pool and the reservation
+        (lockstep/engine/memory.py), in bytes, with their sum as `bound`."""
+        if self.device.type != "cuda":
+            return None
+        pool = self.pool.num_slots * self._bytes_per_token()
+        snapshots = 0
+        if self.snapshot_pool is not None:
+            assert self.decoder.linear_layout is not None
+            snapshots = self.snapshot_pool.num_slots * self.decoder.linear_layout.snapshot_bytes
+        reserved = self._reservation().total
+        base = self.allocated_before_pool
+        return {"before_pool": base, "kv_pool": pool, "snapshots": snapshots,
+                "reserved": reserved, "bound": base + pool + snapshots + reserved}  # fmt: skip
+
     def stats(self) -> dict[str, Any]:
         return {
             "num_running": len(self.scheduler.running),
@@ -650,25 +689,30 @@ class Engine:
             )
         return memory.SnapshotBudget(count, layout.snapshot_bytes)
 
+    def _reservation(self) -> memory.StepWorkspace:
+        """What the largest step and the CUDA graphs may allocate beside the pool (CUDA)."""
+        config = self.config
+        max_running = config.resolved_max_running
+        buckets = None
+        if config.use_cuda_graphs:
+            buckets = (graph_batch_buckets(max_running), graph_context_buckets(self.max_model_len))
+        return memory.step_workspace(
+            self.decoder.spec, self.decoder.act_dtype.itemsize, config.resolved_max_batch_tokens,
+            max_running, buckets,
+        )  # fmt: skip
+
     def _kv_budget(self) -> memory.KVBudget:
         """Size the KV pool from memory (lockstep/engine/memory.py): on CUDA what is free after
         the weights less the largest step's workspace and the CUDA graphs, on the CPU a share
         of the available RAM; a hybrid model's snapshot pool comes out of it first."""
-        spec, config = self.decoder.spec, self.config
+        config = self.config
         per_token = self._bytes_per_token()
         fraction = config.resolved_kv_memory_fraction
         if self.device.type != "cuda":
             available = memory.available_ram()
             snapshots = self._snapshot_budget(int(available * fraction))
             return memory.cpu_kv_budget(available, per_token, fraction, snapshots)
-        max_running = config.resolved_max_running
-        buckets = None
-        if config.use_cuda_graphs:
-            buckets = (graph_batch_buckets(max_running), graph_context_buckets(self.max_model_len))
-        reserved = memory.step_workspace(
-            spec, self.decoder.act_dtype.itemsize, config.resolved_max_batch_tokens, max_running,
-            buckets,
-        )  # fmt: skip
+        reserved = self._reservation()
         free, _ = self._free_memory()
         snapshots = self._snapshot_budget(memory.cuda_cache_bytes(free, reserved, fraction))
         return memory.cuda_kv_budget(free, per_token, reserved, fraction, snapshots)

@@ -1,30 +1,36 @@
 """How memory is divided at start-up: weights, the largest step's workspace, CUDA graphs, KV.
 
 The KV pool is sized once, after the weights are on the device and before the first step;
-`kv_tokens`, when given, replaces all of this. On CUDA (`cuda_kv_budget`):
+`kv_tokens`, when given, replaces all of this (and is refused with the arithmetic when it does
+not fit: `refuse_oversized_pool`). On CUDA (`cuda_kv_budget`):
 
     free device memory after the weights (cudaMemGetInfo, torch's cache emptied)
-    |<------------- reserved ------------->|<-------------- the rest --------------->|
-    | step workspace, CUDA graphs, slack   | KV pool: kv_memory_fraction (0.9) | room |
-                                             room: headroom, 1 - kv_memory_fraction
+    |<---------- reserved ---------->|<- headroom ->|<------------ the rest ------------>|
+    | step workspace, graphs, slack  | HEADROOM     | caches: kv_memory_fraction (1.0)   |
 
-  step workspace, the largest step (max_batch_tokens rows, every one of which may need its
-  logits: prompt logprobs and /v1/score score every position):
+  step workspace, the largest step (max_batch_tokens rows):
     activations  rows x (4 hidden + qkv + 2 q + 3 intermediate) x activation bytes
-    logits       rows x vocab x (activation bytes + 4 + 4): the LM head's output, its float32
-                 copy and the float32 log-softmax
-    sampler      max_running rows x vocab x SAMPLER_BYTES_PER_LOGIT: the picked rows and the
-                 float64 scores, noise, masks and top-p sort of sampled rows
-  CUDA graphs, every (batch bucket, context bucket) the runner may capture, each holding
-    static logits B x vocab x (activation bytes + 4) and its static inputs (B x C slot ids)
-  slack: the split-attention workspace (at most 256 MiB, docs/gpu.md) and the cuBLAS,
-    Triton and allocator overheads: WORKSPACE_SLACK_BYTES
+    logits       logit rows x vocab x (activation bytes + 4 + 4): the LM head's output, its
+                 float32 copy and the float32 log-softmax. Only rows that need logits get them
+                 (lockstep/engine/model_runner.py): each sampling request's last row (at most
+                 max_running) and prompt-logprob rows, which the scheduler bounds to
+                 PROMPT_LOGPROB_ROWS a step (lockstep/engine/scheduler.py)
+    sampler      SAMPLER_CHUNK_ROWS rows x vocab x SAMPLER_BYTES_PER_LOGIT: sampled rows are
+                 chosen in chunks of that many (lockstep/engine/sampler.py), each needing float64
+                 scores, noise, masks and top-p's sort
+  CUDA graphs: one output buffer shared by every bucket (max batch x vocab float32), the graph
+    pool's largest capture (its rows' activations and logits, reused by every capture), and
+    each bucket's static inputs (B x C slot ids)
+  slack: the split-attention workspace (at most 256 MiB, docs/gpu.md) and the cuBLAS, Triton
+    and allocator overheads: WORKSPACE_SLACK_BYTES
 
-The headroom covers what the estimate leaves out (allocator fragmentation, library
-workspaces). The estimate does not depend on the mode, so both modes get the same pool; the
-fast mode (the yardstick) also gathers a decode step's keys and values into copies of
-[batch, kv heads, context bucket, head dim] per layer, inside its CUDA graphs too, which only
-the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
+HEADROOM_BYTES covers what the estimate leaves out: the caching allocator's fragmentation and
+library workspaces outside torch. Each item above is an upper bound of what a step really
+allocates (tests/gpu/test_gpu_memory.py measures the peak over whole workloads against weights
++ pool + reservation). The estimate does not depend on the mode, so both modes get the same
+pool; the fast mode (the yardstick) also gathers a decode step's keys and values into copies
+of [batch, kv heads, context bucket, head dim] per layer, inside its CUDA graphs too, which
+only the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
 
 Bytes per cached token (`bytes_per_token`): what every layer's mixer block says it keeps
 per token (`Mixer.cache_bytes`): K and V per attention layer (multi-head latent attention:
@@ -34,7 +40,7 @@ linear-attention layers keep none. A hybrid model's radix snapshots
 of their own (lockstep/cache/linear_snapshots.py) whose bytes come out of the same share once,
 before the KV pool takes the rest:
 
-    cache share = kv_memory_fraction x (free - reserved)      (CPU: x available RAM)
+    cache share = kv_memory_fraction x (free - reserved - headroom)   (CPU: x available RAM)
     snapshots   = linear_snapshots x snapshot_bytes
     KV tokens   = (cache share - snapshots) // bytes_per_token
 
@@ -65,6 +71,7 @@ from typing import Any
 
 import torch
 
+from lockstep.engine.sampler import SAMPLER_CHUNK_ROWS
 from lockstep.errors import ConfigError
 from lockstep.models.spec import ModelSpec
 
@@ -78,7 +85,12 @@ SNAPSHOT_SHARE = 0.5
 # scores and their -inf fill (4 x 8), the keep mask (1), and top-p's masked, sorted, unit and
 # cumulative rows (4 x 8); rounded up.
 SAMPLER_BYTES_PER_LOGIT = 88
+# Prompt-logprob rows (their logits) one step computes at most (the scheduler's bound).
+PROMPT_LOGPROB_ROWS = 256
 WORKSPACE_SLACK_BYTES = 1 << 30
+# Free device memory left out of the caches: the allocator's fragmentation and workspaces the
+# reservation does not itemise (docs/results.md, "Memory", has the measured peaks).
+HEADROOM_BYTES = 1 << 30
 GIB = float(1 << 30)
 
 
@@ -137,6 +149,7 @@ class KVBudget:
         out = asdict(self)
         if self.reserved is not None:
             out["reserved"]["total"] = self.reserved.total
+            out["headroom"] = HEADROOM_BYTES
         return out
 
     def describe(self) -> str:
@@ -157,7 +170,8 @@ class KVBudget:
             f"{self.fraction:g} of {self.available_bytes / GIB:.2f} GiB free after the weights less "
             f"{r.total / GIB:.2f} GiB reserved (activations {r.activations / GIB:.2f}, logits "
             f"{r.logits / GIB:.2f}, sampler {r.sampler / GIB:.2f}, CUDA graphs "
-            f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f}){less}{tail}"
+            f"{r.graphs / GIB:.2f}, slack {r.slack / GIB:.2f}) and {HEADROOM_BYTES / GIB:.2f} "
+            f"GiB of headroom{less}{tail}"
         )
 
 
@@ -186,6 +200,12 @@ def default_linear_snapshots(max_running: int, snapshot_bytes: int, cache_bytes:
     return min(wanted, int(cache_bytes * SNAPSHOT_SHARE) // snapshot_bytes)
 
 
+def logit_rows(max_batch_tokens: int, max_running: int) -> int:
+    """The most rows one step computes logits for: every running request's sampling row and
+    PROMPT_LOGPROB_ROWS prompt-logprob rows, and never more than the step's rows."""
+    return min(max_batch_tokens, max_running + PROMPT_LOGPROB_ROWS)
+
+
 def step_workspace(
     spec: ModelSpec,
     activation_bytes: int,
@@ -206,14 +226,18 @@ def step_workspace(
     graphs = 0
     if graph_buckets is not None:
         batches, contexts = graph_buckets
+        largest = max(batches)
+        # The shared output, then the largest capture's rows (activations, bf16 head output
+        # and its float32 copy: the pool reuses them for every other capture).
+        graphs = largest * vocab * 4 + largest * (per_row + vocab) * activation_bytes
+        graphs += largest * vocab * 4
         for b in batches:
             for c in contexts:
-                static_inputs = 6 * b * 8 + (4 * b + 2 + b * c) * 4
-                graphs += b * vocab * (activation_bytes + 4) + static_inputs
+                graphs += 6 * b * 8 + (4 * b + 2 + b * c) * 4  # static inputs
     return StepWorkspace(
         activations=max_batch_tokens * per_row * activation_bytes,
-        logits=max_batch_tokens * vocab * (activation_bytes + 4 + 4),
-        sampler=max_running * vocab * SAMPLER_BYTES_PER_LOGIT,
+        logits=logit_rows(max_batch_tokens, max_running) * vocab * (activation_bytes + 4 + 4),
+        sampler=min(max_running, SAMPLER_CHUNK_ROWS) * vocab * SAMPLER_BYTES_PER_LOGIT,
         graphs=graphs,
         slack=WORKSPACE_SLACK_BYTES,
     )
@@ -245,8 +269,33 @@ def refuse_oversized_weights(
 
 
 def cuda_cache_bytes(free_bytes: int, reserved: StepWorkspace, fraction: float) -> int:
-    """The share of the device memory free after the weights that the caches get."""
-    return int(max(free_bytes - reserved.total, 0) * fraction)
+    """The share of the device memory free after the weights that the caches get: `fraction`
+    of what the reservation and the headroom leave."""
+    return int(max(free_bytes - reserved.total - HEADROOM_BYTES, 0) * fraction)
+
+
+def refuse_oversized_pool(
+    kv_tokens: int,
+    bytes_per_token: int,
+    free_bytes: int,
+    reserved: StepWorkspace,
+    snapshots: SnapshotBudget | None = None,
+) -> None:
+    """Raise `ConfigError` when a pool of `kv_tokens` given by hand (and a hybrid model's
+    snapshots) cannot fit in the device memory free after the weights beside the reservation
+    and the headroom, with the arithmetic and the largest pool that fits."""
+    taken = 0 if snapshots is None else snapshots.total
+    room = free_bytes - reserved.total - HEADROOM_BYTES - taken
+    if kv_tokens * bytes_per_token <= room:
+        return
+    snaps = "" if snapshots is None else f" - {taken / GIB:.2f} GiB of linear snapshots"
+    raise ConfigError(
+        f"kv_tokens={kv_tokens} is invalid here: {kv_tokens} x {bytes_per_token} bytes = "
+        f"{kv_tokens * bytes_per_token / GIB:.2f} GiB, and {free_bytes / GIB:.2f} GiB free after "
+        f"the weights - {reserved.total / GIB:.2f} GiB reserved - {HEADROOM_BYTES / GIB:.2f} GiB "
+        f"headroom{snaps} leaves {max(room, 0) / GIB:.2f} GiB; expected at most "
+        f"{max(room, 0) // bytes_per_token} (or leave kv_tokens out to size it from memory)"
+    )
 
 
 def cuda_kv_budget(
@@ -268,7 +317,8 @@ def cuda_kv_budget(
         raise ConfigError(
             f"kv_tokens: no device memory is left for the KV pool: {free_bytes / GIB:.2f} GiB "
             f"free after the weights, {reserved.total / GIB:.2f} GiB needed by the largest "
-            f"step and the CUDA graphs{snaps}; lower {options}, or give --kv-tokens"
+            f"step and the CUDA graphs, {HEADROOM_BYTES / GIB:.2f} GiB of headroom{snaps}; "
+            f"lower {options}, or give --kv-tokens"
         )
     return KVBudget("cuda", free_bytes, reserved, fraction, bytes_per_token, tokens,
                     snapshots=snapshots)  # fmt: skip

@@ -88,6 +88,7 @@ class Request:
     seed: int
     arrival: int  # admission order key (a counter, so scheduling is reproducible)
     namespace: str | None = None
+    streams: bool = False  # the caller reads tokens as they come: bound its inter-token gaps
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     slots: SlotTable = field(default_factory=SlotTable)

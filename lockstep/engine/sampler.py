@@ -34,6 +34,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _LN2 = 0.6931471805599453
+# Sampled rows chosen at once (the memory reservation's unit: lockstep/engine/memory.py).
+SAMPLER_CHUNK_ROWS = 32
 _MASK32 = 0xFFFFFFFF
 
 
@@ -201,19 +203,28 @@ def choose_token_tensor(logits: torch.Tensor, rows: list[RowSampling]) -> torch.
     # torch.argmax returns the first maximal index: ties go to the lowest token id.
     tokens = torch.argmax(logits, dim=1)
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0.0]
-    if sampled:
-        device = logits.device
-        index = _to_device(sampled, torch.int64, device)
-        chosen = [rows[i] for i in sampled]
-        temps = _to_device([r.temperature for r in chosen], torch.float64, device)
-        scores = logits.index_select(0, index).to(torch.float64) / temps[:, None]
-        keep = _filter_mask(scores, chosen)
-        seeds = _to_device([r.seed for r in chosen], torch.int64, device)
-        positions = _to_device([r.position for r in chosen], torch.int64, device)
-        noisy = scores + gumbel_noise(seeds, positions, scores.shape[1])
-        noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
-        tokens[index] = torch.argmax(noisy, dim=1)
+    # In chunks of SAMPLER_CHUNK_ROWS rows: the float64 scratch is sized by the chunk, not by
+    # the batch (lockstep/engine/memory.py reserves it); every operation is per row, so the
+    # chunking changes no token.
+    for at in range(0, len(sampled), SAMPLER_CHUNK_ROWS):
+        part = sampled[at : at + SAMPLER_CHUNK_ROWS]
+        index = _to_device(part, torch.int64, logits.device)
+        tokens[index] = _sample_rows(logits.index_select(0, index), [rows[i] for i in part])
     return tokens
+
+
+def _sample_rows(logits: torch.Tensor, chosen: list[RowSampling]) -> torch.Tensor:
+    """Tokens of sampled rows (temperature > 0): the argmax of tempered scores plus their
+    counter-based Gumbel noise over the tokens the filters keep."""
+    device = logits.device
+    temps = _to_device([r.temperature for r in chosen], torch.float64, device)
+    scores = logits.to(torch.float64) / temps[:, None]
+    keep = _filter_mask(scores, chosen)
+    seeds = _to_device([r.seed for r in chosen], torch.int64, device)
+    positions = _to_device([r.position for r in chosen], torch.int64, device)
+    noisy = scores + gumbel_noise(seeds, positions, scores.shape[1])
+    noisy = torch.where(keep, noisy, torch.full_like(noisy, -math.inf))
+    return torch.argmax(noisy, dim=1)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

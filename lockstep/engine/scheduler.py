@@ -1,13 +1,28 @@
 """Continuous batching with chunked prefill, prefix reuse and preemption by recomputation.
 
 Each step the scheduler fills a token budget (`max_batch_tokens`):
-  1. running requests, oldest first: one token for those decoding, up to `chunk_size` more
-     prompt tokens for those still prefilling (prefill and decode share the step);
+  1. running requests: first one token for each of those decoding (oldest first), then up to
+     `chunk_size` more prompt tokens for each of those still prefilling (oldest first);
   2. then waiting requests, preferring the longest cached prefix (ties: oldest first), while
-     fewer than `max_running` run and the budget and the KV pool allow.
-When the pool runs dry it first evicts unlocked radix leaves (LRU), then preempts the newest
-running requests: their computed KV goes into the radix cache and they wait again. Position
-invariance makes the recomputation bit-identical, so preemption never changes an output.
+     fewer than `max_running` run and the budget, the KV pool and admission allow.
+Two bounds shrink the budget: a step in which a streamed request decodes (`Request.streams`:
+its client reads tokens as they come) carries at most `mixed_step.rows(keys)` prompt rows
+beside its decodes (lockstep/engine/step_budget.py: it costs at most about `factor` decode-only steps, so new
+prompts do not stall running streams; requests answered whole only see their total time, which
+the largest steps serve best), and at most `prompt_logprob_rows` rows of a step
+compute prompt logprobs (their logits are the step's largest workspace:
+lockstep/engine/memory.py). Any chunking gives the same bits (the contract).
+
+Admission finishes what it starts: a waiting request is admitted only while the pool (free and
+evictable slots) can carry it and every running request to their ends, counting for each the
+prompt it has still to compute and `output_reserve` of the output it may still generate
+(`max_tokens` less what it has, at most OUTPUT_RESERVE_CLIP). With the default share, 1.0, a
+request whose max_tokens is not above the clip is never preempted; one alone in the pool is
+always admitted. When the pool runs dry anyway (a smaller share, or outputs past the clip) it
+first evicts unlocked radix leaves (LRU), then preempts the newest running requests: their
+computed KV goes into the radix cache, where readmission finds it unless it was evicted first,
+and they wait again. Position invariance makes the recomputation bit-identical, so preemption
+never changes an output.
 
 A request that still owes prompt logprobs matches with `match_prefix_with_logprobs`: it reuses
 the KV of positions 0..M-1 only where the cache also holds the logprobs of positions up to M,
@@ -31,6 +46,7 @@ request still holds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +57,15 @@ from lockstep.cache.kv_pool import CacheIntegrityError, KVPool
 from lockstep.cache.linear_snapshots import SnapshotPolicy
 from lockstep.cache.radix import PrefixMatch, RadixCache
 from lockstep.engine.request import Request, Status
+from lockstep.engine.step_budget import MixedStepBudget
 
 # How many of the oldest waiting requests admission looks at when it prefers cache hits;
 # bounded so a long queue costs O(window) prefix matches per step and nobody starves.
 ADMISSION_WINDOW = 64
+# The most output tokens of one request that admission reserves KV for (as SGLang clips its
+# estimate): a request that may run to the whole context does not hold a context's worth of
+# pool from the start.
+OUTPUT_RESERVE_CLIP = 4096
 
 
 @dataclass(frozen=True)
@@ -72,11 +93,20 @@ class Scheduler:
         max_running: int,
         new_linear_state: Callable[[Any], Any] | None = None,
         snapshot_policy: SnapshotPolicy | None = None,
+        output_reserve: float = 0.0,
+        prompt_logprob_rows: int | None = None,
+        mixed_step: MixedStepBudget | None = None,
     ) -> None:
         """`new_linear_state(snapshot or None)`: a working state resumed from a radix
         snapshot (hybrid models; None for models without linear attention) that captures the
         boundaries reserved in its `keep`; `snapshot_policy`: which boundaries those are, in
-        slots of `radix.snapshots`."""
+        slots of `radix.snapshots`. `output_reserve`: the share of running requests' remaining
+        outputs admission keeps room for (0: none); `prompt_logprob_rows`: the most
+        prompt-logprob rows a step computes (None: no bound); `mixed_step`: the row budget of
+        a step with decodes (None: `max_batch_tokens`). See the module docstring."""
+        self.output_reserve = output_reserve
+        self.prompt_logprob_rows = prompt_logprob_rows
+        self.mixed_step = mixed_step
         self.new_linear_state = new_linear_state
         self.snapshot_policy = snapshot_policy
         self.snapshots_not_kept = 0  # boundaries the policy asked for that found no free slot
@@ -124,17 +154,25 @@ class Scheduler:
             snapshots.check_integrity(held)
 
     # ----------------------------------------------------------------- planning
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, admit: bool = True) -> list[ScheduledChunk]:
         """Plan the next step and count its positions as computed: each planned request's
         `num_computed` becomes its chunk's end (the caller launches the plan at once). The
-        scheduler is the only place `num_computed` moves forward."""
-        plan = self._plan()
+        scheduler is the only place `num_computed` moves forward. `admit` False: running
+        requests only (a step launched ahead)."""
+        plan = self._plan(admit)
         for chunk in plan:
             chunk.request.num_computed = chunk.end
         return plan
 
-    def _plan(self) -> list[ScheduledChunk]:
+    def _plan(self, admit: bool) -> list[ScheduledChunk]:
+        # Decodes first, so that prompts never take their rows; each group oldest first.
+        running = sorted(self.running, key=lambda r: (not _decoding(r), r.arrival))
         budget = self.max_batch_tokens
+        decoding = [r for r in running if _decoding(r)]
+        if self.mixed_step is not None and any(r.streams for r in decoding):
+            keys = sum(r.num_computed + 1 for r in decoding)
+            budget = min(budget, len(decoding) + self.mixed_step.rows(keys))
+        logprob_rows = self.prompt_logprob_rows
         plan: list[ScheduledChunk] = []
         # The running requests' slots are reserved one by one (evicting or preempting where
         # short) and taken from the pool in one call at the end, without a pool call per
@@ -142,12 +180,15 @@ class Scheduler:
         # request; the slot ids differ where a reservation freed slots mid-loop (outputs never
         # depend on slot ids: the contract).
         owed = 0
-        for request in sorted(self.running, key=lambda r: r.arrival):
+        for request in running:
             if budget == 0:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed, self.chunk_size, budget)
+            n, rows = _cap_logprob_rows(request, request.num_computed, n, logprob_rows)
+            if n == 0:
+                continue
             if not self._reserve(owed + n, keep=request, planned=plan):
                 self._preempt(request)
                 continue
@@ -155,6 +196,8 @@ class Scheduler:
             plan.append(ScheduledChunk(request, start, start + n))
             owed += n
             budget -= n
+            if logprob_rows is not None:
+                logprob_rows -= rows
         if owed:
             ids = self.pool.alloc(owed).tolist()
             at = 0
@@ -162,14 +205,47 @@ class Scheduler:
                 n = chunk.end - chunk.start
                 chunk.request.slots.extend(ids[at : at + n])
                 at += n
-        while budget > 0 and self.waiting and len(self.running) < self.max_running:
-            chunk = self._admit_one(budget, plan)
-            if chunk is None:
+        committed = sum(self._future_slots(r) for r in self.running)
+        while admit and budget > 0 and self.waiting and len(self.running) < self.max_running:
+            admitted = self._admit_one(budget, plan, committed, logprob_rows)
+            if admitted is None:
                 break
+            chunk, rows = admitted
             plan.append(chunk)
             budget -= chunk.end - chunk.start
+            committed += self._future_slots(chunk.request)
+            if logprob_rows is not None:
+                logprob_rows -= rows
         self._reserve_snapshots(plan)
         return plan
+
+    def _future_slots(self, request: Request, held: int | None = None) -> int:
+        """The slots admission keeps free for `request` beyond the `held` it has (default:
+        its slot table): the prompt it has still to compute and `output_reserve` of the rest
+        of its output budget, at most OUTPUT_RESERVE_CLIP tokens of it."""
+        held = len(request.slots) if held is None else held
+        prompt = len(request.prompt_ids)
+        # A request ends with prompt + max_tokens - 1 positions computed, one more when a
+        # decode step launched ahead computes past its end.
+        end = prompt + request.params.max_tokens
+        prompt_left = max(0, prompt - held)
+        output_left = min(max(0, end - max(held, prompt)), OUTPUT_RESERVE_CLIP)
+        return prompt_left + math.ceil(self.output_reserve * output_left)
+
+    def admission_room(self) -> int:
+        """Slots the pool could still give (free and evictable) beyond what admission keeps
+        for the running requests: a waiting request needing more waits."""
+        free = self.pool.num_free + self.radix.num_evictable_tokens
+        return free - sum(self._future_slots(r) for r in self.running)
+
+    def would_admit(self) -> bool:
+        """Whether the next schedule may admit a waiting request (an estimate from the oldest
+        one, without its cache hit: True when unsure)."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        if not self.running or self.output_reserve == 0:
+            return True
+        return self.admission_room() >= self._future_slots(self.waiting[0], held=0)
 
     def _reserve_snapshots(self, plan: list[ScheduledChunk]) -> None:
         """Reserve a snapshot slot for each boundary the plan crosses that the policy keeps,
@@ -199,19 +275,36 @@ class Scheduler:
                 for position in [p for p in state.captured if not policy.fixed(prompt_len, p)]:
                     state.captured.pop(position).release()
 
-    def _admit_one(self, budget: int, plan: list[ScheduledChunk]) -> ScheduledChunk | None:
+    def _admit_one(
+        self,
+        budget: int,
+        plan: list[ScheduledChunk],
+        committed: int,
+        logprob_rows: int | None,
+    ) -> tuple[ScheduledChunk, int] | None:
+        """Admit the best waiting request with its first chunk and the prompt-logprob rows
+        that chunk computes, or None when it does not fit (the step budget, the logprob rows,
+        the pool, or admission's room beside the `committed` slots of the running requests)."""
         best, match = None, None
         for request in self.waiting[:ADMISSION_WINDOW]:
             candidate = self._match(request)
             if match is None or candidate.length > match.length:
                 best, match = request, candidate
         assert best is not None and match is not None
+        n = min(best.num_tokens - match.length, self.chunk_size, budget)
+        n, rows = _cap_logprob_rows(best, match.length, n, logprob_rows)
+        if n == 0:
+            return None
         self.radix.lock(match.node)
+        if self.running and self.output_reserve > 0:
+            room = self.pool.num_free + self.radix.num_evictable_tokens - committed
+            if room < self._future_slots(best, held=match.length):
+                self.radix.unlock(match.node)
+                return None
         best.prefix_node = match.node
         best.slots.clear()
         best.slots.extend(match.slots.tolist())
         best.prefix_len = best.num_computed = match.length
-        n = min(best.num_tokens - best.num_computed, self.chunk_size, budget)
         if not self._reserve(n, keep=best, planned=plan, may_preempt=False):
             self.radix.unlock(match.node)
             best.slots.clear()
@@ -226,7 +319,7 @@ class Scheduler:
         self.waiting.remove(best)
         best.status = Status.RUNNING
         self.running.append(best)
-        return self._allocate(best, n)
+        return self._allocate(best, n), rows
 
     def _match(self, request: Request) -> PrefixMatch:
         # At least one token must be computed to produce logits. A request still owing prompt
@@ -335,3 +428,26 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
+
+
+def _decoding(request: Request) -> bool:
+    """One token to compute, past the prompt: a decode row (not a prompt or a recomputation)."""
+    return request.num_tokens - request.num_computed == 1 and request.num_computed >= len(
+        request.prompt_ids
+    )
+
+
+def _cap_logprob_rows(
+    request: Request, start: int, n: int, rows_left: int | None
+) -> tuple[int, int]:
+    """Shorten a chunk of `n` positions from `start` so that the prompt-logprob rows it
+    computes (positions p, prompt_logprobs_next - 1 <= p < prompt length - 1) are at most
+    `rows_left` (None: no bound); returns the chunk's length and those rows."""
+    if request.prompt_logprobs is None:
+        return n, 0
+    first = max(start, request.prompt_logprobs_next - 1)
+    last = len(request.prompt_ids) - 1
+    rows = max(0, min(start + n, last) - first)
+    if rows_left is not None and rows > rows_left:
+        n, rows = first + rows_left - start, rows_left
+    return n, rows

@@ -188,6 +188,8 @@ def build_app(
             "fingerprint": snap["fingerprint"],
             "system_fingerprint": served.system_fingerprint,
             "stats": snap["stats"],
+            "kv_budget": snap["kv_budget"],
+            "memory": snap["memory"],
             "last_engine_failure": async_engine.last_failure,
         }
 

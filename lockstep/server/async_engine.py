@@ -199,15 +199,17 @@ class AsyncEngine:
         group: RequestGroup,
         requests: list[tuple[str, list[int], SamplingParams]],
         namespace: str | None,
+        stream: bool = False,
     ) -> None:
         """Add a group's requests in one command turn, all or none: if the engine refuses one,
-        its `RequestError` is re-raised here and none was added."""
+        its `RequestError` is re-raised here and none was added. `stream`: the client reads
+        their tokens as they come (the scheduler bounds their inter-token latency)."""
         tokenizer = None if self.info.detokenizes else self.info.tokenizer
         for index, (request_id, prompt, params) in enumerate(requests):
             text = None if tokenizer is None else OutputText(tokenizer, prompt, params)
             self._routes[request_id] = (group, index, text)
         try:
-            await self._call("add", requests, namespace)
+            await self._call("add", requests, namespace, stream)
         except BaseException:
             for request_id, _, _ in requests:
                 self._routes.pop(request_id, None)
@@ -317,11 +319,15 @@ class RequestGroup:
         self.abort()
 
     async def add(
-        self, requests: list[tuple[list[int], SamplingParams]], namespace: str | None
+        self,
+        requests: list[tuple[list[int], SamplingParams]],
+        namespace: str | None,
+        stream: bool = False,
     ) -> None:
         """Add one engine request per (prompt, params), indexed in order; raises `Overloaded`
         beyond the server's capacity, or the engine's `RequestError` if it refuses one (and
-        adds none either way). While a weight update pauses admission, it waits first."""
+        adds none either way). While a weight update pauses admission, it waits first.
+        `stream`: the response is streamed (`AsyncEngine.add_requests`)."""
         await self._engine.wait_for_admission()
         self._engine.reserve(len(requests))
         self._reserved = len(requests)
@@ -332,7 +338,10 @@ class RequestGroup:
         self._unfinished = set(range(len(ids)))
         try:
             await self._engine.add_requests(
-                self, [(rid, p, sp) for rid, (p, sp) in zip(ids, requests, strict=True)], namespace
+                self,
+                [(rid, p, sp) for rid, (p, sp) in zip(ids, requests, strict=True)],
+                namespace,
+                stream,
             )
         except Exception:  # refused: nothing was added
             self._unfinished.clear()

@@ -103,7 +103,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
     group_id = served.engine.new_request_id("chatcmpl")
     log_request("chat", group_id, body.user, [ids], body.rid)
     group = RequestGroup(served.engine, group_id)
-    await group.add(requests, body.cache_namespace)
+    await group.add(requests, body.cache_namespace, stream=bool(body.stream))
     created = int(time.time())
     tok = served.tokenizer
     role = reply_role(body, options)

@@ -125,7 +125,7 @@ async def completions(served: Served, body: CompletionRequest, request: Request)
     group_id = served.engine.new_request_id("cmpl")
     log_request("completion", group_id, body.user, prompts, body.rid)
     group = RequestGroup(served.engine, group_id)
-    await group.add(requests, body.cache_namespace)
+    await group.add(requests, body.cache_namespace, stream=bool(body.stream))
     created = int(time.time())
     tok = served.tokenizer
 

@@ -6,7 +6,7 @@ the same commands and events either way.
 
 Commands (front end -> loop), plain tuples of ids, numbers, strings and small objects:
 
-    ("add", call_id, [(request_id, prompt_ids, params), ...], namespace)   all or none
+    ("add", call_id, [(request_id, prompt_ids, params), ...], namespace, stream)   all or none
     ("abort", [request_id, ...])              free the requests' slots, no further output
     ("finish", [request_id, ...] | None)      abort, each with its closing output (None: all)
     ("call", call_id, name, args)             a named engine call (`ENGINE_CALLS`)
@@ -42,7 +42,15 @@ Command = tuple
 
 
 def _snapshot(engine: Any) -> dict[str, Any]:
-    return {"stats": engine.stats(), "fingerprint": engine.fingerprint(), "config": engine.config}
+    budget = engine.kv_budget
+    return {
+        "stats": engine.stats(),
+        "fingerprint": engine.fingerprint(),
+        "config": engine.config,
+        # How the pool was sized (None: kv_tokens given) and the memory it may reach (CUDA).
+        "kv_budget": None if budget is None else budget.as_dict(),
+        "memory": engine.memory_bound(),
+    }
 
 
 def _update_weights_from_disk(engine: Any, path: str, version: str | None) -> dict[str, Any]:
@@ -159,8 +167,8 @@ class EngineLoop:
     def _run_command(self, command: Command) -> None:
         kind = command[0]
         if kind == "add":
-            _, call_id, requests, namespace = command
-            self._reply(call_id, lambda: self._add(requests, namespace))
+            _, call_id, requests, namespace, stream = command
+            self._reply(call_id, lambda: self._add(requests, namespace, stream))
         elif kind == "abort":
             for request_id in command[1]:
                 self._abort(request_id)
@@ -188,11 +196,15 @@ class EngineLoop:
         else:
             self._emit(("reply", call_id, value, None))
 
-    def _add(self, requests: list[tuple[str, list[int], Any]], namespace: str | None) -> None:
+    def _add(
+        self, requests: list[tuple[str, list[int], Any]], namespace: str | None, stream: bool
+    ) -> None:
         added: list[str] = []
         try:
             for request_id, prompt, params in requests:
-                self.engine.add_request(request_id, prompt, params, namespace=namespace)
+                self.engine.add_request(
+                    request_id, prompt, params, namespace=namespace, stream=stream
+                )
                 added.append(request_id)
         except BaseException:
             for request_id in added:

@@ -123,7 +123,9 @@ def add_native_routes(
         ]
         for _, params in requests:  # off the event loop; each distinct spec once (cached)
             await compile_constraint(served.grammars, params.structured_output)
-        await group.add(requests, cache_namespace(body.extra_key, body.cache_salt))
+        await group.add(
+            requests, cache_namespace(body.extra_key, body.cache_salt), stream=bool(body.stream)
+        )
         flat = [item for item, _ in items]
         for index, item in enumerate(flat):
             for rid in {item.rid, item.base_rid}:  # a sample, and the prompt's n samples

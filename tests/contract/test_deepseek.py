@@ -280,6 +280,7 @@ def test_engine_schedules_with_preemption_match_alone(folders, seed: int) -> Non
     batch_tokens = rng.randint(8, 64)
     engine = _engine(
         str(folders["deepseek_v3"][0]), kv_tokens=largest + rng.randint(0, 30),
+        output_reserve=rng.choice([0.0, 0.5, 1.0]),
         max_batch_tokens=batch_tokens, chunk_size=rng.randint(1, batch_tokens),
         max_running=rng.randint(2, 5), debug_checks=True,
     )  # fmt: skip

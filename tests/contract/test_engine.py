@@ -68,7 +68,9 @@ def _assert_pool_free(engine: Engine) -> None:
 )
 def test_batched_with_eviction_and_preemption_equals_alone(model, gen, kv_tokens, count) -> None:
     rng = random.Random(0)
-    engine = _engine(model, kv_tokens=kv_tokens, max_batch_tokens=256, chunk_size=48)
+    engine = _engine(
+        model, kv_tokens=kv_tokens, max_batch_tokens=256, chunk_size=48, output_reserve=0.0
+    )
     vocab = engine.decoder.spec.vocab_size
     prompts = _overlapping_prompts(rng, vocab, count)
     params = [

@@ -256,7 +256,8 @@ def test_engine_schedules_with_preemption_match_alone(hf_folder, seed: int) -> N
     largest = max(len(p) + params.max_tokens for p, params in requests.values())
     batch_tokens = rng.randint(8, 64)
     engine = _engine(
-        str(hf_folder[0]), kv_tokens=largest + rng.randint(0, 30), max_batch_tokens=batch_tokens,
+        str(hf_folder[0]), kv_tokens=largest + rng.randint(0, 30),
+        output_reserve=rng.choice([0.0, 0.5, 1.0]), max_batch_tokens=batch_tokens,
         chunk_size=rng.randint(1, batch_tokens), max_running=rng.randint(2, 6), debug_checks=True,
     )  # fmt: skip
     assert not differ_alone(engine, requests)

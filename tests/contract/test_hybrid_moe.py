@@ -298,6 +298,7 @@ def test_engine_schedules_with_preemption_match_alone(seed: int, family: str) ->
     engine = _engine(
         PRESET[family],
         kv_tokens=largest + rng.randint(0, 40),
+        output_reserve=rng.choice([0.0, 0.5, 1.0]),
         max_batch_tokens=max_batch_tokens,
         chunk_size=rng.randint(1, max_batch_tokens),
         max_running=rng.randint(2, min(8, max_batch_tokens)),

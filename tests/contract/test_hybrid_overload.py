@@ -38,7 +38,7 @@ CPU = {"model": "random:tiny-qwen3.5", "device": "cpu", "dtype": "float32"}
 
 def _engine(snapshots: int = SNAPSHOTS, debug_checks: bool = True, model: dict = CPU) -> Engine:
     return Engine(EngineConfig(
-        **model, kv_tokens=512,
+        **model, kv_tokens=512, output_reserve=0.0,
         max_running=MAX_RUNNING, max_batch_tokens=96, chunk_size=48,
         linear_snapshots=snapshots, linear_snapshot_interval=64, debug_checks=debug_checks,
     ))  # fmt: skip

@@ -118,11 +118,11 @@ def assert_same_outputs(got: dict, want: dict, work) -> None:
     ("seed", "kv_tokens"), [(0, 4096), (1, 4096), (3, 4096), (2, 120), (4, 120)]
 )
 def test_overlapped_decode_gives_the_outputs_of_the_plain_loop(seed: int, kv_tokens: int) -> None:
-    plain = _engine(False, kv_tokens=kv_tokens, max_running=6)
+    plain = _engine(False, kv_tokens=kv_tokens, max_running=6, output_reserve=0.0)
     vocab = plain.decoder.spec.vocab_size
     work = _workload(seed, vocab)
     want = _drive(plain, work)
-    overlapped = _engine(True, kv_tokens=kv_tokens, max_running=6)
+    overlapped = _engine(True, kv_tokens=kv_tokens, max_running=6, output_reserve=0.0)
     assert_same_outputs(_drive(overlapped, work), want, work)
     # Not blind: steps were launched ahead, requests stopped early on stop tokens / strings.
     assert overlapped.steps_launched_ahead > 0 and plain.steps_launched_ahead == 0
@@ -212,9 +212,9 @@ def test_no_step_is_launched_ahead_when_the_pool_would_preempt() -> None:
     scheduler asserts). Outputs equal the plain loop's."""
     work = [(0, f"r{i}", [7 + i] * 10, SamplingParams(max_tokens=30, temperature=0,
              ignore_eos=True), -1) for i in range(2)]  # fmt: skip
-    plain = _engine(False, kv_tokens=60, enable_prefix_cache=False)
+    plain = _engine(False, kv_tokens=60, enable_prefix_cache=False, output_reserve=0.0)
     want = _drive(plain, work)
-    overlapped = _engine(True, kv_tokens=60, enable_prefix_cache=False)
+    overlapped = _engine(True, kv_tokens=60, enable_prefix_cache=False, output_reserve=0.0)
     assert _drive(overlapped, work) == want
     assert overlapped.scheduler.num_preemptions > 0 and overlapped.steps_launched_ahead > 0
 

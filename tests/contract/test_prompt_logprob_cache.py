@@ -317,7 +317,7 @@ def test_scoring_and_generating_under_preemption_and_chunking_equal_cold(
                                     prompt_logprobs=k if kind == 1 else None)  # fmt: skip
         requests[f"r{i}"] = (prompt, params, namespace)
     largest = max(len(p) + params.max_tokens for p, params, _ in requests.values())
-    engine = _engine("random:tiny", kv_tokens=largest + 16, max_batch_tokens=24, chunk_size=7,
+    engine = _engine("random:tiny", output_reserve=0.0, kv_tokens=largest + 16, max_batch_tokens=24, chunk_size=7,
                      max_running=6)  # fmt: skip
     # Twice: the second round meets a cache the first filled (and evicted from).
     for _ in range(2):

@@ -722,7 +722,13 @@ class _FaultyEngine:
         self.requests: dict[str, tuple[list[int], Any, list[int]]] = {}
 
     def add_request(
-        self, request_id: str, prompt: list[int], params: Any, *, namespace: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        *,
+        namespace: str | None = None,
+        stream: bool = False,
     ) -> None:
         self.requests[request_id] = (list(prompt), params, [])
 
@@ -770,6 +776,11 @@ class _FaultyEngine:
 
     def fingerprint(self) -> dict:
         return {"engine": "faulty"}
+
+    kv_budget = None  # the pool was not sized from memory
+
+    def memory_bound(self) -> None:
+        return None  # not on CUDA
 
 
 @pytest.fixture

@@ -147,7 +147,7 @@ def test_garbage_collections_in_a_step_are_charged_to_it() -> None:
 def test_preempted_requests_still_repeat_their_bits() -> None:
     """A pool too small for the whole batch preempts and recomputes; the spot check over
     every request still passes (recomputation gives the same bits)."""
-    engine = _engine(kv_tokens=240)
+    engine = _engine(kv_tokens=240, output_reserve=0.0)  # admitted on the first chunk: preempts
     requests, params = _workload()
     run, check, _ = throughput.bench_throughput(engine, requests, params, warmup=False,
                                                 spot_checks=8, progress=False)  # fmt: skip

@@ -23,6 +23,7 @@ def test_cpu_keeps_modest_defaults() -> None:
         64, 1024, 512,
     )  # fmt: skip
     assert c.resolved_kv_memory_fraction == 0.3
+    assert c.resolved_max_mixed_step_cost == 0.0  # a CPU step costs what its rows cost
     assert not c.use_overlap_decode
 
 
@@ -32,7 +33,8 @@ def test_cuda_defaults_run_batches_of_hundreds_in_every_mode(mode: str) -> None:
     assert (c.resolved_max_running, c.resolved_max_batch_tokens, c.resolved_chunk_size) == (
         256, 8192, 4096,
     )  # fmt: skip
-    assert c.resolved_kv_memory_fraction == 0.9
+    assert c.resolved_kv_memory_fraction == 1.0  # all but the reservation and the headroom
+    assert c.resolved_max_mixed_step_cost == 2.0 and c.output_reserve == 1.0
     assert c.use_overlap_decode and c.use_cuda_graphs
     resolved = c.resolved_options()
     assert resolved["max_running"] == 256 and resolved["device"] == "cuda"
@@ -57,8 +59,32 @@ def test_a_given_value_against_a_default_is_refused_naming_the_default() -> None
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigError, match="max_running"):
             EngineConfig(max_running=bad)
-    with pytest.raises(ConfigError, match="kv_memory_fraction"):
-        EngineConfig(kv_memory_fraction=0.99)
+    EngineConfig(kv_memory_fraction=1.0)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        (
+            "kv_memory_fraction",
+            1.5,
+            r"kv_memory_fraction=1.5 is invalid: expected a number in \(0, 1\]",
+        ),
+        ("kv_memory_fraction", 0, r"kv_memory_fraction=0 is invalid"),
+        ("max_batch_tokens", 0, r"max_batch_tokens=0 is invalid: expected an integer >= 1"),
+        ("output_reserve", 1.5, r"output_reserve=1.5 is invalid: expected a number in \[0, 1\]"),
+        ("output_reserve", True, r"output_reserve=True is invalid"),
+        (
+            "max_mixed_step_cost",
+            0.5,
+            r"max_mixed_step_cost=0.5 is invalid: expected 0 \(no bound\)",
+        ),
+    ],
+)
+def test_bad_memory_and_scheduling_settings_are_one_line_errors(option, value, expected) -> None:
+    with pytest.raises(ConfigError, match=expected) as info:
+        EngineConfig(**{option: value})
+    assert "\n" not in str(info.value)
 
 
 def test_graph_buckets_cover_every_batch_up_to_max_running() -> None:
@@ -82,30 +108,63 @@ def _qwen3_8b_reservation() -> tuple[memory.StepWorkspace, int]:
     return reserved, per_token
 
 
-def test_cuda_reservation_counts_the_largest_step_and_every_graph() -> None:
+def test_cuda_reservation_counts_what_a_step_can_use() -> None:
+    """Each item of Qwen3-8B's reservation at the CUDA defaults (8192-token steps, 256
+    running, graphs for batches up to 256 and contexts up to 40,960), and the total under
+    4 GiB."""
     reserved, _ = _qwen3_8b_reservation()
-    vocab = 151936
-    # Every row of an 8192-token step may need logits: bf16 out, float32 copy, log-softmax.
-    assert reserved.logits == 8192 * vocab * (2 + 4 + 4)
-    assert reserved.sampler == 256 * vocab * memory.SAMPLER_BYTES_PER_LOGIT
-    # Static logits of all 12 batch buckets (1..256, sum 847) in each of 4 context buckets.
-    assert reserved.graphs > 847 * 4 * vocab * (2 + 4)
+    spec = PRESETS["qwen3-8b"].spec
+    vocab, hidden, inter = 151936, 4096, 12288
+    per_row = 4 * hidden + 4096 + 2 * 1024 + 2 * 4096 + 3 * inter
+    assert reserved.activations == 8192 * per_row * 2
+    # Logits only for the rows that need them: 256 sampling rows and 256 prompt-logprob rows,
+    # each the bf16 head output, its float32 copy and the float32 log-softmax.
+    assert memory.logit_rows(8192, 256) == 256 + memory.PROMPT_LOGPROB_ROWS == 512
+    assert reserved.logits == 512 * vocab * (2 + 4 + 4)
+    # Sampled rows are chosen 32 at a time.
+    assert reserved.sampler == 32 * vocab * memory.SAMPLER_BYTES_PER_LOGIT
+    # One shared output (256 rows), the largest capture's rows, and every bucket's inputs:
+    # 12 batch buckets (sum 847) in 4 context buckets (sum 83,968).
+    static = sum(6 * b * 8 + (4 * b + 2) * 4 for b in graph_batch_buckets(256)) * 4
+    static += 847 * 83968 * 4
+    assert reserved.graphs == 256 * vocab * 4 * 2 + 256 * (per_row + vocab) * 2 + static
+    assert reserved.slack == memory.WORKSPACE_SLACK_BYTES
     assert reserved.total == (reserved.activations + reserved.logits + reserved.sampler
                               + reserved.graphs + reserved.slack)  # fmt: skip
-    no_graphs = memory.step_workspace(PRESETS["qwen3-8b"].spec, 2, 8192, 256, None)
+    assert reserved.total <= 4 * GIB
+    no_graphs = memory.step_workspace(spec, 2, 8192, 256, None)
     assert no_graphs.graphs == 0 and no_graphs.logits == reserved.logits
 
 
-def test_cuda_pool_holds_the_rl_workload_on_an_h200_sized_memory() -> None:
-    """Qwen3-8B's bf16 weights (16.4 GB) leave about 123 GiB free on an H200: the default
-    pool must hold 256 requests of 1k + 1k tokens and 64 of 8k + 1k at once."""
+@pytest.mark.parametrize(
+    ("card", "free_gib", "at_least"),
+    [("H100 80 GB", 60.18, 360_000), ("H200", 123.0, 780_000)],
+)
+def test_cuda_pool_takes_all_but_the_reservation_and_headroom(card, free_gib, at_least) -> None:
+    """Qwen3-8B's bf16 weights (16.4 GB) leave about 60 GiB free on an H100 80 GB and 123 GiB
+    on an H200: the default pool takes everything but the reservation and the headroom, at
+    least 360k / 780k tokens, and the three add up to no more than what is free."""
     reserved, per_token = _qwen3_8b_reservation()
-    free = 123 * GIB
-    budget = memory.cuda_kv_budget(free, per_token, reserved, 0.9)
-    assert budget.kv_tokens == int((free - reserved.total) * 0.9) // per_token
-    assert budget.kv_tokens >= max(256 * 2048, 64 * 9216)
-    assert budget.kv_tokens * per_token + reserved.total < free
-    assert "reserved" in budget.describe() and budget.as_dict()["reserved"]["total"]
+    free = int(free_gib * GIB)
+    c = EngineConfig(device="cuda")
+    budget = memory.cuda_kv_budget(free, per_token, reserved, c.resolved_kv_memory_fraction)
+    assert budget.kv_tokens == (free - reserved.total - memory.HEADROOM_BYTES) // per_token
+    assert budget.kv_tokens >= at_least, card
+    assert budget.kv_tokens * per_token + reserved.total + memory.HEADROOM_BYTES <= free
+    assert "reserved" in budget.describe() and "headroom" in budget.describe()
+    assert budget.as_dict()["reserved"]["total"] == reserved.total
+
+
+def test_a_pool_given_by_hand_that_does_not_fit_is_refused_with_the_arithmetic() -> None:
+    reserved, per_token = _qwen3_8b_reservation()
+    free = 60 * GIB
+    room = free - reserved.total - memory.HEADROOM_BYTES
+    memory.refuse_oversized_pool(room // per_token, per_token, free, reserved)  # fits exactly
+    with pytest.raises(ConfigError) as info:
+        memory.refuse_oversized_pool(room // per_token + 1, per_token, free, reserved)
+    message = str(info.value)
+    assert message.startswith(f"kv_tokens={room // per_token + 1} is invalid here:")
+    assert f"expected at most {room // per_token}" in message and "\n" not in message
 
 
 def test_cuda_pool_without_room_is_a_clear_error() -> None:
@@ -158,7 +217,7 @@ def test_hybrid_snapshots_are_a_pool_of_their_own_out_of_the_cache_share() -> No
     count = memory.default_linear_snapshots(256, snapshot, cache)
     assert count == int(cache * memory.SNAPSHOT_SHARE) // snapshot < 4 * 256  # the cap binds
     snapshots = memory.SnapshotBudget(count, snapshot)
-    budget = memory.cuda_kv_budget(free, per_token, reserved, 0.9, snapshots)
+    budget = memory.cuda_kv_budget(free, per_token, reserved, 1.0, snapshots)
     assert budget.kv_tokens == (cache - count * snapshot) // per_token
     assert budget.kv_tokens * per_token + snapshots.total <= cache
     per_chunk = cache // (per_token + -(-snapshot // 32))  # a snapshot charged per 32 tokens

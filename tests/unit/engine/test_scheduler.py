@@ -247,3 +247,144 @@ def test_abort_frees_a_running_requests_own_slots() -> None:
     assert r.status is Status.FINISHED and not scheduler.has_work()
     assert scheduler.in_use == 0 and scheduler.radix.num_locked_tokens == 0
     scheduler.check_integrity()
+
+
+def recomputed_rows(plans: list[list[ScheduledChunk]], requests: list[Request]) -> int:
+    """Positions computed beyond each request's own (prompt + all but its last output token):
+    what preemption made the run compute twice."""
+    computed = sum(c.end - c.start for plan in plans for c in plan)
+    return computed - sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests)
+
+
+@pytest.mark.parametrize("reserve", [1.0, 0.0])
+def test_admission_finishes_what_it_starts(reserve: float) -> None:
+    """Twelve requests of 20 prompt + 30 output tokens, at most 4 of whose 50 slots fit the
+    pool at once. Reserving their whole outputs (1.0), admission holds the rest back: no
+    preemption, nothing computed twice, every request's tokens those of a run alone. The
+    control (0: admitted on the first chunk's slots alone) preempts and recomputes."""
+    scheduler = make_scheduler(slots=210, max_batch_tokens=64, chunk_size=16, max_running=12)
+    scheduler.output_reserve = reserve
+    requests = [make_request([i * 40 + j for j in range(20)], max_tokens=30) for i in range(12)]
+    for r in requests:
+        scheduler.add(r)
+    plans = run(scheduler)
+    for r in requests:
+        assert r.output_ids == alone(r.prompt_ids, 30), r.request_id
+    assert scheduler.in_use == 0 and scheduler.radix.num_locked_tokens == 0
+    if reserve == 1.0:
+        assert scheduler.num_preemptions == 0 and recomputed_rows(plans, requests) == 0
+        assert max(len({c.request.request_id for c in p}) for p in plans) == 4
+    else:
+        assert scheduler.num_preemptions > 0 and recomputed_rows(plans, requests) > 0
+
+
+def test_a_request_alone_is_admitted_whatever_it_reserves() -> None:
+    """A request that needs the whole pool runs when nothing else does (no deadlock), and one
+    that arrives beside it waits until it finishes."""
+    scheduler = make_scheduler(slots=60, max_batch_tokens=64, chunk_size=64, max_running=4)
+    scheduler.output_reserve = 1.0
+    big = make_request(list(range(30)), max_tokens=30, name="big")
+    small = make_request(list(range(100, 110)), max_tokens=5, name="small")
+    scheduler.add(big)
+    scheduler.add(small)
+    plan = step(scheduler)
+    assert [c.request for c in plan] == [big] and small.status is Status.WAITING
+    assert not scheduler.would_admit()
+    run(scheduler)
+    assert scheduler.num_preemptions == 0
+    assert small.output_ids == alone(small.prompt_ids, 5)
+
+
+def test_prompt_logprob_rows_per_step_are_bounded() -> None:
+    """Scoring requests (prompt logprobs owed for every position) beside a decoding one: no
+    step computes more than `prompt_logprob_rows` prompt-logprob rows, the decode is never
+    held back, and every prompt position is scored once."""
+    scheduler = make_scheduler(slots=512, max_batch_tokens=64, chunk_size=64, max_running=8)
+    scheduler.prompt_logprob_rows = 10
+    decoding = make_request([1, 2, 3], max_tokens=40, name="decoding")
+    scheduler.add(decoding)
+    step(scheduler)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    scored = [
+        Request(f"scored{s}", [s + j for j in range(45)], params, seed=0, arrival=next(_arrivals))
+        for s in (200, 300)
+    ]
+    for r in scored:
+        r.prompt_logprobs = [None]
+        scheduler.add(r)
+    while any(r.status is not Status.FINISHED for r in scored):
+        plan = scheduler.schedule()
+        rows = 0
+        for chunk in plan:
+            r = chunk.request
+            if r.prompt_logprobs is None:
+                continue
+            first = max(chunk.start, r.prompt_logprobs_next - 1)
+            positions = range(first, min(chunk.end, len(r.prompt_ids) - 1))
+            rows += len(positions)
+            for p in positions:
+                r.prompt_logprobs.append(TokenLogprob(r.prompt_ids[p + 1], -1.0))
+            if positions:
+                r.prompt_logprobs_next = positions[-1] + 2
+        assert rows <= 10
+        if decoding.status is Status.RUNNING:
+            assert decoding in [c.request for c in plan]
+        _complete(scheduler, plan)
+    for r in scored:
+        assert len(r.prompt_logprobs) == len(r.prompt_ids)
+        assert [t.token_id for t in r.prompt_logprobs[1:]] == r.prompt_ids[1:]
+
+
+def _complete(scheduler: Scheduler, plan: list[ScheduledChunk]) -> None:
+    """`step`'s token handling for a plan made outside it."""
+    for chunk in plan:
+        request = chunk.request
+        if chunk.end != request.num_tokens:
+            continue
+        token = next_token(request.all_ids)
+        request.output_ids.append(token)
+        request.output_logprobs.append(TokenLogprob(token, -1.0))
+        if chunk.completes_prompt:
+            scheduler.cache_prefix(request)
+        if len(request.output_ids) >= request.params.max_tokens:
+            scheduler.finish(request)
+    scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_a_step_with_streamed_decodes_carries_at_most_the_mixed_budget(streams: bool) -> None:
+    """With a mixed-step budget of 8 prompt rows (lockstep/engine/step_budget.py), a long
+    prompt arriving beside four streamed decoding requests is cut into chunks that keep every
+    such step within 4 + 8 rows, decodes first. Beside requests answered whole (not
+    streamed), or alone, it takes whole chunks."""
+    from lockstep.engine.step_budget import RIDGE_FLOP_PER_BYTE, MixedStepBudget
+
+    # Prompt rows = RIDGE x (factor - 1) x (W + KV) / F: W = 8 F / RIDGE, KV 0 bytes a key: 8
+    # prompt rows beside the 4 decodes.
+    flops = RIDGE_FLOP_PER_BYTE * 100
+    budget = MixedStepBudget(weight_bytes=800, flops_per_row=flops, kv_bytes_per_key=0, factor=2)
+    assert budget.rows(10_000) == 8
+    scheduler = make_scheduler(slots=512, max_batch_tokens=64, chunk_size=64, max_running=8)
+    scheduler.mixed_step = budget
+    decoders = [make_request([s, s + 1], max_tokens=30) for s in (1, 5, 9, 13)]
+    for r in decoders:
+        r.streams = streams
+        scheduler.add(r)
+    step(scheduler)
+    long = make_request(list(range(100, 160)), max_tokens=2, name="long")
+    scheduler.add(long)
+    sizes = []
+    while long.status is not Status.FINISHED:
+        plan = step(scheduler)
+        decodes = [c for c in plan if c.request is not long]
+        assert len(decodes) == sum(r.status is Status.RUNNING or r in [c.request for c in plan]
+                                   for r in decoders)  # fmt: skip
+        sizes.append(sum(c.end - c.start for c in plan))
+    assert max(sizes) <= 12 if streams else max(sizes) == 4 + 60
+    run(scheduler)
+    alone_scheduler = make_scheduler(slots=512, max_batch_tokens=64, chunk_size=64)
+    alone_scheduler.mixed_step = budget
+    again = make_request(list(range(100, 160)), max_tokens=2)
+    alone_scheduler.add(again)
+    assert step(alone_scheduler)[0].end == 60  # no decodes: the whole budget
+    assert long.output_ids == alone(long.prompt_ids, 2)
