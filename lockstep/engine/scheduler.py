@@ -205,7 +205,8 @@ class Scheduler:
                 n = chunk.end - chunk.start
                 chunk.request.slots.extend(ids[at : at + n])
                 at += n
-        committed = sum(self._future_slots(r) for r in self.running)
+        admit = admit and bool(self.waiting) and len(self.running) < self.max_running
+        committed = sum(self._future_slots(r) for r in self.running) if admit else 0
         while admit and budget > 0 and self.waiting and len(self.running) < self.max_running:
             admitted = self._admit_one(budget, plan, committed, logprob_rows)
             if admitted is None:

@@ -720,6 +720,7 @@ class _FaultyEngine:
         self.pool = types.SimpleNamespace(num_slots=4096)
         self.fail_after = -1  # steps until step() raises; -1: never
         self.requests: dict[str, tuple[list[int], Any, list[int]]] = {}
+        self.streams: list[bool] = []  # each add_request's `stream`
 
     def add_request(
         self,
@@ -731,6 +732,7 @@ class _FaultyEngine:
         stream: bool = False,
     ) -> None:
         self.requests[request_id] = (list(prompt), params, [])
+        self.streams.append(stream)
 
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -775,7 +777,7 @@ class _FaultyEngine:
         return {"num_running": len(self.requests), "num_waiting": 0, "kv_in_use": 0}
 
     def fingerprint(self) -> dict:
-        return {"engine": "faulty"}
+        return {"engine": "faulty", "weight_version": "default"}
 
     kv_budget = None  # the pool was not sized from memory
 
@@ -826,3 +828,21 @@ def test_engine_fault_is_a_500_and_the_server_keeps_serving(
     ok = httpx.post(base + "/v1/completions", json=body, timeout=30)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "a" * 20
     assert engine.requests == {}
+
+
+def test_streamed_requests_reach_the_engine_as_streamed(faulty: tuple[str, _FaultyEngine]) -> None:
+    """The scheduler bounds the steps that stall streamed decodes only
+    (lockstep/engine/step_budget.py): every route tells the engine whether its client streams."""
+    base, engine = faulty
+    for route, body in (
+        ("/v1/completions", {"model": "faulty", "prompt": "hi", "max_tokens": 3}),
+        ("/v1/chat/completions",
+         {"model": "faulty", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}}),
+    ):  # fmt: skip
+        for stream in (False, True):
+            engine.streams.clear()
+            with httpx.stream("POST", base + route, json={**body, "stream": stream}) as r:
+                assert r.status_code == 200, (route, r.read())
+                r.read()
+            assert engine.streams == [stream], route
