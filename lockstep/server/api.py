@@ -130,26 +130,30 @@ def build_app(
 
     app = FastAPI(title="Lockstep", version=_version(), lifespan=lifespan)
     body_reads = BodyReads()
+    if isinstance(engine, EngineProcess):
+        # The engine process (or a tensor-parallel worker) died: a body still arriving is
+        # answered now with the 503 of the requests in flight, not when the exit gives up.
+        engine.on_failure(body_reads.shed)
 
     def shed(reason: str) -> None:
         async_engine.shed(reason)
         body_reads.shed(reason)
 
     app.state.shed = shed  # the end of the shutdown's grace period (cli.py); any thread
-    app.state.metrics = metrics  # for refusals at the connection level (cli.py)
+    # lockstep_http_errors_total counts each error status where it is written, refusals below
+    # the routes included (connections.py; cli.py hands it this).
+    app.state.metrics = metrics
     # No list longer than this fits a request: big bodies holding one are refused unvalidated.
     max_list_items = max(served.max_model_len, MAX_SEQUENCES_PER_REQUEST)
-    app.router.route_class = big_body_route(max_list_items)
+    app.router.route_class = big_body_route(max_list_items, body_reads)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(HeadAsGet)
-    app.add_middleware(RefuseWhenFull, engine=async_engine, metrics=metrics)
+    app.add_middleware(RefuseWhenFull, engine=async_engine)
     if api_key or admin_api_key:  # outermost: a caller without a key reaches nothing
-        app.add_middleware(
-            RequireApiKey, api_key=api_key, admin_api_key=admin_api_key, metrics=metrics
-        )
+        app.add_middleware(RequireApiKey, api_key=api_key, admin_api_key=admin_api_key)
     # Outermost of all: it sees every answer, the refusals above included.
     app.add_middleware(UnfinishedBodies, reads=body_reads)
-    install_error_handlers(app, metrics)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:

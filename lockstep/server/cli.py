@@ -13,8 +13,8 @@ SIGTERM or SIGINT stops accepting connections and lets running requests finish f
 process then exits with status 0.
 
 An engine process that dies (killed, out of memory) makes the server print one line saying
-so, fail what is in flight with a 503, answer /health with 503 "unhealthy" and exit with
-status 1. With `--tp` > 1, a worker process that dies does the same, naming its rank, and the
+so, fail what is in flight with a 503 (requests whose bodies are still arriving included),
+answer /health with 503 "unhealthy" and exit with status 1. With `--tp` > 1, a worker process that dies does the same, naming its rank, and the
 engine process stops the other workers (lockstep.parallel.group).
 """
 
@@ -43,10 +43,11 @@ logger = logging.getLogger("lockstep.server")
 # uvicorn's own deadline: enough for those answers to be written and the connections closed.
 SHED_MARGIN_S = 5.0
 # Connection hygiene (connections.py): enough connections for every sequence the GPU defaults
-# admit to come on its own; long enough for a 32 MiB body over a slow link; uvicorn's idle
-# keep-alive.
+# admit to come on its own; long enough for a 32 MiB body over a slow link; far longer than a
+# live link goes without a byte (TCP's retransmissions included); uvicorn's idle keep-alive.
 DEFAULT_MAX_CONNECTIONS = 2048
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
+DEFAULT_REQUEST_IDLE_TIMEOUT_S = 20.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
@@ -91,6 +92,13 @@ def add_serve_parser(subparsers: Any) -> None:
         "a slower one has its connection closed",
     )
     parser.add_argument(
+        "--request-idle-timeout",
+        type=_positive_float,
+        default=DEFAULT_REQUEST_IDLE_TIMEOUT_S,
+        help="seconds a request that has begun to arrive may go without a byte (nginx's "
+        "client_body_timeout); a client that stops sending has its connection closed",
+    )
+    parser.add_argument(
         "--keep-alive-timeout",
         type=_positive_float,
         default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -115,8 +123,8 @@ def add_serve_parser(subparsers: Any) -> None:
         "--admin-api-key",
         default=os.environ.get("LOCKSTEP_ADMIN_API_KEY") or None,
         help="the key of the admin routes (/abort_request, /update_weights_from_disk, "
-        "/flush_cache, /get_model_info), which then do not take --api-key (default: "
-        "$LOCKSTEP_ADMIN_API_KEY; unset: --api-key guards them)",
+        "/flush_cache), which then do not take --api-key, and the only one shown where files "
+        "are on disk (default: $LOCKSTEP_ADMIN_API_KEY; unset: --api-key guards them)",
     )
     parser.add_argument(
         "--log-level",
@@ -176,9 +184,10 @@ def _serve(args: argparse.Namespace, engine: Any, sock: socket.socket) -> int:
     )
     raise_fd_limit(args.max_connections)
     protocol = guarded_protocol(
-        args.request_read_timeout,
-        args.max_connections,
-        app.state.metrics.http_errors.labels("429").inc,
+        read_timeout_s=args.request_read_timeout,
+        idle_timeout_s=args.request_idle_timeout,
+        max_connections=args.max_connections,
+        on_error=app.state.metrics.count_error,
     )
     grace = args.shutdown_timeout
 

@@ -1,12 +1,19 @@
 """Connection hygiene: how long a client may take to send a request, and how many
-connections the server holds open. uvicorn's h11 protocol, with two additions:
+connections the server holds open. uvicorn's h11 protocol, with these additions:
 
 - **Read deadline.** A request's headers and body must arrive whole within `read_timeout_s`
   of its first byte, or the connection is closed (the route, if it was reading the body,
   sees the client gone). A connection that sends nothing at all is closed after uvicorn's
   keep-alive timeout, as it is between requests. So a slowloris client sending a byte a
   second holds a connection for `read_timeout_s` at most. While the server itself is not
-  reading (flow control pauses a body that waits for the big-body gate), the deadline waits.
+  reading (flow control pauses a body that waits for room in the body budget,
+  `request_bodies.py`), the deadline waits.
+- **Idle timeout.** A request that has begun to arrive, head or body, may go `idle_timeout_s`
+  without a byte (nginx's `client_body_timeout`: the time between two reads, per
+  connection), or the connection is closed. So a client that stops half way through a body
+  holds its connection, and the bytes it sent, that long and no longer. As above, the time
+  the server is not reading (paused, or not yet asked for a body the client holds back until
+  `100 Continue`) does not count.
 - **Connection limit.** Beyond `max_connections` open connections, a new connection's request
   is answered at once with a 429 (`server_overloaded`, `Retry-After`), without reading its
   body, and the connection is closed: the server's file descriptors and buffers stay bounded.
@@ -18,6 +25,11 @@ connections the server holds open. uvicorn's h11 protocol, with two additions:
   requests are smuggled), an HTTP version other than 1.0 and 1.1 a 505. Each of these, and
   every request h11 cannot parse, is answered with OpenAI's error body (`code: invalid_http`)
   and the connection is closed: nothing after the refused head is read.
+
+- **Error statuses counted.** Every response with a status of 400 or more is counted
+  (`on_error(status)`, `lockstep_http_errors_total`) as its status line is written, whoever
+  answered it: a route, a middleware (401, 413, 429), uvicorn (its 500), or this protocol
+  (a malformed head, the connection limit's 429).
 
 - **Lingering close.** A connection closed while its client is still sending a body (a 413
   or another refusal answered before the body was read, which says `Connection: close`) is
@@ -51,15 +63,18 @@ LINGER_S = 5.0
 
 
 def guarded_protocol(
-    read_timeout_s: float, max_connections: int, on_refused: Callable[[], None]
+    read_timeout_s: float,
+    idle_timeout_s: float,
+    max_connections: int,
+    on_error: Callable[[int], None],
 ) -> type:
-    """An `asyncio.Protocol` class for `uvicorn.Config(http=...)`. `on_refused` runs for each
-    request refused for the connection limit (the 429 counter of /metrics)."""
+    """An `asyncio.Protocol` class for `uvicorn.Config(http=...)`. `on_error(status)` runs
+    for each response of status 400 or more written (`ServerMetrics.count_error`)."""
     import h11
     from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-    refusal = _refusal_app(max_connections, on_refused)
-    strict_connection = _strict_connection_class()
+    refusal = _refusal_app(max_connections)
+    strict_connection = _strict_connection_class(on_error)
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -68,6 +83,8 @@ def guarded_protocol(
             super().connection_made(_LingeringTransport(transport, self))
             self.conn = strict_connection(h11.SERVER, MAX_HEAD_BYTES)
             self._read_deadline: asyncio.TimerHandle | None = None
+            self._idle_deadline: asyncio.TimerHandle | None = None
+            self._last_read = 0.0  # loop time of the last bytes received
             self._reading_after: object = self.cycle  # the cycle before the one being read
             if len(self.connections) > max_connections:
                 self.app = refusal
@@ -84,6 +101,8 @@ def guarded_protocol(
                 # The first bytes of a request: its whole head and body are due in time.
                 self._reading_after = self.cycle
                 self._read_deadline = self.loop.call_later(read_timeout_s, self._read_timeout)
+                self._idle_deadline = self.loop.call_later(idle_timeout_s, self._idle_timeout)
+            self._last_read = self.loop.time()
             super().data_received(data)
             cycle = self.cycle
             if cycle is not None and cycle is not self._reading_after and not cycle.more_body:
@@ -140,25 +159,58 @@ def guarded_protocol(
             self.transport.close()
 
         def _stop_read_deadline(self) -> None:
+            """Stops the read deadline and the idle timeout: the request has arrived."""
             if self._read_deadline is not None:
                 self._read_deadline.cancel()
                 self._read_deadline = None
+            if self._idle_deadline is not None:
+                self._idle_deadline.cancel()
+                self._idle_deadline = None
+
+        def _server_not_reading(self) -> bool:
+            """Whether the server, not the client, is why no byte arrives: reading paused
+            by flow control, or a client told to wait for `100 Continue` not told yet."""
+            cycle = self.cycle
+            return (self.flow is not None and self.flow.read_paused) or (
+                cycle is not None
+                and cycle is not self._reading_after
+                and cycle.waiting_for_100_continue
+            )
+
+        def _idle_timeout(self) -> None:
+            self._idle_deadline = None
+            if self.transport.is_closing():
+                return
+            now = self.loop.time()
+            if self._server_not_reading():
+                self._last_read = now  # the client's time starts when reading resumes
+            idle = now - self._last_read
+            if idle < idle_timeout_s:
+                self._idle_deadline = self.loop.call_later(
+                    idle_timeout_s - idle, self._idle_timeout
+                )
+                return
+            self._close_slow_client(
+                f"no byte of its request arrived for {idle_timeout_s:g} s (--request-idle-timeout)"
+            )
 
         def _read_timeout(self) -> None:
             self._read_deadline = None
             if self.transport.is_closing():
                 return
-            if self.flow is not None and self.flow.read_paused:
+            if self._server_not_reading():
                 # The server, not the client, is the one not reading: wait on.
                 self._read_deadline = self.loop.call_later(read_timeout_s, self._read_timeout)
                 return
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            logger.info(
-                "closed the connection of %s: its request did not arrive whole within %g s"
-                " (--request-read-timeout)",
-                client,
-                read_timeout_s,
+            self._close_slow_client(
+                f"its request did not arrive whole within {read_timeout_s:g} s"
+                " (--request-read-timeout)"
             )
+
+        def _close_slow_client(self, why: str) -> None:
+            self._stop_read_deadline()
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            logger.info("closed the connection of %s: %s", client, why)
             self._socket_transport.close()  # no answer to wait for: no lingering
 
     return GuardedH11Protocol
@@ -184,15 +236,22 @@ class _LingeringTransport:
         return getattr(self._transport, name)
 
 
-def _strict_connection_class() -> type:
+def _strict_connection_class(on_error: Callable[[int], None]) -> type:
     """h11's server connection, refusing (as h11 refuses a malformed head: by raising
     `RemoteProtocolError` from `next_event`, which uvicorn answers through
     `send_400_response`) the heads h11 accepts but this server does not; the error is kept in
-    `refused` for the answer."""
+    `refused` for the answer. Every response, whoever made it, is written through its `send`:
+    there each error status is counted (`on_error`)."""
     import h11
 
     class _StrictConnection(h11.Connection):
         refused: h11.RemoteProtocolError | None = None
+
+        def send(self, event: Any) -> bytes | None:
+            data = super().send(event)
+            if type(event) is h11.Response and event.status_code >= 400:
+                on_error(event.status_code)
+            return data
 
         def next_event(self) -> Any:
             try:
@@ -243,7 +302,7 @@ def _error_body(message: str, error_type: str, code: str = "invalid_http") -> by
     return json.dumps({"error": error}).encode()
 
 
-def _refusal_app(max_connections: int, on_refused: Callable[[], None]) -> Any:
+def _refusal_app(max_connections: int) -> Any:
     """The ASGI app that answers every request of a connection over the limit."""
     body = _error_body(
         f"The server holds its maximum of {max_connections} connections"
@@ -259,7 +318,6 @@ def _refusal_app(max_connections: int, on_refused: Callable[[], None]) -> Any:
     ]
 
     async def refuse(scope: dict, receive: Any, send: Any) -> None:
-        on_refused()
         await send({"type": "http.response.start", "status": 429, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lockstep.errors import RequestError
 from lockstep.server.async_engine import EngineFailure, Overloaded
-from lockstep.server.metrics import ServerMetrics
 from lockstep.server.protocol import APIError, StrictModel, clip
 from lockstep.server.request_bodies import BodyRefused
 
@@ -39,10 +38,9 @@ class RefuseWhenFull:
     admits nothing more, before its body is read or parsed; the route checks again (its
     request may need more sequences than are free). Plain ASGI, as below."""
 
-    def __init__(self, app: Any, engine: Any, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, engine: Any) -> None:
         self.app = app
         self.engine = engine
-        self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -50,7 +48,6 @@ class RefuseWhenFull:
                 try:
                     self.engine.refuse_if_full()
                 except Overloaded as exc:
-                    self.metrics.http_errors.labels("429").inc()
                     response = JSONResponse(
                         _overloaded_error(exc).body(),
                         status_code=429,
@@ -79,9 +76,11 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, send_without_body)
 
 
-def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body (`lockstep_http_errors_total` counts them as they are
+    written: connections.py)."""
+
     def reply(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-        metrics.http_errors.labels(str(error.status)).inc()
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(APIError)

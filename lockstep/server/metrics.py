@@ -152,10 +152,15 @@ class ServerMetrics:
         )
         self.http_errors = Counter(
             "lockstep_http_errors",
-            "Requests answered with an error, by status code",
+            "Responses with an error status (4xx, 5xx) sent, by status code",
             ["status"],
             registry=self.registry,
         )
+
+    def count_error(self, status: int) -> None:
+        """One response of `status` (>= 400) written to a client: called where every status
+        line is written (connections.py), so the refusals below the routes count too."""
+        self.http_errors.labels(str(status)).inc()
 
     def observe_step(self, seconds: float, new_tokens: int) -> None:
         """Called on the event loop as each step's outputs arrive."""

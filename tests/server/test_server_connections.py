@@ -4,14 +4,17 @@ a request whose head or body arrives too slowly (slowloris) has its connection c
 of more than 16 KiB or 100 fields is a 431, a request framed two ways or in an unknown HTTP
 version is refused and its connection closed, and beyond `--max-connections` a request gets a
 429 with Retry-After. Controls: the same requests sent in time are served, and the server is
-healthy after each case.
+healthy after each case. Every error status sent, those answered below the routes included,
+is counted in /metrics.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -223,3 +226,37 @@ def test_beyond_max_connections_a_request_gets_429(server: ServerProcess) -> Non
         time.sleep(0.05)
     metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
     assert 'lockstep_http_errors_total{status="429"}' in metrics
+
+
+def _error_counts(server: ServerProcess) -> Counter[str]:
+    """`lockstep_http_errors_total` by status, from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    found = re.findall(r'^lockstep_http_errors_total\{status="(\d+)"\} ([\d.]+)$', text, re.M)
+    return Counter({status: int(float(value)) for status, value in found})
+
+
+def test_every_error_status_sent_is_counted(server: ServerProcess) -> None:
+    """lockstep_http_errors_total counts each 4xx and 5xx the server sends, whoever answers
+    it: the routes (a 400 for a bad body, a 404, a 405), a middleware below them (a 413 for a
+    declared body over 32 MiB, answered before it is read) and the connection itself (a head
+    h11 cannot parse, framed two ways, too big, or in HTTP/9.9). Each answer is checked as
+    sent, and the counts grow by exactly these."""
+    before = _error_counts(server)
+    completions = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sent = [
+        (b"GARBAGE\r\n\r\n", "400"),
+        (b"POST /flush_cache HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n", "400"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10) + b"\r\n\r\n", "431"),
+        (b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", "505"),
+        (completions + b"Content-Length: 40000000\r\n\r\n", "413"),
+        (completions + b"Content-Length: 5\r\n\r\n{nope", "400"),
+        (b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "404"),
+        (b"DELETE /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "405"),
+    ]  # fmt: skip
+    for raw, status in sent:
+        response, _ = _exchange(server, raw)
+        assert response.startswith(b"HTTP/1.1 " + status.encode()), (raw[:60], response[:300])
+    counted = _error_counts(server)
+    counted.subtract(before)
+    assert +counted == Counter(status for _, status in sent), (counted, before)

@@ -8,7 +8,8 @@
   not imported torch by then; the engine process has.
 * The engine process killed (SIGKILL) while requests run: each gets a 503 (or, streaming, an
   error event) saying the engine process died, and the server exits with status 1 within
-  seconds; no hang (every wait has a timeout).
+  seconds; no hang (every wait has a timeout). Requests whose bodies are half sent get the
+  same 503 within 1 s, and the exit comes within 2 s.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -193,3 +195,47 @@ def test_a_killed_engine_process_fails_requests_with_503_and_ends_the_server() -
         assert died in resp.json()["error"]["message"]
     assert events[-1] == "data: [DONE]"
     assert died in json.loads(events[-2][5:])["error"]["message"], events[-2:]
+
+
+def test_bodies_half_sent_when_the_engine_process_dies_get_a_503_at_once() -> None:
+    """Requests whose bodies are half sent when the engine process is killed (a small body,
+    read by FastAPI, and a big one, read within request_bodies.py's budget) are answered with
+    the JSON 503 of the requests in flight within 1 s, no traceback is logged, and the server
+    exits with status 1 within 2 s (before, they waited for --shutdown-timeout + 5 s, then got
+    a plain-text 500 and a CancelledError traceback, and the exit waited as long)."""
+    server = ServerProcess(["--model", MODEL, "--device", "cpu", "--kv-tokens", "512",
+                            "--max-model-len", "64"]).start()  # fmt: skip
+    assert server.proc is not None
+    engine = _engine_pid(server)
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    socks = []
+    for declared in (1000, 100_000):
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: %d\r\n\r\n{"prompt": ' % declared
+        )
+        socks.append(sock)
+    time.sleep(0.5)  # both heads read, both bodies awaited
+    os.kill(engine, signal.SIGKILL)
+    killed = time.monotonic()
+    died = f"the engine process (pid {engine}) died (signal SIGKILL)"
+    for sock in socks:
+        with sock:
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+            answered = time.monotonic() - killed
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), response[:500]
+        assert b"content-type: application/json" in head.lower(), head
+        assert answered < 1.0, f"answered {answered:.2f} s after the kill"
+        error = json.loads(body)["error"]
+        assert error["code"] == "unavailable" and died in error["message"], error
+    code = server.proc.wait(60)
+    took = time.monotonic() - killed
+    print(f"answered within {answered:.2f} s of the kill, exit status {code} at {took:.2f} s")
+    log = "".join(server.log)
+    assert code == 1, log[-3000:]
+    assert took < 2.0, f"exited {took:.1f} s after the kill"
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

@@ -50,12 +50,15 @@ def gated() -> Iterator[tuple[str, _GatedEngine]]:
     import uvicorn
 
     from lockstep.server.api import build_app
+    from lockstep.server.connections import guarded_protocol
 
     engine = _GatedEngine()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     app = build_app(engine, max_waiting=MAX_WAITING)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # `lockstep serve`'s protocol, where error statuses are counted (connections.py).
+    protocol = guarded_protocol(60.0, 20.0, 2048, app.state.metrics.count_error)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=protocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
