@@ -31,6 +31,13 @@ ADMIN_ROUTES = frozenset(
         "/flush_cache",
         "/get_model_info",
         "/model_info",
+        # RL control (rl_api.py): pauses, weights from a trainer's group, the cache.
+        "/pause_generation",
+        "/continue_generation",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/reset_prefix_cache",
     }
 )
 
