@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,8 +50,7 @@ def _body(seed: int) -> dict[str, Any]:
 
 def _bits(outputs: list[dict[str, Any]]) -> list[tuple[list[int], list[float]]]:
     return [
-        (o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]])
-        for o in outputs
+        (o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outputs
     ]
 
 
