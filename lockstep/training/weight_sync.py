@@ -129,9 +129,12 @@ def push_weights(
 ) -> dict[str, Any]:
     """Send `model`'s weights to the server at `base_url` through `group` (this process is
     rank 0): `POST /update_weights_from_distributed` on a thread, the broadcasts here, then
-    the server's answer. Raises `RuntimeError` with the server's message when it refuses
-    (its old weights then still serve)."""
+    the server's answer. `fields`: the body's other fields (`group_name` defaults to the
+    group's own name). Raises `RuntimeError` with the server's message when it refuses the
+    set (its old weights then still serve); a body refused before the transfer (a group the
+    server has not joined) leaves the broadcasts here to fail at the group's timeout."""
     pairs = named_weights(model)
+    fields.setdefault("group_name", c10d._world.pg_names.get(group, DEFAULT_GROUP_NAME))
     body = update_request(pairs, weight_version, **fields)
     answer: dict[str, Any] = {}
     thread = threading.Thread(
