@@ -103,6 +103,7 @@ class AsyncEngine:
         # RL control (rl_api.py): the pause mode while generation is paused, and the lock
         # that runs one weight update (or pause, or memory change) at a time.
         self.generation_paused: str | None = None
+        self.memory_released: list[str] = []  # tags of memory handed back to the device
         self.control_lock = asyncio.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -229,6 +230,16 @@ class AsyncEngine:
     async def continue_generation(self) -> None:
         await self._call("continue")
         self.generation_paused = None
+
+    async def release_memory(self, tags: list[str] | None) -> list[str]:
+        """Free the KV pool's and/or the weights' memory (engine_loop.py, "release"); returns
+        the tags now released."""
+        self.memory_released = await self._call("release", tags)
+        return self.memory_released
+
+    async def resume_memory(self, tags: list[str] | None) -> list[str]:
+        self.memory_released = await self._call("resume", tags)
+        return self.memory_released
 
     async def engine_call(self, name: str, *args: Any) -> Any:
         """A named engine call (engine_loop.ENGINE_CALLS) and its value."""

@@ -38,6 +38,11 @@ ADMIN_ROUTES = frozenset(
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
         "/reset_prefix_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
     }
 )
 

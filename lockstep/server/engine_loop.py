@@ -12,6 +12,8 @@ Commands (front end -> loop), plain tuples of ids, numbers, strings and small ob
     ("call", call_id, name, args)             a named engine call (`ENGINE_CALLS`)
     ("pause", call_id, mode)                  stop stepping: "abort" | "retract" | "in_place"
     ("continue", call_id)                     step again
+    ("release", call_id, tags | None)         free the KV pool and/or the weights' memory
+    ("resume", call_id, tags | None)          take it again (memory_occupation.py)
     ("stop",)                                 abort whatever runs and end the loop
 
 Events (loop -> front end):
@@ -26,6 +28,8 @@ when idle it sleeps on a condition variable. A command therefore waits at most o
 A paused loop (SGLang's `/pause_generation`, lockstep/server/rl_api.py) takes commands and
 queues new requests but runs no step until "continue"; before it pauses it completes the step
 launched ahead, so nothing runs on the device and every output computed so far is delivered.
+While memory is released (lockstep/engine/memory_occupation.py) the loop takes no step either,
+and refuses weight updates while the weights are released.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.errors import LockstepError
+from lockstep.errors import LockstepError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ def _weight_receiver() -> Any:
 
     return weight_receiver
 
+
+_WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_distributed")
 
 # What the front end may ask of the engine by name: the only engine calls that cross to it.
 ENGINE_CALLS: dict[str, Callable[..., Any]] = {
@@ -130,6 +136,7 @@ class EngineLoop:
         self._wakeup = threading.Condition()
         self._stopping = False
         self.paused: str | None = None  # the pause mode while paused
+        self._memory: Any = None  # a MemoryOccupation, made at the first release
 
     def post(self, command: Command) -> None:
         with self._wakeup:
@@ -153,10 +160,14 @@ class EngineLoop:
                     self._abort_all()
                     return
                 self._run_command(command)
-            busy = self.engine.has_unfinished() and self.paused is None
+            busy = self._may_step()
             if busy:
                 self._step()
-                busy = self.engine.has_unfinished() and self.paused is None
+                busy = self._may_step()
+
+    def _may_step(self) -> bool:
+        released = self._memory is not None and self._memory.released
+        return self.engine.has_unfinished() and self.paused is None and not released
 
     def _step(self) -> None:
         try:
@@ -186,7 +197,16 @@ class EngineLoop:
                 self._emit(("outputs", closing, None, 0))
         elif kind == "call":
             _, call_id, name, args = command
+            if name in _WEIGHT_UPDATES and self._memory is not None:
+                if "weights" in self._memory.released:
+                    error = RequestError("the weights are released: resume them first"
+                                         " (/resume_memory_occupation)")  # fmt: skip
+                    self._emit(("reply", call_id, None, error))
+                    return
             self._reply(call_id, lambda: ENGINE_CALLS[name](self.engine, *args))
+        elif kind in ("release", "resume"):
+            _, call_id, tags = command
+            self._reply(call_id, lambda: self._occupation(kind, tags))
         elif kind == "pause":
             _, call_id, mode = command
             self._reply(call_id, lambda: self._pause(mode))
@@ -195,6 +215,18 @@ class EngineLoop:
             self._emit(("reply", command[1], None, None))
         else:
             raise ValueError(f"unknown engine command {kind!r}")
+
+    def _occupation(self, kind: str, tags: list[str] | None) -> list[str]:
+        """Release or resume memory; returns the tags released afterwards."""
+        from lockstep.engine.memory_occupation import MemoryOccupation, parse_tags
+
+        if self._memory is None:
+            self._memory = MemoryOccupation(self.engine)
+        if kind == "release":
+            self._memory.release(parse_tags(tags))
+        else:
+            self._memory.resume(parse_tags(tags))
+        return sorted(self._memory.released)
 
     def _pause(self, mode: str) -> int:
         """Stop stepping after delivering the step launched ahead. "abort": every request

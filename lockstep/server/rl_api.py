@@ -9,6 +9,8 @@ all admin routes (auth.py):
                                             abort_all_requests, weight_version}
     POST /destroy_weights_update_group   {group_name}
     POST /reset_prefix_cache      vLLM's name for /flush_cache
+    POST /release_memory_occupation, /resume_memory_occupation   {"tags": [...] | null}
+    POST /sleep, /wake_up, GET /is_sleeping                      vLLM's names for the same
 
 A pause stops the engine's steps (engine_loop.py): "abort" ends every request with finish
 reason abort and the tokens it has; "retract" sends running requests back to the queue (their
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
@@ -50,6 +52,14 @@ class ContinueGenerationRequest(RequestBody):
     """SGLang's `POST /continue_generation`."""
 
     torch_empty_cache: bool = Field(True, description="accepted: the allocator's cache stays")
+
+
+class MemoryOccupationRequest(RequestBody):
+    """SGLang's `POST /release_memory_occupation` and `/resume_memory_occupation`."""
+
+    tags: list[Literal["kv_cache", "weights"]] | None = Field(
+        None, min_length=1, max_length=2, description="null: both"
+    )
 
 
 class InitWeightsUpdateGroupRequest(RequestBody):
@@ -156,6 +166,46 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, refresh_fingerprint: Any) -
                 "weight_version": engine.weight_version,
             }
         )
+
+    async def occupation(kind: str, tags: list[str] | None) -> JSONResponse:
+        async with engine.control_lock:
+            try:
+                if kind == "release":
+                    released = await engine.release_memory(tags)
+                else:
+                    released = await engine.resume_memory(tags)
+            except LockstepError as exc:
+                return _refused(str(exc))
+        logger.info("memory %sd (%s): released now %s", kind, tags or "all", released)
+        return JSONResponse({"success": True, "message": f"Memory {kind}d.",
+                             "released_tags": released})  # fmt: skip
+
+    @app.post("/release_memory_occupation", response_model=None)
+    async def release_memory_occupation(
+        body: MemoryOccupationRequest | None = None,
+    ) -> JSONResponse:
+        return await occupation("release", (body or MemoryOccupationRequest()).tags)
+
+    @app.post("/resume_memory_occupation", response_model=None)
+    async def resume_memory_occupation(body: MemoryOccupationRequest | None = None) -> JSONResponse:
+        return await occupation("resume", (body or MemoryOccupationRequest()).tags)
+
+    @app.post("/sleep", response_model=None)
+    async def sleep(level: int = 1) -> JSONResponse:
+        """vLLM's: every level releases the KV cache and the weights (level 2's dropping of
+        the weights is not done: they are kept on the host, and come back on wake-up)."""
+        if level not in (1, 2):
+            raise APIError(f"level={level} is invalid: expected 1 or 2", param="level",
+                           code="invalid_value")  # fmt: skip
+        return await occupation("release", None)
+
+    @app.post("/wake_up", response_model=None)
+    async def wake_up(tags: list[str] | None = Query(None)) -> JSONResponse:  # noqa: B008
+        return await occupation("resume", tags)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": bool(engine.memory_released)}
 
     @app.api_route("/reset_prefix_cache", methods=["GET", "POST"])
     async def reset_prefix_cache() -> dict[str, Any]:
