@@ -120,7 +120,9 @@ def update_from_group(
     for name, dtype, shape in zip(names, kinds, shapes, strict=True):
         tensor = torch.empty(shape, dtype=dtype, device=device)
         torch.distributed.broadcast(tensor, src=0, group=entry.group)
-        received.append((name, tensor))
+        # Staged on the host (where `update_weights` checks the whole set before any weight
+        # changes): the device holds one received tensor at a time beside the weights.
+        received.append((name, tensor.cpu()))
     check_dtypes(engine, received)
     engine.update_weights(received, f"process group {group_name}", version)
     return engine.fingerprint()
