@@ -1,6 +1,7 @@
-"""The engine's side of weights sent over a trainer's process group (SGLang's
+"""The engine's side of weights sent by a trainer: over its process group (SGLang's
 `/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`; the trainer's side is lockstep/training/weight_sync.py).
+`/destroy_weights_update_group`), or as safetensors bytes (`/update_weights_from_tensor`); the
+trainer's side is lockstep/training/weight_sync.py.
 
 Runs in the engine process, between steps (engine_loop.ENGINE_CALLS): joining a group and
 receiving a set of tensors block the loop until the trainer has done its part, or the group's
@@ -125,6 +126,24 @@ def update_from_group(
         received.append((name, tensor.cpu()))
     check_dtypes(engine, received)
     engine.update_weights(received, f"process group {group_name}", version)
+    return engine.fingerprint()
+
+
+def update_from_safetensors(engine: Any, blob: bytes, version: str | None) -> dict[str, Any]:
+    """Serve the tensors of one safetensors file held in memory (`/update_weights_from_tensor`,
+    a colocated trainer's bytes); returns the engine's fingerprint. Raises `RequestError` or
+    `ModelLoadError` (old weights intact)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        weights = list(load(blob).items())
+    except SafetensorError as exc:
+        raise RequestError(
+            f"serialized_named_tensors[0] is not a safetensors file: {exc}"
+        ) from None
+    check_dtypes(engine, weights)
+    engine.update_weights(weights, "tensors", version)
     return engine.fingerprint()
 
 

@@ -37,6 +37,7 @@ ADMIN_ROUTES = frozenset(
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
+        "/update_weights_from_tensor",
         "/reset_prefix_cache",
         "/release_memory_occupation",
         "/resume_memory_occupation",

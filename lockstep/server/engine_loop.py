@@ -65,7 +65,11 @@ def _weight_receiver() -> Any:
     return weight_receiver
 
 
-_WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_distributed")
+_WEIGHT_UPDATES = (
+    "update_weights_from_disk",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+)
 
 # What the front end may ask of the engine by name: the only engine calls that cross to it.
 ENGINE_CALLS: dict[str, Callable[..., Any]] = {
@@ -76,6 +80,7 @@ ENGINE_CALLS: dict[str, Callable[..., Any]] = {
     "init_weights_update_group": lambda e, *a: _weight_receiver().init_group(e, *a),
     "update_weights_from_distributed": lambda e, *a: _weight_receiver().update_from_group(e, *a),
     "destroy_weights_update_group": lambda e, *a: _weight_receiver().destroy_group(e, *a),
+    "update_weights_from_tensor": lambda e, *a: _weight_receiver().update_from_safetensors(e, *a),
 }
 
 

@@ -8,6 +8,8 @@ all admin routes (auth.py):
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache,
                                             abort_all_requests, weight_version}
     POST /destroy_weights_update_group   {group_name}
+    POST /update_weights_from_tensor     {serialized_named_tensors: [base64 safetensors],
+                                          load_format: "safetensors", weight_version, ...}
     POST /reset_prefix_cache      vLLM's name for /flush_cache
     POST /release_memory_occupation, /resume_memory_occupation   {"tags": [...] | null}
     POST /sleep, /wake_up, GET /is_sleeping                      vLLM's names for the same
@@ -25,6 +27,8 @@ the old weights first, unless generation is paused).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 from typing import Any, Literal
 
@@ -95,6 +99,18 @@ class UpdateWeightsFromDistributedRequest(RequestBody):
     torch_empty_cache: bool = Field(False, description="accepted")
 
 
+class UpdateWeightsFromTensorRequest(RequestBody):
+    """SGLang's `POST /update_weights_from_tensor`, in the one serialisation Lockstep takes: a
+    safetensors file of the tensors (Hugging Face names), base64 text, `load_format`
+    'safetensors'."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    load_format: str | None = Field(None, description="must be 'safetensors'")
+    flush_cache: bool = Field(True, description="must be true: the cached KV is the old model's")
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(None, max_length=256)
+
+
 def add_rl_routes(app: FastAPI, engine: AsyncEngine, refresh_fingerprint: Any) -> None:
     """Register the RL control routes on `app`. `refresh_fingerprint` recomputes the served
     system fingerprint after a weight update."""
@@ -134,21 +150,15 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, refresh_fingerprint: Any) -
             f"Left the weights update group {name!r}.",
         )
 
-    @app.post("/update_weights_from_distributed", response_model=None)
-    async def update_weights_from_distributed(
-        body: UpdateWeightsFromDistributedRequest,
-    ) -> JSONResponse:
-        _check_tensor_list(body)
+    async def update(abort_all: bool, call: str, args: tuple, source: str) -> JSONResponse:
+        """One weight update: admission paused, the requests in flight handled SGLang's way
+        (`AsyncEngine.quiesce_for_weights`), the engine call, the fingerprint refreshed."""
         async with engine.control_lock:
             engine.pause_admission()
             try:
-                await engine.quiesce_for_weights(body.abort_all_requests)
-                args = (body.group_name, body.names, body.dtypes, body.shapes,
-                        body.weight_version)  # fmt: skip
+                await engine.quiesce_for_weights(abort_all)
                 try:
-                    engine.fingerprint = await engine.engine_call(
-                        "update_weights_from_distributed", *args
-                    )
+                    engine.fingerprint = await engine.engine_call(call, *args)
                 except LockstepError as exc:
                     logger.warning("weight update refused: %s", exc)
                     return _refused(str(exc))
@@ -161,11 +171,26 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, refresh_fingerprint: Any) -
         return JSONResponse(
             {
                 "success": True,
-                "message": f"Succeeded to update model weights from group {body.group_name!r}.",
+                "message": f"Succeeded to update model weights from {source}.",
                 "num_paused_requests": 0,
                 "weight_version": engine.weight_version,
             }
         )
+
+    @app.post("/update_weights_from_distributed", response_model=None)
+    async def update_weights_from_distributed(
+        body: UpdateWeightsFromDistributedRequest,
+    ) -> JSONResponse:
+        _check_tensor_list(body)
+        args = (body.group_name, body.names, body.dtypes, body.shapes, body.weight_version)
+        return await update(body.abort_all_requests, "update_weights_from_distributed", args,
+                            f"group {body.group_name!r}")  # fmt: skip
+
+    @app.post("/update_weights_from_tensor", response_model=None)
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest) -> JSONResponse:
+        blob = _safetensors_payload(body)
+        return await update(body.abort_all_requests, "update_weights_from_tensor",
+                            (blob, body.weight_version), "tensors")  # fmt: skip
 
     async def occupation(kind: str, tags: list[str] | None) -> JSONResponse:
         async with engine.control_lock:
@@ -213,6 +238,41 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, refresh_fingerprint: Any) -
         return {"success": True, "flushed_tokens": freed}
 
 
+def _safetensors_payload(body: UpdateWeightsFromTensorRequest) -> bytes:
+    """The one safetensors file the body carries, decoded; a 400 for SGLang's other payloads
+    (pickles, CUDA IPC handles), for more than one entry and for text that is not base64."""
+    if body.load_format != "safetensors":
+        raise APIError(
+            f"load_format={body.load_format!r} is refused: SGLang's pickled tensors and CUDA IPC"
+            " handles are not taken (unpickling a request runs its code); send load_format"
+            " 'safetensors' with one base64 safetensors file (docs/rl.md)",
+            param="load_format",
+            code="unsupported_parameter",
+        )
+    if len(body.serialized_named_tensors) != 1:
+        raise APIError(
+            f"serialized_named_tensors has {len(body.serialized_named_tensors)} entries: expected"
+            " 1 (one per tensor-parallel rank; this engine takes one)",
+            param="serialized_named_tensors",
+            code="invalid_value",
+        )
+    if not body.flush_cache:
+        raise APIError(
+            "flush_cache=false is refused: the prefix cache holds KV the old weights computed,"
+            " which the new weights would read as theirs",
+            param="flush_cache",
+            code="invalid_value",
+        )
+    try:
+        return base64.b64decode(body.serialized_named_tensors[0], validate=True)
+    except binascii.Error:
+        raise APIError(
+            "serialized_named_tensors[0] is not base64 text",
+            param="serialized_named_tensors",
+            code="invalid_value",
+        ) from None
+
+
 def _check_tensor_list(body: UpdateWeightsFromDistributedRequest) -> None:
     """The declared tensors, checked before anything is received (a 400 here leaves the
     trainer's broadcasts to wait for the group's timeout: send what `update_request` makes)."""
@@ -254,6 +314,11 @@ async def _answer(call: Any, message: str) -> JSONResponse:
 
 
 def _refused(message: str, status: int = 400) -> JSONResponse:
+    """SGLang's refusal (`success`, `message`) with OpenAI's error object beside it, so that
+    either kind of client reads it."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    error = APIError(message, status=status, type=kind, code="refused")
     return JSONResponse(
-        {"success": False, "message": message, "num_paused_requests": 0}, status_code=status
+        {"success": False, "message": message, "num_paused_requests": 0, **error.body()},
+        status_code=status,
     )

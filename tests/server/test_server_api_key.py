@@ -47,9 +47,12 @@ ADMIN_ROUTES = [
     ("POST", "/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"],
      "shapes": [[1]]}),
     ("POST", "/destroy_weights_update_group", None),
+    ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="],
+     "load_format": "safetensors"}),
 ]  # fmt: skip
 REFUSED_FOR_WHAT_THEY_ASK = {"/update_weights_from_disk", "/init_weights_update_group",
-                             "/update_weights_from_distributed", "/destroy_weights_update_group"}  # fmt: skip
+                             "/update_weights_from_distributed", "/destroy_weights_update_group",
+                             "/update_weights_from_tensor"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

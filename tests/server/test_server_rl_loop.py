@@ -13,6 +13,7 @@ follows SGLang's `abort_all_requests`."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -32,6 +33,7 @@ from lockstep.training.weight_sync import (  # noqa: E402
     leave_weight_group,
     named_weights,
     push_weights,
+    tensor_update_request,
 )
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
@@ -121,10 +123,23 @@ def _push(server: ServerProcess, trainer: Any, pg: Any, version: str, **fields: 
                         **fields)  # fmt: skip
 
 
-def test_grpo_over_http_with_weights_from_the_trainers_group(
-    server: ServerProcess, http: httpx.Client, trainer: LockstepForCausalLM, group: Any
-) -> None:
+def _push_tensors(http: httpx.Client, weights: Any, version: str) -> dict:
+    response = http.post("/update_weights_from_tensor",
+                         json=tensor_update_request(weights, version))  # fmt: skip
+    if response.status_code != 200:
+        raise RuntimeError(response.json()["message"])
+    return response.json()
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_grpo_over_http_with_weights_from_the_trainer(
+    server: ServerProcess, http: httpx.Client, trainer: LockstepForCausalLM, group: Any,
+    transport: str,
+) -> None:  # fmt: skip
+    """Weights through the trainer's gloo group, or as safetensors bytes
+    (`/update_weights_from_tensor`, a colocated trainer)."""
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=3e-2)
+    start = http.get("/model_info").json()["weight_version"]
     versions = []
     for step in range(1, 6):
         outs = _rollouts(http, step)
@@ -153,11 +168,26 @@ def test_grpo_over_http_with_weights_from_the_trainers_group(
         assert any(not torch.equal(a, b) for a, b in zip(moved, served, strict=True))
         paused = http.post("/pause_generation", json={"mode": "retract"})
         assert paused.status_code == 200, paused.text
-        answer = _push(server, trainer, group, f"step-{step}")
-        assert answer["weight_version"] == f"step-{step}"
+        version = f"{transport}-{step}"
+        if transport == "distributed":
+            answer = _push(server, trainer, group, version)
+        else:
+            answer = _push_tensors(http, trainer, version)
+        assert answer["weight_version"] == version
         assert http.post("/continue_generation").status_code == 200
-    assert versions == ["default", "step-1", "step-2", "step-3", "step-4"]
-    assert _rollouts(http, 6)[0]["meta_info"]["weight_version"] == "step-5"
+    assert versions == [start] + [f"{transport}-{i}" for i in range(1, 5)]
+    last = f"{transport}-5"
+    assert _rollouts(http, 6)[0]["meta_info"]["weight_version"] == last
+    # The OpenAI routes carry it too, in SGLang's `metadata`, in the body and each chunk.
+    body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 2}
+    completion = http.post("/v1/completions", json=body).json()
+    assert completion["metadata"] == {"weight_version": last}
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "stream": True}  # fmt: skip
+    with http.stream("POST", "/v1/chat/completions", json=chat) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    assert chunks and all(c["metadata"] == {"weight_version": last} for c in chunks)
     server.wait_idle()
 
 
@@ -170,10 +200,11 @@ def _probe(http: httpx.Client) -> Any:
     return out["output_ids"], out["meta_info"]["output_token_logprobs"]
 
 
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
 @pytest.mark.parametrize("fault", ["shape", "dtype"])
 def test_a_bad_tensor_is_refused_and_the_old_weights_serve(
     server: ServerProcess, http: httpx.Client, trainer: LockstepForCausalLM, group: Any,
-    fault: str,
+    fault: str, transport: str,
 ) -> None:  # fmt: skip
     before = _probe(http)
     version = http.get("/model_info").json()["weight_version"]
@@ -184,15 +215,32 @@ def test_a_bad_tensor_is_refused_and_the_old_weights_serve(
         changed[name] = torch.cat([changed[name], torch.ones(1)])
     else:
         changed[name] = changed[name].double()
+
+    def push(weights: Any, version: str) -> Any:
+        if transport == "distributed":
+            return _push(server, weights, group, version)
+        return _push_tensors(http, weights, version)
+
     with pytest.raises(RuntimeError, match="shape" if fault == "shape" else "float64"):
-        _push(server, changed, group, "bad")
+        push(changed, "bad")
     assert http.get("/model_info").json()["weight_version"] == version
     assert _probe(http) == before
-    # The group is still in step: a good set goes through, and changes the output (control).
-    _push(server, {n: t + 0.5 for n, t in state.items()}, group, "shifted")
+    # (The group is still in step:) a good set goes through and changes the output (control).
+    push({n: t + 0.5 for n, t in state.items()}, "shifted")
     assert _probe(http) != before
-    _push(server, state, group, version)
+    push(state, version)
     assert _probe(http) == before
+
+
+def test_sglang_payloads_other_than_safetensors_are_refused(http: httpx.Client) -> None:
+    for load_format in (None, "direct", "flattened_bucket"):
+        body = {"serialized_named_tensors": ["gASVAAAAAAAAAAAu"], "load_format": load_format}
+        response = http.post("/update_weights_from_tensor", json=body)
+        assert response.status_code == 400, response.text
+        assert "pickled" in response.json()["error"]["message"]
+    body = {"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"], "load_format": "safetensors"}
+    response = http.post("/update_weights_from_tensor", json=body)
+    assert response.status_code == 400 and "safetensors" in response.json()["message"]
 
 
 @pytest.mark.parametrize("abort_all", [True, False])

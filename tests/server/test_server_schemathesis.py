@@ -84,7 +84,7 @@ def _bounded(body: Any, model: str, path: str) -> Any:
 RL_CONTROL = ["/pause_generation", "/continue_generation", "/init_weights_update_group",
               "/update_weights_from_distributed", "/destroy_weights_update_group",
               "/release_memory_occupation", "/resume_memory_occupation", "/sleep",
-              "/wake_up"]  # fmt: skip
+              "/wake_up", "/update_weights_from_tensor"]  # fmt: skip
 schema = schemathesis.pytest.from_fixture("api_schema").exclude(path=RL_CONTROL)
 
 
