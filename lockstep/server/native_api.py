@@ -231,7 +231,13 @@ def add_native_routes(
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """A one-token generation through the engine (SGLang's deep health check)."""
+        """A one-token generation through the engine (SGLang's deep health check). While
+        generation is paused or memory released (docs/rl.md) no step runs: healthy, said so,
+        without waiting (a supervisor must not restart a server in a weight sync)."""
+        held = engine.generation_paused or engine.memory_released
+        if held:
+            what = "paused" if engine.generation_paused else "memory released"
+            return JSONResponse({"status": "ok", "detail": f"generation {what}"})
         group = RequestGroup(engine, engine.new_request_id("health"))
         try:
             async with group:

@@ -119,6 +119,9 @@ def test_pause_and_continue_give_the_unpaused_bits(
     time.sleep(0.5)
     assert server.engine_stats()["generated_tokens_total"] - before == done
     assert late.thread.is_alive()
+    # Healthy while paused, said at once (no one-token generation can run).
+    health = http.get("/health_generate", timeout=5)
+    assert health.status_code == 200 and health.json()["detail"] == "generation paused"
     assert http.post("/continue_generation", json={}).status_code == 200
     assert _bits(run.join()) == unpaused
     assert late.join()["meta_info"]["finish_reason"]["type"] == "length"
