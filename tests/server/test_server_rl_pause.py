@@ -22,8 +22,11 @@ from tests.support.tiny_hf import save_tiny  # noqa: E402
 
 N = 64
 TOKENS = 24
+# Overlapped decode (off by default on the CPU): a pause then finds a step launched ahead,
+# which it completes before it stops.
 ARGS = ["--device", "cpu", "--kv-tokens", "8192", "--max-batch-tokens", "512", "--chunk-size",
-        "64", "--max-running", "64", "--max-model-len", "256", "--debug-checks"]  # fmt: skip
+        "64", "--max-running", "64", "--max-model-len", "256", "--debug-checks",
+        "--overlap-decode"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
