@@ -266,3 +266,27 @@ def test_an_update_while_requests_run_follows_abort_all_requests(
     if abort_all:
         assert all(0 < len(o["output_ids"]) < 200 for o in outs)
     server.wait_idle()
+
+
+def test_group_requests_refused_in_one_line(http: httpx.Client, group: Any) -> None:
+    """On a CPU engine with the test's group joined: nccl, the same group again, a rank that
+    is the trainer's, and a group never joined are each refused, naming the field."""
+    base = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    cases = [
+        ({**base, "backend": "nccl", "group_name": "g2"}, "backend='nccl'"),
+        ({**base, "backend": "gloo", "group_name": "rl-test"}, "already joined"),
+        ({**base, "backend": "gloo", "group_name": "g2", "rank_offset": 2}, "rank_offset=2"),
+    ]
+    for body, said in cases:
+        response = http.post("/init_weights_update_group", json=body)
+        assert response.status_code == 400 and said in response.json()["message"], response.text
+    for path, body in [
+        ("/destroy_weights_update_group", {"group_name": "never"}),
+        ("/update_weights_from_distributed",
+         {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "never"}),
+    ]:  # fmt: skip
+        response = http.post(path, json=body)
+        assert response.status_code == 400 and "'never'" in response.json()["message"]
+    mismatched = {"names": ["x", "y"], "dtypes": ["float32"], "shapes": [[1], [2]]}
+    response = http.post("/update_weights_from_distributed", json=mismatched)
+    assert response.status_code == 400 and "one of each" in response.json()["error"]["message"]
