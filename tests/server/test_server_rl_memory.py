@@ -4,7 +4,7 @@ resume of either tag or both, a fixed seeded request gives the bits it gave befo
 another seed differs); a request that arrives while memory is released waits and completes
 after the resume; a release while requests run, a weight update while the weights are
 released and an unknown tag are refused with a 400 naming why. The memory itself is measured
-on CUDA (tests/gpu/test_gpu_memory_occupation.py)."""
+on CUDA (tests/gpu/test_gpu_rl.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Memory handed back to the GPU and taken again (lockstep/engine/memory_occupation.py), and an
-8B refit from a trainer's NCCL group (lockstep/engine/weight_receiver.py), on CUDA only.
+"""The RL control surface on CUDA (docs/rl.md): memory handed back to the GPU and taken again
+(lockstep/engine/memory_occupation.py), an 8B refit from a trainer's NCCL group
+(lockstep/engine/weight_receiver.py), and a pause under CUDA graphs and overlapped decode.
 
 - Releasing both tags raises `torch.cuda.mem_get_info`'s free memory by at least 95% of the
   weights' and the KV pool's bytes; resuming gives a fixed seeded request its bits again, from
@@ -8,7 +9,11 @@
   trainer process's NCCL group are printed as one JSON line (docs/rl.md names the aim: a
   refit under 10 s); the refit's served bits equal the trainer's weights loaded directly.
 
-    python -m pytest tests/gpu/test_gpu_memory_occupation.py -x -q -s
+- A run paused mid-way (the step launched ahead completed, requests retracted or kept in
+  place) gives, resumed, the bits of a run never paused (tests/unit/engine/test_pause.py's
+  run, on the GPU's default path: CUDA graphs, overlapped decode).
+
+    python -m pytest tests/gpu/test_gpu_rl.py -x -q -s
 """
 
 from __future__ import annotations
@@ -126,3 +131,19 @@ def test_refit_from_a_trainers_nccl_group() -> None:
     assert _probe(direct) == served
     print(json.dumps({"model": MODEL, "refit_s": refit_s, "tensors": len(names),
                       "device": torch.cuda.get_device_name()}))  # fmt: skip
+
+
+@pytest.mark.parametrize("pause", ["retract", "in_place"])
+def test_a_paused_run_gives_the_unpaused_bits_on_cuda(pause: str) -> None:
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+    from tests.unit.engine.test_pause import _run
+
+    engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
+                                 kv_tokens=8192, max_model_len=2048, debug_checks=True))  # fmt: skip
+    assert engine.runner.graphs is not None and engine.config.use_overlap_decode
+    unpaused = _run(engine, seed=100)
+    engine.flush_cache()
+    assert _run(engine, seed=100, pause=pause) == unpaused
+    assert _run(engine, seed=200) != unpaused  # the control
+    assert engine.runner.graphs.num_graphs > 0
