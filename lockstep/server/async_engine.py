@@ -131,7 +131,8 @@ class AsyncEngine:
 
     @property
     def weight_version(self) -> str:
-        return self.fingerprint["weight_version"]
+        # (An engine without versions, a test's fake, serves SGLang's first one.)
+        return self.fingerprint.get("weight_version", "default")
 
     def shed(self, reason: str) -> None:
         """Fail every request in flight as unavailable (a 503, or an error event ending a
