@@ -1,14 +1,14 @@
 """The RL control surface on CUDA (docs/rl.md): memory handed back to the GPU and taken again
-(lockstep/engine/memory_occupation.py), an 8B refit from a trainer's NCCL group
+(lockstep/engine/memory_occupation.py), an 8B refit from a trainer's process group
 (lockstep/engine/weight_receiver.py), and a pause under CUDA graphs and overlapped decode.
 
 - Releasing both tags raises `torch.cuda.mem_get_info`'s free memory by at least 95% of the
   weights' and the KV pool's bytes; resuming gives a fixed seeded request its bits again, from
   CUDA graphs captured anew (control: another seed differs).
-- The timings of the release, the resume and (with two GPUs) a Qwen3-8B-shaped refit from a
-  trainer process's NCCL group are printed as one JSON line (docs/rl.md names the aim: a
-  refit under 10 s); the refit's served bits equal the trainer's weights loaded directly.
-
+- The timings of the release, the resume and a Qwen3-8B-shaped refit from a trainer
+  process's group (gloo on one GPU; NCCL with two) are printed as JSON lines (the aim: a
+  refit under 10 s); the refit's served bits equal the trainer's weights loaded directly
+  (control: they differ from the weights before).
 - A run paused mid-way (the step launched ahead completed, requests retracted or kept in
   place) gives, resumed, the bits of a run never paused (tests/unit/engine/test_pause.py's
   run, on the GPU's default path: CUDA graphs, overlapped decode).
@@ -82,23 +82,27 @@ def test_release_both_frees_the_memory_and_resume_gives_the_same_bits() -> None:
                       "device": torch.cuda.get_device_name()}))  # fmt: skip
 
 
-def _trainer(port: int, model: str, ready: mp.Queue) -> None:
-    """Rank 0 on cuda:1: the preset's weights (the same seed as the engine's: other values
-    below), broadcast over NCCL."""
-    torch.cuda.set_device(1)
+def _trainer(port: int, model: str, backend: str, ready: mp.Queue) -> None:
+    """Rank 0: the preset's weights drawn with another seed than the engine's, broadcast over
+    NCCL from cuda:1, or over gloo from host copies (drawn on cuda:0, as the engine draws)."""
+    device = "cuda:1" if backend == "nccl" else "cuda:0"
+    torch.cuda.set_device(device)
     from lockstep.models.resolver import resolve_model
     from lockstep.training.weight_sync import broadcast_weights, join_weight_group
 
     loaded = resolve_model(model, random_seed=1)
-    pairs = [(n, t.to("cuda:1")) for n, t in loaded.iter_weights(torch.bfloat16, "cuda:1")]
-    group = join_weight_group("127.0.0.1", port, 0, 2, "refit", "nccl", timeout_s=600)
+    pairs = [(n, t if backend == "nccl" else t.cpu())
+             for n, t in loaded.iter_weights(torch.bfloat16, device)]  # fmt: skip
+    group = join_weight_group("127.0.0.1", port, 0, 2, "refit", backend, timeout_s=600)
     ready.put([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in pairs])
     broadcast_weights(pairs, group)
     torch.cuda.synchronize()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per NCCL rank)")
-def test_refit_from_a_trainers_nccl_group() -> None:
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_refit_from_a_trainers_group(backend: str) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs two GPUs (one per rank)")
     from lockstep.engine import weight_receiver
 
     llm = _llm()
@@ -109,9 +113,9 @@ def test_refit_from_a_trainers_nccl_group() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    trainer = ctx.Process(target=_trainer, args=(port, MODEL, ready))
+    trainer = ctx.Process(target=_trainer, args=(port, MODEL, backend, ready))
     trainer.start()
-    weight_receiver.init_group(engine, "127.0.0.1", port, 1, 2, "refit", "nccl", 600.0)
+    weight_receiver.init_group(engine, "127.0.0.1", port, 1, 2, "refit", backend, 600.0)
     declared = ready.get(timeout=600)
     names, dtypes, shapes = (list(x) for x in zip(*declared, strict=True))
     started = time.perf_counter()
@@ -129,8 +133,8 @@ def test_refit_from_a_trainers_nccl_group() -> None:
     torch.cuda.empty_cache()
     direct = _llm(MODEL, random_seed=1)
     assert _probe(direct) == served
-    print(json.dumps({"model": MODEL, "refit_s": refit_s, "tensors": len(names),
-                      "device": torch.cuda.get_device_name()}))  # fmt: skip
+    print(json.dumps({"model": MODEL, "backend": backend, "refit_s": refit_s,
+                      "tensors": len(names), "device": torch.cuda.get_device_name()}))  # fmt: skip
 
 
 @pytest.mark.parametrize("pause", ["retract", "in_place"])
