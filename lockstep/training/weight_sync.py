@@ -63,8 +63,8 @@ def join_weight_group(
     store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    # torch renamed this argument (pg_options -> backend_options); the helper is the one
-    # public road to a second world without a default group.
+    # torch's private helper is the only road to a group without a default world (the RL
+    # frameworks' helpers take it too); it renamed pg_options to backend_options.
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"
     group, _ = c10d._new_process_group_helper(
