@@ -38,6 +38,7 @@ ADMIN_ROUTES = frozenset(
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
         "/update_weights_from_tensor",
+        "/update_weight_version",
         "/reset_prefix_cache",
         "/release_memory_occupation",
         "/resume_memory_occupation",

@@ -59,6 +59,11 @@ def _update_weights_from_disk(engine: Any, path: str, version: str | None) -> di
     return engine.fingerprint()  # the weights now served, for the front end's copy
 
 
+def _set_weight_version(engine: Any, version: str) -> dict[str, Any]:
+    engine.weight_version = version  # the same weights under a new name
+    return engine.fingerprint()
+
+
 def _weight_receiver() -> Any:
     from lockstep.engine import weight_receiver  # torch.distributed: loaded on first use
 
@@ -81,6 +86,7 @@ ENGINE_CALLS: dict[str, Callable[..., Any]] = {
     "update_weights_from_distributed": lambda e, *a: _weight_receiver().update_from_group(e, *a),
     "destroy_weights_update_group": lambda e, *a: _weight_receiver().destroy_group(e, *a),
     "update_weights_from_tensor": lambda e, *a: _weight_receiver().update_from_safetensors(e, *a),
+    "update_weight_version": _set_weight_version,
 }
 
 

@@ -10,6 +10,7 @@ all admin routes (auth.py):
     POST /destroy_weights_update_group   {group_name}
     POST /update_weights_from_tensor     {serialized_named_tensors: [base64 safetensors],
                                           load_format: "safetensors", weight_version, ...}
+    POST /update_weight_version   {new_version, abort_all_requests}: rename the weights
     POST /reset_prefix_cache      vLLM's name for /flush_cache
     POST /release_memory_occupation, /resume_memory_occupation   {"tags": [...] | null}
     POST /sleep, /wake_up, GET /is_sleeping                      vLLM's names for the same
@@ -97,6 +98,13 @@ class UpdateWeightsFromDistributedRequest(RequestBody):
     weight_version: str | None = Field(None, max_length=256)
     load_format: str | None = Field(None, description="None: the tensors as sent")
     torch_empty_cache: bool = Field(False, description="accepted")
+
+
+class UpdateWeightVersionRequest(RequestBody):
+    """SGLang's `POST /update_weight_version`: a new name for the weights served."""
+
+    new_version: str = Field(min_length=1, max_length=256)
+    abort_all_requests: bool = False
 
 
 class UpdateWeightsFromTensorRequest(RequestBody):
@@ -231,6 +239,16 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, refresh_fingerprint: Any) -
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": bool(engine.memory_released)}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
+        async with engine.control_lock:
+            if body.abort_all_requests:
+                engine.finish_aborted(None)
+            engine.fingerprint = await engine.engine_call("update_weight_version", body.new_version)
+            refresh_fingerprint()
+        return {"success": True, "message": f"Weight version updated to {body.new_version!r}.",
+                "weight_version": engine.weight_version}  # fmt: skip
 
     @app.api_route("/reset_prefix_cache", methods=["GET", "POST"])
     async def reset_prefix_cache() -> dict[str, Any]:

@@ -41,6 +41,7 @@ ADMIN_ROUTES = [
     ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/resume_memory_occupation", None),
     ("GET", "/is_sleeping", None),
+    ("POST", "/update_weight_version", {"new_version": "default"}),
     # Through the guard, then refused for what they ask (a CPU engine, no group joined).
     ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
      "rank_offset": 1, "world_size": 2, "backend": "nccl"}),

@@ -179,3 +179,19 @@ def test_reset_prefix_cache_is_flush_cache(http: httpx.Client) -> None:
     http.post("/generate", json={"input_ids": [9] * 40, "sampling_params": {"max_new_tokens": 1}})
     response = http.post("/reset_prefix_cache")
     assert response.status_code == 200 and response.json()["flushed_tokens"] >= 40
+
+
+def test_update_weight_version_renames_the_weights(http: httpx.Client) -> None:
+    before = http.get("/model_info").json()["weight_version"]
+    probe = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+             "return_logprob": True}  # fmt: skip
+    first = http.post("/generate", json=probe).json()
+    answer = http.post("/update_weight_version", json={"new_version": "renamed-1"})
+    assert answer.status_code == 200 and answer.json()["weight_version"] == "renamed-1"
+    again = http.post("/generate", json=probe).json()
+    assert again["meta_info"]["weight_version"] == "renamed-1" != before
+    assert again["output_ids"] == first["output_ids"]  # the same weights
+    assert (
+        again["meta_info"]["output_token_logprobs"] == first["meta_info"]["output_token_logprobs"]
+    )
+    assert http.post("/update_weight_version", json={}).status_code == 400
