@@ -132,6 +132,13 @@ class DecodeGraphRunner:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and free its memory pool; each is captured again on
+        first use. For when the weights or the KV pool moved to new device addresses (memory
+        released and resumed: lockstep/engine/memory_occupation.py)."""
+        self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle()
+
     def can_run(self, batch: ForwardBatch) -> bool:
         """A pure decode step that fits the largest buckets."""
         meta = batch.meta

@@ -356,6 +356,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    # ----------------------------------------------------------------- pausing (RL)
+    def complete_launched_step(self) -> list[StepOutput]:
+        """Complete the step launched ahead (overlapped decode), if any, and return its
+        outputs: afterwards nothing runs on the device and no request has a pending token.
+        A paused server calls this before it stops stepping (lockstep/server/rl_api.py)."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return []
+        outputs = self._complete(launched)
+        self._last_layout = launched.layout
+        return outputs
+
+    def retract_running(self) -> int:
+        """Send every running request back to the waiting queue, as preemption does: its
+        computed KV goes to the radix cache and is recomputed (or matched) when it is admitted
+        again, which by position invariance gives the same bits. Call after
+        `complete_launched_step`. Returns how many requests were retracted."""
+        assert self._inflight is None, "retract_running with a step launched ahead"
+        return self.scheduler.retract_all()
+
     # ----------------------------------------------------------------- the step
     def step(self) -> list[StepOutput]:
         """Run one scheduled forward step and return its outputs.
@@ -545,14 +565,16 @@ class Engine:
     ) -> None:
         """Swap in new weights of the same architecture, in place, between steps: canonical
         (name, tensor) pairs or a state dict (spec.py names). Refused with `RequestError`
-        while requests are unfinished (they would mix two models); a bad set of tensors is a
+        while requests run (their KV is the old model's); waiting ones (retracted by a pause,
+        or not yet admitted) compute everything with the new weights. A bad set of tensors is a
         `ModelLoadError` and leaves the old weights serving. The prefix cache is flushed:
         its KV was computed by the old weights. The same weights give the same bits as
         before (loading is a copy, the kernels are unchanged)."""
-        if self.requests:
+        running = len(self.scheduler.running)
+        if running or self._inflight is not None:
             raise RequestError(
-                f"{len(self.requests)} request(s) are unfinished: finish or abort them before"
-                " updating the weights"
+                f"{running} request(s) are running: finish, abort or retract them"
+                " (/pause_generation) before updating the weights"
             )
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         self.decoder.update_weights(pairs, source)

@@ -415,6 +415,14 @@ class Scheduler:
         self.waiting.append(request)
         self.waiting.sort(key=lambda r: r.arrival)
 
+    def retract_all(self) -> int:
+        """Preempt every running request, newest first (a paused server's `retract`): each
+        waits again with its KV in the radix cache. Returns how many were running."""
+        running = sorted(self.running, key=lambda r: r.arrival, reverse=True)
+        for request in running:
+            self._preempt(request)
+        return len(running)
+
     def finish(self, request: Request) -> None:
         """A finished request's KV stays in the cache (unlocked, evictable)."""
         self._release(request, keep_in_cache=True)

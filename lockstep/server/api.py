@@ -69,6 +69,7 @@ from lockstep.server.request_bodies import (
     big_body_route,
 )
 from lockstep.server.responses import ChoiceState, score_entry
+from lockstep.server.rl_api import add_rl_routes
 from lockstep.server.tool_parser import resolve_tool_call_parser
 
 logger = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ def build_app(
         return _tokenizer_info(served)
 
     add_native_routes(app, served, refresh_fingerprint)
+    add_rl_routes(app, async_engine, refresh_fingerprint)
     document_errors(app)
     return app
 

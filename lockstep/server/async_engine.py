@@ -33,6 +33,8 @@ from lockstep.server.output_text import OutputText
 
 logger = logging.getLogger(__name__)
 
+_DRAIN_POLL_S = 0.02  # how often a weight update looks whether the requests in flight ended
+
 
 class EngineFailure(Exception):
     """The engine raised inside `step()`, is stopping, or is gone: every request in flight is
@@ -98,6 +100,11 @@ class AsyncEngine:
         self._calls = itertools.count()
         self._admission_open = asyncio.Event()  # cleared while a weight update drains
         self._admission_open.set()
+        # RL control (rl_api.py): the pause mode while generation is paused, and the lock
+        # that runs one weight update (or pause, or memory change) at a time.
+        self.generation_paused: str | None = None
+        self.memory_released: list[str] = []  # tags of memory handed back to the device
+        self.control_lock = asyncio.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -124,7 +131,8 @@ class AsyncEngine:
 
     @property
     def weight_version(self) -> str:
-        return self.fingerprint["weight_version"]
+        # (An engine without versions, a test's fake, serves SGLang's first one.)
+        return self.fingerprint.get("weight_version", "default")
 
     def shed(self, reason: str) -> None:
         """Fail every request in flight as unavailable (a 503, or an error event ending a
@@ -214,6 +222,44 @@ class AsyncEngine:
             for request_id, _, _ in requests:
                 self._routes.pop(request_id, None)
             raise
+
+    async def pause_generation(self, mode: str) -> int:
+        """Stop the engine's steps (engine_loop.py, "pause"); returns how many requests it
+        ended ("abort"), retracted ("retract") or holds ("in_place")."""
+        count = await self._call("pause", mode)
+        self.generation_paused = mode
+        return count
+
+    async def continue_generation(self) -> None:
+        await self._call("continue")
+        self.generation_paused = None
+
+    async def release_memory(self, tags: list[str] | None) -> list[str]:
+        """Free the KV pool's and/or the weights' memory (engine_loop.py, "release"); returns
+        the tags now released."""
+        self.memory_released = await self._call("release", tags)
+        return self.memory_released
+
+    async def resume_memory(self, tags: list[str] | None) -> list[str]:
+        self.memory_released = await self._call("resume", tags)
+        return self.memory_released
+
+    async def engine_call(self, name: str, *args: Any) -> Any:
+        """A named engine call (engine_loop.ENGINE_CALLS) and its value."""
+        return await self._call("call", name, args)
+
+    async def quiesce_for_weights(self, abort_all: bool) -> None:
+        """Make the engine ready for new weights, SGLang's way: `abort_all` ends every
+        request with what it has; otherwise, unless generation is paused (nothing then
+        runs: a pause in place leaves its requests running, and the engine refuses the
+        update), the requests in flight finish on the old weights. Call with admission
+        paused."""
+        if abort_all:
+            self.finish_aborted(None)
+        if self.generation_paused is not None:
+            return
+        while self.in_flight:
+            await asyncio.sleep(_DRAIN_POLL_S)
 
     def finish_aborted(self, request_ids: list[str] | None = None) -> None:
         """Abort requests (None: every request in flight) and hand each its closing output

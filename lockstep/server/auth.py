@@ -32,8 +32,27 @@ from lockstep.server.protocol import APIError
 
 OPEN_ROUTES = frozenset({"/health"})
 # Routes that act on other users' requests, the weights or the cache (SGLang's admin routes,
-# and the cache flush).
-ADMIN_ROUTES = frozenset({"/abort_request", "/update_weights_from_disk", "/flush_cache"})
+# the cache flush, and the RL control of rl_api.py: pauses, weights from a trainer's group).
+ADMIN_ROUTES = frozenset(
+    {
+        "/abort_request",
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/update_weights_from_tensor",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+    }
+)
 # Routes whose answers name files or folders of the server's disk: the weights
 # (`fingerprint.weights_source` and `model_source`, `/model_info`'s `model_path`, `/server_info`'s
 # `weights_path`), the tokenizer folder (`tokenizer_path`, `/server_info`'s `model_path`) and

@@ -123,6 +123,7 @@ async def chat_completions(served: Served, body: ChatCompletionRequest, request:
             served.model_name,
             served.system_fingerprint,
             choice_list,
+            metadata={"weight_version": served.engine.weight_version},  # as SGLang's
             **extra,
         )
 

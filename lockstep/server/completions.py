@@ -173,6 +173,7 @@ async def completions(served: Served, body: CompletionRequest, request: Request)
             served.model_name,
             served.system_fingerprint,
             choice_list,
+            metadata={"weight_version": served.engine.weight_version},  # as SGLang's
             **extra,
         )
 

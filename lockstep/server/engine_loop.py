@@ -10,6 +10,10 @@ Commands (front end -> loop), plain tuples of ids, numbers, strings and small ob
     ("abort", [request_id, ...])              free the requests' slots, no further output
     ("finish", [request_id, ...] | None)      abort, each with its closing output (None: all)
     ("call", call_id, name, args)             a named engine call (`ENGINE_CALLS`)
+    ("pause", call_id, mode)                  stop stepping: "abort" | "retract" | "in_place"
+    ("continue", call_id)                     step again
+    ("release", call_id, tags | None)         free the KV pool and/or the weights' memory
+    ("resume", call_id, tags | None)          take it again (memory_occupation.py)
     ("stop",)                                 abort whatever runs and end the loop
 
 Events (loop -> front end):
@@ -21,6 +25,11 @@ Events (loop -> front end):
 
 While requests are unfinished the loop steps continuously, taking new commands between steps;
 when idle it sleeps on a condition variable. A command therefore waits at most one step.
+A paused loop (SGLang's `/pause_generation`, lockstep/server/rl_api.py) takes commands and
+queues new requests but runs no step until "continue"; before it pauses it completes the step
+launched ahead, so nothing runs on the device and every output computed so far is delivered.
+While memory is released (lockstep/engine/memory_occupation.py) the loop takes no step either,
+and refuses weight updates while the weights are released.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.errors import LockstepError
+from lockstep.errors import LockstepError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +67,34 @@ def _update_weights_from_disk(engine: Any, path: str, version: str | None) -> di
     return engine.fingerprint()  # the weights now served, for the front end's copy
 
 
+def _set_weight_version(engine: Any, version: str) -> dict[str, Any]:
+    engine.weight_version = version  # the same weights under a new name
+    return engine.fingerprint()
+
+
+def _weight_receiver() -> Any:
+    from lockstep.engine import weight_receiver  # torch.distributed: loaded on first use
+
+    return weight_receiver
+
+
+_WEIGHT_UPDATES = (
+    "update_weights_from_disk",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+)
+
 # What the front end may ask of the engine by name: the only engine calls that cross to it.
 ENGINE_CALLS: dict[str, Callable[..., Any]] = {
     "stats": lambda engine: engine.stats(),
     "snapshot": _snapshot,
     "flush_cache": lambda engine: engine.flush_cache(),
     "update_weights_from_disk": _update_weights_from_disk,
+    "init_weights_update_group": lambda e, *a: _weight_receiver().init_group(e, *a),
+    "update_weights_from_distributed": lambda e, *a: _weight_receiver().update_from_group(e, *a),
+    "destroy_weights_update_group": lambda e, *a: _weight_receiver().destroy_group(e, *a),
+    "update_weights_from_tensor": lambda e, *a: _weight_receiver().update_from_safetensors(e, *a),
+    "update_weight_version": _set_weight_version,
 }
 
 
@@ -123,6 +154,8 @@ class EngineLoop:
         self._commands: deque[Command] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
+        self.paused: str | None = None  # the pause mode while paused
+        self._memory: Any = None  # a MemoryOccupation, made at the first release
 
     def post(self, command: Command) -> None:
         with self._wakeup:
@@ -146,10 +179,14 @@ class EngineLoop:
                     self._abort_all()
                     return
                 self._run_command(command)
-            busy = self.engine.has_unfinished()
+            busy = self._may_step()
             if busy:
                 self._step()
-                busy = self.engine.has_unfinished()
+                busy = self._may_step()
+
+    def _may_step(self) -> bool:
+        released = self._memory is not None and self._memory.released
+        return self.engine.has_unfinished() and self.paused is None and not released
 
     def _step(self) -> None:
         try:
@@ -179,9 +216,56 @@ class EngineLoop:
                 self._emit(("outputs", closing, None, 0))
         elif kind == "call":
             _, call_id, name, args = command
+            if name in _WEIGHT_UPDATES and self._memory is not None:
+                if "weights" in self._memory.released:
+                    error = RequestError("the weights are released: resume them first"
+                                         " (/resume_memory_occupation)")  # fmt: skip
+                    self._emit(("reply", call_id, None, error))
+                    return
             self._reply(call_id, lambda: ENGINE_CALLS[name](self.engine, *args))
+        elif kind in ("release", "resume"):
+            _, call_id, tags = command
+            self._reply(call_id, lambda: self._occupation(kind, tags))
+        elif kind == "pause":
+            _, call_id, mode = command
+            self._reply(call_id, lambda: self._pause(mode))
+        elif kind == "continue":
+            self.paused = None
+            self._emit(("reply", command[1], None, None))
         else:
             raise ValueError(f"unknown engine command {kind!r}")
+
+    def _occupation(self, kind: str, tags: list[str] | None) -> list[str]:
+        """Release or resume memory; returns the tags released afterwards."""
+        from lockstep.engine.memory_occupation import MemoryOccupation, parse_tags
+
+        if self._memory is None:
+            self._memory = MemoryOccupation(self.engine)
+        if kind == "release":
+            self._memory.release(parse_tags(tags))
+        else:
+            self._memory.resume(parse_tags(tags))
+        return sorted(self._memory.released)
+
+    def _pause(self, mode: str) -> int:
+        """Stop stepping after delivering the step launched ahead. "abort": every request
+        ends with finish reason "abort" and what it has; "retract": running requests wait
+        again, their KV in the radix cache; "in_place": they keep their KV. Returns how many
+        requests it ended, retracted or holds."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}")
+        self.paused = mode
+        done = self.engine.complete_launched_step()
+        if done:
+            self._emit(("outputs", done, None, sum(len(o.new_token_ids) for o in done)))
+        if mode == "abort":
+            closing = [out for out in map(self._abort, list(self.engine.requests)) if out]
+            if closing:
+                self._emit(("outputs", closing, None, 0))
+            return len(closing)
+        if mode == "retract":
+            return self.engine.retract_running()
+        return len(self.engine.requests)
 
     def _reply(self, call_id: int, fn: Callable[[], Any]) -> None:
         try:

@@ -57,7 +57,6 @@ from lockstep.server.responses import json_logprob, sse
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-_DRAIN_POLL_S = 0.02
 
 
 @dataclass
@@ -110,7 +109,6 @@ def add_native_routes(
     system fingerprint after a weight update."""
     engine: AsyncEngine = served.engine
     active: dict[str, tuple[RequestGroup, list[int]]] = {}  # rid -> its group and indices
-    update_lock = asyncio.Lock()
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, request: Request) -> Response | dict | list:
@@ -235,7 +233,13 @@ def add_native_routes(
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """A one-token generation through the engine (SGLang's deep health check)."""
+        """A one-token generation through the engine (SGLang's deep health check). While
+        generation is paused or memory released (docs/rl.md) no step runs: healthy, said so,
+        without waiting (a supervisor must not restart a server in a weight sync)."""
+        held = engine.generation_paused or engine.memory_released
+        if held:
+            what = "paused" if engine.generation_paused else "memory released"
+            return JSONResponse({"status": "ok", "detail": f"generation {what}"})
         group = RequestGroup(engine, engine.new_request_id("health"))
         try:
             async with group:
@@ -258,13 +262,10 @@ def add_native_routes(
     @app.post("/update_weights_from_disk", response_model=None)
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> Response:
         _check_update_options(body)
-        async with update_lock:
+        async with engine.control_lock:
             engine.pause_admission()
             try:
-                if body.abort_all_requests:
-                    engine.finish_aborted(None)
-                while engine.in_flight:  # requests in flight finish on the old weights
-                    await asyncio.sleep(_DRAIN_POLL_S)
+                await engine.quiesce_for_weights(body.abort_all_requests)
                 path, version = body.model_path, body.weight_version
                 try:
                     await engine.update_weights_from_disk(path, version)

@@ -38,7 +38,25 @@ ADMIN_ROUTES = [
     ("POST", "/abort_request", {"abort_all": True}),
     ("POST", "/flush_cache", None),
     ("POST", "/update_weights_from_disk", {"model_path": "/etc/passwd"}),
-]
+    ("POST", "/pause_generation", {"mode": "retract"}),
+    ("POST", "/continue_generation", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
+    ("POST", "/resume_memory_occupation", None),
+    ("GET", "/is_sleeping", None),
+    ("POST", "/update_weight_version", {"new_version": "default"}),
+    # Through the guard, then refused for what they ask (a CPU engine, no group joined).
+    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+     "rank_offset": 1, "world_size": 2, "backend": "nccl"}),
+    ("POST", "/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"],
+     "shapes": [[1]]}),
+    ("POST", "/destroy_weights_update_group", None),
+    ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["AA=="],
+     "load_format": "safetensors"}),
+]  # fmt: skip
+REFUSED_FOR_WHAT_THEY_ASK = {"/update_weights_from_disk", "/init_weights_update_group",
+                             "/update_weights_from_distributed", "/destroy_weights_update_group",
+                             "/update_weights_from_tensor"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +104,8 @@ def test_admin_routes_need_the_admin_key(server: ServerProcess, method, path, bo
     for wrong in (None, "nope", KEY):  # the user key is not enough
         _refused(_call(server, method, path, body, wrong))
     answer = _call(server, method, path, body, ADMIN_KEY)
-    if path == "/update_weights_from_disk":
-        assert answer.status_code == 400  # through: refused for what it asks, not who asks
+    if path in REFUSED_FOR_WHAT_THEY_ASK:
+        assert answer.status_code == 400, answer.text  # through: not refused for who asks
     else:
         assert answer.status_code == 200, answer.text
 

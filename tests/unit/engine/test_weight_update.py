@@ -69,16 +69,21 @@ def test_bad_tensors_are_refused_and_the_old_weights_serve_on(tmp_path: Path) ->
     assert _run(llm) == on_a
 
 
-def test_update_is_refused_while_requests_are_unfinished(tmp_path: Path) -> None:
+def test_update_is_refused_while_requests_run(tmp_path: Path) -> None:
+    """A running request holds KV of the old weights: refused. A waiting one (retracted, as
+    `/pause_generation` does, or not admitted yet) computes all with the new weights."""
     model_a = save_tiny("qwen3", tmp_path / "a", seed=1)
     llm = _llm(tmp_path / "a")
     llm.engine.add_request("running", PROMPTS[0], GREEDY)
     llm.engine.step()
-    with pytest.raises(RequestError, match="unfinished"):
+    with pytest.raises(RequestError, match="running"):
         llm.update_weights(model_a.state_dict())
-    llm.engine.abort_request("running")
+    assert llm.engine.retract_running() == 1
+    llm.engine.add_request("waiting", PROMPTS[1], GREEDY)
     llm.update_weights({k: v.to(torch.bfloat16) for k, v in model_a.state_dict().items()})
-    assert not llm.engine.has_unfinished()
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.check_integrity()
 
 
 def test_moe_fused_experts_of_the_wrong_shape_are_refused(tmp_path: Path) -> None:

@@ -1,0 +1,153 @@
+"""The RL control surface on CUDA (docs/rl.md): memory handed back to the GPU and taken again
+(lockstep/engine/memory_occupation.py), an 8B refit from a trainer's process group
+(lockstep/engine/weight_receiver.py), and a pause under CUDA graphs and overlapped decode.
+
+- Releasing both tags raises `torch.cuda.mem_get_info`'s free memory by at least 95% of the
+  weights' and the KV pool's bytes; resuming gives a fixed seeded request its bits again, from
+  CUDA graphs captured anew (control: another seed differs).
+- The timings of the release, the resume and a Qwen3-8B-shaped refit from a trainer
+  process's group (gloo on one GPU; NCCL with two) are printed as JSON lines (the aim: a
+  refit under 10 s); the refit's served bits equal the trainer's weights loaded directly
+  (control: they differ from the weights before).
+- A run paused mid-way (the step launched ahead completed, requests retracted or kept in
+  place) gives, resumed, the bits of a run never paused (tests/unit/engine/test_pause.py's
+  run, on the GPU's default path: CUDA graphs, overlapped decode).
+
+    python -m pytest tests/gpu/test_gpu_rl.py -x -q -s
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MODEL = "random:qwen3-8b"
+PROMPT = [(37 * j) % 5000 + 100 for j in range(200)]
+
+
+def _llm(model: str = MODEL, **options):
+    from lockstep import LLM
+
+    return LLM(model, device="cuda", dtype="bfloat16", kv_tokens=65536, max_model_len=4096,
+               **options)  # fmt: skip
+
+
+def _probe(llm, seed: int = 11) -> tuple[list[int], list[float]]:
+    from lockstep import SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=seed, ignore_eos=True)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    return out.token_ids, out.logprobs
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_release_both_frees_the_memory_and_resume_gives_the_same_bits() -> None:
+    from lockstep.engine.memory_occupation import MemoryOccupation, _storages, _weight_tensors
+
+    llm = _llm()
+    engine = llm.engine
+    before = _probe(llm)
+    assert _probe(llm, seed=12) != before  # the control: the probe sees a change
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.num_graphs > 0
+    weight_bytes = sum(s.nbytes() for s in _storages(_weight_tensors(engine.decoder)))
+    pool_bytes = sum(s.nbytes() for s in _storages([engine.pool._k, engine.pool._v]))
+    memory = MemoryOccupation(engine)
+    free_before = _free()
+    started = time.perf_counter()
+    memory.release(("kv_cache", "weights"))
+    release_s = time.perf_counter() - started
+    gained = _free() - free_before
+    assert gained >= 0.95 * (weight_bytes + pool_bytes), (gained, weight_bytes, pool_bytes)
+    assert graphs.num_graphs == 0
+    started = time.perf_counter()
+    memory.resume(("kv_cache", "weights"))
+    resume_s = time.perf_counter() - started
+    assert _probe(llm) == before
+    assert graphs.num_graphs > 0  # captured again, and replayed by the probe
+    print(json.dumps({"model": MODEL, "weights_gib": weight_bytes / 2**30,
+                      "kv_pool_gib": pool_bytes / 2**30, "freed_gib": gained / 2**30,
+                      "release_s": release_s, "resume_s": resume_s,
+                      "device": torch.cuda.get_device_name()}))  # fmt: skip
+
+
+def _trainer(port: int, model: str, backend: str, ready: mp.Queue) -> None:
+    """Rank 0: the preset's weights drawn with another seed than the engine's, broadcast over
+    NCCL from cuda:1, or over gloo from host copies (drawn on cuda:0, as the engine draws)."""
+    device = "cuda:1" if backend == "nccl" else "cuda:0"
+    torch.cuda.set_device(device)
+    from lockstep.models.resolver import resolve_model
+    from lockstep.training.weight_sync import broadcast_weights, join_weight_group
+
+    loaded = resolve_model(model, random_seed=1)
+    pairs = [(n, t if backend == "nccl" else t.cpu())
+             for n, t in loaded.iter_weights(torch.bfloat16, device)]  # fmt: skip
+    group = join_weight_group("127.0.0.1", port, 0, 2, "refit", backend, timeout_s=600)
+    ready.put([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in pairs])
+    broadcast_weights(pairs, group)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_refit_from_a_trainers_group(backend: str) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs two GPUs (one per rank)")
+    from lockstep.engine import weight_receiver
+
+    llm = _llm()
+    engine = llm.engine
+    initial = _probe(llm)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(port, MODEL, backend, ready))
+    trainer.start()
+    weight_receiver.init_group(engine, "127.0.0.1", port, 1, 2, "refit", backend, 600.0)
+    declared = ready.get(timeout=600)
+    names, dtypes, shapes = (list(x) for x in zip(*declared, strict=True))
+    started = time.perf_counter()
+    weight_receiver.update_from_group(engine, "refit", names, dtypes, shapes, "refit-1")
+    torch.cuda.synchronize()
+    refit_s = time.perf_counter() - started
+    trainer.join(600)
+    assert trainer.exitcode == 0
+    weight_receiver.destroy_group(engine, "refit")
+    # The served bits are those of an engine that loaded the trainer's weights itself.
+    served = _probe(llm)
+    assert served != initial  # the control: the refit changed the weights
+    llm.close()
+    del llm, engine
+    torch.cuda.empty_cache()
+    direct = _llm(MODEL, random_seed=1)
+    assert _probe(direct) == served
+    print(json.dumps({"model": MODEL, "backend": backend, "refit_s": refit_s,
+                      "tensors": len(names), "device": torch.cuda.get_device_name()}))  # fmt: skip
+
+
+@pytest.mark.parametrize("pause", ["retract", "in_place"])
+def test_a_paused_run_gives_the_unpaused_bits_on_cuda(pause: str) -> None:
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+    from tests.unit.engine.test_pause import _run
+
+    engine = Engine(EngineConfig(model="random:smollm2-135m", device="cuda", dtype="bfloat16",
+                                 kv_tokens=8192, max_model_len=2048, debug_checks=True))  # fmt: skip
+    assert engine.runner.graphs is not None and engine.config.use_overlap_decode
+    unpaused = _run(engine, seed=100)
+    engine.flush_cache()
+    assert _run(engine, seed=100, pause=pause) == unpaused
+    assert _run(engine, seed=200) != unpaused  # the control
+    assert engine.runner.graphs.num_graphs > 0
