@@ -240,8 +240,9 @@ class Scheduler:
         return free - sum(self._future_slots(r) for r in self.running)
 
     def would_admit(self) -> bool:
-        """Whether the next schedule may admit a waiting request (an estimate from the oldest
-        one, without its cache hit: True when unsure)."""
+        """Whether the next schedule may admit a waiting request, estimated from the oldest
+        one's need without a cache hit (a step launched ahead admits nothing: a request that
+        only a cache hit lets in waits until the estimate holds)."""
         if not self.waiting or len(self.running) >= self.max_running:
             return False
         if not self.running or self.output_reserve == 0:

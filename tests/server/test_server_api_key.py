@@ -173,7 +173,8 @@ def test_no_answer_without_the_admin_key_names_a_path(server: ServerProcess, hub
             continue
         assert response.status_code == 200, (path, response.text[:300])
         assert _paths_in(response, hub) == [], (path, _paths_in(response, hub))
-    assert refused == ["/flush_cache"]  # the one admin route with a GET
+    # The admin routes with a GET: the cache flush and RL control's (docs/rl.md).
+    assert sorted(refused) == ["/flush_cache", "/is_sleeping", "/reset_prefix_cache"]
     for method, path, body in USER_ROUTES:
         response = _call(server, method, path, body, KEY)
         assert response.status_code == 200 and _paths_in(response, hub) == [], path
