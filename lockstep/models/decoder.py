@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.blocks import LayerPlan
+from lockstep.models.blocks import LayerPlan, expected_weight_names, expected_weight_shape
 from lockstep.models.blocks.base import (
     SHARDS,
     BuildContext,
@@ -60,12 +60,7 @@ from lockstep.models.blocks.mla import absorbed, fp8_rope_rows_reordered, rope_r
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
 from lockstep.models.moe import split_fused_experts
-from lockstep.models.spec import (
-    ModelSpec,
-    YarnScaling,
-    expected_weight_names,
-    expected_weight_shape,
-)
+from lockstep.models.spec import ModelSpec, YarnScaling
 from lockstep.ops.base import (
     AttentionMeta,
     DenseOps,

@@ -37,6 +37,7 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.blocks import expected_weight_names, expected_weight_shape
 from lockstep.models.families import family_of
 from lockstep.models.spec import (
     Fp8Spec,
@@ -44,8 +45,6 @@ from lockstep.models.spec import (
     ModelSpec,
     MoeSpec,
     SlidingWindowSpec,
-    expected_weight_names,
-    expected_weight_shape,
 )
 from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet
 from lockstep.ops.fp8 import quantize_weight
@@ -105,7 +104,7 @@ def _gemma3(
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position=max_position,
         tie_word_embeddings=True, qk_norm=True,
         sliding=SlidingWindowSpec(window, types, 10_000.0), mlp_activation="gelu_tanh",
-        sandwich_norms=True, embed_scale=True, attention_scale=256**-0.5,
+        sandwich_norms=True, embed_scale=True, norm_style="offset", attention_scale=256**-0.5,
         rope_linear_factor=linear_factor,
     )  # fmt: skip
 
@@ -193,7 +192,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_5_moe", vocab_size=512, hidden_size=128, intermediate_size=48,
             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset",
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
                 key_head_dim=32, value_head_dim=32, conv_kernel=4,
@@ -208,7 +207,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_next", vocab_size=512, hidden_size=128, intermediate_size=256,
             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset",
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
                 key_head_dim=32, value_head_dim=32, conv_kernel=4, grouped_projections=True,
@@ -225,7 +224,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_5_moe", vocab_size=248320, hidden_size=2048, intermediate_size=512,
             num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset",
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(40, 4), num_key_heads=16, num_value_heads=32,
                 key_head_dim=128, value_head_dim=128, conv_kernel=4,
@@ -242,7 +241,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
             num_layers=48, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset",
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(48, 4), num_key_heads=16, num_value_heads=32,
                 key_head_dim=128, value_head_dim=128, conv_kernel=4, grouped_projections=True,

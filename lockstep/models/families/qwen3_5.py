@@ -58,7 +58,15 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
     if config.get("model_type") == "qwen3_5":
         config = text_config(config, where)
     linear = lambda layers: linear_spec(config, layers, where)  # noqa: E731
-    return decoder_spec(config, where, "qwen3_5", rotary_default=0.25, qk_norm=True, linear=linear)
+    return decoder_spec(
+        config,
+        where,
+        "qwen3_5",
+        rotary_default=0.25,
+        qk_norm=True,
+        linear=linear,
+        norm_style="offset",
+    )
 
 
 def tensor_name(key: str) -> str | None:
