@@ -71,6 +71,16 @@ def rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]
     return theta, scaling
 
 
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The window a config puts on its attention (None: none): `sliding_window`, unless
+    `use_sliding_window` is false (Qwen2's and Qwen3's switch, which their configs set beside
+    a window they do not apply)."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
 def decoder_spec(
     config: dict[str, Any],
     where: str,
@@ -84,7 +94,15 @@ def decoder_spec(
     layer count that make them. `attention_bias`: whether the config's attention_bias key may
     be true (Qwen2's q/k/v biases); elsewhere it would put a bias on o_proj too, which no
     block has. `rotary_default`: the share of each head RoPE rotates when the config does not
-    say (partial_rotary_factor)."""
+    say (partial_rotary_factor). A config whose attention has a sliding window
+    (`sliding_window`) is refused unless the family reads it (passes `sliding`, None or a
+    `SlidingWindowSpec`): a window is applied or refused, never ignored."""
+    if "sliding" not in flags and sliding_window(config) is not None:
+        raise ModelLoadError(
+            f"{where}: sliding_window={config['sliding_window']!r} is not supported for "
+            f"model_type {config.get('model_type')!r}; supported: null or use_sliding_window "
+            "false (the Mistral and Gemma 3 families apply a window)"
+        )
     for key, refused in _REFUSED:
         if refused(config.get(key)):
             raise ModelLoadError(

@@ -40,3 +40,33 @@ def test_a_model_type_wins_over_architectures() -> None:
     model_type names the config's keys, which another family would misread."""
     with pytest.raises(ModelLoadError, match="model_type 'mistral' is not supported"):
         family_of({"model_type": "mistral", "architectures": ["LlamaForCausalLM"]}, "c")
+
+
+_SHAPES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_type", "keys"),
+    [
+        ("llama", {"sliding_window": 4096}),
+        ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}),
+        ("qwen3", {"sliding_window": 4096}),  # use_sliding_window absent: the window holds
+    ],
+)
+def test_a_window_the_family_cannot_apply_is_refused_never_ignored(model_type, keys) -> None:
+    config = {"model_type": model_type, **_SHAPES, **keys}
+    with pytest.raises(ModelLoadError) as err:
+        family_of(config, "c").spec(config, "c")
+    message = str(err.value)
+    assert "\n" not in message and f"sliding_window=4096 is not supported for model_type " \
+        f"'{model_type}'" in message  # fmt: skip
+
+
+def test_a_window_switched_off_is_no_window() -> None:
+    """Qwen2's and Qwen3's configs carry a window beside use_sliding_window false: full
+    attention, as transformers runs them (the control of the refusal above)."""
+    config = {"model_type": "qwen2", **_SHAPES, "sliding_window": 4096,
+              "use_sliding_window": False}  # fmt: skip
+    spec = family_of(config, "c").spec(config, "c")
+    assert spec.sliding is None and all(spec.window(i) is None for i in range(2))
