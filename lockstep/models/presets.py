@@ -149,6 +149,8 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen2": _preset(_tiny("qwen2", attention_bias=True, tie_word_embeddings=True),
                           add_bos=False),
     "tiny-qwen3": _preset(_tiny("qwen3"), add_bos=False),
+    # Mistral v0.1's structure, small: every layer's attention windowed, over 16 keys.
+    "tiny-mistral": _preset(_tiny("mistral", sliding_window=16), add_bos=True),
     "tiny-qwen3-moe": _preset(_tiny("qwen3_moe", **_TINY_MOE), add_bos=False),
     # Qwen3.5's structure, small: two Gated DeltaNet layers, then gated full attention with
     # a quarter of each head rotated; 2 key heads serving 4 value heads.
@@ -292,6 +294,14 @@ PRESETS: dict[str, Preset] = {
                   q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
                   topk_group=4, first_k_dense_replace=3, max_position_embeddings=163840,
                   rope_scaling=_yarn(40.0, 1.0, 1.0, 4096)),
+        add_bos=True,
+    ),
+    # Mistral-7B-v0.1: a window of 4,096 keys in every layer.
+    "mistral-7b-v0.1": _preset(
+        _config("mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=32768, sliding_window=4096),
         add_bos=True,
     ),
     "smollm2-135m": _preset(

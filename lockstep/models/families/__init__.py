@@ -13,6 +13,7 @@ from lockstep.models.families import (
     gemma3,
     glm4_moe_lite,
     llama,
+    mistral,
     qwen2,
     qwen3,
     qwen3_5,
@@ -29,6 +30,7 @@ FAMILIES: tuple[Family, ...] = tuple(
     m.FAMILY
     for m in (
         llama,
+        mistral,
         qwen2,
         qwen3,
         qwen3_moe,

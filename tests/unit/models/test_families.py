@@ -28,7 +28,9 @@ def test_unknown_model_type_is_refused_in_one_line_listing_the_supported_ones() 
         ({"model_type": "gemma3_text"}, "gemma3"),
         ({"model_type": "gemma3"}, "gemma3"),
         ({"architectures": ["Qwen2ForCausalLM"]}, "qwen2"),
-        ({"architectures": ["MistralForCausalLM", "LlamaForCausalLM"]}, "llama"),
+        ({"architectures": ["GptOssForCausalLM", "LlamaForCausalLM"]}, "llama"),
+        ({"architectures": ["MistralForCausalLM"]}, "mistral"),
+        ({"model_type": "ministral"}, "mistral"),
     ],
 )
 def test_family_by_model_type_else_architectures(config: dict, family: str) -> None:
@@ -38,8 +40,8 @@ def test_family_by_model_type_else_architectures(config: dict, family: str) -> N
 def test_a_model_type_wins_over_architectures() -> None:
     """A config whose model_type is unknown is refused even if an architecture is known: the
     model_type names the config's keys, which another family would misread."""
-    with pytest.raises(ModelLoadError, match="model_type 'mistral' is not supported"):
-        family_of({"model_type": "mistral", "architectures": ["LlamaForCausalLM"]}, "c")
+    with pytest.raises(ModelLoadError, match="model_type 'gpt_oss' is not supported"):
+        family_of({"model_type": "gpt_oss", "architectures": ["LlamaForCausalLM"]}, "c")
 
 
 _SHAPES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

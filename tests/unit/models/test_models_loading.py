@@ -460,8 +460,8 @@ def test_hf_folder_rope_parameters_llama3(tmp_path):
     "config_extra, expected",
     [
         (
-            {"model_type": "mistral"},
-            "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3",
+            {"model_type": "gpt_oss"},
+            "model_type 'gpt_oss' is not supported; supported: llama, mistral, ministral, qwen2",
         ),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
