@@ -35,7 +35,6 @@ are still reduced chunk by chunk (deterministic mode), so that TP 1 gives the bi
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -57,7 +56,8 @@ from lockstep.models.blocks.prepare import PrepareContext, prepare_common
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.moe import split_fused_experts
-from lockstep.models.spec import ModelSpec, YarnScaling
+from lockstep.models.rope import rope_tables
+from lockstep.models.spec import ModelSpec
 from lockstep.ops.base import (
     AttentionMeta,
     DenseOps,
@@ -103,61 +103,6 @@ def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
-def rope_tables(
-    spec: ModelSpec, max_position: int, sliding: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_position, head_dim/2] float32, computed once in float64 (so every step and
-    every device type indexes the same table instead of recomputing angles). `sliding`: the
-    tables of the sliding-window layers (their own base, unscaled)."""
-    half = spec.rotary_dim // 2
-    exponent = torch.arange(half, dtype=torch.float64) * 2.0 / spec.rotary_dim
-    if sliding:
-        assert spec.sliding is not None
-        inv_freq = 1.0 / (spec.sliding.rope_theta**exponent)
-    else:
-        inv_freq = 1.0 / (spec.rope_theta**exponent) / spec.rope_linear_factor
-    yarn = None if sliding else spec.yarn
-    if yarn is not None:
-        inv_freq = _yarn_inv_freq(yarn, spec.rope_theta, spec.rotary_dim)
-    s = None if sliding else spec.rope_scaling
-    if s is not None:
-        # Llama 3 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
-        # the band between is interpolated smoothly.
-        wavelen = 2 * math.pi / inv_freq
-        low_wavelen = s.original_max_position / s.low_freq_factor
-        high_wavelen = s.original_max_position / s.high_freq_factor
-        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    factor = 1.0 if yarn is None else yarn.attention_factor  # YaRN scales cos and sin
-    return (angles.cos() * factor).to(torch.float32), (angles.sin() * factor).to(torch.float32)
-
-
-def _yarn_inv_freq(yarn: YarnScaling, theta: float, dim: int) -> torch.Tensor:
-    """YaRN's frequencies (float64), as transformers' _compute_yarn_parameters: each blends
-    the interpolated (divided by the factor) and the extrapolated frequency by a linear ramp
-    between the dims where `beta_fast` and `beta_slow` rotations fit the original context."""
-
-    def correction_dim(rotations: float) -> float:
-        ratio = yarn.original_max_position / (rotations * 2 * math.pi)
-        return dim * math.log(ratio) / (2 * math.log(theta))
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    extrapolated = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    extrapolation = 1 - ramp
-    return extrapolated / yarn.factor * (1 - extrapolation) + extrapolated * extrapolation
-
-
 class Decoder:
     """Holds the weights on one device and runs forward steps through an `Ops` backend."""
 
@@ -185,8 +130,8 @@ class Decoder:
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
-        local = None
-        if spec.sliding is not None:
+        local = None  # the sliding layers' tables, where they have their own RoPE base
+        if spec.sliding is not None and spec.sliding.rope_theta is not None:
             local = tuple(t.to(device) for t in rope_tables(spec, max_position, sliding=True))
         # The state layout of the linear-attention layers (the engine's state pools use it).
         self.linear_layout = LinearLayout.of(spec, device) if spec.hybrid else None
@@ -209,7 +154,8 @@ class Decoder:
         for i, plan in enumerate(spec.layer_plans):
             cache_index = caches[plan.mixer.cache]
             caches[plan.mixer.cache] += 1
-            cos, sin = (self.rope_cos, self.rope_sin) if spec.window(i) is None else local
+            local_rope = spec.window(i) is not None and local is not None
+            cos, sin = local if local_rope else (self.rope_cos, self.rope_sin)
             context = BuildContext(spec, self.plan, cos, sin, cache_index)
             mixer = plan.mixer.build(_fields(parts, f"layers.{i}.mixer."), context)
             mlp = plan.mlp.build(_fields(parts, f"layers.{i}.mlp."), context)

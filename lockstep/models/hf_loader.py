@@ -77,7 +77,8 @@ class SafetensorsWeights:
                 f"{folder} has no *.safetensors weights; supported weight files: *.safetensors "
                 f"(sharded with {_INDEX_FILE})"
             )
-        self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key in file)
+        # canonical name -> (file, key in file, its rows of that tensor; None: all of them)
+        self._where: dict[str, tuple[Path, str, slice | None]] = {}
         self.fp8_modules: set[str] = set()  # linears whose weight is stored as e4m3
         kv_scales: list[str] = []
         extra_layers: list[str] = []
@@ -108,7 +109,8 @@ class SafetensorsWeights:
                 name = family.tensor_name(key if fmt is None else fmt.canonical(key))
                 if name is None:
                     continue  # the family does not serve it (a vision tower)
-                self._where[name] = (path, key)
+                for part, rows in family.parts(name, spec):
+                    self._where[part] = (path, key, rows)
         if extra_layers:
             logger.info(
                 "%s: %d tensors of layers past the last decoder layer (e.g. %s, DeepSeek's "
@@ -143,12 +145,13 @@ class SafetensorsWeights:
         self, dtype: torch.dtype, device: torch.device | str
     ) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
-        for name, (path, _) in self._where.items():
+        for name, (path, _, _) in self._where.items():
             by_file.setdefault(path, []).append(name)
         for path, names in by_file.items():
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in names:
-                    tensor = handle.get_tensor(self._where[name][1])
+                    _, key, rows = self._where[name]
+                    tensor = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows]
                     if self._fmt is not None:
                         tensor = self._fmt.canonical_tensor(name, tensor)
                     if name.endswith(_KEPT_FLOAT32):

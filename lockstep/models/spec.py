@@ -84,6 +84,24 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (rope_type "longrope", Phi-3): per-frequency divisors of the plain RoPE
+    frequencies, `short_factor` for positions below `original_max_position` and `long_factor`
+    for the others (lockstep/models/rope.py says why by position), cos and sin multiplied by
+    `attention_factor`."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position: int
+    attention_factor: float
+
+    def __post_init__(self) -> None:
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(f"LongRoPE short_factor has {len(self.short_factor)} entries, "
+                             f"long_factor {len(self.long_factor)}")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class MlaSpec:
     """Multi-head latent attention (DeepSeek-V2/V3, blocks/mla.py). Each token's query is
     `qk_nope_head_dim` + `qk_rope_head_dim` wide per head (through a LoRA of rank
@@ -277,13 +295,13 @@ class SlidingWindowSpec:
 
     `layer_types[i]` is "sliding_attention" or "full_attention". A sliding layer's query at
     position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`) and
-    rotates by its own RoPE base `rope_theta`, unscaled; full layers use the model's
-    `rope_theta` and scaling. Sliding layers keep every key in the KV pool (the window is a
+    rotates by its own RoPE base `rope_theta`, unscaled (Gemma 3), or where `rope_theta` is
+    None by the model's RoPE, as full layers do (Mistral, Phi-3). Sliding layers keep every key in the KV pool (the window is a
     mask), so a radix hit serves them as it serves full layers."""
 
     window: int
     layer_types: tuple[str, ...]
-    rope_theta: float
+    rope_theta: float | None
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in ATTENTION_TYPES]
@@ -336,8 +354,14 @@ class ModelSpec:
     mla: MlaSpec | None = field(default=None)
     yarn: YarnScaling | None = field(default=None)
     norm_style: str = "plain"  # NORM_STYLES
+    longrope: LongRopeScaling | None = field(default=None)  # Phi-3's RoPE scaling
 
     def __post_init__(self) -> None:
+        if self.longrope is not None and len(self.longrope.short_factor) != self.rotary_dim // 2:
+            raise ValueError(
+                f"LongRoPE factors have {len(self.longrope.short_factor)} entries for "
+                f"{self.rotary_dim // 2} rotary frequencies"
+            )
         if self.norm_style not in NORM_STYLES:
             raise ValueError(f"norm style {self.norm_style!r}: supported {NORM_STYLES}")
         if self.mla is not None and self.rotary_dim != self.mla.qk_rope_head_dim:
