@@ -304,6 +304,26 @@ PRESETS: dict[str, Preset] = {
                 max_position_embeddings=32768, sliding_window=4096),
         add_bos=True,
     ),
+    # Phi-3's structure, small: LongRoPE over three quarters of each head (Phi-4-mini's
+    # share), long factors past an original context of 1,024 positions.
+    "tiny-phi3": _preset(
+        _config("phi3", vocab_size=512, hidden_size=256, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=4096,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.75, "short_factor": [1.0] * 24,
+                                 "long_factor": [1.0 + i / 8 for i in range(24)],
+                                 "original_max_position_embeddings": 1024}),
+        add_bos=True,
+    ),
+    # microsoft/Phi-3-mini-4k-instruct: a window of 2,047 keys in every layer, 3.82 B.
+    "phi3-mini-4k": _preset(
+        _config("phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                sliding_window=2047),
+        add_bos=True,
+    ),
     "smollm2-135m": _preset(
         _config("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

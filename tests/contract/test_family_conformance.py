@@ -6,8 +6,9 @@ failing the same suite. A row with a sliding window also shows the window is wha
 the same weights served without it miss transformers past the window.
 
 Rows: Mistral without a window (v0.2 and later), Mistral v0.1's window on every layer, and
-Ministral's windowed layers around a full one (lockstep/models/families/mistral.py). A new
-family adds its row here, and its writer to tiny_hf.
+Ministral's windowed layers around a full one (lockstep/models/families/mistral.py); Phi-3's
+fused projections with LongRoPE on part of each head, and with a window
+(lockstep/models/families/phi3.py). A new family adds its row here, and its writer to tiny_hf.
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ class Row:
         return save_tiny(family, folder, **{**self.overrides, **keys})
 
 
+_PLAIN_ROPE = {"rope_type": "default", "rope_theta": 1e4}
 ROWS = (
     Row("mistral", "mistral"),
     Row("mistral-window", "mistral", {"sliding_window": WINDOW}, WINDOW),
     Row("ministral", "ministral", window=WINDOW),
+    Row("phi3", "phi3"),  # LongRoPE over half of each head, original context 128
+    Row("phi3-window", "phi3", {"sliding_window": WINDOW, "rope_parameters": _PLAIN_ROPE}, WINDOW),
 )
 WINDOWED = tuple(row for row in ROWS if row.window is not None)
 
@@ -196,8 +200,46 @@ def test_negative_control_fast_mode_breaks_the_contract(served, written) -> None
     assert failures > 0
 
 
+def test_longrope_rotates_each_position_by_its_range(written) -> None:
+    """Phi-3's LongRoPE tables (lockstep/models/rope.py): positions below the original context
+    (128) rotate by transformers' short-factor frequencies, positions at or past it by the
+    long ones (transformers' set for a sequence past the original context), both scaled by
+    its attention factor; control: the two sets give other tables."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lockstep.models.rope import rope_tables
+
+    folder, model = written(ROWS[3])
+    spec = _engine(folder).decoder.spec
+    assert spec.longrope is not None and spec.longrope.original_max_position == 128
+    cos, sin = rope_tables(spec, 256)
+    positions = torch.arange(256, dtype=torch.float64)[:, None]
+    want = {}
+    for part, seq_len in (("short", None), ("long", 200)):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](model.config, "cpu", seq_len=seq_len)
+        want[part] = (positions * inv_freq.double()).cos() * factor
+    assert (cos[:128] - want["short"][:128]).abs().max() < 1e-5
+    assert (cos[128:] - want["long"][128:]).abs().max() < 1e-5
+    assert (want["short"][128:] - want["long"][128:]).abs().max() > 0.1
+    assert sin.shape == cos.shape == (256, spec.rotary_dim // 2)
+
+
+def test_longrope_past_the_original_context_keeps_the_contract(written) -> None:
+    """Prompts of 130 to 170 tokens, across the original context of 128 where the frequencies
+    change: any schedule gives the cold prefill's bits."""
+    engine = _engine(written(ROWS[3])[0])
+    for seed in range(6):
+        rng = random.Random(seed)
+        n = rng.randint(130, 170)
+        tokens = [rng.randrange(VOCAB) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=2)
+        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
+        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
+
+
 @pytest.mark.slow
-def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
-    """`lockstep check --serve` on a windowed Mistral folder passes every scenario."""
-    row = WINDOWED[0]
+@pytest.mark.parametrize("row", [ROWS[1], ROWS[3]], ids=lambda row: row.name)
+def test_lockstep_check_serve_passes_every_scenario(row: Row, tmp_path: Path) -> None:
+    """`lockstep check --serve` on a windowed Mistral folder and a Phi-3 folder passes every
+    scenario."""
     check_serve_passes_every_scenario(row.family, tmp_path, row.write)

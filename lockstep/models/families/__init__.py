@@ -14,6 +14,7 @@ from lockstep.models.families import (
     glm4_moe_lite,
     llama,
     mistral,
+    phi3,
     qwen2,
     qwen3,
     qwen3_5,
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = tuple(
     for m in (
         llama,
         mistral,
+        phi3,
         qwen2,
         qwen3,
         qwen3_moe,

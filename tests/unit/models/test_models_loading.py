@@ -461,7 +461,7 @@ def test_hf_folder_rope_parameters_llama3(tmp_path):
     [
         (
             {"model_type": "gpt_oss"},
-            "model_type 'gpt_oss' is not supported; supported: llama, mistral, ministral, qwen2",
+            "model_type 'gpt_oss' is not supported; supported: llama, mistral, ministral, phi3, qwen2",
         ),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
