@@ -49,10 +49,11 @@ from lockstep.models.blocks.base import (
     KVStorage,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     StepHook,
 )
-from lockstep.models.blocks.prepare import PrepareContext, prepare_common
+from lockstep.models.blocks.prepare import prepare_common
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.moe import split_fused_experts

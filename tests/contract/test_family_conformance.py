@@ -103,6 +103,15 @@ def _llm(engine: Engine) -> LLM:
     return llm
 
 
+def _schedule_mismatches(engine: Engine, rng: random.Random, n: int, max_mates: int) -> str:
+    """A random prompt of `n` tokens computed under a random plan (batch-mates, a radix hit,
+    chunks): its mismatches with one cold full prefill, "" when every bit agrees."""
+    tokens = [rng.randrange(VOCAB) for _ in range(n)]
+    plan = random_plan(rng, n, max_mates=max_mates)
+    problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
+    return f"n={n} {plan.describe()}: " + "; ".join(problems) if problems else ""
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB) for _ in range(n)]
@@ -163,11 +172,8 @@ def test_any_schedule_matches_cold_prefill(served, seed: int) -> None:
     position's logits and K/V equal one cold full prefill's bitwise."""
     engine = served[2]
     rng = random.Random(seed)
-    n = rng.randint(1, 40)
-    tokens = [rng.randrange(VOCAB) for _ in range(n)]
-    plan = random_plan(rng, n, max_mates=3)
-    problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
-    assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
+    problems = _schedule_mismatches(engine, rng, rng.randint(1, 40), max_mates=3)
+    assert not problems, problems
     engine.check_integrity()
 
 
@@ -193,10 +199,7 @@ def test_negative_control_fast_mode_breaks_the_contract(served, written) -> None
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)
-        n = rng.randint(2 * WINDOW, 40)
-        tokens = [rng.randrange(VOCAB) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=2)
-        failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
+        failures += bool(_schedule_mismatches(engine, rng, rng.randint(2 * WINDOW, 40), 2))
     assert failures > 0
 
 
@@ -230,11 +233,8 @@ def test_longrope_past_the_original_context_keeps_the_contract(written) -> None:
     engine = _engine(written(ROWS[3])[0])
     for seed in range(6):
         rng = random.Random(seed)
-        n = rng.randint(130, 170)
-        tokens = [rng.randrange(VOCAB) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=2)
-        problems = mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng))
-        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
+        problems = _schedule_mismatches(engine, rng, rng.randint(130, 170), max_mates=2)
+        assert not problems, problems
 
 
 @pytest.mark.slow

@@ -29,12 +29,13 @@ from lockstep.models.blocks.base import (
     CacheBytes,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
     row_linear_entry,
 )
-from lockstep.models.blocks.prepare import PrepareContext, fused_linear, prepare_common, shard
+from lockstep.models.blocks.prepare import fused_linear, prepare_common, shard
 from lockstep.ops.base import (
     AttentionInput,
     DenseOps,

@@ -40,7 +40,6 @@ from lockstep.errors import ModelLoadError
 from lockstep.ops.fp8 import Fp8Weight
 
 if TYPE_CHECKING:
-    from lockstep.models.blocks.prepare import PrepareContext
     from lockstep.models.forward_batch import ForwardBatch
     from lockstep.models.spec import ModelSpec
     from lockstep.ops.base import Ops
@@ -117,6 +116,21 @@ class BuildContext:
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     cache_index: int
+
+
+@dataclass(frozen=True)
+class PrepareContext:
+    """Where prepared weights go: the spec, this rank's tensor parallelism (its ops and shard
+    plan), the model dtype and the device."""
+
+    spec: ModelSpec
+    parallel: TensorParallel
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def ops(self) -> Ops:
+        return self.parallel.ops
 
 
 class CacheBytes(NamedTuple):

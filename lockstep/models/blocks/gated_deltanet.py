@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lockstep.models.blocks.base import BuildContext, CacheBytes, LayoutEntry, Step
-from lockstep.models.blocks.prepare import PrepareContext, fused_linear, prepare_common, shard
+from lockstep.models.blocks.base import BuildContext, CacheBytes, LayoutEntry, PrepareContext, Step
+from lockstep.models.blocks.prepare import fused_linear, prepare_common, shard
 from lockstep.models.linear_attention import (
     LinearLayout,
     LinearStatePool,

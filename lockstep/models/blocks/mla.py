@@ -54,12 +54,12 @@ from lockstep.models.blocks.base import (
     CacheBytes,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
 )
 from lockstep.models.blocks.prepare import (
-    PrepareContext,
     fuse_fp8,
     fused_linear,
     prepare_common,

@@ -21,12 +21,13 @@ from lockstep.models.blocks.base import (
     BuildContext,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
     row_linear_entry,
 )
-from lockstep.models.blocks.prepare import PrepareContext, prepare_common
+from lockstep.models.blocks.prepare import prepare_common
 from lockstep.ops.base import DenseOps, GeluOps
 from lockstep.ops.fp8 import Fp8Weight
 from lockstep.parallel.layers import RowParallelWeight

@@ -49,11 +49,12 @@ from lockstep.models.blocks.base import (
     BuildContext,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
 )
-from lockstep.models.blocks.prepare import PrepareContext, concatenated, prepare_common, shard
+from lockstep.models.blocks.prepare import concatenated, prepare_common, shard
 from lockstep.ops.base import DeepseekRoutingOps, DenseOps, GatedOutputOps, MoeOps
 from lockstep.ops.moe import (
     DeepseekRouting,

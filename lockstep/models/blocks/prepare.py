@@ -21,35 +21,17 @@ models run at tp 1 (lockstep/parallel/sharding.py), so FP8 kinds never shard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.blocks.base import SHARDS, LayoutEntry
+from lockstep.models.blocks.base import SHARDS, LayoutEntry, PrepareContext
 from lockstep.ops.fp8 import BLOCK, Fp8Weight
 
 if TYPE_CHECKING:
-    from lockstep.models.spec import ModelSpec
     from lockstep.ops.base import Ops
-    from lockstep.parallel.layers import TensorParallel
     from lockstep.parallel.sharding import ShardPlan
-
-
-@dataclass(frozen=True)
-class PrepareContext:
-    """Where prepared weights go: the spec, this rank's tensor parallelism (its ops and shard
-    plan), the model dtype and the device."""
-
-    spec: ModelSpec
-    parallel: TensorParallel
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def ops(self) -> Ops:
-        return self.parallel.ops
 
 
 def prepare_common(entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext) -> Any:
