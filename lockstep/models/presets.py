@@ -194,7 +194,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_5_moe", vocab_size=512, hidden_size=128, intermediate_size=48,
             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25, norm_style="offset",
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
                 key_head_dim=32, value_head_dim=32, conv_kernel=4,
@@ -209,7 +209,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_next", vocab_size=512, hidden_size=128, intermediate_size=256,
             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25, norm_style="offset",
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
                 key_head_dim=32, value_head_dim=32, conv_kernel=4, grouped_projections=True,
@@ -226,7 +226,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_5_moe", vocab_size=248320, hidden_size=2048, intermediate_size=512,
             num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25, norm_style="offset",
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(40, 4), num_key_heads=16, num_value_heads=32,
                 key_head_dim=128, value_head_dim=128, conv_kernel=4,
@@ -243,7 +243,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
             num_layers=48, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25, norm_style="offset",
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(48, 4), num_key_heads=16, num_value_heads=32,
                 key_head_dim=128, value_head_dim=128, conv_kernel=4, grouped_projections=True,

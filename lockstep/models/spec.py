@@ -354,6 +354,9 @@ class ModelSpec:
     mla: MlaSpec | None = field(default=None)
     yarn: YarnScaling | None = field(default=None)
     norm_style: str = "plain"  # NORM_STYLES
+    # Full attention gated by sigmoid(gate), the gate rows after each head's query rows in
+    # q_proj (Qwen3.5's and the hybrid MoE families' attention layers).
+    output_gate: bool = False
     longrope: LongRopeScaling | None = field(default=None)  # Phi-3's RoPE scaling
 
     def __post_init__(self) -> None:
@@ -454,8 +457,7 @@ class ModelSpec:
 
     @property
     def hybrid(self) -> bool:
-        """Whether some layers are linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), whose
-        full-attention layers gate their output."""
+        """Whether some layers are linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
         return self.linear is not None
 
     def is_linear(self, layer: int) -> bool:

@@ -34,7 +34,7 @@ def plan_layers(spec: ModelSpec) -> tuple[LayerPlan, ...]:
     def attention(layer: int) -> Attention | LatentAttention:
         if spec.mla is not None:
             return LatentAttention(q_lora=spec.mla.q_lora_rank is not None)
-        return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid,
+        return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.output_gate,
                          window=spec.window(layer))  # fmt: skip
 
     linear = GatedDeltaNet(grouped=spec.linear is not None and spec.linear.grouped_projections)

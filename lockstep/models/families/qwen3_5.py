@@ -66,6 +66,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
         qk_norm=True,
         linear=linear,
         norm_style="offset",
+        output_gate=True,
     )
 
 

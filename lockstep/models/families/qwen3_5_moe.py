@@ -44,6 +44,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
         linear=linear,
         moe=moe,
         norm_style="offset",
+        output_gate=True,
     )
 
 

@@ -29,6 +29,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
         linear=linear,
         moe=moe,
         norm_style="offset",
+        output_gate=True,
     )
 
 
