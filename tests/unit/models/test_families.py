@@ -72,3 +72,24 @@ def test_a_window_switched_off_is_no_window() -> None:
               "use_sliding_window": False}  # fmt: skip
     spec = family_of(config, "c").spec(config, "c")
     assert spec.sliding is None and all(spec.window(i) is None for i in range(2))
+
+
+def test_a_fused_tensor_must_hold_exactly_its_parts(tmp_path) -> None:
+    """Phi-3's qkv_proj is read as q, k and v by rows (`Family.parts`): a config that counts
+    fewer KV heads than the checkpoint holds is refused in one line naming the tensor, not
+    read with rows left over; control: the folder as written loads."""
+    import json
+
+    from lockstep.models.resolver import resolve_model
+    from tests.support.tiny_hf import save_tiny
+
+    save_tiny("phi3", tmp_path, num_attention_heads=2, num_key_value_heads=2)
+    assert resolve_model(str(tmp_path)).spec.num_kv_heads == 2
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model(str(tmp_path))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "tensor 'model.layers.0.self_attn.qkv_proj.weight' has shape [384, 128]" in message
+    assert "expected 256 rows (q_proj, k_proj, v_proj)" in message
