@@ -1,11 +1,12 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, the hybrid MoE families
-Qwen3.5-MoE and Qwen3-Next, Gemma 3, and the DeepSeek architecture: DeepSeek-V2, DeepSeek-V3
-and GLM-4.7-Flash) is a pre-norm decoder with rotary embeddings whose layers are (norm,
-mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP block
-(lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
-Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), multi-head
+Every supported family (lockstep/models/families: Llama, Mistral, Phi-3, Qwen2, Qwen3,
+Qwen3-MoE, Qwen3.5, the hybrid MoE families Qwen3.5-MoE and Qwen3-Next, Gemma 3, and the
+DeepSeek architecture: DeepSeek-V2, DeepSeek-V3 and GLM-4.7-Flash) is a pre-norm decoder with
+rotary embeddings (lockstep/models/rope.py) whose layers are (norm, mixer, norm, MLP). The
+family fills the fields below; `ModelSpec.layer_plans` names each layer's mixer and MLP block
+(lockstep/models/blocks/plan.py), chosen from them: attention (q/k/v biases, q/k norm,
+Qwen3.5's output gate, partial rotary embeddings, a sliding window), multi-head
 latent attention (`ModelSpec.mla`), or in a hybrid model (`ModelSpec.linear`) Gated DeltaNet
 in most layers; the dense SwiGLU (or GeGLU) MLP, or in the sparse layers of a
 mixture-of-experts model (`ModelSpec.moe`) a router and routed experts, plus a gated or
