@@ -8,7 +8,8 @@ the same weights served without it miss transformers past the window.
 Rows: Mistral without a window (v0.2 and later), Mistral v0.1's window on every layer, and
 Ministral's windowed layers around a full one (lockstep/models/families/mistral.py); Phi-3's
 fused projections with LongRoPE on part of each head, and with a window
-(lockstep/models/families/phi3.py). A new family adds its row here, and its writer to tiny_hf.
+(lockstep/models/families/phi3.py); Gemma 3's windowed layers around a global one
+(its own suite, tests/contract/test_gemma3.py, covers what only Gemma 3 has). A new family adds its row here, and its writer to tiny_hf.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ WINDOW = 8  # the windowed rows' sliding_window: shorter than the prompts below
 @dataclass(frozen=True)
 class Row:
     """A tiny folder: tiny_hf's `family` writer with config `overrides`; `window` the sliding
-    window the folder's attention has (None: full attention)."""
+    window of the folder's first layer (None: full attention) and `unwindowed` the config
+    keys that serve the same weights without it (the window control)."""
 
     name: str
     family: str
     overrides: dict[str, Any] = field(default_factory=dict)
     window: int | None = None
+    unwindowed: dict[str, Any] = field(default_factory=lambda: {"sliding_window": None})
 
     def write(self, family: str, folder: Path, **keys: Any) -> Any:
         return save_tiny(family, folder, **{**self.overrides, **keys})
@@ -56,6 +59,8 @@ ROWS = (
     Row("ministral", "ministral", window=WINDOW),
     Row("phi3", "phi3"),  # LongRoPE over half of each head, original context 128
     Row("phi3-window", "phi3", {"sliding_window": WINDOW, "rope_parameters": _PLAIN_ROPE}, WINDOW),
+    # Gemma 3 needs a window: a window longer than every prompt serves it unwindowed.
+    Row("gemma3", "gemma3", window=WINDOW, unwindowed={"sliding_window": 4096}),
 )
 WINDOWED = tuple(row for row in ROWS if row.window is not None)
 
@@ -117,10 +122,13 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def test_matches_transformers_prefill_and_generation(served) -> None:
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_matches_transformers_prefill_and_generation(served, written, mode: str) -> None:
     """Logits of a 40-token prefill (five windows) and greedy token-by-token generation from
-    a 25-token prompt agree with transformers within 1e-4 in float32."""
+    a 25-token prompt agree with transformers within 1e-4 in float32, in both modes."""
     row, model, engine = served
+    if mode == "fast":
+        engine = _engine(written(row)[0], mode="fast")
     assert engine.decoder.spec.window(0) == row.window
     tokens = _tokens(3, 40)
     with torch.no_grad():
@@ -147,16 +155,16 @@ def test_matches_transformers_prefill_and_generation(served) -> None:
 def test_negative_control_without_the_window_the_logits_miss(
     row: Row, written, tmp_path: Path
 ) -> None:
-    """The same weights served with sliding_window null (every layer sees every key) agree
-    with transformers inside the window and miss it past the window: the match above is the
-    window's."""
+    """The same weights served without the window (`Row.unwindowed`: every layer sees every
+    key) agree with transformers inside the window and miss it past the window: the match
+    above is the window's."""
     folder, model = written(row)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((folder / name).read_bytes())
-    config = {**json.loads((folder / "config.json").read_text()), "sliding_window": None}
+    config = {**json.loads((folder / "config.json").read_text()), **row.unwindowed}
     (tmp_path / "config.json").write_text(json.dumps(config))
     full = _engine(tmp_path)
-    assert full.decoder.spec.sliding is None
+    assert full.decoder.spec.window(0) != row.window
     tokens = _tokens(4, 30)
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0]
@@ -238,8 +246,8 @@ def test_longrope_past_the_original_context_keeps_the_contract(written) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", [ROWS[1], ROWS[3]], ids=lambda row: row.name)
+@pytest.mark.parametrize("row", [ROWS[1], ROWS[3], ROWS[5]], ids=lambda row: row.name)
 def test_lockstep_check_serve_passes_every_scenario(row: Row, tmp_path: Path) -> None:
-    """`lockstep check --serve` on a windowed Mistral folder and a Phi-3 folder passes every
-    scenario."""
+    """`lockstep check --serve` on a windowed Mistral folder, a Phi-3 folder and a Gemma 3
+    folder passes every scenario."""
     check_serve_passes_every_scenario(row.family, tmp_path, row.write)
