@@ -5,20 +5,18 @@ All arithmetic goes through an `Ops` backend (lockstep.ops), so the same model c
 deterministic CPU kernels, the Triton kernels, the fast yardstick and the float64 reference.
 
 Weights are loaded strictly: every tensor the loader yields must be expected and every expected
-tensor must arrive, else `ModelLoadError`. q/k/v are fused into one projection and gate/up into
-another at load time (fewer, larger matmuls); fusing concatenates rows, so each output element's
-reduction is unchanged. FP8 linears (lockstep/ops/fp8.py) fuse the same way: weights by rows,
-per-row and per-block scales with their rows (`_fuse_fp8`). A sparse layer's experts are
-stacked into one gate_up [E, 2I, K] and one down [E, H, I] tensor (lockstep.ops.moe,
-"Weights"; block-FP8 experts with their block scales beside them). Each block says how its tensors are prepared (`weight_layout`); the kinds of
-preparation, fusing and sharding live here, so every block prepares the same way.
+tensor must arrive, else `ModelLoadError`. Each block prepares its own tensors (its `layout`
+and `prepare`: q/k/v fused into one projection and gate/up into another, MLA's absorbed
+projections, stacked experts, FP8 linears), the kinds every block shares in
+blocks/prepare.py; the decoder prepares only its norms, the embedding and the LM head.
 
 Position invariance: every op here is row-local (its row's bits depend only on that row) except
 attention, whose rows depend only on the keys 0..p of their own sequence. New K/V are written to
 the cache before attention, so prefix keys and new keys are read from one layout.
 
 Hybrid models (Qwen3.5): linear-attention layers run `gated_deltanet` (their rows depend on
-their own sequence's earlier tokens through its `LinearState`); full-attention layers gate
+their own sequence's earlier tokens through its `LinearState`, which the mixer's step hook,
+blocks/base.py's `StepHook`, advances after each step); full-attention layers gate
 their output by sigmoid(gate), the gate rows fused after q | k | v, and rotate part of each
 head. Their RMSNorm weights are stored as w - 1; the loader adds the 1 once, in float32 (as
 transformers does at every call). Only the full-attention layers have K/V in the cache.
@@ -37,35 +35,30 @@ are still reduced chunk by chunk (deterministic mode), so that TP 1 gives the bi
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.blocks import LayerPlan
+from lockstep.models.blocks import LayerPlan, expected_weight_names, expected_weight_shape
 from lockstep.models.blocks.base import (
-    SHARDS,
     BuildContext,
     KVStorage,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
+    StepHook,
 )
-from lockstep.models.blocks.gated_deltanet import ungroup_projections
-from lockstep.models.blocks.mla import absorbed, fp8_rope_rows_reordered, rope_rows_reordered
+from lockstep.models.blocks.prepare import prepare_common
 from lockstep.models.forward_batch import ForwardBatch
-from lockstep.models.linear_attention import LinearLayout, LinearState, pooled_rows
+from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.moe import split_fused_experts
-from lockstep.models.spec import (
-    ModelSpec,
-    YarnScaling,
-    expected_weight_names,
-    expected_weight_shape,
-)
+from lockstep.models.rope import rope_tables
+from lockstep.models.spec import ModelSpec
 from lockstep.ops.base import (
     AttentionMeta,
     DenseOps,
@@ -75,8 +68,8 @@ from lockstep.ops.base import (
     SoftcapOps,
     build_attention_meta,
 )
-from lockstep.ops.fp8 import BLOCK, E4M3, Fp8Weight
-from lockstep.ops.moe import Fp8Experts, prepare_expert_weights, prepare_fp8_experts
+from lockstep.ops.fp8 import E4M3, Fp8Weight
+from lockstep.ops.moe import Fp8Experts
 from lockstep.parallel.layers import RowParallelWeight, TensorParallel, default_reduction
 from lockstep.parallel.sharding import ShardPlan
 
@@ -84,6 +77,9 @@ if TYPE_CHECKING:
     from lockstep.models.resolver import LoadedModel
 
 __all__ = ["Decoder", "KVStorage", "Layer", "ScratchKV"]
+
+# Prepares one layout entry from its source tensors (a block's `prepare`, or the common one).
+Preparation = Callable[[LayoutEntry, list[torch.Tensor], PrepareContext], Any]
 
 
 @dataclass
@@ -106,61 +102,6 @@ def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     float32 whatever the weights), the model dtype on CUDA. The training module
     (lockstep/training/model.py) takes it from here, so its ops see what the decoder's see."""
     return torch.float32 if device.type == "cpu" else dtype
-
-
-def rope_tables(
-    spec: ModelSpec, max_position: int, sliding: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_position, head_dim/2] float32, computed once in float64 (so every step and
-    every device type indexes the same table instead of recomputing angles). `sliding`: the
-    tables of the sliding-window layers (their own base, unscaled)."""
-    half = spec.rotary_dim // 2
-    exponent = torch.arange(half, dtype=torch.float64) * 2.0 / spec.rotary_dim
-    if sliding:
-        assert spec.sliding is not None
-        inv_freq = 1.0 / (spec.sliding.rope_theta**exponent)
-    else:
-        inv_freq = 1.0 / (spec.rope_theta**exponent) / spec.rope_linear_factor
-    yarn = None if sliding else spec.yarn
-    if yarn is not None:
-        inv_freq = _yarn_inv_freq(yarn, spec.rope_theta, spec.rotary_dim)
-    s = None if sliding else spec.rope_scaling
-    if s is not None:
-        # Llama 3 frequency scaling: long wavelengths are divided by `factor`, short ones kept,
-        # the band between is interpolated smoothly.
-        wavelen = 2 * math.pi / inv_freq
-        low_wavelen = s.original_max_position / s.low_freq_factor
-        high_wavelen = s.original_max_position / s.high_freq_factor
-        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    factor = 1.0 if yarn is None else yarn.attention_factor  # YaRN scales cos and sin
-    return (angles.cos() * factor).to(torch.float32), (angles.sin() * factor).to(torch.float32)
-
-
-def _yarn_inv_freq(yarn: YarnScaling, theta: float, dim: int) -> torch.Tensor:
-    """YaRN's frequencies (float64), as transformers' _compute_yarn_parameters: each blends
-    the interpolated (divided by the factor) and the extrapolated frequency by a linear ramp
-    between the dims where `beta_fast` and `beta_slow` rotations fit the original context."""
-
-    def correction_dim(rotations: float) -> float:
-        ratio = yarn.original_max_position / (rotations * 2 * math.pi)
-        return dim * math.log(ratio) / (2 * math.log(theta))
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    extrapolated = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    extrapolation = 1 - ramp
-    return extrapolated / yarn.factor * (1 - extrapolation) + extrapolated * extrapolation
 
 
 class Decoder:
@@ -190,10 +131,17 @@ class Decoder:
         cos, sin = rope_tables(spec, max_position)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
-        local = None
-        if spec.sliding is not None:
+        local = None  # the sliding layers' tables, where they have their own RoPE base
+        if spec.sliding is not None and spec.sliding.rope_theta is not None:
             local = tuple(t.to(device) for t in rope_tables(spec, max_position, sliding=True))
+        # The state layout of the linear-attention layers (the engine's state pools use it).
         self.linear_layout = LinearLayout.of(spec, device) if spec.hybrid else None
+        # The step hooks of mixers that keep state beyond the KV pool, one per mixer type.
+        self.step_hooks: dict[type, StepHook] = {}
+        for plan in spec.layer_plans:
+            hook = plan.mixer.step_hook(spec, device)
+            if hook is not None:
+                self.step_hooks.setdefault(type(plan.mixer), hook)
         # Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype as
         # transformers rounds it.
         self.embed_scale = None
@@ -207,7 +155,8 @@ class Decoder:
         for i, plan in enumerate(spec.layer_plans):
             cache_index = caches[plan.mixer.cache]
             caches[plan.mixer.cache] += 1
-            cos, sin = (self.rope_cos, self.rope_sin) if spec.window(i) is None else local
+            local_rope = spec.window(i) is not None and local is not None
+            cos, sin = local if local_rope else (self.rope_cos, self.rope_sin)
             context = BuildContext(spec, self.plan, cos, sin, cache_index)
             mixer = plan.mixer.build(_fields(parts, f"layers.{i}.mixer."), context)
             mlp = plan.mlp.build(_fields(parts, f"layers.{i}.mlp."), context)
@@ -237,11 +186,10 @@ class Decoder:
         if parallel is None:
             parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), default_reduction(ops))
         got = _collect(loaded.iter_weights(dtype, device), spec, loaded.source, dtype)
+        context = PrepareContext(spec, parallel, dtype, device)
         parts = {
-            entry.target: _prepare(
-                spec, entry, [got[n] for n in entry.sources], parallel, dtype, device
-            )
-            for entry in _consume(weight_layout(spec), got)
+            entry.target: prepare(entry, [got[n] for n in entry.sources], context)
+            for entry, prepare in _consume(weight_layout(spec), got)
         }
         return cls(
             spec, ops, dtype, device, parts, max_position or spec.max_position, parallel, kv_dtype
@@ -264,10 +212,10 @@ class Decoder:
             weights = split_fused_experts(weights)
         cpu = torch.device("cpu")
         got = _collect(((n, t.detach()) for n, t in weights), spec, source, self.dtype, cpu)
+        context = PrepareContext(spec, self.parallel, self.dtype, self.device)
         with torch.no_grad():
-            for entry in _consume(weight_layout(spec), got):
-                parts = [got[n] for n in entry.sources]
-                new = _prepare(spec, entry, parts, self.parallel, self.dtype, self.device)
+            for entry, prepare in _consume(weight_layout(spec), got):
+                new = prepare(entry, [got[n] for n in entry.sources], context)
                 old = self._tensor_at(entry.target)
                 if isinstance(old, (Fp8Weight, Fp8Experts)):
                     assert isinstance(new, type(old))
@@ -296,14 +244,8 @@ class Decoder:
         if self.embed_scale is not None:
             h = h * self.embed_scale  # one rounding per element
         residual: torch.Tensor | None = None
-        # Rows per sequence on the host, once per step (the linear layers loop over them).
-        pooled, pool, rows = batch.pooled, batch.state_pool, None
-        if pooled is None and batch.linear_states is not None:
-            rows = batch.meta.cu_q.diff().tolist()
-            assert self.linear_layout is not None
-            pooled = pooled_rows(ops, batch.linear_states, rows, self.linear_layout)
-            pool = batch.linear_states[0].pool if pooled is not None else None
-        step = Step(batch, kv, parallel, self.linear_layout, rows, pooled, pool)
+        began = {kind: hook.begin(ops, batch) for kind, hook in self.step_hooks.items()}
+        step = Step(batch, kv, parallel, began)
         for layer in self.layers:
             if residual is None:
                 residual = h
@@ -318,9 +260,8 @@ class Decoder:
             if layer.mlp_norm is not None:
                 h = ops.rms_norm(h, layer.mlp_norm, spec.rms_norm_eps)
         assert residual is not None
-        if batch.linear_states is not None and rows is not None:
-            for state, n in zip(batch.linear_states, rows, strict=True):
-                state.advance(n)
+        for kind, hook in self.step_hooks.items():
+            hook.end(began[kind], batch)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
         x = x.index_select(0, batch.logit_rows)
         logits = parallel.logits(x, self.lm_head)
@@ -393,46 +334,32 @@ FLOAT32_TENSORS = ("norm.weight", ".bias", ".A_log", ".dt_bias", ".conv1d.weight
                    ".e_score_correction_bias")  # fmt: skip
 
 
-def weight_layout(spec: ModelSpec) -> list[LayoutEntry]:
+def weight_layout(spec: ModelSpec) -> list[tuple[LayoutEntry, Preparation]]:
     """How canonical tensors become the decoder's: `LayoutEntry`s (target, kind, source names,
-    tensor-parallel shard rule), in load order; each layer's norms here, its mixer's and
-    MLP's entries from their blocks. Kinds: "norm" (float32), "norm1p" (float32, plus one:
-    Qwen3.5 stores w - 1), "conv" (float32 [channels, kernel]), "bias" (float32,
-    concatenated), "embed" (as is), "linear" (rows
-    concatenated, then `Ops.prepare_linear_weight`), "qkv_gate" (q_proj's per-head query and
-    gate rows separated: q | k | v | gate, then "linear"), "mla_linear" (MLA projections whose
-    interleaved RoPE rows are reordered, `rope_rows_reordered`, then "linear"), "mla_fp8"
-    (their block-FP8 form: e4m3 rows reordered within their scale blocks,
-    `fp8_rope_rows_reordered`, then "fp8"), "mla_absorb_k" and "mla_absorb_v" (kv_b_proj,
-    dequantized first where it is FP8 (its weight, then its block scales), split per head into
-    W_UK^T and W_UV, blocks/mla.py's `absorbed`, each head prepared as a linear and stacked),
-    "qkvz_ba" (Qwen3-Next's grouped Gated DeltaNet inputs reordered to q | k | v | z | b | a,
-    `ungroup_projections`, then "linear"), "row_attention" and "row_mlp" (row-parallel:
-    `TensorParallel.row_weight`) and "experts" (the sources are expert-major,
-    the same number per expert: each expert's rows concatenated, then stacked and prepared by
-    `prepare_expert_weights`), "fp8_experts" (block-FP8 experts: the expert-major weights,
-    then their block scales, `prepare_fp8_experts`) and "fp8" (an FP8 linear: its parts'
-    weights, then their weight scales, then their input scales ("tensor"), fused by
-    `_fuse_fp8`)."""
-    layout: list[LayoutEntry] = []
+    tensor-parallel shard rule), in load order, each with the function that prepares it: each
+    layer's norms and the embedding, LM head and final norm here (blocks/prepare.py's common
+    kinds), its mixer's and MLP's entries from their blocks, which prepare them."""
+    layout: list[tuple[LayoutEntry, Preparation]] = []
     norm = spec.norm_kind
     norms = dict(spec.norm_names())
     for i, plan in enumerate(spec.layer_plans):
         p, t = f"model.layers.{i}.", f"layers.{i}."
 
-        def norm_entry(field: str) -> LayoutEntry:
-            return LayoutEntry(t + field, norm, [p + norms[field]])  # noqa: B023
+        def norm_entry(field: str) -> tuple[LayoutEntry, Preparation]:
+            return LayoutEntry(t + field, norm, [p + norms[field]]), prepare_common  # noqa: B023
 
         layout.append(norm_entry("input_norm"))
-        layout += plan.mixer.layout(spec, i, "mixer")
+        layout += [(e, plan.mixer.prepare) for e in plan.mixer.layout(spec, i, "mixer")]
         layout += [norm_entry(f) for f in ("mixer_norm", "post_norm") if f in norms]
-        layout += plan.mlp.layout(spec, i, "mlp")
+        layout += [(e, plan.mlp.prepare) for e in plan.mlp.layout(spec, i, "mlp")]
         if "mlp_norm" in norms:
             layout.append(norm_entry("mlp_norm"))
-    layout.append(LayoutEntry("embed", "embed", ["model.embed_tokens.weight"], "vocab"))
     head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    layout.append(LayoutEntry("lm_head", "linear", [head], "vocab"))
-    layout.append(LayoutEntry("final_norm", norm, ["model.norm.weight"]))
+    layout += [
+        (LayoutEntry("embed", "embed", ["model.embed_tokens.weight"], "vocab"), prepare_common),
+        (LayoutEntry("lm_head", "linear", [head], "vocab"), prepare_common),
+        (LayoutEntry("final_norm", norm, ["model.norm.weight"]), prepare_common),
+    ]
     return layout
 
 
@@ -470,120 +397,14 @@ def _refuse_missing_capability(spec: ModelSpec, ops: Ops, source: str) -> None:
                                  f"{refusal}; the CPU backends take any widths")  # fmt: skip
 
 
-def _prepare(
-    spec: ModelSpec,
-    entry: LayoutEntry,
-    parts: list[torch.Tensor],
-    parallel: TensorParallel,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Linear | RowParallelWeight | Fp8Experts:
-    """One `weight_layout` entry's prepared weight from its source tensors `parts`."""
-    kind = entry.kind
-    ops = parallel.ops
-    if kind == "fp8":  # FP8 models run at tp=1 (lockstep.parallel.sharding): never sharded
-        assert spec.fp8 is not None
-        return _fuse_fp8(spec.fp8.scheme, parts, ops, device, entry.sources)
-    if kind == "mla_fp8":  # MLA models are MoE models, whose FP8 scheme is "block" (spec.py)
-        assert spec.fp8 is not None and spec.fp8.scheme == "block"
-        count = len(parts) // 2  # the weights, then their block scales
-        weights = [fp8_rope_rows_reordered(spec, n, w)
-                   for n, w in zip(entry.sources[:count], parts[:count], strict=True)]  # fmt: skip
-        return _fuse_fp8("block", weights + parts[count:], ops, device, entry.sources)
-    if kind == "fp8_experts":
-        assert spec.moe is not None
-        half = len(parts) // 2
-        weights = [w.to(device) for w in parts[:half]]
-        scales = [s.to(device=device, dtype=torch.float32) for s in parts[half:]]
-        return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales, spec.moe.num_experts)
-    parts = _shard(parallel.plan, entry.shard, parts)
-    if kind in ("norm", "bias"):
-        return torch.cat(parts).to(device=device, dtype=torch.float32)
-    if kind == "norm1p":
-        return torch.cat(parts).to(device=device, dtype=torch.float32) + 1.0
-    if kind == "conv":
-        weight = parts[0].to(device=device, dtype=torch.float32)
-        return weight.reshape(weight.shape[0], -1).contiguous()
-    if kind == "qkvz_ba":
-        assert spec.linear is not None
-        parts = ungroup_projections(spec.linear, parts[0], parts[1])
-        kind = "linear"
-    if kind == "mla_linear":
-        parts = [rope_rows_reordered(spec, n, p) for n, p in zip(entry.sources, parts, strict=True)]
-        kind = "linear"
-    if kind in ("mla_absorb_k", "mla_absorb_v"):  # parts: kv_b_proj[, its FP8 block scales]
-        scale = parts[1] if len(parts) > 1 else None
-        per_head = absorbed(spec, parts[0], kind[-1], scale).to(device=device, dtype=dtype)
-        return prepare_expert_weights(ops.prepare_linear_weight, per_head)
-    if kind == "qkv_gate":
-        q_gate = parts[0].reshape(spec.num_heads, 2, spec.head_dim, -1)
-        parts = [q_gate[:, 0].reshape(spec.q_size, -1), parts[1], parts[2],
-                 q_gate[:, 1].reshape(spec.q_size, -1)]  # fmt: skip
-        kind = "linear"
-    fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    fused = fused.to(device=device, dtype=dtype)
-    if kind in ("row_attention", "row_mlp"):
-        return parallel.row_weight(fused, kind.removeprefix("row_"))
-    if kind == "experts":
-        assert spec.moe is not None
-        # Expert-major sources, so the concatenated rows are expert e's rows at block e.
-        stacked = fused.view(spec.moe.num_experts, -1, fused.shape[1])
-        return prepare_expert_weights(ops.prepare_linear_weight, stacked)
-    return fused if kind == "embed" else ops.prepare_linear_weight(fused.contiguous())
-
-
-def _fuse_fp8(
-    scheme: str, parts: list[torch.Tensor], ops: Ops, device: torch.device, sources: list[str]
-) -> Fp8Weight:
-    """One FP8 linear from its parts' (weights, weight scales[, input scales]) in canonical
-    form (spec.py), `sources` their names (for messages): weights and per-row or per-block
-    scales concatenated by rows; a "tensor" part's scalar repeated over its rows; the parts'
-    static input scales, which all see the same activation, merged into their maximum
-    (docs/models.md). Block scales concatenate only where every part but the last has whole
-    128-row blocks (else a scale row would cover two parts' rows): refused otherwise."""
-    count = len(parts) // (3 if scheme == "tensor" else 2)
-    weights, scales = parts[:count], parts[count : 2 * count]
-    if scheme == "block" and count > 1:
-        uneven = next((i for i, w in enumerate(weights[:-1]) if w.shape[0] % BLOCK), None)
-        if uneven is not None:
-            raise ModelLoadError(
-                f"FP8 block scales cannot be fused: {sources[uneven]} has "
-                f"{weights[uneven].shape[0]} rows, not a multiple of {BLOCK}, and is fused by "
-                f"rows with {sources[uneven + 1]}; supported: fused parts of whole {BLOCK}-row "
-                "blocks but the last"
-            )
-    if scheme == "tensor":
-        scales = [s.reshape(1).expand(w.shape[0]) for w, s in zip(weights, scales, strict=True)]
-    weight = torch.cat(weights, dim=0).to(device).contiguous()
-    weight_scale = torch.cat(scales, dim=0).to(device=device, dtype=torch.float32).contiguous()
-    input_scale = None
-    if scheme == "tensor":
-        input_scale = torch.stack([s.reshape(()) for s in parts[2 * count :]]).amax()
-        input_scale = input_scale.to(device=device, dtype=torch.float32)
-    return ops.prepare_fp8_linear(scheme, weight, weight_scale, input_scale)
-
-
-def _shard(plan: ShardPlan, shard: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's rows of an entry's sources, by the entry's `shard` rule (`LayoutEntry`)."""
-    if shard not in SHARDS:
-        raise ValueError(f"shard={shard!r} is invalid: expected one of {SHARDS}")
-    if plan.tp == 1 or shard == "whole":
-        return parts
-    if shard == "heads":
-        d = plan.spec.head_dim
-        (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
-        q, k, v = parts
-        return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
-    lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[shard]
-    return [p[lo:hi] for p in parts]
-
-
-def _consume(layout: list[LayoutEntry], got: dict[str, torch.Tensor]) -> Iterator[LayoutEntry]:
+def _consume(
+    layout: list[tuple[LayoutEntry, Preparation]], got: dict[str, torch.Tensor]
+) -> Iterator[tuple[LayoutEntry, Preparation]]:
     """Yield the layout's entries, dropping each source tensor from `got` after its last use
     (so a load holds one copy of the model, not two)."""
-    uses = Counter(n for entry in layout for n in entry.sources)
-    for entry in layout:
-        yield entry
+    uses = Counter(n for entry, _ in layout for n in entry.sources)
+    for entry, prepare in layout:
+        yield entry, prepare
         for name in entry.sources:
             uses[name] -= 1
             if not uses[name]:

@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from lockstep.errors import ModelLoadError
 from lockstep.models.families import Family, family_of
+from lockstep.models.families.base import Parts
 from lockstep.models.fp8_formats import KV_SCALE_SUFFIXES, Fp8Format, fp8_format
 from lockstep.models.spec import (
     QUANTIZABLE,
@@ -77,7 +78,8 @@ class SafetensorsWeights:
                 f"{folder} has no *.safetensors weights; supported weight files: *.safetensors "
                 f"(sharded with {_INDEX_FILE})"
             )
-        self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key in file)
+        # canonical name -> (file, key in file, its rows of that tensor; None: all of them)
+        self._where: dict[str, tuple[Path, str, slice | None]] = {}
         self.fp8_modules: set[str] = set()  # linears whose weight is stored as e4m3
         kv_scales: list[str] = []
         extra_layers: list[str] = []
@@ -88,7 +90,9 @@ class SafetensorsWeights:
                 raise ModelLoadError(f"{folder}: weight file {file_name}{named} is missing")
             with safe_open(path, framework="pt") as handle:
                 keys = list(handle.keys())
-                fp8 = {k for k in keys if handle.get_slice(k).get_dtype() == "F8_E4M3"}
+                slices = {k: handle.get_slice(k) for k in keys}  # headers only: no data read
+                fp8 = {k for k in keys if slices[k].get_dtype() == "F8_E4M3"}
+                shapes = {k: slices[k].get_shape() for k in keys}
             for key in keys:
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer derived from rope_theta, saved by old checkpoints
@@ -108,7 +112,11 @@ class SafetensorsWeights:
                 name = family.tensor_name(key if fmt is None else fmt.canonical(key))
                 if name is None:
                     continue  # the family does not serve it (a vision tower)
-                self._where[name] = (path, key)
+                parts = family.parts(name, spec)
+                if parts != ((name, None),):
+                    _check_fused_rows(folder, key, shapes[key], parts)
+                for part, rows in parts:
+                    self._where[part] = (path, key, rows)
         if extra_layers:
             logger.info(
                 "%s: %d tensors of layers past the last decoder layer (e.g. %s, DeepSeek's "
@@ -143,12 +151,13 @@ class SafetensorsWeights:
         self, dtype: torch.dtype, device: torch.device | str
     ) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
-        for name, (path, _) in self._where.items():
+        for name, (path, _, _) in self._where.items():
             by_file.setdefault(path, []).append(name)
         for path, names in by_file.items():
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in names:
-                    tensor = handle.get_tensor(self._where[name][1])
+                    _, key, rows = self._where[name]
+                    tensor = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows]
                     if self._fmt is not None:
                         tensor = self._fmt.canonical_tensor(name, tensor)
                     if name.endswith(_KEPT_FLOAT32):
@@ -158,6 +167,16 @@ class SafetensorsWeights:
                     else:
                         target = dtype
                     yield name, tensor.to(device=device, dtype=target).contiguous()
+
+
+def _check_fused_rows(folder: Path, key: str, shape: list[int], parts: Parts) -> None:
+    """A fused tensor must hold exactly its parts' rows (a config that miscounts heads would
+    otherwise read some rows as the wrong projection and leave others unread)."""
+    want = max(rows.stop for _, rows in parts if rows is not None)
+    if not shape or shape[0] != want:
+        names = ", ".join(name.rsplit(".", 2)[-2] for name, _ in parts)
+        raise ModelLoadError(f"{folder}: tensor {key!r} has shape {shape}, expected {want} rows "
+                             f"({names}) for this config")  # fmt: skip
 
 
 def _beyond_last_layer(key: str, spec: ModelSpec) -> bool:

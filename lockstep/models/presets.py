@@ -37,6 +37,7 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.blocks import expected_weight_names, expected_weight_shape
 from lockstep.models.families import family_of
 from lockstep.models.spec import (
     Fp8Spec,
@@ -44,8 +45,6 @@ from lockstep.models.spec import (
     ModelSpec,
     MoeSpec,
     SlidingWindowSpec,
-    expected_weight_names,
-    expected_weight_shape,
 )
 from lockstep.models.tokenizer import Tokenizer, byte_level_alphabet
 from lockstep.ops.fp8 import quantize_weight
@@ -105,7 +104,7 @@ def _gemma3(
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position=max_position,
         tie_word_embeddings=True, qk_norm=True,
         sliding=SlidingWindowSpec(window, types, 10_000.0), mlp_activation="gelu_tanh",
-        sandwich_norms=True, embed_scale=True, attention_scale=256**-0.5,
+        sandwich_norms=True, embed_scale=True, norm_style="offset", attention_scale=256**-0.5,
         rope_linear_factor=linear_factor,
     )  # fmt: skip
 
@@ -150,6 +149,8 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen2": _preset(_tiny("qwen2", attention_bias=True, tie_word_embeddings=True),
                           add_bos=False),
     "tiny-qwen3": _preset(_tiny("qwen3"), add_bos=False),
+    # Mistral v0.1's structure, small: every layer's attention windowed, over 16 keys.
+    "tiny-mistral": _preset(_tiny("mistral", sliding_window=16), add_bos=True),
     "tiny-qwen3-moe": _preset(_tiny("qwen3_moe", **_TINY_MOE), add_bos=False),
     # Qwen3.5's structure, small: two Gated DeltaNet layers, then gated full attention with
     # a quarter of each head rotated; 2 key heads serving 4 value heads.
@@ -193,7 +194,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_5_moe", vocab_size=512, hidden_size=128, intermediate_size=48,
             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
                 key_head_dim=32, value_head_dim=32, conv_kernel=4,
@@ -208,7 +209,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_next", vocab_size=512, hidden_size=128, intermediate_size=256,
             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=4096, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(3, 3), num_key_heads=2, num_value_heads=4,
                 key_head_dim=32, value_head_dim=32, conv_kernel=4, grouped_projections=True,
@@ -225,7 +226,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_5_moe", vocab_size=248320, hidden_size=2048, intermediate_size=512,
             num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(40, 4), num_key_heads=16, num_value_heads=32,
                 key_head_dim=128, value_head_dim=128, conv_kernel=4,
@@ -242,7 +243,7 @@ PRESETS: dict[str, Preset] = {
             family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
             num_layers=48, num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
             rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
-            partial_rotary_factor=0.25,
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
             linear=LinearAttentionSpec(
                 layer_types=_hybrid_layers(48, 4), num_key_heads=16, num_value_heads=32,
                 key_head_dim=128, value_head_dim=128, conv_kernel=4, grouped_projections=True,
@@ -293,6 +294,34 @@ PRESETS: dict[str, Preset] = {
                   q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
                   topk_group=4, first_k_dense_replace=3, max_position_embeddings=163840,
                   rope_scaling=_yarn(40.0, 1.0, 1.0, 4096)),
+        add_bos=True,
+    ),
+    # Mistral-7B-v0.1: a window of 4,096 keys in every layer.
+    "mistral-7b-v0.1": _preset(
+        _config("mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=32768, sliding_window=4096),
+        add_bos=True,
+    ),
+    # Phi-3's structure, small: LongRoPE over three quarters of each head (Phi-4-mini's
+    # share), long factors past an original context of 1,024 positions.
+    "tiny-phi3": _preset(
+        _config("phi3", vocab_size=512, hidden_size=256, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=4096,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.75, "short_factor": [1.0] * 24,
+                                 "long_factor": [1.0 + i / 8 for i in range(24)],
+                                 "original_max_position_embeddings": 1024}),
+        add_bos=True,
+    ),
+    # microsoft/Phi-3-mini-4k-instruct: a window of 2,047 keys in every layer, 3.82 B.
+    "phi3-mini-4k": _preset(
+        _config("phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                sliding_window=2047),
         add_bos=True,
     ),
     "smollm2-135m": _preset(

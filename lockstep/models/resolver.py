@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.blocks import expected_weight_names
 from lockstep.models.hf_loader import load_hf_folder
 from lockstep.models.hub import (
     describe,
@@ -33,7 +34,7 @@ from lockstep.models.hub import (
     is_hub_id,
 )
 from lockstep.models.presets import PRESETS, load_preset
-from lockstep.models.spec import ModelSpec, expected_weight_names
+from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

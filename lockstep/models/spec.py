@@ -1,16 +1,17 @@
 """Architecture description shared by every loader and the decoder.
 
-Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, the hybrid MoE families
-Qwen3.5-MoE and Qwen3-Next, Gemma 3, and the DeepSeek architecture: DeepSeek-V2, DeepSeek-V3
-and GLM-4.7-Flash) is a pre-norm decoder with rotary embeddings whose layers are (norm,
-mixer, norm, MLP). `ModelSpec.layer_plans` names each layer's mixer and MLP block
-(lockstep/models/blocks), chosen from the flags below: attention (q/k/v biases, q/k norm,
-Qwen3.5's output gate and partial rotary embeddings, Gemma 3's sliding window), multi-head
+Every supported family (lockstep/models/families: Llama, Mistral, Phi-3, Qwen2, Qwen3,
+Qwen3-MoE, Qwen3.5, the hybrid MoE families Qwen3.5-MoE and Qwen3-Next, Gemma 3, and the
+DeepSeek architecture: DeepSeek-V2, DeepSeek-V3 and GLM-4.7-Flash) is a pre-norm decoder with
+rotary embeddings (lockstep/models/rope.py) whose layers are (norm, mixer, norm, MLP). The
+family fills the fields below; `ModelSpec.layer_plans` names each layer's mixer and MLP block
+(lockstep/models/blocks/plan.py), chosen from them: attention (q/k/v biases, q/k norm,
+Qwen3.5's output gate, partial rotary embeddings, a sliding window), multi-head
 latent attention (`ModelSpec.mla`), or in a hybrid model (`ModelSpec.linear`) Gated DeltaNet
 in most layers; the dense SwiGLU (or GeGLU) MLP, or in the sparse layers of a
 mixture-of-experts model (`ModelSpec.moe`) a router and routed experts, plus a gated or
 (DeepSeek) ungated shared expert where the family has one. The hybrid families and Gemma 3
-store their RMSNorm weights as w - 1 (`norm_kind`); Gemma 3 also normalizes each mixer's and
+store their RMSNorm weights as w - 1 (`norm_style`); Gemma 3 also normalizes each mixer's and
 MLP's output (its four norms per layer: `ModelSpec.norm_names`). Loaders produce a `ModelSpec`
 plus a state dict in the canonical (Hugging Face) naming: each block's module docstring lists
 its tensors (after "model.layers.{i}."); around them
@@ -38,22 +39,19 @@ are never quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lockstep.models.blocks import LayerPlan
+    from lockstep.models.blocks.plan import LayerPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-            "gemma3", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # fmt: skip
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", *MLA_FAMILIES)
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# How a checkpoint stores its RMSNorm weights: as w ("plain") or as w - 1 ("offset": the
+# hybrid families and Gemma 3, whose norms compute x * (1 + w)).
+NORM_STYLES = ("plain", "offset")
 # Rows per chunk of the gated delta rule (linear_attention.CHUNK). Part of the numerics:
 # changing it changes the bits. Here, in a module without torch, because EngineConfig checks
 # snapshot intervals against it in the HTTP process too.
@@ -84,6 +82,24 @@ class YarnScaling:
     beta_slow: float
     attention_factor: float
     truncate: bool = True
+
+
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (rope_type "longrope", Phi-3): per-frequency divisors of the plain RoPE
+    frequencies, `short_factor` for positions below `original_max_position` and `long_factor`
+    for the others (lockstep/models/rope.py says why by position), cos and sin multiplied by
+    `attention_factor`."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position: int
+    attention_factor: float
+
+    def __post_init__(self) -> None:
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(f"LongRoPE short_factor has {len(self.short_factor)} entries, "
+                             f"long_factor {len(self.long_factor)}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -280,13 +296,13 @@ class SlidingWindowSpec:
 
     `layer_types[i]` is "sliding_attention" or "full_attention". A sliding layer's query at
     position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`) and
-    rotates by its own RoPE base `rope_theta`, unscaled; full layers use the model's
-    `rope_theta` and scaling. Sliding layers keep every key in the KV pool (the window is a
+    rotates by its own RoPE base `rope_theta`, unscaled (Gemma 3), or where `rope_theta` is
+    None by the model's RoPE, as full layers do (Mistral, Phi-3). Sliding layers keep every key in the KV pool (the window is a
     mask), so a radix hit serves them as it serves full layers."""
 
     window: int
     layer_types: tuple[str, ...]
-    rope_theta: float
+    rope_theta: float | None
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in ATTENTION_TYPES]
@@ -300,6 +316,10 @@ class SlidingWindowSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model's shapes and the variants of its layers, as its family (lockstep/models/
+    families) reads them from a config. `family` names that family for messages and files;
+    nothing branches on it: a new family fills these fields and touches no code here."""
+
     family: str
     vocab_size: int
     hidden_size: int
@@ -334,13 +354,20 @@ class ModelSpec:
     # DeepSeek's multi-head latent attention (blocks/mla.py) and YaRN RoPE scaling.
     mla: MlaSpec | None = field(default=None)
     yarn: YarnScaling | None = field(default=None)
+    norm_style: str = "plain"  # NORM_STYLES
+    # Full attention gated by sigmoid(gate), the gate rows after each head's query rows in
+    # q_proj (Qwen3.5's and the hybrid MoE families' attention layers).
+    output_gate: bool = False
+    longrope: LongRopeScaling | None = field(default=None)  # Phi-3's RoPE scaling
 
     def __post_init__(self) -> None:
-        if (self.mla is not None) != (self.family in MLA_FAMILIES):
+        if self.longrope is not None and len(self.longrope.short_factor) != self.rotary_dim // 2:
             raise ValueError(
-                f"family={self.family!r} with mla={self.mla!r}: the latent-attention families "
-                f"{MLA_FAMILIES} need an MlaSpec, the others none"
+                f"LongRoPE factors have {len(self.longrope.short_factor)} entries for "
+                f"{self.rotary_dim // 2} rotary frequencies"
             )
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(f"norm style {self.norm_style!r}: supported {NORM_STYLES}")
         if self.mla is not None and self.rotary_dim != self.mla.qk_rope_head_dim:
             raise ValueError(f"an MLA model rotates qk_rope_head_dim={self.mla.qk_rope_head_dim}"
                              f" dims, not {self.rotary_dim}")  # fmt: skip
@@ -355,11 +382,6 @@ class ModelSpec:
             raise ValueError(f"final_logit_softcapping={self.final_logit_softcap} must be > 0")
         if self.rope_linear_factor <= 0:
             raise ValueError(f"linear RoPE factor {self.rope_linear_factor} must be > 0")
-        if (self.linear is not None) != (self.family in HYBRID_FAMILIES):
-            raise ValueError(
-                f"family={self.family!r} with linear={self.linear!r}: the hybrid families "
-                f"{HYBRID_FAMILIES} need a LinearAttentionSpec, the others none"
-            )
         if self.linear is not None and len(self.linear.layer_types) != self.num_layers:
             raise ValueError(
                 f"layer_types has {len(self.linear.layer_types)} entries for num_hidden_layers="
@@ -369,13 +391,6 @@ class ModelSpec:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} with head_dim="
                 f"{self.head_dim} gives {self.rotary_dim} rotary dims: expected an even number"
-            )
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r}: supported families are {FAMILIES}")
-        if (self.moe is not None) != (self.family in MOE_FAMILIES):
-            raise ValueError(
-                f"family={self.family!r} with moe={self.moe!r}: the mixture-of-experts families "
-                f"{MOE_FAMILIES} need a MoeSpec, the others none"
             )
         if self.moe is not None and any(
             not 0 <= i < self.num_layers for i in self.moe.sparse_layers
@@ -406,14 +421,17 @@ class ModelSpec:
 
     @property
     def layer_plans(self) -> tuple[LayerPlan, ...]:
-        """Each layer's mixer and MLP (lockstep/models/blocks), from the flags above."""
-        return _layer_plans(self)
+        """Each layer's mixer and MLP, from the fields above (lockstep/models/blocks/plan.py)."""
+        # Imported here: the blocks import modules that import this one.
+        from lockstep.models.blocks.plan import plan_layers
+
+        return plan_layers(self)
 
     @property
     def norm_kind(self) -> str:
-        """How RMSNorm weights are prepared (decoder.py's `weight_layout`): "norm1p" where the
-        family stores w - 1 (the hybrid families, Gemma 3), else "norm"."""
-        return "norm1p" if self.hybrid or self.family == "gemma3" else "norm"
+        """How RMSNorm weights are prepared (blocks/prepare.py): "norm1p" where the checkpoint
+        stores w - 1 (`norm_style` "offset"), else "norm"."""
+        return "norm1p" if self.norm_style == "offset" else "norm"
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`'s attention (None: it sees every earlier key)."""
@@ -440,8 +458,7 @@ class ModelSpec:
 
     @property
     def hybrid(self) -> bool:
-        """Qwen3.5, Qwen3.5-MoE, Qwen3-Next: linear-attention layers, gated full attention,
-        norms stored as w - 1."""
+        """Whether some layers are linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
         return self.linear is not None
 
     def is_linear(self, layer: int) -> bool:
@@ -513,91 +530,3 @@ class ModelSpec:
                 sparse_mlp += h if self.moe.shared_expert_gated else 0  # and gate row
             total += len(self.moe.sparse_layers) * (sparse_mlp - 3 * h * i)
         return total
-
-
-@lru_cache(maxsize=64)
-def _layer_plans(spec: ModelSpec) -> tuple[LayerPlan, ...]:
-    # Cached by spec (frozen, hashable): weight names and shapes ask for every tensor.
-    # Imported here: the blocks import modules that import this one.
-    from lockstep.models.blocks import (
-        Attention,
-        DenseMlp,
-        GatedDeltaNet,
-        LatentAttention,
-        LayerPlan,
-        MoeMlp,
-    )
-
-    def attention(layer: int) -> Attention | LatentAttention:
-        if spec.mla is not None:
-            return LatentAttention(q_lora=spec.mla.q_lora_rank is not None)
-        return Attention(bias=spec.qkv_bias, qk_norm=spec.qk_norm, output_gate=spec.hybrid,
-                         window=spec.window(layer))  # fmt: skip
-
-    linear = GatedDeltaNet(grouped=spec.linear is not None and spec.linear.grouped_projections)
-    moe = spec.moe
-    shared = "" if moe is None or not moe.shared_expert_size else "gated"
-    if shared and moe is not None and not moe.shared_expert_gated:
-        shared = "ungated"
-    experts = MoeMlp(shared=shared, deepseek_routing=moe is not None and moe.deepseek_routing)
-    dense = DenseMlp(activation=spec.mlp_activation)
-    return tuple(
-        LayerPlan(
-            linear if spec.is_linear(i) else attention(i),
-            experts if spec.is_sparse(i) else dense,
-        )
-        for i in range(spec.num_layers)
-    )
-
-
-def expected_weight_names(spec: ModelSpec) -> list[str]:
-    """Every canonical tensor name (spec.py) a model of this spec has, in layer order: each
-    layer's norms and its blocks' tensors (lockstep/models/blocks), FP8 scales after their
-    weight."""
-    names = ["model.embed_tokens.weight"]
-    for i, plan in enumerate(spec.layer_plans):
-        prefix = f"model.layers.{i}."
-        norms = dict(spec.norm_names())
-        names.append(prefix + norms["input_norm"])
-        names += [prefix + n for n in plan.mixer.weight_names(spec)]
-        names += [prefix + norms[f] for f in ("mixer_norm", "post_norm") if f in norms]
-        names += [prefix + n for n in plan.mlp.weight_names(spec)]
-        if "mlp_norm" in norms:
-            names.append(prefix + norms["mlp_norm"])
-    if spec.fp8 is not None:
-        names = [extra for name in names for extra in _with_fp8_scales(spec, name)]
-    names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
-
-
-def _with_fp8_scales(spec: ModelSpec, name: str) -> list[str]:
-    """`name`, followed by its scale tensors when it is the weight of an FP8 linear."""
-    module = name.removesuffix(".weight")
-    if name == module or not spec.is_fp8_linear(module):
-        return [name]
-    assert spec.fp8 is not None
-    extra = [module + ".input_scale"] if spec.fp8.scheme == "tensor" else []
-    return [name, module + ".weight_scale", *extra]
-
-
-def expected_weight_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
-    """The shape of canonical tensor `name` (one of `expected_weight_names(spec)`)."""
-    if name.endswith((".weight_scale", ".input_scale")):
-        assert spec.fp8 is not None, name
-        if name.endswith(".input_scale") or spec.fp8.scheme == "tensor":
-            return ()
-        n, k = expected_weight_shape(spec, name.removesuffix("_scale"))
-        return (-(-n // 128), -(-k // 128)) if spec.fp8.scheme == "block" else (n,)
-    h = spec.hidden_size
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return (spec.vocab_size, h)
-    if name == "model.norm.weight":
-        return (h,)
-    layer, leaf = name.removeprefix("model.layers.").split(".", 1)
-    if leaf in (n for _, n in spec.norm_names()):
-        return (h,)
-    plan = spec.layer_plans[int(layer)]
-    block = plan.mixer if leaf.startswith(plan.mixer.prefix + ".") else plan.mlp
-    return block.weight_shape(spec, leaf)

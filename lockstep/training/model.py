@@ -39,8 +39,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.decoder import activation_dtype, rope_tables
+from lockstep.models.decoder import activation_dtype
 from lockstep.models.resolver import LoadedModel, resolve_model
+from lockstep.models.rope import rope_tables
 from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer
 from lockstep.ops import build_attention_meta, get_ops

@@ -49,6 +49,33 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
             rope_parameters=rope, tie_word_embeddings=True,
         )  # fmt: skip
         return transformers.Gemma3TextConfig(**{**qwen3, **gemma, **overrides})
+    if family in ("mistral", "ministral"):
+        # Llama's layers with an explicit head_dim and no window (Mistral v0.2 and later);
+        # sliding_window=8 (shorter than the tests' prompts) windows every layer of Mistral
+        # (v0.1), the layers layer_types names of Ministral (here around a full one).
+        mistral = dict(sliding_window=None, rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 1e4})  # fmt: skip
+        if family == "mistral":
+            return transformers.MistralConfig(**{**qwen3, **mistral, **overrides})
+        ministral = dict(
+            num_hidden_layers=3, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )  # fmt: skip
+        return transformers.MinistralConfig(**{**qwen3, **mistral, **ministral, **overrides})
+    if family == "phi3":
+        # Phi-3's fused qkv_proj and gate_up_proj with LongRoPE over half of each head
+        # (Phi-4-mini rotates three quarters): short factors within the original context of
+        # 128 positions, long ones past it.
+        rng = torch.Generator().manual_seed(5)
+        factors = [(1.0 + 3.0 * torch.rand(16, generator=rng)).tolist() for _ in range(2)]
+        rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                "short_factor": factors[0], "long_factor": factors[1],
+                "original_max_position_embeddings": 128, "factor": 4.0}  # fmt: skip
+        phi = dict(common, num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope,
+                   max_position_embeddings=512, original_max_position_embeddings=128,
+                   sliding_window=None, tie_word_embeddings=False, bos_token_id=None,
+                   eos_token_id=None, pad_token_id=None)  # fmt: skip
+        return transformers.Phi3Config(**{**phi, **overrides})
     if family == "qwen3_5":
         # Qwen3.5's hybrid: 3 Gated DeltaNet layers then gated full attention with a quarter
         # of each head rotated; 2 key heads serving 4 value heads.
@@ -119,12 +146,12 @@ def _tiny_config(family: str, overrides: dict[str, Any]) -> Any:
 def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overrides: Any) -> Any:
     """Write a tiny random `family` model (transformers' own) and a byte tokenizer to
     `folder`; returns the transformers model. `seed`: the weights (default: per family);
-    `config_overrides`: config keys (the Qwen3, Gemma 3 and DeepSeek families, e.g.
-    decoder_sparse_step=2)."""
+    `config_overrides`: config keys (the Qwen3, Gemma 3, DeepSeek, Mistral and Phi-3 families, e.g.
+    decoder_sparse_step=2, sliding_window=8)."""
     import transformers
 
     overridable = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
-                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # fmt: skip
+                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral", "ministral", "phi3")  # fmt: skip
     if config_overrides and family not in overridable:
         raise ValueError(f"config overrides are for {', '.join(overridable)}, not {family}")
     # The hybrid MoE seeds give models whose float32 logits are well-conditioned: with some
@@ -133,7 +160,8 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     # tolerance the reference tests use.
     default_seed = {"llama": 1, "qwen2": 2, "qwen3": 3, "qwen3_moe": 4, "qwen3_5": 5,
                     "qwen3_5_moe": 11, "qwen3_next": 7, "gemma3": 6, "deepseek_v3": 8,
-                    "deepseek_v2": 9, "glm4_moe_lite": 10}[family]  # fmt: skip
+                    "deepseek_v2": 9, "glm4_moe_lite": 10, "mistral": 12,
+                    "ministral": 13, "phi3": 14}[family]  # fmt: skip
     torch.manual_seed(default_seed if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(
         _tiny_config(family, config_overrides), dtype=torch.float32

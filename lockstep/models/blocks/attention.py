@@ -29,11 +29,13 @@ from lockstep.models.blocks.base import (
     CacheBytes,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
     row_linear_entry,
 )
+from lockstep.models.blocks.prepare import fused_linear, prepare_common, shard
 from lockstep.ops.base import (
     AttentionInput,
     DenseOps,
@@ -89,6 +91,10 @@ class Attention:
         window is a mask), so it costs what a global layer costs."""
         return CacheBytes(per_token=2 * kv_heads * spec.head_dim * kv_dtype.itemsize)
 
+    def step_hook(self, spec: ModelSpec, device: torch.device) -> None:
+        """None: its cache is the KV pool, which needs no per-step work."""
+        return None
+
     def weight_names(self, spec: ModelSpec) -> list[str]:
         names = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
         if self.bias:
@@ -129,6 +135,19 @@ class Attention:
             entries.append(LayoutEntry(t + "k_norm", spec.norm_kind, [a + "k_norm.weight"]))
         entries.append(row_linear_entry(spec, t + "o", a + "o_proj", "row_attention"))
         return entries
+
+    def prepare(
+        self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
+    ) -> Any:
+        """Common kinds (blocks/prepare.py), and "qkv_gate": q_proj's per-head query and gate
+        rows separated, q | k | v | gate, then fused as one linear."""
+        if entry.kind != "qkv_gate":
+            return prepare_common(entry, parts, context)
+        spec = context.spec
+        q, k, v = shard(context.parallel.plan, entry.shard, parts)
+        q_gate = q.reshape(spec.num_heads, 2, spec.head_dim, -1)
+        query, gate = (q_gate[:, i].reshape(spec.q_size, -1) for i in (0, 1))
+        return fused_linear([query, k, v, gate], context)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> AttentionWeights:
         spec, plan = context.spec, context.plan

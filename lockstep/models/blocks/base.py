@@ -9,7 +9,9 @@ not, ...); the model's shapes come from the `ModelSpec` passed to each method. I
     weight_shape(spec, n)   the shape of one of them
     layout(spec, i, role)   how those tensors become prepared weights: `LayoutEntry`s whose
                             target is "layers.{i}.{role}.{field}", with their preparation kind
-                            (decoder.py's `_prepare` knows the kinds) and shard rule
+                            and shard rule
+    prepare(entry, parts, context)  one entry's prepared weight from its source tensors: the
+                            block's own kinds, the common ones through blocks/prepare.py
     build(parts, context)   the layer's weights object from its prepared fields (by field name)
     forward(ops, x, w, step)  x [T, hidden] -> [T, hidden], this layer's part of one step
     requires                the op capabilities (lockstep/ops/base.py) its forward calls
@@ -18,6 +20,9 @@ not, ...); the model's shapes come from the `ModelSpec` passed to each method. I
                             counts the layers before it with the same kind
     cache_bytes(spec, kv_heads, kv_dtype)  mixers only: the bytes that cache takes
                             (`CacheBytes`), which lockstep/engine/memory.py sums over layers
+    step_hook(spec, device)  mixers only: a `StepHook` for a mixer whose layers share
+                            per-step state beyond the KV pool (Gated DeltaNet's sequence
+                            states), else None; the decoder calls it around each step
 
 A block's forward must keep the contract of docs/design.md by itself: each
 output row depends only on its own row and its own sequence's earlier tokens.
@@ -25,7 +30,8 @@ output row depends only on its own row and its own sequence's earlier tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -35,9 +41,8 @@ from lockstep.ops.fp8 import Fp8Weight
 
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
-    from lockstep.models.linear_attention import LinearLayout, LinearStatePool
     from lockstep.models.spec import ModelSpec
-    from lockstep.ops.base import Ops, PooledRows
+    from lockstep.ops.base import Ops
     from lockstep.parallel.layers import TensorParallel
     from lockstep.parallel.sharding import ShardPlan
 
@@ -49,7 +54,7 @@ SHARDS = ("whole", "heads", "intermediate", "vocab")
 
 class LayoutEntry(NamedTuple):
     """One prepared weight: `target` ("layers.3.mixer.qkv", "embed"), the preparation `kind`
-    (decoder.py's `weight_layout`), the canonical source tensors, in order, and which rows of
+    (blocks/prepare.py's common kinds, or one its block's `prepare` knows), the canonical source tensors, in order, and which rows of
     them a tensor-parallel rank keeps (`shard`, lockstep/parallel/sharding.py's plan):
 
         whole         all of them (row-parallel kinds are cut later, by reduction chunks)
@@ -113,6 +118,21 @@ class BuildContext:
     cache_index: int
 
 
+@dataclass(frozen=True)
+class PrepareContext:
+    """Where prepared weights go: the spec, this rank's tensor parallelism (its ops and shard
+    plan), the model dtype and the device."""
+
+    spec: ModelSpec
+    parallel: TensorParallel
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def ops(self) -> Ops:
+        return self.parallel.ops
+
+
 class CacheBytes(NamedTuple):
     """What one layer's mixer keeps: `per_token` bytes in the KV pool for each cached token,
     and `per_snapshot` bytes of each state snapshot the radix cache keeps (in a pool of their
@@ -133,17 +153,22 @@ class KVStorage(Protocol):
 @dataclass(frozen=True)
 class Step:
     """One forward step as the blocks see it: the batch, the K/V caches, tensor parallelism
-    (row-parallel reductions), the linear-attention state layout (hybrid models), each
-    sequence's row count on the host (read once per step; None without linear layers) and,
-    where the backend runs the linear layers pooled, where the sequences sit in the pool."""
+    (row-parallel reductions) and, by mixer type, what each mixer's `StepHook` began for this
+    step (empty for a model whose mixers keep no state of their own)."""
 
     batch: ForwardBatch
     kv: KVStorage
     parallel: TensorParallel
-    linear_layout: LinearLayout | None
-    rows: list[int] | None
-    pooled: PooledRows | None = None  # hybrid models on a pooled backend (linear_attention)
-    state_pool: LinearStatePool | None = None  # the pool `pooled` indexes
+    mixer_steps: Mapping[type, Any] = field(default_factory=dict)
+
+
+class StepHook(Protocol):
+    """Per-step work of a mixer whose layers share state beyond the KV pool: `begin` before
+    the first layer (its result is `Step.mixer_steps[type(mixer)]`), `end` after the last."""
+
+    def begin(self, ops: Ops, batch: ForwardBatch) -> Any: ...
+
+    def end(self, began: Any, batch: ForwardBatch) -> None: ...
 
 
 class Block(Protocol):
@@ -158,6 +183,10 @@ class Block(Protocol):
 
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]: ...
 
+    def prepare(
+        self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
+    ) -> Any: ...
+
     def build(self, parts: dict[str, Any], context: BuildContext) -> Any: ...
 
     def forward(self, ops: Ops, x: torch.Tensor, weights: Any, step: Step) -> torch.Tensor: ...
@@ -170,4 +199,8 @@ class Mixer(Block, Protocol):
 
     def cache_bytes(self, spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> CacheBytes:
         """This layer's cache bytes with `kv_heads` KV heads (this rank's) in `kv_dtype`."""
+        ...
+
+    def step_hook(self, spec: ModelSpec, device: torch.device) -> StepHook | None:
+        """The per-step hook of this kind of mixer (None: it needs none)."""
         ...

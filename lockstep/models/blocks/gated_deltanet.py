@@ -34,11 +34,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lockstep.models.blocks.base import BuildContext, CacheBytes, LayoutEntry, Step
-from lockstep.models.linear_attention import LinearWeights, gated_deltanet
-from lockstep.ops.base import DenseOps, GatedOutputOps, LinearAttentionOps
+from lockstep.models.blocks.base import BuildContext, CacheBytes, LayoutEntry, PrepareContext, Step
+from lockstep.models.blocks.prepare import fused_linear, prepare_common, shard
+from lockstep.models.linear_attention import (
+    LinearLayout,
+    LinearStatePool,
+    LinearWeights,
+    gated_deltanet,
+    pooled_rows,
+)
+from lockstep.ops.base import DenseOps, GatedOutputOps, LinearAttentionOps, PooledRows
 
 if TYPE_CHECKING:
+    from lockstep.models.forward_batch import ForwardBatch
     from lockstep.models.spec import LinearAttentionSpec, ModelSpec
     from lockstep.ops.base import Ops
 
@@ -54,6 +62,41 @@ class GatedDeltaNetWeights(LinearWeights):
 
     state_index: int
     eps: float
+
+
+@dataclass(frozen=True)
+class LinearStep:
+    """What the Gated DeltaNet layers of one step share (`LinearSteps.begin`): the state
+    layout, each sequence's row count on the host (read once per step; None when the engine
+    laid the rows out pooled itself) and, where the backend runs the layers pooled, where the
+    sequences sit in the pool."""
+
+    layout: LinearLayout
+    rows: list[int] | None
+    pooled: PooledRows | None
+    pool: LinearStatePool | None
+
+
+@dataclass(frozen=True)
+class LinearSteps:
+    """The step hook of Gated DeltaNet (blocks/base.py's `StepHook`): each step reads the
+    sequences' row counts once and pools them where the backend can (`pooled_rows`); after
+    the last layer every sequence's `LinearState` advances past its rows."""
+
+    layout: LinearLayout
+
+    def begin(self, ops: Ops, batch: ForwardBatch) -> LinearStep:
+        pooled, pool, rows = batch.pooled, batch.state_pool, None
+        if pooled is None and batch.linear_states is not None:
+            rows = batch.meta.cu_q.diff().tolist()
+            pooled = pooled_rows(ops, batch.linear_states, rows, self.layout)
+            pool = batch.linear_states[0].pool if pooled is not None else None
+        return LinearStep(self.layout, rows, pooled, pool)
+
+    def end(self, began: LinearStep, batch: ForwardBatch) -> None:
+        if batch.linear_states is not None and began.rows is not None:
+            for state, n in zip(batch.linear_states, began.rows, strict=True):
+                state.advance(n)
 
 
 def ungroup_projections(
@@ -90,6 +133,9 @@ class GatedDeltaNet:
         state = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim
         return CacheBytes(per_token=0, per_snapshot=4 * (window + state))
 
+    def step_hook(self, spec: ModelSpec, device: torch.device) -> LinearSteps:
+        return LinearSteps(LinearLayout.of(spec, device))
+
     def _inputs(self) -> tuple[str, ...]:
         if self.grouped:
             return ("in_proj_qkvz.weight", "in_proj_ba.weight")
@@ -125,6 +171,21 @@ class GatedDeltaNet:
         entries.append(LayoutEntry(t + "out_proj", "linear", [g + "out_proj.weight"]))
         return entries
 
+    def prepare(
+        self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
+    ) -> Any:
+        """Common kinds (blocks/prepare.py), "conv" (float32 [channels, kernel]) and
+        "qkvz_ba" (Qwen3-Next's grouped inputs reordered to q | k | v | z | b | a,
+        `ungroup_projections`, then fused as one linear)."""
+        if entry.kind not in ("conv", "qkvz_ba"):
+            return prepare_common(entry, parts, context)
+        parts = shard(context.parallel.plan, entry.shard, parts)
+        if entry.kind == "conv":
+            weight = parts[0].to(device=context.device, dtype=torch.float32)
+            return weight.reshape(weight.shape[0], -1).contiguous()
+        assert context.spec.linear is not None
+        return fused_linear(ungroup_projections(context.spec.linear, parts[0], parts[1]), context)
+
     def build(self, parts: dict[str, Any], context: BuildContext) -> GatedDeltaNetWeights:
         return GatedDeltaNetWeights(
             **parts, state_index=context.cache_index, eps=context.spec.rms_norm_eps
@@ -133,6 +194,6 @@ class GatedDeltaNet:
     def forward(
         self, ops: Ops, x: torch.Tensor, w: GatedDeltaNetWeights, step: Step
     ) -> torch.Tensor:
-        assert step.linear_layout is not None
-        return gated_deltanet(ops, x, w, w.state_index, step.batch, step.linear_layout,
-                              w.eps, step.rows, step.pooled, step.state_pool)  # fmt: skip
+        s: LinearStep = step.mixer_steps[GatedDeltaNet]
+        return gated_deltanet(ops, x, w, w.state_index, step.batch, s.layout, w.eps, s.rows,
+                              s.pooled, s.pool)  # fmt: skip

@@ -54,12 +54,20 @@ from lockstep.models.blocks.base import (
     CacheBytes,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
 )
+from lockstep.models.blocks.prepare import (
+    fuse_fp8,
+    fused_linear,
+    prepare_common,
+    shard,
+)
 from lockstep.ops.base import DenseOps, LatentAttentionOps
 from lockstep.ops.fp8 import BLOCK, dequantize_weight
+from lockstep.ops.moe import prepare_expert_weights
 
 if TYPE_CHECKING:
     from lockstep.models.spec import MlaSpec, ModelSpec
@@ -120,6 +128,10 @@ class LatentAttention:
         assert spec.mla is not None
         return CacheBytes(per_token=spec.mla.cache_width * kv_dtype.itemsize)
 
+    def step_hook(self, spec: ModelSpec, device: torch.device) -> None:
+        """None: its cache is the KV pool, which needs no per-step work."""
+        return None
+
     def weight_names(self, spec: ModelSpec) -> list[str]:
         return _names(self.q_lora)
 
@@ -156,6 +168,35 @@ class LatentAttention:
             linear_entry(spec, t + "o", [a + "o_proj"]),  # MLA models run at tp 1
         ]
         return entries
+
+    def prepare(
+        self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
+    ) -> Any:
+        """Common kinds (blocks/prepare.py), and: "mla_linear" (projections whose interleaved
+        RoPE rows are reordered, `rope_rows_reordered`, then fused as one linear), "mla_fp8"
+        (their block-FP8 form: e4m3 rows reordered within their scale blocks,
+        `fp8_rope_rows_reordered`, then one FP8 linear), "mla_absorb_k" and "mla_absorb_v"
+        (kv_b_proj, dequantized first where it is FP8 (its weight, then its block scales),
+        split per head into W_UK^T and W_UV by `absorbed`, each head prepared as a linear and
+        stacked)."""
+        kind, spec = entry.kind, context.spec
+        if kind == "mla_fp8":  # MLA models are MoE models, whose FP8 scheme is "block"
+            count = len(parts) // 2  # the weights, then their block scales
+            weights = [fp8_rope_rows_reordered(spec, n, w)
+                       for n, w in zip(entry.sources[:count], parts[:count], strict=True)]  # fmt: skip
+            return fuse_fp8("block", weights + parts[count:], context.ops, context.device,
+                            entry.sources)  # fmt: skip
+        if kind not in ("mla_linear", "mla_absorb_k", "mla_absorb_v"):
+            return prepare_common(entry, parts, context)
+        parts = shard(context.parallel.plan, entry.shard, parts)
+        if kind == "mla_linear":
+            reordered = [rope_rows_reordered(spec, n, p)
+                         for n, p in zip(entry.sources, parts, strict=True)]  # fmt: skip
+            return fused_linear(reordered, context)
+        scale = parts[1] if len(parts) > 1 else None  # parts: kv_b_proj[, its block scales]
+        per_head = absorbed(spec, parts[0], kind[-1], scale)
+        per_head = per_head.to(device=context.device, dtype=context.dtype)
+        return prepare_expert_weights(context.ops.prepare_linear_weight, per_head)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> LatentAttentionWeights:
         return LatentAttentionWeights(

@@ -21,11 +21,13 @@ from lockstep.models.blocks.base import (
     BuildContext,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
     row_linear_entry,
 )
+from lockstep.models.blocks.prepare import prepare_common
 from lockstep.ops.base import DenseOps, GeluOps
 from lockstep.ops.fp8 import Fp8Weight
 from lockstep.parallel.layers import RowParallelWeight
@@ -67,6 +69,11 @@ class DenseMlp:
             linear_entry(spec, t + "gate_up", [p + "gate_proj", p + "up_proj"], "intermediate"),
             row_linear_entry(spec, t + "down", p + "down_proj", "row_mlp"),
         ]
+
+    def prepare(
+        self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
+    ) -> Any:
+        return prepare_common(entry, parts, context)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> DenseMlpWeights:
         return DenseMlpWeights(parts["gate_up"], parts["down"])

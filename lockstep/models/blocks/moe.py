@@ -49,12 +49,20 @@ from lockstep.models.blocks.base import (
     BuildContext,
     LayoutEntry,
     Linear,
+    PrepareContext,
     Step,
     linear,
     linear_entry,
 )
+from lockstep.models.blocks.prepare import concatenated, prepare_common, shard
 from lockstep.ops.base import DeepseekRoutingOps, DenseOps, GatedOutputOps, MoeOps
-from lockstep.ops.moe import DeepseekRouting, Fp8Experts, MoeLayer
+from lockstep.ops.moe import (
+    DeepseekRouting,
+    Fp8Experts,
+    MoeLayer,
+    prepare_expert_weights,
+    prepare_fp8_experts,
+)
 
 if TYPE_CHECKING:
     from lockstep.models.spec import ModelSpec
@@ -156,6 +164,28 @@ class MoeMlp:
                 LayoutEntry(t + "shared_gate", "linear", [p + "shared_expert_gate.weight"])
             )
         return entries
+
+    def prepare(
+        self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
+    ) -> Any:
+        """Common kinds (blocks/prepare.py), and: "experts" (expert-major sources, the same
+        number per expert: each expert's rows concatenated, then stacked and prepared by
+        `prepare_expert_weights`) and "fp8_experts" (block-FP8 experts: the expert-major
+        weights, then their block scales, `prepare_fp8_experts`)."""
+        moe, device = context.spec.moe, context.device
+        if entry.kind not in ("experts", "fp8_experts"):
+            return prepare_common(entry, parts, context)
+        assert moe is not None
+        ops = context.ops
+        if entry.kind == "fp8_experts":
+            half = len(parts) // 2
+            weights = [w.to(device) for w in parts[:half]]
+            scales = [s.to(device=device, dtype=torch.float32) for s in parts[half:]]
+            return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales, moe.num_experts)
+        fused = concatenated(shard(context.parallel.plan, entry.shard, parts), context)
+        # Expert-major sources, so the concatenated rows are expert e's rows at block e.
+        stacked = fused.view(moe.num_experts, -1, fused.shape[1])
+        return prepare_expert_weights(ops.prepare_linear_weight, stacked)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> MoeMlpWeights:
         moe = context.spec.moe

@@ -13,6 +13,8 @@ from lockstep.models.families import (
     gemma3,
     glm4_moe_lite,
     llama,
+    mistral,
+    phi3,
     qwen2,
     qwen3,
     qwen3_5,
@@ -29,6 +31,8 @@ FAMILIES: tuple[Family, ...] = tuple(
     m.FAMILY
     for m in (
         llama,
+        mistral,
+        phi3,
         qwen2,
         qwen3,
         qwen3_moe,

@@ -3,7 +3,8 @@ families share.
 
 A `Family` maps a config.json (its `model_type`, or its `architectures`) to a `ModelSpec`, and
 each tensor name its checkpoints store to the canonical name (lockstep/models/spec.py), or to
-None for a tensor that is not served (a vision tower). Everything a family does not understand
+None for a tensor that is not served (a vision tower); a checkpoint tensor that fuses several
+canonical ones (Phi-3's qkv_proj) is read as their row ranges (`Family.parts`). Everything a family does not understand
 is refused with one line naming the key, the value and what is supported.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.errors import ModelLoadError
-from lockstep.models.spec import ModelSpec, RopeScaling
+from lockstep.models.spec import ATTENTION_TYPES, ModelSpec, RopeScaling, SlidingWindowSpec
 
 # Config keys every family here refuses when set (each would change the math without a flag
 # in ModelSpec to carry it), with the value that is supported.
@@ -34,17 +35,29 @@ def same_name(key: str) -> str | None:
     return key
 
 
+# A checkpoint tensor's canonical parts: (canonical name, its rows of the tensor; None: all).
+Parts = tuple[tuple[str, slice | None], ...]
+
+
+def whole(name: str, spec: ModelSpec) -> Parts:
+    """A checkpoint tensor that is one canonical tensor."""
+    return ((name, None),)
+
+
 @dataclass(frozen=True)
 class Family:
     """One family: the `model_types` and `architectures` its configs carry, the config -> spec
-    mapping (`spec(config, where)`, `where` naming the file for errors) and the checkpoint
-    tensor name -> canonical name mapping (None: not served)."""
+    mapping (`spec(config, where)`, `where` naming the file for errors), the checkpoint
+    tensor name -> canonical name mapping (None: not served) and, for a checkpoint tensor
+    that fuses canonical ones, their rows (`parts(name, spec)`, after `tensor_name`; the
+    loader reads each part as a slice of the stored rows, so no value changes)."""
 
     name: str
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
     spec: Callable[[dict[str, Any], str], ModelSpec]
     tensor_name: Callable[[str], str | None] = same_name
+    parts: Callable[[str, ModelSpec], Parts] = whole
 
 
 def rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
@@ -71,6 +84,34 @@ def rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]
     return theta, scaling
 
 
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The window a config puts on its attention (None: none): `sliding_window`, unless
+    `use_sliding_window` is false (Qwen2's and Qwen3's switch, which their configs set beside
+    a window they do not apply)."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
+def sliding_spec(config: dict[str, Any], where: str) -> SlidingWindowSpec | None:
+    """The window of a config whose attention layers share the model's RoPE (Mistral, Phi-3):
+    None without a window; else on every layer, or on those `layer_types` names
+    "sliding_attention" (Ministral)."""
+    window = sliding_window(config)
+    if window is None:
+        return None
+    layers = int(config.get("num_hidden_layers", 0))  # missing: decoder_spec says so
+    types = config.get("layer_types") or ["sliding_attention"] * layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelLoadError(f"{where}: layer_types={types!r} must name one of {ATTENTION_TYPES} "
+                             f"for each of the {layers} layers")  # fmt: skip
+    try:  # refuses a layer type other than ATTENTION_TYPES
+        return SlidingWindowSpec(window, tuple(types), rope_theta=None)
+    except ValueError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+
+
 def decoder_spec(
     config: dict[str, Any],
     where: str,
@@ -84,7 +125,15 @@ def decoder_spec(
     layer count that make them. `attention_bias`: whether the config's attention_bias key may
     be true (Qwen2's q/k/v biases); elsewhere it would put a bias on o_proj too, which no
     block has. `rotary_default`: the share of each head RoPE rotates when the config does not
-    say (partial_rotary_factor)."""
+    say (partial_rotary_factor). A config whose attention has a sliding window
+    (`sliding_window`) is refused unless the family reads it (passes `sliding`, None or a
+    `SlidingWindowSpec`): a window is applied or refused, never ignored."""
+    if "sliding" not in flags and sliding_window(config) is not None:
+        raise ModelLoadError(
+            f"{where}: sliding_window={config['sliding_window']!r} is not supported for "
+            f"model_type {config.get('model_type')!r}; supported: null or use_sliding_window "
+            "false (the Mistral and Gemma 3 families apply a window)"
+        )
     for key, refused in _REFUSED:
         if refused(config.get(key)):
             raise ModelLoadError(

@@ -109,7 +109,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
     plain["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     return decoder_spec(
         plain, where, "gemma3", qk_norm=True, sliding=sliding, mlp_activation="gelu_tanh",
-        sandwich_norms=True, embed_scale=True,
+        sandwich_norms=True, embed_scale=True, norm_style="offset",
         attention_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
         rope_linear_factor=factor, final_logit_softcap=_optional_float(config, "final_logit_softcapping"),
     )  # fmt: skip

@@ -18,6 +18,11 @@ from lockstep.models.families.base import Family, decoder_spec
 from lockstep.models.spec import LinearAttentionSpec, ModelSpec
 
 _LANGUAGE_MODEL = "model.language_model."
+# The layer variants Qwen3.5 and the hybrid MoE families share: a quarter of each head
+# rotated unless the config says otherwise, q/k norm, norms stored as w - 1, gated attention.
+HYBRID_FLAGS: dict[str, Any] = dict(
+    rotary_default=0.25, qk_norm=True, norm_style="offset", output_gate=True
+)
 
 
 def text_config(config: dict[str, Any], where: str, text_type: str = "qwen3_5_text") -> dict:
@@ -58,7 +63,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
     if config.get("model_type") == "qwen3_5":
         config = text_config(config, where)
     linear = lambda layers: linear_spec(config, layers, where)  # noqa: E731
-    return decoder_spec(config, where, "qwen3_5", rotary_default=0.25, qk_norm=True, linear=linear)
+    return decoder_spec(config, where, "qwen3_5", linear=linear, **HYBRID_FLAGS)
 
 
 def tensor_name(key: str) -> str | None:

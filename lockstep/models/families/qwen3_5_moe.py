@@ -36,7 +36,7 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
     linear = lambda layers: qwen3_5.linear_spec(config, layers, where)  # noqa: E731
     moe = lambda layers: hf_moe_spec(config, layers, where)  # noqa: E731
     return decoder_spec(
-        config, where, "qwen3_5_moe", rotary_default=0.25, qk_norm=True, linear=linear, moe=moe
+        config, where, "qwen3_5_moe", linear=linear, moe=moe, **qwen3_5.HYBRID_FLAGS
     )
 
 

@@ -20,9 +20,7 @@ from lockstep.models.spec import ModelSpec
 def spec(config: dict[str, Any], where: str) -> ModelSpec:
     linear = lambda layers: qwen3_5.linear_spec(config, layers, where, grouped=True)  # noqa: E731
     moe = lambda layers: hf_moe_spec(config, layers, where)  # noqa: E731
-    return decoder_spec(
-        config, where, "qwen3_next", rotary_default=0.25, qk_norm=True, linear=linear, moe=moe
-    )
+    return decoder_spec(config, where, "qwen3_next", linear=linear, moe=moe, **qwen3_5.HYBRID_FLAGS)
 
 
 def tensor_name(key: str) -> str | None:

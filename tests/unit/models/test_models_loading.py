@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from safetensors.torch import save_file
 
 from lockstep.errors import ModelLoadError
+from lockstep.models.blocks import expected_weight_names, expected_weight_shape
 from lockstep.models.gguf_loader import GGUFFile, _unpermute_rows, llama3_rope_divisors
 from lockstep.models.moe import hf_moe_spec
 from lockstep.models.presets import (
@@ -22,12 +23,7 @@ from lockstep.models.presets import (
     byte_tokenizer,
 )
 from lockstep.models.resolver import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from lockstep.models.spec import (
-    ModelSpec,
-    RopeScaling,
-    expected_weight_names,
-    expected_weight_shape,
-)
+from lockstep.models.spec import ModelSpec, RopeScaling
 from lockstep.models.tokenizer import byte_level_alphabet
 
 TINY = PRESETS["tiny"].spec
@@ -464,8 +460,8 @@ def test_hf_folder_rope_parameters_llama3(tmp_path):
     "config_extra, expected",
     [
         (
-            {"model_type": "mistral"},
-            "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3",
+            {"model_type": "gpt_oss"},
+            "model_type 'gpt_oss' is not supported; supported: llama, mistral, ministral, phi3, qwen2",
         ),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lockstep import LLM, SamplingParams
+from lockstep.models.blocks import expected_weight_names
 from lockstep.models.presets import PRESETS
 from lockstep.models.resolver import resolve_model
-from lockstep.models.spec import expected_weight_names
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
 from lockstep.ops.cpu_fast import CpuFastOps
 from lockstep.ops.moe import MoeLayer, prepare_expert_weights, route_sorted
