@@ -224,7 +224,8 @@ def run_check_command(args: argparse.Namespace) -> int:
     )
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         err.print(
-            "--plot needs matplotlib, which is optional: pip install 'lockstep[plot]'",
+            "--plot needs matplotlib, which is optional: pip install 'lockstep-llm[plot]' (from "
+            "a checkout: pip install -e '.[plot]')",
             markup=False,
             highlight=False,
         )
