@@ -248,3 +248,34 @@ def test_control_the_pip_check_refuses_the_import_name() -> None:
     assert check('pip install -e ".[gpus]" -c constraints.txt') != []
     assert check("pip install -e ../elsewhere") != []
     assert check("pip install 'lockstep-llm[plot]' && pip install -e '.[test]' torch") == []
+
+
+def test_the_readme_python_example_runs_in_under_1_gib() -> None:
+    """The README's first Python example, as written, on the embedded default model: it
+    answers, and its process peaks under 1 GiB of RSS although `LLM()` keeps its
+    memory-sized pool (the control: that pool's bytes alone are over 2 GiB, so the bound
+    holds because pages are used as slots are, lockstep/cache/kv_pool.py)."""
+    import subprocess
+    import sys
+
+    example = re.search(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert example is not None and "LLM()" in example.group(1)
+    probe = (
+        "\nimport resource\n"
+        "pool = llm.engine.pool\n"
+        "k = pool.k_cache(0)\n"
+        "print('POOL', 2 * pool.num_layers * k.numel() * k.element_size())\n"
+        "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", example.group(1) + probe],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in out.stdout
+    figures = dict(line.split() for line in out.stdout.splitlines() if line[:4] in ("POOL", "PEAK"))
+    assert int(figures["POOL"]) > 2 * 2**30
+    assert int(figures["PEAK"]) < 2**30
