@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from lockstep.check.client import APIS
+from lockstep.check.compare import FAIL
 from lockstep.check.report import render_table, write_json, write_plot
 from lockstep.check.runner import CheckReport, CheckSetupError, run_checks
 from lockstep.check.scenarios import SCENARIOS, ScenarioSettings
@@ -311,8 +312,9 @@ def _check_served(
         if restart and settings.save is None:
             settings = dataclasses.replace(settings, save=Path(scratch) / "before.json")
         report = _serve_and_check(args, err, lambda url: check(url, None, settings, args.scenarios))
-        if not restart:
-            return report
+        saved = next((r for r in report.results if r.name == "restart"), None)
+        if not restart or saved is None or saved.status == FAIL or not settings.save.is_file():
+            return report  # nothing saved to compare with: the first result stands
         again = dataclasses.replace(settings, save=None, against=settings.save)
         err.print("restarting the server for the restart scenario", highlight=False)
         after = _serve_and_check(args, err, lambda url: check(url, None, again, ["restart"]))
