@@ -2,18 +2,19 @@
 
 Two things keep the CPU engine from collapsing when another process holds a core:
 
-* **A yielding OpenMP wait policy.** torch's CPU build and Lockstep's kernels share one
-  OpenMP runtime (libgomp), whose threads by default spin for about 300,000 iterations at the
-  end of every parallel region before they sleep. A decode step runs hundreds of regions; when
-  one thread waits for a time slice behind another process, its partners spin through theirs
-  and the step takes tens of times longer. `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep
-  at once. The runtime reads it once, when torch loads it, so `lockstep/__init__.py` sets it
-  (unless the user set a policy) before anything in Lockstep imports torch.
+* **Idle OpenMP threads that soon sleep.** torch's CPU build and Lockstep's kernels share one
+  OpenMP runtime (libgomp), whose threads by default spin for 300,000 iterations at the end of
+  every parallel region before they sleep. A decode step runs hundreds of regions; when one
+  thread waits for a time slice behind another process, its partners spin through theirs and
+  the step takes tens of times longer. `GOMP_SPINCOUNT=1000` lets a thread spin briefly (a
+  quiet machine keeps the speed of spinning, the next region usually comes within it) and
+  then sleep. The runtime reads it once, when torch loads it, so `lockstep/__init__.py` sets
+  it (unless the user chose a policy) before anything in Lockstep imports torch.
 * **A thread count no larger than the cores this process may use:** its CPU affinity and,
   where the container or cgroup has one, its CPU quota (`cpu.max`, `cpu.cfs_quota_us`), which
   torch's own default (every core of the affinity mask) ignores.
 
-Results do not depend on the thread count or the wait policy; only speed does.
+Results do not depend on the thread count or the spin count; only speed does.
 """
 
 from __future__ import annotations
@@ -30,21 +31,27 @@ logger = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 
-# Whether the wait policy was in the environment before torch loaded its OpenMP runtime:
+# Whether the spin count was in the environment before torch loaded its OpenMP runtime:
 # set by `prefer_yielding_openmp`, read when a CPU engine starts; the warning is said once.
 _policy_in_time = False
 _warned = False
 
 
+# Spins before an idle OpenMP thread sleeps: about as fast as OpenMP's default (300,000) on a
+# quiet machine, and within 1.5x of one thread with a core kept busy, where 10,000 is not
+# (docs/results.md, "Decode with a core kept busy").
+SPIN_COUNT = 1000
+
+
 def prefer_yielding_openmp() -> None:
-    """Ask OpenMP threads to sleep, not spin, when idle: set `OMP_WAIT_POLICY=PASSIVE` unless
-    the user chose a policy or a spin count (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`). It takes
-    effect only if torch is not imported yet; child processes (the server's engine, the
-    tensor-parallel workers) inherit it either way."""
+    """Ask idle OpenMP threads to sleep soon: set `GOMP_SPINCOUNT=SPIN_COUNT` unless the user
+    chose a policy or a spin count (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`). It takes effect only
+    if torch is not imported yet; child processes (the server's engine, the tensor-parallel
+    workers) inherit it either way."""
     global _policy_in_time
     chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
     if not chosen:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     _policy_in_time = chosen or "torch" not in sys.modules
 
 
@@ -130,7 +137,7 @@ def _v1_quota(folder: Path) -> float | None:
 def set_engine_threads(num_threads: int | None, device: str) -> None:
     """torch's threads for an engine: `num_threads` where given; on the CPU otherwise, torch's
     current count lowered to `usable_cores()` (never raised: a caller that chose fewer keeps
-    them). Warns once where torch loaded OpenMP before the wait policy was set."""
+    them). Warns once where torch loaded OpenMP before the spin count was set."""
     import torch
 
     if num_threads is not None:
@@ -145,5 +152,5 @@ def set_engine_threads(num_threads: int | None, device: str) -> None:
         logger.warning(
             "torch was imported before lockstep, so its OpenMP threads spin while idle: a "
             "busy core can slow each step many times over; import lockstep first, set "
-            'OMP_WAIT_POLICY=PASSIVE, or pass num_threads=1 (docs/cpu_ops.md, "Threads")'
+            f'GOMP_SPINCOUNT={SPIN_COUNT}, or pass num_threads=1 (docs/cpu_ops.md, "Threads")'
         )

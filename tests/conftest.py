@@ -6,7 +6,7 @@ from __future__ import annotations  # noqa: I001 (lockstep before torch, below)
 
 import os
 
-import lockstep  # noqa: F401 (sets OpenMP's wait policy, read once when torch loads it)
+import lockstep  # noqa: F401 (sets OpenMP's spin count, read once when torch loads it)
 import pytest
 import torch
 
