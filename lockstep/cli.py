@@ -103,7 +103,7 @@ def _add_unavailable_subcommand(
     def fail(args: argparse.Namespace) -> int:
         raise LockstepError(
             f"`lockstep {name}` cannot run: the module {missing!r} is not installed; "
-            "reinstall Lockstep with its dependencies (pip install -e . or pip install lockstep)"
+            "reinstall Lockstep with its dependencies (from the checkout: pip install -e .)"
         )
 
     p = sub.add_parser(name, help=f"(unavailable: {missing!r} is not installed)", add_help=False)

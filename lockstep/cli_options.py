@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
+from collections.abc import Iterable
 from typing import Any
 
 from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, TP_REDUCTIONS, EngineConfig
@@ -41,7 +43,8 @@ _HELP = {
     "2 on CUDA, 0 = no bound on the CPU)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
-    "num_threads": "CPU threads (default: torch's)",
+    "num_threads": "CPU threads (default: the cores this process may use, its affinity and "
+    'CPU quota; docs/cpu_ops.md, "Threads")',
     "random_seed": "seed of random-weight presets",
     "debug_checks": "check KV cache integrity after every step",
     "tp": "tensor-parallel degree, one process per rank (gloo on the CPU, one GPU per rank on "
@@ -64,12 +67,24 @@ _CHOICES = {
     "tp_reduction": TP_REDUCTIONS,
 }
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
+# The engine options `--help` describes; the others (tuning, debugging, hybrid models, and
+# any option not named here) it lists by name only, and `--help-all` describes every one.
+COMMON_ENGINE_OPTIONS = (
+    "model", "revision", "mode", "device", "dtype", "kv_tokens", "max_model_len",
+    "num_threads", "tp",
+)  # fmt: skip
+MORE_ENGINE_OPTIONS = "more engine options"
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """argparse's formatter, adding "(default: X)" to every option that takes a value and
     has one, unless its help already speaks of its default. Flags (their default is their
-    absence) and options whose absence means "decided at start" (None) show nothing."""
+    absence) and options whose absence means "decided at start" (None) show nothing.
+
+    Brief unless `full`: the "more engine options" group is one line of flag names, and
+    the usage line leaves them out, so that each subcommand's `--help` is about it."""
+
+    full = False
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -82,6 +97,52 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             return action.help
         return f"{text} (default: %(default)s)"
 
+    def start_section(self, heading: str | None) -> None:
+        self._heading = heading
+        super().start_section(heading)
+
+    def add_arguments(self, actions: Iterable[argparse.Action]) -> None:
+        if self.full or getattr(self, "_heading", None) != MORE_ENGINE_OPTIONS:
+            super().add_arguments(actions)
+            return
+        flags = ", ".join(a.option_strings[0] for a in actions)
+        self.add_text(f"{flags} (--help-all describes them)")
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        # Text laid out in lines (an epilog of examples) keeps them; flag names are never
+        # cut at their hyphens.
+        if "\n" in text.strip():
+            return "\n".join(indent + line for line in text.splitlines())
+        lines = textwrap.wrap(" ".join(text.split()), width - len(indent), break_on_hyphens=False)
+        return "\n".join(indent + line for line in lines)
+
+    def add_usage(self, usage: str | None, actions: Iterable[argparse.Action], *rest: Any) -> None:
+        shown = [a for a in actions if self.full or not getattr(a, "more", False)]
+        super().add_usage(usage, shown, *rest)
+
+
+class FullHelpFormatter(DefaultsHelpFormatter):
+    full = True
+
+
+class _HelpAllAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(full_help(parser), end="")
+        parser.exit()
+
+
+def full_help(parser: argparse.ArgumentParser) -> str:
+    """`parser`'s help with every engine option described (what `--help-all` prints)."""
+    brief = parser.formatter_class
+    parser.formatter_class = FullHelpFormatter
+    try:
+        return parser.format_help()
+    finally:
+        parser.formatter_class = brief
+
 
 def use_defaults_help(parser: argparse.ArgumentParser) -> None:
     """Give `parser` and every subcommand's parser under it `DefaultsHelpFormatter`."""
@@ -93,28 +154,42 @@ def use_defaults_help(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
-    group = parser.add_argument_group("engine options")
+    """One flag per EngineConfig field: the common ones under "engine options", the rest
+    under "more engine options" (named only, by `--help`; described by `--help-all`)."""
+    common = parser.add_argument_group("engine options")
+    more = parser.add_argument_group(MORE_ENGINE_OPTIONS)
+    parser.add_argument(
+        "--help-all", action=_HelpAllAction, help="show this help with every engine option"
+    )
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model" and not include_model:
             continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.name in _NEGATED:
-            group.add_argument(
-                _NEGATED[f.name], dest=f.name, action="store_false", default=f.default,
-                help=_HELP[f.name],
-            )  # fmt: skip
-        elif f.type == "bool | None":  # --flag / --no-flag, absent: None (auto)
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=_HELP[f.name])  # fmt: skip
-        elif f.type in ("bool",) or isinstance(f.default, bool):
-            group.add_argument(flag, dest=f.name, action="store_true", default=f.default,
-                               help=_HELP[f.name])  # fmt: skip
-        else:
-            kind = _arg_type(f)
-            group.add_argument(
-                flag, dest=f.name, type=kind, default=f.default, choices=_CHOICES.get(f.name),
-                help=_HELP[f.name],
-            )  # fmt: skip
+        group = common if f.name in COMMON_ENGINE_OPTIONS else more
+        first = len(group._group_actions)
+        _add_engine_argument(group, f)
+        for action in group._group_actions[first:]:
+            action.more = group is more  # type: ignore[attr-defined]
+
+
+def _add_engine_argument(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    if f.name in _NEGATED:
+        group.add_argument(
+            _NEGATED[f.name], dest=f.name, action="store_false", default=f.default,
+            help=_HELP[f.name],
+        )  # fmt: skip
+    elif f.type == "bool | None":  # --flag / --no-flag, absent: None (auto)
+        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=_HELP[f.name])  # fmt: skip
+    elif f.type in ("bool",) or isinstance(f.default, bool):
+        group.add_argument(flag, dest=f.name, action="store_true", default=f.default,
+                           help=_HELP[f.name])  # fmt: skip
+    else:
+        kind = _arg_type(f)
+        group.add_argument(
+            flag, dest=f.name, type=kind, default=f.default, choices=_CHOICES.get(f.name),
+            help=_HELP[f.name],
+        )  # fmt: skip
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

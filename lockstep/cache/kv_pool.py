@@ -1,7 +1,9 @@
 """The KV pool: token-granular slots of key/value storage, and who holds them.
 
 One slot holds one token's K and V for every layer. Storage is two zero-initialised tensors
-of shape [num_layers, num_slots, num_kv_heads, head_dim] on the compute device;
+of shape [num_layers, num_slots, num_kv_heads, head_dim] on the compute device (on the CPU
+in anonymous memory the kernel hands out zeroed as it is first written: a pool takes RAM for
+the slots used, which the first-fit order below keeps to a prefix, not for its size);
 `k_cache(layer)` and `v_cache(layer)` are views into them, so a slot id indexes the same token
 in every layer. A pool without values (`values=False`, multi-head latent attention, whose
 values are the first columns of its key rows) holds one tensor, which both views show. The page size the attention kernels use is their own detail: the pool only
@@ -21,6 +23,9 @@ Contracts
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -78,9 +83,9 @@ class KVPool:
         self.device = torch.device(device)
         self.spare_slot = num_slots if spare_slots else None
         shape = (num_layers, num_slots + spare_slots, num_kv_heads, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._k = _zeros(shape, dtype, self.device)
         self.values = values
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device) if values else self._k
+        self._v = _zeros(shape, dtype, self.device) if values else self._k
         # A stack of free ids: the top is the end of the used prefix [0, _num_free). It starts
         # reversed so that the first allocations hand out 0, 1, 2, ...
         self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
@@ -212,3 +217,18 @@ def _preview(slots: torch.Tensor, limit: int = 8) -> str:
     ids = slots[:limit].tolist()
     more = f" ... ({slots.numel()} in all)" if slots.numel() > limit else ""
     return f"{ids}{more}"
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU one in a private anonymous mapping, whose pages the kernel
+    zeroes and makes resident when first touched (page-aligned, so SIMD loads stay aligned).
+    torch.zeros would write every byte at start-up: seconds and gigabytes of RSS for a
+    server-sized pool that serves one short answer."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor keeps `memory` alive (torch.frombuffer holds the buffer).
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)

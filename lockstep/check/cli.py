@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from lockstep.check.client import APIS
+from lockstep.check.compare import FAIL
 from lockstep.check.report import render_table, write_json, write_plot
 from lockstep.check.runner import CheckReport, CheckSetupError, run_checks
 from lockstep.check.scenarios import SCENARIOS, ScenarioSettings
@@ -28,6 +32,7 @@ from lockstep.check.serve import LockstepServer, ServeError
 EXAMPLES = """\
 examples:
   lockstep check --serve                                  # start Lockstep on a free port
+  lockstep check --serve --port 8123                      # ... on this port
   lockstep check --serve --mode fast --scenarios batch    # expect a FAIL: fast mode
   lockstep check --url http://127.0.0.1:8000 --json out.json --plot deltas.png
   lockstep check --url http://gpu-box:8000/v1 --model Qwen/Qwen3-8B --atol 1e-6
@@ -55,6 +60,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is invalid: expected an integer >= 1")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: expected a port in 1..65535")
     return value
 
 
@@ -171,7 +183,24 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument(
         "--serve-timeout-s", type=float, default=600.0, help="wait this long for /health"
     )
+    engine.add_argument(
+        "--port", type=_port, help="the port the server listens on (default: a free one)"
+    )
     p.set_defaults(func=run_check_command)
+
+
+# Where output goes to a pipe or a file, rich would wrap it at 80 columns, mid-sentence; the
+# table is laid out this wide instead and text lines are never wrapped.
+PIPED_WIDTH = 200
+
+
+def output_console(stderr: bool = False) -> Console:
+    """rich's console for stdout (the report) or stderr (progress, errors). Lines are never
+    wrapped (soft wrap), so an error or a path stays whole when copied out of a log; on a
+    terminal the table fits the terminal, elsewhere it is laid out PIPED_WIDTH wide."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else PIPED_WIDTH
+    return Console(stderr=stderr, soft_wrap=True, width=width)
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
@@ -194,9 +223,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 
 def run_check_command(args: argparse.Namespace) -> int:
     """Run `lockstep check`; returns the exit code (0 all pass, 1 a FAIL, 2 cannot check)."""
-    console = Console()
-    # Soft wrap: error lines and paths stay whole when copied out of logs.
-    err = Console(stderr=True, soft_wrap=True)
+    console, err = output_console(), output_console(stderr=True)
     if not args.serve:
         engine_only = [
             flag
@@ -207,6 +234,7 @@ def run_check_command(args: argparse.Namespace) -> int:
                 ("--device", args.device),
                 ("--dtype", args.dtype),
                 ("--serve-arg", args.serve_arg or None),
+                ("--port", args.port),
             )
             if value is not None
         ]
@@ -224,7 +252,8 @@ def run_check_command(args: argparse.Namespace) -> int:
     )
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         err.print(
-            "--plot needs matplotlib, which is optional: pip install 'lockstep[plot]'",
+            "--plot needs matplotlib, which is optional: pip install 'lockstep-llm[plot]' (from "
+            "a checkout: pip install -e '.[plot]')",
             markup=False,
             highlight=False,
         )
@@ -233,11 +262,13 @@ def run_check_command(args: argparse.Namespace) -> int:
         err.print(f"--against {args.against}: no such file")
         return 2
 
-    def check(url: str, model: str | None) -> CheckReport:
+    def check(
+        url: str, model: str | None, settings: ScenarioSettings, scenarios: list[str]
+    ) -> CheckReport:
         return asyncio.run(
             run_checks(
                 url,
-                args.scenarios,
+                scenarios,
                 settings,
                 model=model,
                 budget_s=args.budget_s,
@@ -252,16 +283,9 @@ def run_check_command(args: argparse.Namespace) -> int:
 
     try:
         if args.serve:
-            server = LockstepServer(serve_args(args), startup_timeout_s=args.serve_timeout_s)
-            err.print(f"starting: {' '.join(server.command)}", highlight=False)
-            with server:
-                # The served model's name comes from /v1/models: --model was a path to load.
-                report = check(server.url, None)
-                if not report.passed:
-                    server.keep_log = True
-                    err.print(f"server log: {server.log_path}", highlight=False)
+            report = _check_served(args, settings, check, err)
         else:
-            report = check(args.url, args.model)
+            report = check(args.url, args.model, settings, args.scenarios)
     except (ServeError, CheckSetupError) as e:
         err.print(f"lockstep check: {e}", highlight=False)
         return 2
@@ -271,3 +295,48 @@ def run_check_command(args: argparse.Namespace) -> int:
     if args.plot is not None:
         write_plot(report, args.plot)
     return 0 if report.passed else 1
+
+
+def _check_served(
+    args: argparse.Namespace,
+    settings: ScenarioSettings,
+    check: Callable[[str, str | None, ScenarioSettings, list[str]], CheckReport],
+    err: Console,
+) -> CheckReport:
+    """Start Lockstep, check it, stop it. With the restart scenario and no --against, the
+    restart is real: the first server saves the fingerprints (to --save, or a file of its
+    own), a second server with the same options starts once the first has stopped, and its
+    answers are compared with them; that comparison is the restart scenario's result."""
+    restart = "restart" in args.scenarios and args.against is None
+    with tempfile.TemporaryDirectory(prefix="lockstep-check-") as scratch:
+        if restart and settings.save is None:
+            settings = dataclasses.replace(settings, save=Path(scratch) / "before.json")
+        report = _serve_and_check(args, err, lambda url: check(url, None, settings, args.scenarios))
+        saved = next((r for r in report.results if r.name == "restart"), None)
+        if not restart or saved is None or saved.status == FAIL or not settings.save.is_file():
+            return report  # nothing saved to compare with: the first result stands
+        again = dataclasses.replace(settings, save=None, against=settings.save)
+        err.print("restarting the server for the restart scenario", highlight=False)
+        after = _serve_and_check(args, err, lambda url: check(url, None, again, ["restart"]))
+    compared = after.results[0]
+    compared.note("compared across a restart of the server")
+    report.results = [compared if r.name == "restart" else r for r in report.results]
+    report.elapsed_s += after.elapsed_s
+    return report
+
+
+def _serve_and_check(
+    args: argparse.Namespace, err: Console, check: Callable[[str], CheckReport]
+) -> CheckReport:
+    """One Lockstep server for the length of `check`; its log is kept if the check fails.
+    The served model's name comes from /v1/models: --model was what to load."""
+    server = LockstepServer(
+        serve_args(args), startup_timeout_s=args.serve_timeout_s, port=args.port
+    )
+    err.print(f"starting: {' '.join(server.command)}", highlight=False)
+    with server:
+        report = check(server.url)
+        if not report.passed:
+            server.keep_log = True
+            err.print(f"server log: {server.log_path}", highlight=False)
+    return report

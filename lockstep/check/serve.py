@@ -1,7 +1,7 @@
 """Start Lockstep itself as a subprocess for `lockstep check --serve`.
 
-The server runs as `python -m lockstep serve --host 127.0.0.1 --port <free port> ...` with the
-engine options passed through, its output going to a log file whose tail is shown if it dies
+The server runs as `python -m lockstep serve --host 127.0.0.1 --port <port> ...` (a free port
+unless one is given) with the engine options passed through, its output going to a log file whose tail is shown if it dies
 or never becomes healthy. It is stopped (SIGTERM, then SIGKILL) when the context exits.
 """
 
@@ -32,10 +32,12 @@ def free_port() -> int:
 class LockstepServer:
     """A Lockstep server subprocess on loopback; `url` is set once /health answers."""
 
-    def __init__(self, engine_args: list[str], *, startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, engine_args: list[str], *, startup_timeout_s: float = 600.0, port: int | None = None
+    ) -> None:
         self.engine_args = list(engine_args)
         self.startup_timeout_s = startup_timeout_s
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file = tempfile.NamedTemporaryFile(  # closed in stop()

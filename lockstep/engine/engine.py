@@ -29,6 +29,7 @@ from lockstep.cache.kv_pool import KVPool
 from lockstep.cache.linear_snapshots import LinearSnapshotPool, SnapshotPolicy
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
+from lockstep.cpu_threads import set_engine_threads
 from lockstep.engine import memory
 from lockstep.engine.cuda_graphs import (
     DecodeGraphRunner,
@@ -81,8 +82,7 @@ class Engine:
         ended."""
         self.config = config
         self.detokenize = detokenize
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        set_engine_threads(config.num_threads, config.resolved_device)
         self.device = torch.device(config.resolved_device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             build = " (a CPU-only build)" if torch.version.cuda is None else ""

@@ -163,8 +163,9 @@ def resolve_model(
             raise ModelLoadError(
                 f"--model {model!r} {what}; supported: a .gguf file, a Hugging Face folder "
                 f"(config.json, *.safetensors, tokenizer.json), a Hugging Face hub id "
-                "(org/name, or org/name/F.gguf for a GGUF file of it), or "
-                f"{', '.join(RANDOM_PREFIX + p for p in PRESETS)}"
+                "(org/name, or org/name/F.gguf for a GGUF file of it), or a random-weight "
+                f"preset such as {RANDOM_PREFIX}tiny ({len(PRESETS)} presets: docs/models.md, "
+                '"Random presets")'
             )
         loaded = LoadedModel(name, str(path), spec, tokenizer, weights)
     _check_complete(loaded)

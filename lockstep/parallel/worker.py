@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import sys
 from datetime import timedelta
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.config import EngineConfig
+from lockstep.cpu_threads import usable_cores
 from lockstep.models.decoder import Decoder
 from lockstep.models.resolver import LoadedModel, resolve_model
 from lockstep.ops import get_ops
@@ -86,8 +86,9 @@ def join_group(config: EngineConfig, rank: int, store: dist.Store) -> Collective
 
 
 def set_threads(config: EngineConfig) -> None:
-    """`num_threads` when given, else an equal share of the CPU cores per rank."""
-    torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // config.tp))
+    """`num_threads` when given, else an equal share per rank of the cores this process
+    may use (affinity and CPU quota)."""
+    torch.set_num_threads(config.num_threads or max(1, usable_cores() // config.tp))
 
 
 def load_rank_decoder(

@@ -228,15 +228,17 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
 
 
 def _default_cpu_threads(config: Any) -> int | None:
-    """torch's threads for a CPU engine given no --num-threads: every core but one, which the
-    HTTP process keeps for its event loop, tokenization and text. torch's default (every core)
+    """torch's threads for a CPU engine given no --num-threads: every usable core (affinity
+    and CPU quota, lockstep/cpu_threads.py) but one, which the HTTP process keeps for its
+    event loop, tokenization and text. torch's default (every core)
     leaves that process, and a client on the same machine, to wait for a time slice behind the
     step's threads at each turn of every request. None: leave torch's default (a GPU engine,
     or threads asked for). The CPU kernels give the same bits at any thread count."""
     if config.num_threads is not None or config.resolved_device != "cpu":
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) - 1)
+    from lockstep.cpu_threads import usable_cores
+
+    return max(1, usable_cores() - 1)
 
 
 def _read_commands(conn: Connection, loop: EngineLoop, engine: Any) -> None:

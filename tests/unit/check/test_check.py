@@ -461,18 +461,23 @@ E2E = ["--max-model-len", "512", "--max-tokens", "8", "--concurrency", "4", "--d
 
 
 @pytest.fixture(scope="module")
-def lockstep_full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
-    """Every scenario against Lockstep in its default (deterministic) mode, saving the
-    fingerprints that a later test compares after a restart."""
+def lockstep_full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path, int]:
+    """Every scenario against Lockstep in its default (deterministic) mode on a port of our
+    choosing, the restart scenario across a real restart of the server (two servers, one
+    after the other), saving the fingerprints that a later test compares with a third."""
+    from lockstep.check.serve import free_port
+
     tmp = tmp_path_factory.mktemp("check-e2e")
     fp, out = tmp / "fingerprints.json", tmp / "out.json"
-    code = run_cli(["--serve", *E2E, *HANG_GUARD, "--save", str(fp), "--json", str(out)])
-    return code, json.loads(out.read_text()), fp
+    port = free_port()
+    argv = ["--serve", *E2E, "--port", str(port), *HANG_GUARD, "--save", str(fp)]
+    code = run_cli([*argv, "--json", str(out)])
+    return code, json.loads(out.read_text()), fp, port
 
 
 @pytest.mark.slow
-def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path]) -> None:
-    code, doc, fp = lockstep_full_run
+def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path, int]) -> None:
+    code, doc, fp, port = lockstep_full_run
     _no_budget_cut(doc)
     results = by_name(doc)
     assert list(results) == list(SCENARIOS)
@@ -486,6 +491,12 @@ def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path
         n.startswith("context limit 512 (from GET /v1/engine)") for n in results["long"]["notes"]
     )
     assert len(json.loads(fp.read_text())["fingerprints"]) == 5
+    restart = results["restart"]
+    assert "compared across a restart of the server" in restart["notes"]
+    assert restart["positions_compared"] == sum(
+        len(f["output"]["logprobs"]) for f in json.loads(fp.read_text())["fingerprints"]
+    )
+    assert doc["url"] == f"http://127.0.0.1:{port}"
     assert doc["engine_counters"]["cached_tokens_total"] > 0
 
 
@@ -529,11 +540,11 @@ def test_lockstep_fast_mode_fails_batch(tmp_path: Path, api: str) -> None:
 
 @pytest.mark.slow
 def test_lockstep_without_prefix_cache(
-    lockstep_full_run: tuple[int, dict, Path], tmp_path: Path
+    lockstep_full_run: tuple[int, dict, Path, int], tmp_path: Path
 ) -> None:
     """The radix scenario refuses to pass on a cache that is off; the fingerprints saved by the
     first server match this restarted one (the cache being off must not change a bit)."""
-    _, first_doc, fp = lockstep_full_run
+    _, first_doc, fp, _ = lockstep_full_run
     if not fp.is_file():
         _no_budget_cut(first_doc)
         pytest.fail(f"the first run saved no fingerprints to {fp}: {by_name(first_doc)['restart']}")
@@ -551,3 +562,27 @@ def test_lockstep_without_prefix_cache(
     assert results["restart"]["positions_compared"] == sum(
         len(f["output"]["logprobs"]) for f in saved
     )
+
+
+def test_piped_report_keeps_sentences_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """Output to a pipe (pytest's capture is one) is not wrapped at rich's 80 columns: a
+    reason and a note longer than that each stay on one line; the control, rich's own
+    default console writing to a file, cuts the same reason."""
+    import io
+
+    from rich.console import Console
+
+    from lockstep.check.cli import output_console
+    from lockstep.check.runner import CheckReport
+
+    result = ScenarioResult("batch")
+    reason = "runs differ: " + "the same request alone and inside a burst gave other bits " * 2
+    result.fail(reason.strip())
+    result.note("a note that is longer than eighty columns, " * 3)
+    report = CheckReport("http://x", "m", None, ScenarioSettings(), 1.0, 1.0, [result])
+    render_table(report, output_console())
+    out = capsys.readouterr().out
+    assert reason.strip() in out and ("a note that is longer than eighty columns, " * 3) in out
+    control = io.StringIO()
+    render_table(report, Console(file=control))
+    assert reason.strip() not in control.getvalue()

@@ -123,7 +123,7 @@ def test_a_subcommand_missing_a_dependency_leaves_the_others_working() -> None:
 def test_check_plot_without_matplotlib_says_what_to_install() -> None:
     out = _lockstep_without("matplotlib", "check", "--url", "http://127.0.0.1:9", "--plot",
                             "x.png")  # fmt: skip
-    _one_line_error(out, "--plot", "lockstep[plot]")
+    _one_line_error(out, "--plot", "lockstep-llm[plot]")
 
 
 def test_every_module_but_the_kernels_imports_without_triton() -> None:

@@ -85,8 +85,10 @@ def test_every_option_with_a_default_shows_it_in_help() -> None:
     options whose absence means "decided at start" have nothing to show)."""
     import argparse
 
+    from lockstep.cli_options import full_help
+
     def silent(parser: argparse.ArgumentParser, path: str) -> list[str]:
-        entries = re.split(r"\n(?=  -)", parser.format_help())
+        entries = re.split(r"\n(?=  -)", full_help(parser))
         found = []
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -101,3 +103,18 @@ def test_every_option_with_a_default_shows_it_in_help() -> None:
         return found
 
     assert silent(cli.build_parser(), "lockstep") == []
+
+
+def test_help_describes_the_command_and_names_the_other_engine_options() -> None:
+    """`--help` describes the subcommand's own options and the common engine options and
+    only names the others; `--help-all` describes every one (the control: the brief help
+    lacks a description that the full help has)."""
+    from lockstep.cli_options import full_help
+
+    serve = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    brief, full = serve.format_help(), full_help(serve)
+    described = "radix snapshots of the linear-attention state"
+    assert described in " ".join(full.split()) and described not in " ".join(brief.split())
+    assert "--linear-snapshot-interval" in brief and "--help-all" in brief
+    assert "--max-waiting" in brief and "--kv-tokens KV_TOKENS" in brief
+    assert len(brief.splitlines()) < len(full.splitlines()) - 20

@@ -680,6 +680,14 @@ def test_resolver_errors_are_one_line(model, expected):
     assert expected in _one_line(exc)
 
 
+def test_a_missing_model_is_a_short_line_that_points_to_the_presets():
+    with pytest.raises(ModelLoadError) as exc:
+        resolve_model("/no/such/path")
+    line = _one_line(exc)
+    assert len(line) < 400 and "random:tiny" in line and '"Random presets"' in line
+    assert "random:qwen3-8b" not in line  # the control: the presets are not listed one by one
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelLoadError) as exc:
         resolve_model(str(tmp_path))
