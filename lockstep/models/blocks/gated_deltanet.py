@@ -86,12 +86,19 @@ class LinearSteps:
     layout: LinearLayout
 
     def begin(self, ops: Ops, batch: ForwardBatch) -> LinearStep:
+        # The layout the step's states were made with (the decoder's `linear_layout`, which
+        # tests may narrow), else the spec's.
+        layout = self.layout
+        if batch.linear_states:
+            layout = batch.linear_states[0].layout
+        elif batch.state_pool is not None:
+            layout = batch.state_pool.layout
         pooled, pool, rows = batch.pooled, batch.state_pool, None
         if pooled is None and batch.linear_states is not None:
             rows = batch.meta.cu_q.diff().tolist()
-            pooled = pooled_rows(ops, batch.linear_states, rows, self.layout)
+            pooled = pooled_rows(ops, batch.linear_states, rows, layout)
             pool = batch.linear_states[0].pool if pooled is not None else None
-        return LinearStep(self.layout, rows, pooled, pool)
+        return LinearStep(layout, rows, pooled, pool)
 
     def end(self, began: LinearStep, batch: ForwardBatch) -> None:
         if batch.linear_states is not None and began.rows is not None:
