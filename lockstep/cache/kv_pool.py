@@ -83,9 +83,11 @@ class KVPool:
         self.device = torch.device(device)
         self.spare_slot = num_slots if spare_slots else None
         shape = (num_layers, num_slots + spare_slots, num_kv_heads, head_dim)
-        self._k = _zeros(shape, dtype, self.device)
+        # CPU pools: the anonymous mappings behind the tensors (`release_memory`).
+        self._mappings: list[mmap.mmap] = []
+        self._k = self._zeros(shape, dtype)
         self.values = values
-        self._v = _zeros(shape, dtype, self.device) if values else self._k
+        self._v = self._zeros(shape, dtype) if values else self._k
         # A stack of free ids: the top is the end of the used prefix [0, _num_free). It starts
         # reversed so that the first allocations hand out 0, 1, 2, ...
         self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
@@ -93,6 +95,41 @@ class KVPool:
         self._allocated = torch.zeros(num_slots, dtype=torch.bool)
 
     # ---- storage -------------------------------------------------------------------------
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor; on the CPU one in a private anonymous mapping, whose pages the kernel
+        zeroes and makes resident when first touched (page-aligned, so SIMD loads stay
+        aligned). torch.zeros would write every byte at start-up: seconds and gigabytes of RSS
+        for a server-sized pool that serves one short answer."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mappings.append(memory)
+        # The tensor keeps `memory` alive too (torch.frombuffer holds the buffer).
+        return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+
+    def release_memory(self) -> None:
+        """Give the storage's memory back to the device (or the operating system), its
+        contents lost; `restore_memory` makes it usable again, all zeros. Slot bookkeeping is
+        the caller's: nothing may hold KV across the two (lockstep/engine/memory_occupation.py)."""
+        if self._mappings:  # anonymous pages: dropped now, zero-filled when next touched
+            for memory in self._mappings:
+                memory.madvise(mmap.MADV_DONTNEED)
+            return
+        for tensor in {id(t): t for t in (self._k, self._v)}.values():
+            tensor.untyped_storage().resize_(0)
+
+    def restore_memory(self) -> None:
+        """Undo `release_memory`: the storage again, zeroed (unused rows hold zeros, never
+        NaN)."""
+        if self._mappings:
+            return
+        for tensor in {id(t): t for t in (self._k, self._v)}.values():
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            tensor.zero_()
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Keys of `layer`: a [num_slots, num_kv_heads, head_dim] view, indexed by slot id."""
@@ -217,18 +254,3 @@ def _preview(slots: torch.Tensor, limit: int = 8) -> str:
     ids = slots[:limit].tolist()
     more = f" ... ({slots.numel()} in all)" if slots.numel() > limit else ""
     return f"{ids}{more}"
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on the CPU one in a private anonymous mapping, whose pages the kernel
-    zeroes and makes resident when first touched (page-aligned, so SIMD loads stay aligned).
-    torch.zeros would write every byte at start-up: seconds and gigabytes of RSS for a
-    server-sized pool that serves one short answer."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # The tensor keeps `memory` alive (torch.frombuffer holds the buffer).
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)

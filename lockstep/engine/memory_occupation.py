@@ -13,7 +13,8 @@ nothing and grow back, at new device addresses (a weight whose storage cannot sh
 another library allocated on the CPU, is given a new one), so captured CUDA graphs are dropped
 and captured again on first use (`DecodeGraphRunner.drop_graphs`). On CUDA the allocator's cache
 is emptied, so `torch.cuda.mem_get_info` sees the memory free. On the CPU the same code runs:
-the KV pool's RAM is really freed, the weights' is not (their copy is in RAM too).
+the KV pool's RAM is really freed (`KVPool.release_memory`: its pages dropped), the weights'
+is not (their copy is in RAM too).
 
 Only between requests: a release is refused while requests hold KV (pause them with `retract`
 or `abort` first); the engine loop takes no step while anything is released (engine_loop.py),
@@ -70,8 +71,7 @@ class MemoryOccupation:
             graphs.drop_graphs()
         if "kv_cache" in tags and "kv_cache" not in self.released:
             engine.radix.flush()
-            for storage in _storages(_pool_tensors(engine.pool)):
-                storage.resize_(0)
+            engine.pool.release_memory()
             self.released.add("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             pin = engine.device.type == "cuda"
@@ -93,10 +93,7 @@ class MemoryOccupation:
     def resume(self, tags: tuple[str, ...]) -> None:
         engine = self.engine
         if "kv_cache" in tags and "kv_cache" in self.released:
-            pool = engine.pool
-            for tensor in _pool_tensors(pool):
-                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-                tensor.zero_()  # as allocated: unused rows hold zeros, never NaN
+            engine.pool.restore_memory()
             self.released.discard("kv_cache")
         if "weights" in tags and "weights" in self.released:
             for storage, host in self._host:
@@ -109,10 +106,6 @@ class MemoryOccupation:
             self.released.discard("weights")
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-
-
-def _pool_tensors(pool: Any) -> list[torch.Tensor]:
-    return [pool._k, pool._v]
 
 
 def _weight_tensors(decoder: Any) -> list[torch.Tensor]:
@@ -174,16 +167,6 @@ def _plan_weights(
             )
         alone.append(tensor)
     return shared, alone
-
-
-def _storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
-    """The distinct storages behind `tensors` (views share one)."""
-    unique: dict[int, torch.UntypedStorage] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            unique.setdefault(storage.data_ptr(), storage)
-    return list(unique.values())
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

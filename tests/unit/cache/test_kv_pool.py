@@ -142,3 +142,26 @@ def test_sizing_helpers():
     pool = KVPool(5, 2, 1, 8, torch.float32, "cpu")
     used = sum(t.numel() * t.element_size() for t in (pool._k, pool._v))
     assert used == 5 * KVPool.bytes_per_token(2, 1, 8, torch.float32)
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_released_memory_goes_back_and_comes_back_zeroed() -> None:
+    """`release_memory` hands a written CPU pool's pages back (resident memory falls by about
+    the pool's size) and `restore_memory` leaves it usable, all zeros; the control: a written
+    pool that was not released still holds what was written."""
+    pool = KVPool(4096, 4, 8, 64, torch.float32, "cpu")  # 2 x 32 MiB
+    kept = KVPool(16, 1, 1, 4, torch.float32, "cpu")
+    for p in (pool, kept):
+        p._k.fill_(1.0)
+        p._v.fill_(1.0)
+    before = _resident_kib()
+    pool.release_memory()
+    assert before - _resident_kib() > 48 * 1024
+    pool.restore_memory()
+    assert not pool._k.any() and not pool._v.any()
+    assert pool.k_cache(3).shape == (4096, 8, 64)
+    assert kept._k.all() and kept._v.all()
