@@ -7,10 +7,10 @@ Each step the scheduler fills a token budget (`max_batch_tokens`):
      fewer than `max_running` run and the budget, the KV pool and admission allow.
 Two bounds shrink the budget: a step in which a streamed request decodes (`Request.streams`:
 its client reads tokens as they come) carries at most `mixed_step.rows(keys)` prompt rows
-beside its decodes (lockstep/engine/step_budget.py: it costs at most about `factor` decode-only steps, so new
-prompts do not stall running streams; requests answered whole only see their total time, which
-the largest steps serve best), and at most `prompt_logprob_rows` rows of a step
-compute prompt logprobs (their logits are the step's largest workspace:
+beside its decodes (lockstep/engine/step_budget.py: it costs at most about `factor`
+decode-only steps, so new prompts do not stall running streams; requests answered whole only
+see their total time, which the largest steps serve best), and at most `prompt_logprob_rows`
+rows of a step compute prompt logprobs (their logits are the step's largest workspace:
 lockstep/engine/memory.py). Any chunking gives the same bits (the contract).
 
 Admission finishes what it starts: a waiting request is admitted only while the pool (free and

@@ -1,4 +1,4 @@
-"""How many prompt rows a step may carry beside streamed decodes: the bound on inter-token latency.
+"""How many prompt rows a step may carry beside streamed decodes: bounded inter-token latency.
 
 A decode step reads every weight once and each running sequence's keys and values; a prompt
 row beside them adds its arithmetic. Measured, a step's time is close to
@@ -12,10 +12,9 @@ prompt rows, F the FLOPs one row costs, PEAK the rate those rows run at), and a 
     P <= (PEAK / BW) x (factor - 1) x (W + KV) / F
 
 PEAK / BW, the FLOPs a step can do per byte it reads, is a property of the card and of the
-kernels: RIDGE_FLOP_PER_BYTE is the effective one measured on an H200 (a prompt row beside 256
-decodes added 44 us to a step, its 15.1 GFLOP at about 340 TFLOP/s, against 4.3 TB/s;
-docs/results.md, "Memory and scheduling"). An H100's is higher (the same rate over 3.0 TB/s),
-so there it errs on the side of smaller chunks. Where the bound is wrong it only moves how
+kernels: RIDGE_FLOP_PER_BYTE is the effective one measured on an H200 (docs/results.md, "Memory
+beside the KV pool"). An H100 reads more slowly at the same rate, so its ridge is higher and
+there the bound errs on the side of smaller chunks. Where the bound is wrong it only moves how
 prompts are cut into chunks: outputs never change (the contract covers any chunking).
 """
 
