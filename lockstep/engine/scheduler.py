@@ -16,7 +16,8 @@ lockstep/engine/memory.py). Any chunking gives the same bits (the contract).
 Admission finishes what it starts: a waiting request is admitted only while the pool (free and
 evictable slots) can carry it and every running request to their ends, counting for each the
 prompt it has still to compute and `output_reserve` of the output it may still generate
-(`max_tokens` less what it has, at most OUTPUT_RESERVE_CLIP). With the default share, 1.0, a
+(`max_tokens` less what it has, at most OUTPUT_RESERVE_CLIP), a slot a step, and that each
+frees what it holds when it ends (lockstep/engine/admission.py). With the default share, 1.0, a
 request whose max_tokens is not above the clip is never preempted; one alone in the pool is
 always admitted. When the pool runs dry anyway (a smaller share, or outputs past the clip) it
 first evicts unlocked radix leaves (LRU), then preempts the newest running requests: their
@@ -56,6 +57,7 @@ import torch
 from lockstep.cache.kv_pool import CacheIntegrityError, KVPool
 from lockstep.cache.linear_snapshots import SnapshotPolicy
 from lockstep.cache.radix import PrefixMatch, RadixCache
+from lockstep.engine.admission import Need, PoolProjection
 from lockstep.engine.request import Request, Status
 from lockstep.engine.step_budget import MixedStepBudget
 
@@ -206,24 +208,26 @@ class Scheduler:
                 chunk.request.slots.extend(ids[at : at + n])
                 at += n
         admit = admit and bool(self.waiting) and len(self.running) < self.max_running
-        committed = sum(self._future_slots(r) for r in self.running) if admit else 0
+        projection = self._projection() if admit else None
         while admit and budget > 0 and self.waiting and len(self.running) < self.max_running:
-            admitted = self._admit_one(budget, plan, committed, logprob_rows)
+            assert projection is not None
+            admitted = self._admit_one(budget, plan, projection, logprob_rows)
             if admitted is None:
                 break
             chunk, rows = admitted
             plan.append(chunk)
             budget -= chunk.end - chunk.start
-            committed += self._future_slots(chunk.request)
+            projection.add(self._need(chunk.request))
             if logprob_rows is not None:
                 logprob_rows -= rows
         self._reserve_snapshots(plan)
         return plan
 
-    def _future_slots(self, request: Request, held: int | None = None) -> int:
-        """The slots admission keeps free for `request` beyond the `held` it has (default:
-        its slot table): the prompt it has still to compute and `output_reserve` of the rest
-        of its output budget, at most OUTPUT_RESERVE_CLIP tokens of it."""
+    def _need(self, request: Request, held: int | None = None) -> Need:
+        """What admission expects `request` to need beyond the `held` slots it has (default:
+        its slot table): the prompt it has still to compute, then `output_reserve` of the rest
+        of its output budget (at most OUTPUT_RESERVE_CLIP tokens), one slot a step, ending
+        after its prefill steps and those (lockstep/engine/admission.py)."""
         held = len(request.slots) if held is None else held
         prompt = len(request.prompt_ids)
         # A request ends with prompt + max_tokens - 1 positions computed, one more when a
@@ -231,13 +235,16 @@ class Scheduler:
         end = prompt + request.params.max_tokens
         prompt_left = max(0, prompt - held)
         output_left = min(max(0, end - max(held, prompt)), OUTPUT_RESERVE_CLIP)
-        return prompt_left + math.ceil(self.output_reserve * output_left)
+        output_left = math.ceil(self.output_reserve * output_left)
+        prefill_steps = -(-prompt_left // self.chunk_size)
+        return Need(prompt_left, output_left, prefill_steps + output_left, held)
 
-    def admission_room(self) -> int:
-        """Slots the pool could still give (free and evictable) beyond what admission keeps
-        for the running requests: a waiting request needing more waits."""
-        free = self.pool.num_free + self.radix.num_evictable_tokens
-        return free - sum(self._future_slots(r) for r in self.running)
+    def _projection(self) -> PoolProjection:
+        return PoolProjection([self._need(r) for r in self.running])
+
+    def _room(self) -> int:
+        """Slots the pool could give now: free, and held by the radix cache but evictable."""
+        return self.pool.num_free + self.radix.num_evictable_tokens
 
     def would_admit(self) -> bool:
         """Whether the next schedule may admit a waiting request, estimated from the oldest
@@ -247,7 +254,8 @@ class Scheduler:
             return False
         if not self.running or self.output_reserve == 0:
             return True
-        return self.admission_room() >= self._future_slots(self.waiting[0], held=0)
+        need = self._need(self.waiting[0], held=0)
+        return self._projection().peak_with(need) <= self._room()
 
     def _reserve_snapshots(self, plan: list[ScheduledChunk]) -> None:
         """Reserve a snapshot slot for each boundary the plan crosses that the policy keeps,
@@ -281,12 +289,12 @@ class Scheduler:
         self,
         budget: int,
         plan: list[ScheduledChunk],
-        committed: int,
+        projection: PoolProjection,
         logprob_rows: int | None,
     ) -> tuple[ScheduledChunk, int] | None:
         """Admit the best waiting request with its first chunk and the prompt-logprob rows
         that chunk computes, or None when it does not fit (the step budget, the logprob rows,
-        the pool, or admission's room beside the `committed` slots of the running requests)."""
+        the pool, or admission's room beside the running requests' `projection`)."""
         best, match = None, None
         for request in self.waiting[:ADMISSION_WINDOW]:
             candidate = self._match(request)
@@ -299,8 +307,8 @@ class Scheduler:
             return None
         self.radix.lock(match.node)
         if self.running and self.output_reserve > 0:
-            room = self.pool.num_free + self.radix.num_evictable_tokens - committed
-            if room < self._future_slots(best, held=match.length):
+            need = self._need(best, held=match.length)
+            if projection.peak_with(need) > self._room():
                 self.radix.unlock(match.node)
                 return None
         best.prefix_node = match.node

@@ -284,7 +284,8 @@ def test_a_request_alone_is_admitted_whatever_it_reserves() -> None:
     scheduler = make_scheduler(slots=60, max_batch_tokens=64, chunk_size=64, max_running=4)
     scheduler.output_reserve = 1.0
     big = make_request(list(range(30)), max_tokens=30, name="big")
-    small = make_request(list(range(100, 110)), max_tokens=5, name="small")
+    # Beside it to the end, the small one would need 40 of the 30 slots left: it waits.
+    small = make_request(list(range(100, 110)), max_tokens=30, name="small")
     scheduler.add(big)
     scheduler.add(small)
     plan = step(scheduler)
@@ -292,7 +293,7 @@ def test_a_request_alone_is_admitted_whatever_it_reserves() -> None:
     assert not scheduler.would_admit()
     run(scheduler)
     assert scheduler.num_preemptions == 0
-    assert small.output_ids == alone(small.prompt_ids, 5)
+    assert small.output_ids == alone(small.prompt_ids, 30)
 
 
 def test_prompt_logprob_rows_per_step_are_bounded() -> None:
@@ -388,3 +389,31 @@ def test_a_step_with_streamed_decodes_carries_at_most_the_mixed_budget(streams: 
     alone_scheduler.add(again)
     assert step(alone_scheduler)[0].end == 60  # no decodes: the whole budget
     assert long.output_ids == alone(long.prompt_ids, 2)
+
+
+@pytest.mark.parametrize("short_output", [4, 30])
+def test_admission_counts_that_running_requests_release_their_slots_when_they_end(
+    short_output: int,
+) -> None:
+    """Pool of 100 slots. A long request (10 prompt + 60 output) and a short one (10 + 4)
+    run; a third (10 + 30) arrives. By the sum of final sizes it never fits beside both (70 +
+    14 + 40 = 124 > 100); by the pool's future it fits at once: the short one ends after 4
+    steps, and at the newcomer's end it and the long one hold about 40 + 43. No preemption,
+    every request the tokens of a run alone. The control: a short request as long as the
+    newcomer (10 + 30) still holds its 40 then, and the newcomer waits."""
+    scheduler = make_scheduler(slots=100, max_batch_tokens=64, chunk_size=16, max_running=8)
+    scheduler.output_reserve = 1.0
+    long = make_request([1] * 10, max_tokens=60, name="long")
+    short = make_request([2] * 10, max_tokens=short_output, name="short")
+    for r in (long, short):
+        scheduler.add(r)
+    step(scheduler)
+    newcomer = make_request([3] * 10, max_tokens=30, name="newcomer")
+    scheduler.add(newcomer)
+    plan = step(scheduler)
+    admitted = newcomer in [c.request for c in plan]
+    assert admitted == (short_output == 4)
+    run(scheduler)
+    assert scheduler.num_preemptions == 0
+    for r in (long, short, newcomer):
+        assert r.output_ids == alone(r.prompt_ids, r.params.max_tokens), r.request_id
