@@ -8,13 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lockstep.cpu_threads import prefer_yielding_openmp
-
 __version__ = "0.1.0"
-
-# Before anything in Lockstep imports torch: OpenMP reads its spin count once, when torch
-# loads it (lockstep/cpu_threads.py says why idle threads must soon sleep).
-prefer_yielding_openmp()
 
 if TYPE_CHECKING:
     from lockstep.engine.llm import LLM, RequestOutput

@@ -1,20 +1,22 @@
-"""How many CPU threads the engine uses, and how they wait (docs/cpu_ops.md, "Threads").
+"""How many CPU threads the engine uses (docs/cpu_ops.md, "Threads").
 
-Two things keep the CPU engine from collapsing when another process holds a core:
+torch's CPU build and Lockstep's kernels share one OpenMP runtime (libgomp). A decode step runs
+hundreds of parallel regions, each ending at a barrier where every thread waits for the
+slowest. When another process holds one of the cores, one thread of each region waits for a
+time slice while its partners spin (OpenMP's threads spin for 300,000 iterations before they
+sleep), and the step takes tens of times longer than on one thread. Two rules keep that away
+without slowing a quiet machine:
 
-* **Idle OpenMP threads that soon sleep.** torch's CPU build and Lockstep's kernels share one
-  OpenMP runtime (libgomp), whose threads by default spin for 300,000 iterations at the end of
-  every parallel region before they sleep. A decode step runs hundreds of regions; when one
-  thread waits for a time slice behind another process, its partners spin through theirs and
-  the step takes tens of times longer. `GOMP_SPINCOUNT=1000` lets a thread spin briefly (a
-  quiet machine keeps the speed of spinning, the next region usually comes within it) and
-  then sleep. The runtime reads it once, when torch loads it, so `lockstep/__init__.py` sets
-  it (unless the user chose a policy) before anything in Lockstep imports torch.
-* **A thread count no larger than the cores this process may use:** its CPU affinity and,
-  where the container or cgroup has one, its CPU quota (`cpu.max`, `cpu.cfs_quota_us`), which
-  torch's own default (every core of the affinity mask) ignores.
+* **No more threads than usable cores:** the process's CPU affinity and, where the container or
+  cgroup has one, its CPU quota (`cpu.max`, `cpu.cfs_quota_us`), which torch's own default
+  (every core of the affinity mask) ignores.
+* **No more threads than idle cores** (`ThreadGovernor`): while a CPU engine runs, every half
+  second it reads how busy the usable cores were (`/proc/stat`) less this process's own time
+  (`/proc/self/stat`), and gives torch one thread fewer for each core other processes kept
+  busy, and the threads back when they stop. OpenMP's spinning is left as it is: it is the
+  fastest wait on cores nobody else wants, and on a core somebody wants there is no thread.
 
-Results do not depend on the thread count or the spin count; only speed does.
+Results do not depend on the thread count; only speed does.
 """
 
 from __future__ import annotations
@@ -22,37 +24,16 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
-
-# Whether the spin count was in the environment before torch loaded its OpenMP runtime:
-# set by `prefer_yielding_openmp`, read when a CPU engine starts; the warning is said once.
-_policy_in_time = False
-_warned = False
-
-
-# Spins before an idle OpenMP thread sleeps: about as fast as OpenMP's default (300,000) on a
-# quiet machine, and within 1.5x of one thread with a core kept busy, where 10,000 is not
-# (docs/results.md, "Decode with a core kept busy").
-SPIN_COUNT = 1000
-
-
-def prefer_yielding_openmp() -> None:
-    """Ask idle OpenMP threads to sleep soon: set `GOMP_SPINCOUNT=SPIN_COUNT` unless the user
-    chose a policy or a spin count (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`). It takes effect only
-    if torch is not imported yet; child processes (the server's engine, the tensor-parallel
-    workers) inherit it either way."""
-    global _policy_in_time
-    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-    if not chosen:
-        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-    _policy_in_time = chosen or "torch" not in sys.modules
+PROC_STAT = Path("/proc/stat")
+PROC_SELF_STAT = Path("/proc/self/stat")
 
 
 def usable_cores(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
@@ -134,23 +115,137 @@ def _v1_quota(folder: Path) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def set_engine_threads(num_threads: int | None, device: str) -> None:
+def set_engine_threads(num_threads: int | None, device: str) -> ThreadGovernor | None:
     """torch's threads for an engine: `num_threads` where given; on the CPU otherwise, torch's
     current count lowered to `usable_cores()` (never raised: a caller that chose fewer keeps
-    them). Warns once where torch loaded OpenMP before the spin count was set."""
+    them), and a `ThreadGovernor` that keeps it within the idle cores while the engine runs
+    (None where the count was given, or on a GPU)."""
     import torch
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    elif device == "cpu":
-        cores = usable_cores()
-        if torch.get_num_threads() > cores:
-            torch.set_num_threads(cores)
-    global _warned
-    if device == "cpu" and torch.get_num_threads() > 1 and not (_policy_in_time or _warned):
-        _warned = True
-        logger.warning(
-            "torch was imported before lockstep, so its OpenMP threads spin while idle: a "
-            "busy core can slow each step many times over; import lockstep first, set "
-            f'GOMP_SPINCOUNT={SPIN_COUNT}, or pass num_threads=1 (docs/cpu_ops.md, "Threads")'
-        )
+        return None
+    if device != "cpu":
+        return None
+    cores = usable_cores()
+    if torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)
+    return ThreadGovernor.start(torch.get_num_threads())
+
+
+def read_core_ticks(cpus: Collection[int], stat: Path = PROC_STAT) -> tuple[int, int] | None:
+    """(busy, all) clock ticks the cores `cpus` spent since boot, from `/proc/stat`; busy is
+    every state but idle and iowait (steal counts: the hypervisor gave the core to somebody
+    else). None where the file cannot be read or names none of them."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    busy = total = 0
+    found = False
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(x) for x in rest.split()[:8]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+        busy += sum(ticks) - idle
+        total += sum(ticks)
+        found = True
+    return (busy, total) if found else None
+
+
+def read_own_ticks(stat: Path = PROC_SELF_STAT) -> int | None:
+    """Clock ticks this process (all its threads) has run, user and system, from
+    `/proc/self/stat`; None where it cannot be read."""
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of the line
+
+
+class ThreadGovernor:
+    """Keeps torch's thread count within the cores other processes leave idle, between
+    `ceiling` (the count the engine started with) and 1. `tick()` is called before each engine
+    step; at most every `INTERVAL_S` it compares the usable cores' busy ticks with this
+    process's own: the difference, in cores, is what other processes took, and each core they
+    mostly kept busy (half or more) costs one thread at once; a thread comes back once the
+    cores stayed idle for `RAISE_AFTER` intervals in a row. Speed only: results do not depend
+    on the thread count."""
+
+    INTERVAL_S = 0.5
+    RAISE_AFTER = 3
+
+    def __init__(
+        self,
+        ceiling: int,
+        cpus: Collection[int],
+        read_cores: Callable[[], tuple[int, int] | None],
+        read_own: Callable[[], int | None],
+        clock: Callable[[], float] = time.monotonic,
+        set_threads: Callable[[int], None] | None = None,
+    ) -> None:
+        import torch
+
+        self.ceiling = ceiling
+        self.cpus = len(cpus)
+        self._read_cores = read_cores
+        self._read_own = read_own
+        self._clock = clock
+        self._set_threads = set_threads or torch.set_num_threads
+        self.threads = ceiling
+        self.others_busy = 0.0  # cores other processes kept busy over the last interval
+        self._idle_intervals = 0  # intervals in a row that left more cores idle than used
+        self._last = self._sample()
+
+    @classmethod
+    def start(cls, ceiling: int) -> ThreadGovernor | None:
+        """A governor for this process's usable cores, or None where one thread is all it has
+        or `/proc` cannot tell (macOS, Windows)."""
+        if ceiling <= 1 or not hasattr(os, "sched_getaffinity"):
+            return None
+        cpus = frozenset(os.sched_getaffinity(0))
+        if read_core_ticks(cpus) is None or read_own_ticks() is None:
+            return None
+        return cls(ceiling, cpus, lambda: read_core_ticks(cpus), read_own_ticks)
+
+    def _sample(self) -> tuple[float, tuple[int, int] | None, int | None]:
+        return self._clock(), self._read_cores(), self._read_own()
+
+    def tick(self) -> None:
+        """Re-read the cores' use if `INTERVAL_S` has passed, and set the thread count."""
+        now = self._clock()
+        if now - self._last[0] < self.INTERVAL_S:
+            return
+        sample = self._sample()
+        (_, cores_before, own_before), (_, cores_now, own_now) = self._last, sample
+        self._last = sample
+        if None in (cores_before, cores_now, own_before, own_now):
+            return
+        busy = cores_now[0] - cores_before[0]
+        ticks = cores_now[1] - cores_before[1]
+        if ticks <= 0:
+            return
+        # All ticks of the usable cores cover `cpus` cores over the interval: busy / ticks
+        # of them were busy, and this process's own ticks were part of that.
+        own = max(0, own_now - own_before)
+        self.others_busy = max(0.0, (busy - own) / ticks * self.cpus)
+        idle = self.cpus - math.floor(self.others_busy + 0.5)
+        threads = max(1, min(self.ceiling, idle))
+        # A thread too many costs tens of times a step, one too few about 1.3x: fewer at once,
+        # more only once the cores stayed idle for RAISE_AFTER intervals in a row.
+        self._idle_intervals = self._idle_intervals + 1 if threads > self.threads else 0
+        if threads > self.threads and self._idle_intervals < self.RAISE_AFTER:
+            return
+        if threads != self.threads:
+            logger.info(
+                "other processes keep %.1f of %d cores busy: %d CPU threads (of %d)",
+                self.others_busy,
+                self.cpus,
+                threads,
+                self.ceiling,
+            )
+            self._set_threads(threads)
+            self.threads = threads

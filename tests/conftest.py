@@ -2,11 +2,10 @@
 `jit` decides that when a kernel is decorated, so the switch must be set before any test module
 imports a kernel module (test_kernel_launch.py is collected before test_ops_triton.py)."""
 
-from __future__ import annotations  # noqa: I001 (lockstep before torch, below)
+from __future__ import annotations
 
 import os
 
-import lockstep  # noqa: F401 (sets OpenMP's spin count, read once when torch loads it)
 import pytest
 import torch
 

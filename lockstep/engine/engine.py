@@ -82,7 +82,7 @@ class Engine:
         ended."""
         self.config = config
         self.detokenize = detokenize
-        set_engine_threads(config.num_threads, config.resolved_device)
+        self._thread_governor = set_engine_threads(config.num_threads, config.resolved_device)
         self.device = torch.device(config.resolved_device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             build = " (a CPU-only build)" if torch.version.cuda is None else ""
@@ -390,6 +390,8 @@ class Engine:
         more, which its release discards (or caches: the KV of a real token). That holds for a
         request this step ends on max_tokens too: its extra position, P + max_tokens - 1, is
         below max_model_len, and its slot is among the free ones counted."""
+        if self._thread_governor is not None:
+            self._thread_governor.tick()
         launched = self._inflight or self._launch(None)
         self._inflight = None
         if launched is None:
