@@ -16,15 +16,15 @@ function of the token's router logits, which are).
 Allocated only when the engine is started with `enable_return_routed_experts`, and counted in
 the pool's bytes per token (lockstep/engine/memory.py), so the pool stays honestly sized.
 
-The wire layout is SGLang's: `meta_info.routed_experts` is base64 of int32
+A request's routing leaves the engine in SGLang's layout (`sglang_layout`): int32
 [len - 1, num_hidden_layers, top_k] (len = prompt + output tokens: every position that ran a
 forward; the last token never did), layer index = decoder layer, rows of dense layers
-(DeepSeek's first layers, `mlp_only_layers`) zero as SGLang leaves them.
+(DeepSeek's first layers, `mlp_only_layers`) zero as SGLang leaves them. On the wire it is
+base64 of those bytes (lockstep/server/routed_experts_field.py).
 """
 
 from __future__ import annotations
 
-import base64
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,14 +63,3 @@ def sglang_layout(spec: ModelSpec, rows: torch.Tensor) -> np.ndarray:
     out = np.zeros((rows.shape[0], spec.num_layers, spec.moe.top_k), dtype=np.int32)
     out[:, list(spec.moe.sparse_layers)] = rows.cpu().numpy().astype(np.int32)
     return out
-
-
-def encode(routed: np.ndarray) -> str:
-    """`meta_info.routed_experts`: base64 of the int32 array's bytes (little-endian, C order)."""
-    return base64.b64encode(np.ascontiguousarray(routed, dtype="<i4").tobytes()).decode("ascii")
-
-
-def decode(text: str, num_layers: int, top_k: int) -> np.ndarray:
-    """The inverse of `encode`: int32 [len - 1, num_layers, top_k] (what a trainer reads)."""
-    flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
-    return flat.reshape(-1, num_layers, top_k).astype(np.int32)
