@@ -741,11 +741,9 @@ class Engine:
     def _bytes_per_token(self, routing: bool = True) -> int:
         """What one pool slot costs: its K/V, and its routed experts when the engine keeps
         them (`routing`; lockstep/cache/routed_experts.py)."""
-        spec = self.decoder.spec
-        kv = memory.bytes_per_token(spec, self.decoder.plan.num_local_kv_heads, self.kv_dtype)
-        if routing and self.config.enable_return_routed_experts:
-            kv += routed_store.bytes_per_token(spec)
-        return kv
+        routed = routing and self.config.enable_return_routed_experts
+        return memory.bytes_per_token(self.decoder.spec, self.decoder.plan.num_local_kv_heads,
+                                      self.kv_dtype, routed)  # fmt: skip
 
     def _snapshot_budget(self, cache_bytes: int | None) -> memory.SnapshotBudget | None:
         """A hybrid model's snapshot pool (None for other models): `linear_snapshots`, else
