@@ -169,3 +169,37 @@ def test_requests_the_engine_cannot_answer_are_refused(folder: Path) -> None:
         _generate(dense, [[5, 6, 7]])
     with pytest.raises(ConfigError, match="enable_return_routed_experts=True is invalid"):
         LLM("random:tiny", device="cpu", kv_tokens=512, enable_return_routed_experts=True)
+
+
+@pytest.mark.parametrize("preset", ["random:tiny-deepseek-v3", "random:tiny-qwen3.5-moe"])
+def test_deepseek_routing_and_a_hybrid_model_give_the_cold_routing(preset: str) -> None:
+    """DeepSeek routing (sigmoid scores, a correction bias, expert groups; layer 0 dense) and a
+    hybrid Gated DeltaNet MoE: batch-mates and a repeated prompt route as the cold prefill."""
+    llm = LLM(preset, device="cpu", kv_tokens=2048, enable_return_routed_experts=True)
+    spec = llm.engine.decoder.spec
+    assert spec.moe is not None
+    prompts = _prompts(7, 5, stem=40)
+    outs = _generate(llm, prompts) + _generate(llm, prompts[:2])
+    for out in outs:
+        dense = [i for i in range(spec.num_layers) if i not in spec.moe.sparse_layers]
+        assert out.routed_experts is not None and not out.routed_experts[:, dense].any()
+        assert np.array_equal(out.routed_experts, _cold(llm, out))
+
+
+def test_an_aborted_request_returns_the_routing_of_what_it_computed(folder: Path) -> None:
+    engine = _llm(folder).engine
+    prompt = _prompts(8, 1, stem=20)[0]
+    engine.add_request("r", prompt, _params(0, tokens=50))
+    generated: list[int] = []
+    while len(generated) < 5:
+        for out in engine.step():
+            generated += out.new_token_ids
+    closing = engine.abort_request("r")
+    assert closing is not None and closing.finish_reason == "abort"
+    routed = closing.routed_experts
+    assert routed is not None and len(routed) >= len(prompt) + len(generated) - 1
+    tokens = prompt + generated
+    decoder = engine.decoder
+    _, kv = decoder.cold_prefill(tokens[: len(routed)], routed_experts=True)
+    assert np.array_equal(routed, sglang_layout(decoder.spec, kv.routed_experts))
+    engine.check_integrity()
