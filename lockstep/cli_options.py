@@ -56,6 +56,9 @@ _HELP = {
     "the caches get; 0: none)",
     "linear_snapshot_interval": "hybrid models: keep a snapshot every so many tokens besides "
     "prompt ends (a multiple of 32)",
+    "enable_return_routed_experts": "MoE models: keep each cached token's routed experts beside "
+    "its KV so that requests may ask for them (return_routed_experts, SGLang's routing-replay "
+    "field); costs sparse layers x top_k x 2 bytes per KV token",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }

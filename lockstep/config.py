@@ -107,6 +107,10 @@ class EngineConfig:
     # chunk, 32): a hit resumes at most this many tokens minus one before where it ends, and
     # 511 tokens are a sixteenth of a default CUDA step (lockstep/cache/linear_snapshots.py).
     linear_snapshot_interval: int = 512
+    # Mixture-of-experts models: keep every cached token's routed experts beside its KV, so
+    # requests may ask for them (`return_routed_experts`, lockstep/cache/routed_experts.py).
+    # Costs sparse layers x top_k x 2 bytes per KV token (int16 ids).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.revision is not None and not (self.model and is_hub_id(self.model)):

@@ -9,6 +9,10 @@ in every layer. A pool without values (`values=False`, multi-head latent attenti
 values are the first columns of its key rows) holds one tensor, which both views show. The page size the attention kernels use is their own detail: the pool only
 hands out slot ids.
 
+A pool asked for routing (`routed_experts=(sparse layers, top_k, dtype)`) also holds
+`routed_experts` [num_slots, sparse layers, top_k]: each slot's routed experts, written with
+its K/V (lockstep/cache/routed_experts.py); None otherwise.
+
 Contracts
 - `alloc(n)` returns n distinct slot ids (int64, on the CPU) or raises `KVPoolExhausted`
   naming the request and what is free; it never returns a partial allocation.
@@ -63,10 +67,13 @@ class KVPool:
         device: torch.device | str,
         spare_slots: int = 0,
         values: bool = True,
+        routed_experts: tuple[int, int, torch.dtype] | None = None,
     ) -> None:
         """`spare_slots`: rows of storage past `num_slots` that are never allocated (ids
         num_slots.., `spare_slot`): a scratch row for writes whose values nobody reads.
-        `values`: whether V is stored apart from K (False: `v_cache` is `k_cache`)."""
+        `values`: whether V is stored apart from K (False: `v_cache` is `k_cache`).
+        `routed_experts`: (sparse layers, top_k, integer dtype) of the routing store, or None
+        for none (module docstring)."""
         for name, value in (
             ("num_slots", num_slots),
             ("num_layers", num_layers),
@@ -88,6 +95,10 @@ class KVPool:
         self._k = self._zeros(shape, dtype)
         self.values = values
         self._v = self._zeros(shape, dtype) if values else self._k
+        self.routed_experts: torch.Tensor | None = None
+        if routed_experts is not None:
+            layers, top_k, id_dtype = routed_experts
+            self.routed_experts = self._zeros((num_slots + spare_slots, layers, top_k), id_dtype)
         # A stack of free ids: the top is the end of the used prefix [0, _num_free). It starts
         # reversed so that the first allocations hand out 0, 1, 2, ...
         self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
@@ -119,7 +130,7 @@ class KVPool:
             for memory in self._mappings:
                 memory.madvise(mmap.MADV_DONTNEED)
             return
-        for tensor in {id(t): t for t in (self._k, self._v)}.values():
+        for tensor in self._storage():
             tensor.untyped_storage().resize_(0)
 
     def restore_memory(self) -> None:
@@ -127,9 +138,14 @@ class KVPool:
         NaN)."""
         if self._mappings:
             return
-        for tensor in {id(t): t for t in (self._k, self._v)}.values():
+        for tensor in self._storage():
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
             tensor.zero_()
+
+    def _storage(self) -> list[torch.Tensor]:
+        """The distinct tensors the pool holds: K, V (when apart), the routing store."""
+        tensors = [self._k, self._v, self.routed_experts]
+        return list({id(t): t for t in tensors if t is not None}.values())
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Keys of `layer`: a [num_slots, num_kv_heads, head_dim] view, indexed by slot id."""

@@ -22,9 +22,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 import lockstep
+from lockstep.cache import routed_experts as routed_store
 from lockstep.cache.kv_pool import KVPool
 from lockstep.cache.linear_snapshots import LinearSnapshotPool, SnapshotPolicy
 from lockstep.cache.radix import RadixCache
@@ -118,6 +120,11 @@ class Engine:
                 f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
                 f" {', '.join(map(str, supported_degrees(spec)))}"
             )
+        if config.enable_return_routed_experts and spec.moe is None:
+            raise ConfigError(
+                f"enable_return_routed_experts=True is invalid for {loaded.name}: it has no "
+                "routed experts; expected a mixture-of-experts model or the option off"
+            )
         if self.device.type == "cuda":  # refused with the arithmetic, before any load
             free, _ = torch.cuda.mem_get_info(self.device)
             memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp, free)
@@ -174,9 +181,17 @@ class Engine:
         # (On a pooled backend only: a decode graph addresses linear states by pool slot.)
         pooled = isinstance(self.decoder.ops, PooledLinearAttentionOps)
         hybrid_graphs = config.use_cuda_graphs and self.state_pool is not None and pooled
+        routing = None
+        if config.enable_return_routed_experts:  # refused above for a model without experts
+            assert spec.moe is not None
+            routing = (
+                *routed_store.store_row_shape(spec),
+                routed_store.store_dtype(spec.moe.num_experts),
+            )
         self.pool = KVPool(
             kv_tokens, len(spec.kv_layers), kv_heads, spec.cache_head_dim, self.kv_dtype,
             self.device, spare_slots=int(hybrid_graphs), values=spec.cache_values,
+            routed_experts=routing,
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)
@@ -203,7 +218,7 @@ class Engine:
             mixed_step=mixed_step_budget(
                 spec,
                 spec.num_parameters * (1 if spec.fp8 is not None else self.dtype.itemsize),
-                self._bytes_per_token(),
+                self._bytes_per_token(routing=False),  # what a step reads: K/V
                 config.resolved_max_mixed_step_cost,
             ),
         )
@@ -261,6 +276,8 @@ class Engine:
         if params.n != 1:
             raise RequestError(f"n={params.n} is invalid here: the engine serves one sequence "
                                "per request (fan out n requests with seeds seed+i)")  # fmt: skip
+        if params.return_routed_experts:
+            self._refuse_unkept_routing()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(ids, params)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -283,6 +300,30 @@ class Engine:
             request.prompt_logprobs_next = first
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _refuse_unkept_routing(self) -> None:
+        """A request for routed experts the engine does not keep is a `RequestError`."""
+        if self.decoder.spec.moe is None:
+            raise RequestError(
+                f"return_routed_experts=true is invalid for {self.model_name}: it is not a "
+                "mixture-of-experts model (it has no routed experts)"
+            )
+        if self.pool.routed_experts is None:
+            raise RequestError(
+                "return_routed_experts=true needs the engine to keep routed experts: start it "
+                "with --enable-return-routed-experts (enable_return_routed_experts=True)"
+            )
+
+    def routed_experts(self, request: Request) -> np.ndarray:
+        """The experts each position of `request` that ran a forward went to, read from the
+        routing store at its slots (lockstep/cache/routed_experts.py): int32
+        [min(len(all_ids) - 1, computed), num_hidden_layers, top_k]. Call before its slots
+        are released."""
+        store = self.pool.routed_experts
+        assert store is not None
+        n = min(len(request.all_ids) - 1, request.num_computed)
+        slots = torch.tensor(request.slots.ids[:n], dtype=torch.int64, device=store.device)
+        return routed_store.sglang_layout(self.decoder.spec, store.index_select(0, slots))
 
     def _prepare_processing(self, request: Request) -> None:
         """What logits processing reads besides the parameters: the grammar's matcher, the
@@ -333,7 +374,10 @@ class Engine:
         `step`. Returns its closing output (no new token, the text still held back, finish
         reason "abort"), or None when no such request is unfinished."""
         request = self.requests.pop(request_id, None)
+        routed = None
         if request is not None:
+            if request.params.return_routed_experts:  # read before its slots are released
+                routed = self.routed_experts(request)
             self.scheduler.abort(request)
         self._drop_dead_inflight()
         if request is None:
@@ -351,6 +395,7 @@ class Engine:
             completion_tokens=len(request.output_ids),
             seed=request.seed,
             prompt_logprobs=None if request.prompt_logprobs_sent else request.prompt_logprobs,
+            routed_experts=routed,
         )
 
     def has_unfinished(self) -> bool:
@@ -492,6 +537,8 @@ class Engine:
         for out in outputs:
             if out.finished:
                 request = self.requests.pop(out.request_id)
+                if request.params.return_routed_experts:
+                    out.routed_experts = self.routed_experts(request)
                 self.scheduler.finish(request)
         return outputs
 
@@ -693,9 +740,12 @@ class Engine:
             return torch.cuda.mem_get_info(self.device)[0], "the free device memory"
         return memory.available_ram(), "the available RAM"
 
-    def _bytes_per_token(self) -> int:
-        spec = self.decoder.spec
-        return memory.bytes_per_token(spec, self.decoder.plan.num_local_kv_heads, self.kv_dtype)
+    def _bytes_per_token(self, routing: bool = True) -> int:
+        """What one pool slot costs: its K/V, and its routed experts when the engine keeps
+        them (`routing`; lockstep/cache/routed_experts.py)."""
+        routed = routing and self.config.enable_return_routed_experts
+        return memory.bytes_per_token(self.decoder.spec, self.decoder.plan.num_local_kv_heads,
+                                      self.kv_dtype, routed)  # fmt: skip
 
     def _snapshot_budget(self, cache_bytes: int | None) -> memory.SnapshotBudget | None:
         """A hybrid model's snapshot pool (None for other models): `linear_snapshots`, else

@@ -188,4 +188,5 @@ def _to_request_output(
         finish_reason=last.finish_reason or "abort",
         seed=last.seed,
         stop_reason=last.stop_reason,
+        routed_experts=last.routed_experts,
     )

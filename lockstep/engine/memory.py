@@ -35,7 +35,9 @@ only the headroom holds: at a large batch times context give it a lower kv_memor
 Bytes per cached token (`bytes_per_token`): what every layer's mixer block says it keeps
 per token (`Mixer.cache_bytes`): K and V per attention layer (multi-head latent attention:
 one latent row of kv_lora_rank + qk_rope_head_dim values, 576 for DeepSeek-V3);
-linear-attention layers keep none. A hybrid model's radix snapshots
+linear-attention layers keep none; with `enable_return_routed_experts` each slot also keeps
+its routed experts, sparse layers x top_k ids of 2 bytes (lockstep/cache/routed_experts.py:
+48 x 8 x 2 = 768 bytes for Qwen3-30B-A3B beside its 96 KiB of bf16 K/V). A hybrid model's radix snapshots
 (`Mixer.cache_bytes().per_snapshot` summed over the layers, `snapshot_bytes`) come from a pool
 of their own (lockstep/cache/linear_snapshots.py) whose bytes come out of the same share once,
 before the KV pool takes the rest:
@@ -71,6 +73,7 @@ from typing import Any
 
 import torch
 
+from lockstep.cache import routed_experts as routed_store
 from lockstep.engine.sampler import SAMPLER_CHUNK_ROWS
 from lockstep.errors import ConfigError
 from lockstep.models.spec import ModelSpec
@@ -175,12 +178,15 @@ class KVBudget:
         )
 
 
-def bytes_per_token(spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> int:
+def bytes_per_token(
+    spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype, routed_experts: bool = False
+) -> int:
     """The bytes one cached token costs in the KV pool: the sum over layers of each mixer's
-    per-token bytes (snapshots have their own pool: `snapshot_bytes`). `kv_heads`: this
-    rank's KV heads."""
-    return sum(plan.mixer.cache_bytes(spec, kv_heads, kv_dtype).per_token
-               for plan in spec.layer_plans)  # fmt: skip
+    per-token bytes (snapshots have their own pool: `snapshot_bytes`), and with
+    `routed_experts` its row of the routing store. `kv_heads`: this rank's KV heads."""
+    kv = sum(plan.mixer.cache_bytes(spec, kv_heads, kv_dtype).per_token
+             for plan in spec.layer_plans)  # fmt: skip
+    return kv + (routed_store.bytes_per_token(spec) if routed_experts else 0)
 
 
 def snapshot_bytes(spec: ModelSpec) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -41,6 +43,10 @@ class StepOutput:
     # The new token's text is no part of the output (an EOS or stop token): what text made
     # outside the engine (`Engine(detokenize=False)`) needs to know.
     hides_token: bool = False
+    # On the closing output of a request that asked (`return_routed_experts`): int32
+    # [positions, num_hidden_layers, top_k], the experts every position that ran a forward
+    # went to (prompt + output - 1 of them; lockstep/cache/routed_experts.py).
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -60,3 +66,4 @@ class RequestOutput:
     seed: int
     stop_reason: str | int | None = None
     extra: dict = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None  # as `StepOutput.routed_experts`

@@ -49,6 +49,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict ok
     bad_words: tuple[str, ...] = ()  # words (alone or after a space) the output never completes
     structured_output: StructuredOutput | None = None  # the output must match this
+    # MoE models: report the experts every position went to (SGLang's routing-replay field;
+    # the engine must keep them: `EngineConfig.enable_return_routed_experts`).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lockstep.cache import routed_experts as routed_store
 from lockstep.errors import ModelLoadError
 from lockstep.models.blocks import LayerPlan, expected_weight_names, expected_weight_shape
 from lockstep.models.blocks.base import (
@@ -157,7 +158,7 @@ class Decoder:
             caches[plan.mixer.cache] += 1
             local_rope = spec.window(i) is not None and local is not None
             cos, sin = local if local_rope else (self.rope_cos, self.rope_sin)
-            context = BuildContext(spec, self.plan, cos, sin, cache_index)
+            context = BuildContext(spec, self.plan, cos, sin, cache_index, i)
             mixer = plan.mixer.build(_fields(parts, f"layers.{i}.mixer."), context)
             mlp = plan.mlp.build(_fields(parts, f"layers.{i}.mlp."), context)
             norms = {f: parts.pop(f"layers.{i}.{f}") for f, _ in spec.norm_names()}
@@ -288,11 +289,15 @@ class Decoder:
         cache of exactly len(token_ids) slots. For tests and reference comparisons."""
         return self.cold_prefill(token_ids)[0]
 
-    def cold_prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, ScratchKV]:
+    def cold_prefill(
+        self, token_ids: list[int], routed_experts: bool = False
+    ) -> tuple[torch.Tensor, ScratchKV]:
         """One cold full prefill of `token_ids` in a private KV cache (slot j holds position
-        j): every position's logits [T, vocab] float32, and the cache it wrote."""
+        j): every position's logits [T, vocab] float32, and the cache it wrote (with
+        `routed_experts`, its routing store too: `ScratchKV`)."""
         n = len(token_ids)
-        kv = ScratchKV(self.spec, n, self.kv_dtype, self.device, self.plan.num_local_kv_heads)
+        kv = ScratchKV(self.spec, n, self.kv_dtype, self.device, self.plan.num_local_kv_heads,
+                       routed_experts)  # fmt: skip
         kv.linear_state = self.new_linear_state()
         states = None if kv.linear_state is None else [kv.linear_state]
         positions = list(range(n))
@@ -305,7 +310,8 @@ class ScratchKV:
     """A private KV cache for `cold_prefill`, k and v [KV layers, n, Hkv, D] (MLA: one latent
     row per token, k and v the same tensor [KV layers, n, 1, W]; the engine uses
     the shared KV pool), and the linear-attention state the prefill ended in (hybrid); Hkv:
-    `num_kv_heads`, this rank's KV heads (default: the model's)."""
+    `num_kv_heads`, this rank's KV heads (default: the model's). `routed_experts`: keep the
+    routing store too (lockstep/cache/routed_experts.py; a MoE model's), row j position j."""
 
     def __init__(
         self,
@@ -314,6 +320,7 @@ class ScratchKV:
         dtype: torch.dtype,
         device: torch.device,
         num_kv_heads: int | None = None,
+        routed_experts: bool = False,
     ) -> None:
         heads = num_kv_heads or spec.cache_kv_heads
         shape = (len(spec.kv_layers), n, heads, spec.cache_head_dim)
@@ -321,6 +328,12 @@ class ScratchKV:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         # MLA keeps one latent row per token: its values are its keys' first columns.
         self.v = torch.zeros(shape, dtype=dtype, device=device) if spec.cache_values else self.k
+        self.routed_experts: torch.Tensor | None = None
+        if routed_experts:
+            assert spec.moe is not None, "a routing store needs a mixture-of-experts model"
+            rows = (n, *routed_store.store_row_shape(spec))
+            id_dtype = routed_store.store_dtype(spec.moe.num_experts)
+            self.routed_experts = torch.zeros(rows, dtype=id_dtype, device=device)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.k[layer]

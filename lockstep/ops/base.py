@@ -394,14 +394,21 @@ class PooledLinearAttentionOps(Protocol):
 class MoeOps(Protocol):
     """The routed-experts MLP (lockstep/ops/moe.py)."""
 
-    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    def moe(
+        self, x: torch.Tensor, layer: MoeLayer, routed_experts: Tensor | None = None
+    ) -> torch.Tensor:
         """The routed-experts MLP of one sparse layer: x [T, H] -> [T, H] (x's dtype on the
         GPU, float32 on the CPU). fp32 router logits, each token's top-k experts (ties toward
         the lower id), softmax weights (renormalized over the k if asked), the k expert
         outputs combined in ascending rank in fp32, no capacity limit. A deterministic
         backend computes every token from its own row alone: the contract is in
         `lockstep.ops.moe`. Block-FP8 experts (`layer.fp8`): each expert GEMM is the
-        backend's FP8 linear arithmetic ("FP8 experts" there)."""
+        backend's FP8 linear arithmetic ("FP8 experts" there).
+
+        `routed_experts`: an integer tensor [T, top_k] the op overwrites with each token's
+        experts in rank order (the ids it routed by; routing replay, lockstep/ops/moe.py
+        "Routed expert ids"). Writing it changes no bit of the output, and on the GPU it is a
+        device copy inside the op, so a CUDA graph holds it."""
         ...
 
 

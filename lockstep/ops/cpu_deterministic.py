@@ -22,6 +22,7 @@ from lockstep.ops.moe import (
     combine_in_rank_order,
     experts_grouped,
     route_deepseek,
+    write_routed_experts,
 )
 
 # Reduction lanes: weights are padded along K to a multiple of this at preparation.
@@ -231,7 +232,9 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         first = (start // chunk + 1) * chunk
         return out, [(first + i * chunk, s) for i, s in enumerate(boundaries)]
 
-    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    def moe(
+        self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Router logits by `linear`, routing by the C++ `moe_route` (its formula is in the
         kernel's header), each expert's rows through `linear` (FP8 experts: `fp8_expert_linear`,
         the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
@@ -244,6 +247,7 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
             experts, weights = self._ext.moe_route(
                 logits, layer.top_k, layer.renormalize, self._simd
             )
+        write_routed_experts(routed_experts, experts)
         linear = self.fp8_expert_linear if layer.fp8 else self.linear
         slots = experts_grouped(x, experts, layer, linear, self.silu_mul)
         return combine_in_rank_order(slots, weights)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.fp8 import DequantizedFp8Linear
-from lockstep.ops.moe import MoeLayer
+from lockstep.ops.moe import MoeLayer, write_routed_experts
 from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
 
@@ -67,11 +67,14 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
             out[cu_q[b] : cu_q[b + 1]] = o.transpose(0, 1)
         return out
 
-    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    def moe(
+        self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """transformers' eager loop: each expert that got tokens runs F.linear on them (FP8
         experts: on the dequantized activation, `fp8_expert_linear`), and its weighted rows
         are index_add_-ed into the output in expert order."""
         experts, weights = stock_routing(self.linear(x, layer.router), layer)
+        write_routed_experts(routed_experts, experts)
         linear = self.fp8_expert_linear if layer.fp8 else self.linear
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in experts.unique().tolist():

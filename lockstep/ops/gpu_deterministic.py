@@ -207,7 +207,9 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
             q, k, v, g, beta, state, open_k, open_gamma, open_u, seqs
         )
 
-    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    def moe(
+        self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """fp32 router logits from the Triton matmul, the routing kernel, slots grouped by
         expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
         combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
@@ -215,8 +217,8 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         Block-FP8 experts: the same pipeline with grouped FP8 GEMMs
         (`lockstep/ops/triton/fp8_moe.py`)."""
         if layer.fp8:
-            return moe_fp8(x, layer)
-        return grouped_moe.moe(x, layer)
+            return moe_fp8(x, layer, routed_experts=routed_experts)
+        return grouped_moe.moe(x, layer, routed_experts=routed_experts)
 
     def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
         """DeepSeek routing, one Triton program per token (`moe.route_deepseek` in

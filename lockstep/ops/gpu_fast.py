@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from lockstep.ops import fp8
 from lockstep.ops.base import AttentionMeta, LayerKV
-from lockstep.ops.moe import MoeLayer, dequantized_experts, experts_dense
+from lockstep.ops.moe import (
+    MoeLayer,
+    dequantized_experts,
+    experts_dense,
+    write_routed_experts,
+)
 from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
 
@@ -72,13 +77,16 @@ class GpuFastOps(TorchRowOps):
     def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight).float()
 
-    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    def moe(
+        self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Stock routing, the experts through torch's grouped GEMM over expert-sorted rows
         where it runs (`torch._grouped_mm`: bf16 on sm90+), else every expert's cuBLAS
         linears over all rows (`experts_dense`); a torch sum over the k. No host sync
         either way, so decode graphs can hold it."""
         logits = F.linear(x, layer.router).float()
         experts, weights = stock_routing(logits, layer)
+        write_routed_experts(routed_experts, experts)
         silu_mul = self.silu_mul
         if layer.fp8:
             # Block-FP8 experts: every expert dequantized to x's dtype at each call, and the

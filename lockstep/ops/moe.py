@@ -40,6 +40,13 @@ prepared linear weight `Ops.linear` takes (the backend's `prepare_linear_weight`
 concatenated rows, so K' is the backend's padded K). One tensor per projection keeps in-place
 weight updates a single copy and is the layout a grouped GEMM over experts reads.
 
+Routed expert ids (`Ops.moe(..., routed_experts=buf)`): the op copies each token's experts, in
+rank order, into the caller's integer buffer [T, k] (`write_routed_experts`). These are the
+ids step 4 ran, taken from the very tensor the experts were grouped by, so they are what the
+forward computed, not a second routing; the copy reads that tensor and writes only the
+buffer, so the output's bits are the same with or without it. It is a device copy with no
+host synchronization, so a captured CUDA graph replays it into the same buffer.
+
 FP8 experts (block-FP8 checkpoints, lockstep/ops/fp8.py scheme "block"): `gate_up_scale`
 fp32 [E, 2 * ceil(I/128), ceil(H/128)] (gate's block scales, then up's: each part keeps the
 scales its checkpoint tensor had, so a partial last block of I is honoured) and `down_scale`
@@ -183,6 +190,20 @@ def prepare_expert_weights(prepare: Callable[[Tensor], Tensor], stacked: Tensor)
     same as per expert because every backend prepares a weight row by row (pads K, converts)."""
     e, n, _ = stacked.shape
     return prepare(stacked.reshape(e * n, -1).contiguous()).view(e, n, -1)
+
+
+def write_routed_experts(routed_experts: Tensor | None, experts: Tensor) -> None:
+    """Copy the experts a layer routed by (int64 [T, k], rank order) into the caller's
+    buffer (module docstring, "Routed expert ids"); None: nothing asked. The buffer's
+    integer dtype must hold every id (int16 up to 32767 experts)."""
+    if routed_experts is None:
+        return
+    if routed_experts.shape != experts.shape:
+        raise ValueError(
+            f"routed_experts has shape {tuple(routed_experts.shape)}; expected "
+            f"{tuple(experts.shape)} (tokens, top_k)"
+        )
+    routed_experts.copy_(experts)
 
 
 class Routing(NamedTuple):

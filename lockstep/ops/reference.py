@@ -10,7 +10,13 @@ import torch
 
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.fp8 import Fp8Weight, check_fp8_weight, fp8_linear_reference
-from lockstep.ops.moe import ExpertFn, MoeLayer, expert_parts, experts_grouped
+from lockstep.ops.moe import (
+    ExpertFn,
+    MoeLayer,
+    expert_parts,
+    experts_grouped,
+    write_routed_experts,
+)
 
 f64 = torch.float64
 
@@ -112,13 +118,16 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         m = x.max(-1, keepdim=True).values
         return x - m - torch.log(torch.exp(x - m).sum(-1, keepdim=True))
 
-    def moe(self, x: torch.Tensor, layer: MoeLayer) -> torch.Tensor:
+    def moe(
+        self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The contract in float64: a stable sort of the logits (ties keep the lower id),
         the full softmax, the chosen probabilities (renormalized), a sum over the k."""
         x = x.to(f64)
         logits = self.linear(x, layer.router)
         experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices
         experts = experts[:, : layer.top_k]
+        write_routed_experts(routed_experts, experts)
         weights = torch.softmax(logits, dim=-1).gather(1, experts)
         if layer.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -60,6 +60,7 @@ class KVShard:
         shape = (len(spec.kv_layers), num_slots, plan.num_local_kv_heads, spec.cache_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.routed_experts = None  # MoE models run at TP 1 (parallel/sharding.py)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.k[layer]

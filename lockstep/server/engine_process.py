@@ -30,6 +30,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import numpy as np
+
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.errors import LockstepError
 from lockstep.server.engine_loop import Command, EngineInfo, EngineLoop, Event
@@ -308,15 +310,28 @@ def _outputs_to_wire(outputs: list[StepOutput]) -> list[tuple]:
             o.stop_reason,
             o.new_token_logprobs,
             o.hides_token,
+            _routed_to_wire(o.routed_experts),
         )
         for o in outputs
     ]
 
 
+def _routed_to_wire(routed: np.ndarray | None) -> tuple[bytes, tuple[int, ...]] | None:
+    """Routed experts cross as their int32 bytes and shape (data, never a pickled array)."""
+    return None if routed is None else (routed.astype("<i4").tobytes(), routed.shape)
+
+
+def _routed_from_wire(wire: tuple[bytes, tuple[int, ...]] | None) -> np.ndarray | None:
+    if wire is None:
+        return None
+    data, shape = wire
+    return np.frombuffer(data, dtype="<i4").reshape(shape).astype(np.int32)
+
+
 def _outputs_from_wire(wire: list[tuple]) -> list[StepOutput]:
     outputs = []
     for (rid, ids, text, lps, finished, reason, prompt_tokens, cached, completion, seed,
-         prompt_lps, stop_reason, token_lps, hides_token) in wire:  # fmt: skip
+         prompt_lps, stop_reason, token_lps, hides_token, routed) in wire:  # fmt: skip
         outputs.append(
             StepOutput(
                 rid,
@@ -333,6 +348,7 @@ def _outputs_from_wire(wire: list[tuple]) -> list[StepOutput]:
                 stop_reason,
                 token_lps,
                 hides_token,
+                _routed_from_wire(routed),
             )
         )
     return outputs

@@ -28,12 +28,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.errors import ModelLoadError, RequestError, UnreadableWeights
+from lockstep.server import routed_experts_field
 from lockstep.server.async_engine import AsyncEngine, Overloaded, RequestGroup
 from lockstep.server.delivery import run_to_end, streaming
 from lockstep.server.native_protocol import (
@@ -70,6 +72,7 @@ class _Item:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    return_routed_experts: bool = False
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -82,6 +85,7 @@ class _Item:
     rendered_output: list[list[Any]] = field(default_factory=list)
     rendered_top: list[list[list[Any]] | None] = field(default_factory=list)
     rendered_prompt: tuple[object, list[list[Any]], list[Any]] | None = None
+    routed_experts: np.ndarray | None = None  # on the closing output (StepOutput's)
 
     def add(self, output: StepOutput) -> None:
         self.text += output.new_text
@@ -94,6 +98,7 @@ class _Item:
         if output.finished:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
+            self.routed_experts = output.routed_experts
 
     @property
     def scores_only(self) -> bool:
@@ -395,6 +400,7 @@ async def _prepare(
     return_logprob = _per_item(body.return_logprob, count, "return_logprob", False)
     starts = _per_item(body.logprob_start_len, count, "logprob_start_len", -1)
     tops = _per_item(body.top_logprobs_num, count, "top_logprobs_num", 0)
+    routed = _per_item(body.return_routed_experts, count, "return_routed_experts", False)
     rids = _rids(body.rid, count, batched)
     check_fan_out(served, count, max(p.n for p in params))
     items: list[tuple[_Item, int]] = []
@@ -422,7 +428,8 @@ async def _prepare(
                 raise APIError(
                     f"rid {clip(repr(rid))} is already in use", param="rid", code="invalid_value"
                 )
-            item = _Item(rid, rids[i], list(ids), p, return_logprob[i], starts[i], tops[i])
+            item = _Item(rid, rids[i], list(ids), p, return_logprob[i], starts[i], tops[i],
+                         routed[i])  # fmt: skip
             items.append((item, j))
     if len({item.rid for item, _ in items}) < len(items):
         raise APIError("rid values must be distinct", param="rid", code="invalid_value")
@@ -461,6 +468,7 @@ def _sampling_params(item: _Item, sample: int, vocab_size: int) -> SamplingParam
             # SGLang leaves the first returned position's logprob out: not computed either,
             # so a rollout's cached prompt serves the scoring of its output.
             prompt_logprobs_start=item.logprob_start_len + 1,
+            return_routed_experts=item.return_routed_experts,
             **native_processing_options(p, vocab_size),
         )
     except RequestError as exc:
@@ -514,6 +522,11 @@ def _render(served: Served, item: _Item, started: float, with_text: bool) -> dic
             top.extend(alternatives(source[i]) for i in range(len(top), len(source)))
             meta["input_top_logprobs"] = item.rendered_prompt[2]
             meta["output_top_logprobs"] = top[: len(source)]
+    if item.routed_experts is not None:
+        # SGLang's rows: every position that ran a forward, prompt + output - 1 (a scoring
+        # call's one sampled token is no output, so its position is left out too).
+        rows = len(item.prompt_ids) + len(ids) - 1
+        meta["routed_experts"] = routed_experts_field.encode(item.routed_experts[:rows])
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 

@@ -87,7 +87,6 @@ UNSUPPORTED_GENERATE: dict[str, Any] = {
     "return_flat_raw_output_top_logprobs": _false,
     "return_flat_raw_top_logprobs_b64": _false,
     "return_hidden_states": _false,
-    "return_routed_experts": _false,
     "routed_experts_start_len": _zero,
     "return_indexer_topk": _false,
     "return_entropy": _false,
@@ -174,6 +173,11 @@ class GenerateRequest(RequestBody):
     logprob_start_len: int | Annotated[list[int], Field(min_length=1)] | None = None
     top_logprobs_num: int | Annotated[list[int], Field(min_length=1)] | None = None
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool | Annotated[list[bool], Field(min_length=1)] | None = Field(
+        None,
+        description="MoE models served with --enable-return-routed-experts: meta_info."
+        "routed_experts, base64 of int32 [prompt + output - 1, num_hidden_layers, top_k]",
+    )
     stream: bool = False
     log_metrics: bool = Field(True, description="accepted: the metrics count every request")
     no_logs: bool = Field(False, description="accepted: the request log holds no prompt text")

@@ -307,6 +307,7 @@ def moe(
     experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     top_k: int,
     renormalize: bool,
+    routed_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The engine's routed-experts MLP (`ops.moe`, contract in lockstep/ops/moe.py) of x [T, H]
     with the router [E, H] and each expert's (gate [I, H], up [I, H], down [H, I]) weights,
@@ -318,7 +319,10 @@ def moe(
     top_k by a stable descending sort (ties toward the lower expert id, as the kernel breaks
     them); then, differentiably in float32, the softmax weights of those experts (over the k
     when `renormalize`, else over all E) and each chosen expert's SwiGLU. The choice itself
-    has no gradient (it is piecewise constant in the logits)."""
+    has no gradient (it is piecewise constant in the logits).
+
+    `routed_experts`: an integer tensor [T, top_k] the kernel overwrites with the experts it
+    routed each token to (`Ops.moe`'s buffer: what the engine's routing store keeps)."""
     count = len(experts)
     flat = [w for weights in experts for w in weights]
 
@@ -328,7 +332,9 @@ def moe(
         down = torch.stack(ws[2::3])
         layer = MoeLayer(prepare(router.contiguous()), prepare_expert_weights(prepare, gate_up),
                          prepare_expert_weights(prepare, down), top_k, renormalize)  # fmt: skip
-        return (ops.moe(x, layer),)
+        if routed_experts is None:
+            return (ops.moe(x, layer),)
+        return (ops.moe(x, layer, routed_experts),)
 
     def twin(x: torch.Tensor, router: torch.Tensor, *ws: torch.Tensor) -> Tensors:
         with torch.no_grad():

@@ -62,17 +62,31 @@ class PackedOutput:
     """One packed forward. `logprobs[j]` (float32 [T]) is log P(token j | the tokens before it
     in its sequence); a sequence's first token has none and holds 0.0 (`mask` is False
     there). `logits` [T, vocab] float32 when asked for: row j predicts token j + 1.
-    `cu_seqlens` [B + 1]: sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1."""
+    `cu_seqlens` [B + 1]: sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1.
+    `routed_experts` int32 [T, num_hidden_layers, top_k] when asked for (a MoE model): the
+    experts row j went to in each sparse layer, dense layers' rows 0 (the engine's layout,
+    lockstep/cache/routed_experts.py)."""
 
     logprobs: torch.Tensor
     mask: torch.Tensor
     cu_seqlens: list[int]
     logits: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def per_sequence(self) -> list[torch.Tensor]:
         """Each sequence's logprobs of its tokens 1.. (what `LLM.score` gives past None)."""
         cu = self.cu_seqlens
         return [self.logprobs[cu[b] + 1 : cu[b + 1]] for b in range(len(cu) - 1)]
+
+    def routed_experts_per_sequence(self) -> list[torch.Tensor]:
+        """Each sequence's routed experts in the rows `/generate` returns for it
+        (`meta_info.routed_experts`): positions 0 .. len - 2, every one but the last."""
+        if self.routed_experts is None:
+            raise ValueError(
+                "routed experts were not asked for: forward(return_routed_experts=True)"
+            )
+        cu = self.cu_seqlens
+        return [self.routed_experts[cu[b] : cu[b + 1] - 1] for b in range(len(cu) - 1)]
 
 
 @dataclass
@@ -162,31 +176,51 @@ class LockstepForCausalLM(nn.Module):
         sequences: Sequence[Sequence[int]] | torch.Tensor,
         seq_lens: Sequence[int] | None = None,
         return_logits: bool = False,
+        return_routed_experts: bool = False,
     ) -> PackedOutput:
         """Per-token logprobs of a packed batch: `sequences` as lists of token ids, or one
         flat tensor of ids [T] with `seq_lens` (every length >= 1). Each sequence is a cold
-        prefill from position 0 and sees only its own tokens."""
+        prefill from position 0 and sees only its own tokens. `return_routed_experts`: the
+        experts this forward routed each row to (`PackedOutput.routed_experts`; a MoE model),
+        what a trainer compares with the rollout's or replays."""
         batch = self._pack(sequences, seq_lens)
+        routed = None
+        if return_routed_experts:
+            moe = self.spec.moe
+            if moe is None:
+                raise ValueError(
+                    f"return_routed_experts=True is invalid for {self.spec.family}: it is not a "
+                    "mixture-of-experts model"
+                )
+            t = batch.token_ids.numel()
+            routed = torch.zeros((t, self.spec.num_layers, moe.top_k), dtype=torch.int32,
+                                 device=batch.token_ids.device)  # fmt: skip
         h = self.get_parameter("model.embed_tokens.weight")[batch.token_ids].to(self.act_dtype)
         residual: torch.Tensor | None = None
         for i in range(self.spec.num_layers):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                h, residual = checkpoint(self._layer, i, h, residual, batch, use_reentrant=False)
+                h, residual = checkpoint(
+                    self._layer, i, h, residual, batch, routed, use_reentrant=False
+                )
             else:
-                h, residual = self._layer(i, h, residual, batch)
+                h, residual = self._layer(i, h, residual, batch, routed)
         assert residual is not None
         eps = self.spec.rms_norm_eps
         x, _ = fn.add_rms_norm(self.ops, h, residual, self._norm("model.norm.weight"), eps)
         head = "model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
         logits = fn.linear(self.ops, x, self.get_parameter(head)).float()
         logprobs_all = fn.log_softmax(self.ops, logits)
-        return self._token_logprobs(batch, logprobs_all, logits if return_logits else None)
+        out = self._token_logprobs(batch, logprobs_all, logits if return_logits else None)
+        out.routed_experts = routed
+        return out
 
     def _layer(
-        self, i: int, h: torch.Tensor, residual: torch.Tensor | None, batch: _Batch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, i: int, h: torch.Tensor, residual: torch.Tensor | None, batch: _Batch,
+        routed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Layer i as `Decoder.forward` runs it: (norm, attention, norm, MLP), the MLP a
-        routed-experts one in a sparse layer (Qwen3-MoE)."""
+        routed-experts one in a sparse layer (Qwen3-MoE), which writes the experts it routed
+        each row to into `routed[:, i]` when given."""
         ops, eps, p = self.ops, self.spec.rms_norm_eps, f"model.layers.{i}."
         input_norm = self._norm(p + "input_layernorm.weight")
         if residual is None:
@@ -207,7 +241,8 @@ class LockstepForCausalLM(nn.Module):
                 for e in range(moe.num_experts)
             ]  # fmt: skip
             router = self.get_parameter(m + "gate.weight")
-            return fn.moe(ops, x, router, experts, moe.top_k, moe.renormalize), residual
+            ids = None if routed is None else routed[:, i]
+            return fn.moe(ops, x, router, experts, moe.top_k, moe.renormalize, ids), residual
         gate_up = self._cat([m + "gate_proj.weight", m + "up_proj.weight"])
         act = fn.silu_mul(ops, fn.linear(ops, x, gate_up))
         down = self.get_parameter(m + "down_proj.weight")

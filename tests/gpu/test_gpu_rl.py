@@ -12,6 +12,9 @@
 - A run paused mid-way (the step launched ahead completed, requests retracted or kept in
   place) gives, resumed, the bits of a run never paused (tests/unit/engine/test_pause.py's
   run, on the GPU's default path: CUDA graphs, overlapped decode).
+- Routed experts (`return_routed_experts`) on a MoE preset: the routing store written inside
+  the decode graphs equals the eager engine's, a run alone's and a cold prefill's (control:
+  fast mode routes otherwise).
 
     python -m pytest tests/gpu/test_gpu_rl.py -x -q -s
 """
@@ -151,3 +154,58 @@ def test_a_paused_run_gives_the_unpaused_bits_on_cuda(pause: str) -> None:
     assert _run(engine, seed=100, pause=pause) == unpaused
     assert _run(engine, seed=200) != unpaused  # the control
     assert engine.runner.graphs.num_graphs > 0
+
+
+ROUTED_MODEL = "random:deepseek-v2-lite"  # MLA + DeepSeek routing, its first layer dense
+
+
+def _routed(llm, prompts: list[list[int]]) -> list[tuple[list[int], object]]:
+    """Each prompt's sampled tokens and routed experts (one request per prompt, seeded)."""
+    from lockstep import SamplingParams
+
+    params = [SamplingParams(max_tokens=32, temperature=1.0, seed=50 + i, ignore_eos=True,
+                             return_routed_experts=True) for i in range(len(prompts))]  # fmt: skip
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.token_ids, o.routed_experts) for o in outs]
+
+
+def test_routed_experts_under_cuda_graphs_equal_eager_and_a_run_alone() -> None:
+    """`return_routed_experts` on a MoE preset: the routing store written inside the decode
+    graphs (`Ops.moe`'s device copy) equals the eager engine's, each request's equals its run
+    with no batch-mates and its cold full prefill's; the dense first layer's rows are zero.
+    Control: fast mode routes some position otherwise."""
+    import gc
+
+    import numpy as np
+
+    from lockstep.cache.routed_experts import sglang_layout
+    from tests.gpu.gpu_engines import make_llm, random_prompts
+
+    prompts = random_prompts(8, seed=5, longest=200)
+    results = {}
+    for name, options in [("graphs", {}), ("eager", {"cuda_graphs": False}),
+                          ("fast", {"mode": "fast"})]:  # fmt: skip
+        llm = make_llm(ROUTED_MODEL, enable_return_routed_experts=True, **options)
+        if name == "graphs":
+            assert llm.engine.runner.graphs is not None
+        results[name] = _routed(llm, prompts)
+        if name == "graphs":
+            assert llm.engine.runner.graphs.num_graphs > 0  # decode steps replayed graphs
+            decoder = llm.engine.decoder
+            for prompt, (tokens, routed) in zip(prompts, results[name], strict=True):
+                assert routed.shape == (len(prompt) + 31, decoder.spec.num_layers, 6)
+                assert not routed[:, 0].any()
+                _, kv = decoder.cold_prefill(prompt + tokens[:-1], routed_experts=True)
+                assert np.array_equal(routed, sglang_layout(decoder.spec, kv.routed_experts))
+            for i in (0, 3, 7):
+                llm.engine.flush_cache()
+                ((tokens, routed),) = _routed(llm, [prompts[i]])
+                assert tokens == results[name][i][0]
+                assert np.array_equal(routed, results[name][i][1])
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for (t1, r1), (t2, r2) in zip(results["graphs"], results["eager"], strict=True):
+        assert t1 == t2 and np.array_equal(r1, r2)
+    assert any(not np.array_equal(a[1], b[1])
+               for a, b in zip(results["graphs"], results["fast"], strict=True))  # fmt: skip

@@ -953,6 +953,7 @@ class _KV:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
+        self.routed_experts = None
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.k[layer]

@@ -290,3 +290,15 @@ def test_group_requests_refused_in_one_line(http: httpx.Client, group: Any) -> N
     mismatched = {"names": ["x", "y"], "dtypes": ["float32"], "shapes": [[1], [2]]}
     response = http.post("/update_weights_from_distributed", json=mismatched)
     assert response.status_code == 400 and "one of each" in response.json()["error"]["message"]
+
+
+def test_routed_experts_of_a_dense_model_are_refused(http: httpx.Client) -> None:
+    """A dense model has no routing to return: a 400 that says so (the MoE loop with routing
+    replay is tests/server/test_server_rl_routing.py)."""
+    body = {"input_ids": PROMPTS[0], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    assert "not a mixture-of-experts model" in response.text
+    body["return_routed_experts"] = False
+    assert http.post("/generate", json=body).status_code == 200

@@ -108,14 +108,16 @@ def row_linear_entry(spec: ModelSpec, target: str, module: str, kind: str) -> La
 @dataclass(frozen=True)
 class BuildContext:
     """What a block's `build` may need beyond its prepared fields: the spec, this rank's shard
-    plan, the RoPE tables (float32 [max_position, rotary_dim / 2]) and where the layer's cache
-    lives (its index among the K/V layers or among the linear-attention layers)."""
+    plan, the RoPE tables (float32 [max_position, rotary_dim / 2]), where the layer's cache
+    lives (its index among the K/V layers or among the linear-attention layers) and the
+    layer's own index."""
 
     spec: ModelSpec
     plan: ShardPlan
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     cache_index: int
+    layer: int  # the decoder layer's index
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,10 @@ class CacheBytes(NamedTuple):
 
 
 class KVStorage(Protocol):
-    """K/V caches by K/V layer index (the KV pool, or a scratch cache)."""
+    """K/V caches by K/V layer index (the KV pool, or a scratch cache), and the routing
+    store beside them (lockstep/cache/routed_experts.py; None: routing is not kept)."""
+
+    routed_experts: torch.Tensor | None
 
     def k_cache(self, layer: int) -> torch.Tensor: ...
 

@@ -82,6 +82,7 @@ class MoeMlpWeights:
     shared_down: Linear | None = None
     shared_gate: torch.Tensor | None = None  # [8, H]: row 0 the shared expert's sigmoid gate
     correction_bias: torch.Tensor | None = None  # DeepSeek-V3: [E] fp32, `layer.deepseek`'s
+    routing_index: int = 0  # the layer's index among the sparse layers (the routing store's)
 
 
 SHARED_KINDS = ("", "gated", "ungated")
@@ -206,11 +207,19 @@ class MoeMlp:
             # which the GPU matmul's tensor descriptors require; column 0 is the gate.
             shared_gate = torch.cat([shared_gate, shared_gate.new_zeros(7, shared_gate.shape[1])])
         return MoeMlpWeights(router, gate_up, down, layer, parts.get("shared_gate_up"),
-                             parts.get("shared_down"), shared_gate,
-                             parts.get("correction_bias"))  # fmt: skip
+                             parts.get("shared_down"), shared_gate, parts.get("correction_bias"),
+                             moe.sparse_layers.index(context.layer))  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: MoeMlpWeights, step: Step) -> torch.Tensor:
-        routed = ops.moe(x, w.layer)
+        store = step.kv.routed_experts
+        if store is None:
+            routed = ops.moe(x, w.layer)
+        else:
+            # The op writes the ids it routed by; they go to the rows' KV slots (padding rows
+            # of a CUDA graph copy row 0, so they write row 0's very ids into its slot).
+            ids = torch.empty((x.shape[0], w.layer.top_k), dtype=store.dtype, device=x.device)
+            routed = ops.moe(x, w.layer, ids)
+            store[:, w.routing_index].index_copy_(0, step.batch.out_slots, ids)
         if w.shared_gate_up is None:
             return routed
         assert w.shared_down is not None

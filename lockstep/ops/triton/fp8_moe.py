@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from lockstep.ops.fp8 import BLOCK, E4M3
-from lockstep.ops.moe import MoeLayer
+from lockstep.ops.moe import MoeLayer, write_routed_experts
 from lockstep.ops.triton.fp8_gemm import quantize_activation
 from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 from lockstep.ops.triton.moe import (
@@ -199,10 +199,11 @@ def grouped_fp8_gemm(
 
 def moe_fp8(
     x: torch.Tensor, layer: MoeLayer, gate_up_config: Fp8GroupedConfig | None = None,
-    down_config: Fp8GroupedConfig | None = None,
+    down_config: Fp8GroupedConfig | None = None, routed_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`Ops.moe` for x [T, H] and a layer with block-FP8 experts (module docstring): [T, H]
-    in x's dtype. The configs override the tables (tests and benchmarks; never a bit)."""
+    in x's dtype. The configs override the tables (tests and benchmarks; never a bit).
+    `routed_experts`: [T, k] ids the routing chose, copied on the device (`Ops.moe`)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"moe wants x [T, H] with H contiguous; got {tuple(x.shape)}")
     if layer.gate_up_scale is None or layer.down_scale is None:
@@ -210,6 +211,7 @@ def moe_fp8(
     top_k = layer.top_k
     slots = x.shape[0] * top_k
     routing = route_layer(router_logits(x, layer), layer)
+    write_routed_experts(routed_experts, routing.experts)
     order, offsets = group_slots(routing.experts, layer.num_experts)
     q, sx = quantize_activation(x, "block")
     h = grouped_fp8_gemm(

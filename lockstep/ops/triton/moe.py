@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.ops.moe import MoeLayer, Routing
+from lockstep.ops.moe import MoeLayer, Routing, write_routed_experts
 from lockstep.ops.triton import matmul
 from lockstep.ops.triton.launch import interpreting, pdl_launch, wait_for_inputs
 
@@ -547,15 +547,18 @@ def group_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 def moe(
     x: torch.Tensor, layer: MoeLayer, gate_up_config: GroupedConfig | None = None,
     down_config: GroupedConfig | None = None, splits: int | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`Ops.moe` for x [T, H] (module docstring): [T, H] in x's dtype. The configs override
     the tables (tests and benchmarks; they never change a bit); `splits` overrides the K
-    split count of both GEMMs (tests only: negative controls; it changes the bits)."""
+    split count of both GEMMs (tests only: negative controls; it changes the bits).
+    `routed_experts`: [T, k] ids the routing chose, copied on the device (`Ops.moe`)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"moe wants x [T, H] with H contiguous; got {tuple(x.shape)}")
     top_k = layer.top_k
     slots = x.shape[0] * top_k
     routing = route_layer(router_logits(x, layer), layer)
+    write_routed_experts(routed_experts, routing.experts)
     order, offsets = group_slots(routing.experts, layer.num_experts)
     h = grouped_gemm(
         x, layer.gate_up, order, offsets, top_k, gather=True, scatter=False, silu=True,

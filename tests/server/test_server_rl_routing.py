@@ -1,0 +1,174 @@
+"""Routing replay in a real two-process RL loop on the CPU, as slime drives SGLang: this
+process is the trainer (`lockstep.training`), a `lockstep serve --enable-return-routed-experts`
+process the rollout engine, both on a tiny Qwen3-MoE folder written by transformers (4 layers,
+layer 2 dense). Each of 5 GRPO steps samples over HTTP `/generate` with `return_logprob` and
+`return_routed_experts`, decodes `meta_info.routed_experts` (base64 int32
+[prompt + output - 1, num_hidden_layers, top_k]) and checks it equals the experts the trainer's
+own forward routes every position to, and that every importance ratio is exactly 1; then an
+optimizer step, a pause (`retract`), the new weights over a gloo group
+(`/update_weights_from_distributed`) and `continue_generation`.
+
+Control: after each optimizer step, before the broadcast, the trainer's routing is compared
+with the served one again; over the 5 steps it must differ somewhere (the comparison sees the
+weights' routing, so the equality above is not vacuous)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from test_server import ServerProcess
+
+pytest.importorskip("transformers")
+from lockstep.server.routed_experts_field import decode  # noqa: E402
+from lockstep.training import LockstepForCausalLM  # noqa: E402
+from lockstep.training.weight_sync import (  # noqa: E402
+    join_weight_group,
+    leave_weight_group,
+    push_weights,
+)
+from tests.support.tiny_hf import save_tiny  # noqa: E402
+
+ARGS = ["--device", "cpu", "--dtype", "float32", "--kv-tokens", "4096", "--max-batch-tokens",
+        "256", "--chunk-size", "64", "--max-running", "32", "--max-model-len", "256",
+        "--debug-checks", "--enable-return-routed-experts"]  # fmt: skip
+PROMPTS = [[(13 * j + 5 * i) % 250 + 5 for j in range(5 + 4 * i)] for i in range(3)]
+GROUP = 4  # samples per prompt
+TOKENS = 8
+LAYERS, TOP_K = 4, 2
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("rl_routing") / "qwen3_moe"
+    save_tiny("qwen3_moe", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(["--model", str(folder), *ARGS]).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def group(http: httpx.Client) -> Iterator[Any]:
+    """A gloo group of two ranks: this process (0) and the server (1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": "routing", "backend": "gloo"}  # fmt: skip
+    answer: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: answer.update(r=http.post("/init_weights_update_group", json=body))
+    )
+    thread.start()
+    pg = join_weight_group("127.0.0.1", port, 0, 2, "routing", "gloo", timeout_s=60)
+    thread.join(60)
+    assert answer["r"].status_code == 200, answer["r"].text
+    yield pg
+    destroyed = http.post("/destroy_weights_update_group", json={"group_name": "routing"})
+    assert destroyed.status_code == 200, destroyed.text
+    leave_weight_group(pg)
+
+
+def _rollouts(http: httpx.Client, step: int) -> list[dict[str, Any]]:
+    prompts = [p for p in PROMPTS for _ in range(GROUP)]
+    body = {
+        "input_ids": prompts,
+        "sampling_params": [{"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True,
+                             "sampling_seed": 1000 * step + j} for j in range(len(prompts))],
+        "return_logprob": True,
+        "return_routed_experts": True,
+    }  # fmt: skip
+    response = http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _served_routing(outs: list[dict[str, Any]]) -> list[np.ndarray]:
+    return [decode(o["meta_info"]["routed_experts"], LAYERS, TOP_K) for o in outs]
+
+
+def _trainer_forward(trainer: LockstepForCausalLM, outs: list[dict[str, Any]], grad: bool) -> Any:
+    prompts = [p for p in PROMPTS for _ in range(GROUP)]
+    sequences = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
+    with torch.set_grad_enabled(grad):
+        return trainer(sequences, return_routed_experts=True)
+
+
+def _same_routing(trainer_out: Any, served: list[np.ndarray]) -> list[bool]:
+    mine = trainer_out.routed_experts_per_sequence()
+    return [np.array_equal(m.numpy(), s) for m, s in zip(mine, served, strict=True)]
+
+
+def test_grpo_routing_replay_equals_the_trainers_routing_at_every_step(
+    server: ServerProcess, http: httpx.Client, group: Any, folder: Path
+) -> None:
+    trainer = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=5e-2)
+    prompts = [p for p in PROMPTS for _ in range(GROUP)]
+    moved = []
+    for step in range(1, 6):
+        outs = _rollouts(http, step)
+        served = _served_routing(outs)
+        for p, routed in zip(prompts, served, strict=True):
+            assert routed.shape == (len(p) + TOKENS - 1, LAYERS, TOP_K)
+            assert not routed[:, 2].any(), "the dense layer's rows must be zero"
+        out = _trainer_forward(trainer, outs, grad=True)
+        assert all(_same_routing(out, served)), f"step {step}: routing differs from the trainer's"
+        per = out.per_sequence()
+        rewards = torch.tensor([sum(t % 2 == 0 for t in o["output_ids"]) / TOKENS for o in outs])
+        groups = rewards.view(len(PROMPTS), GROUP)
+        std = groups.std(dim=1, keepdim=True).clamp(min=1e-6)
+        advantages = ((groups - groups.mean(dim=1, keepdim=True)) / std).reshape(-1)
+        loss = torch.zeros(())
+        for p, o, lps, advantage in zip(prompts, outs, per, advantages, strict=True):
+            train = lps[len(p) - 1 :]
+            rollout = torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]])
+            ratio = (train - rollout).exp()
+            assert torch.equal(ratio.detach(), torch.ones_like(ratio)), f"step {step}: {ratio}"
+            loss = loss - (ratio * advantage).sum() / (len(outs) * TOKENS)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        moved.append(not all(_same_routing(_trainer_forward(trainer, outs, False), served)))
+        assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+        answer = push_weights(server.base_url, trainer, group, weight_version=f"routing-{step}",
+                              timeout_s=60)  # fmt: skip
+        assert answer["weight_version"] == f"routing-{step}"
+        assert http.post("/continue_generation").status_code == 200
+    assert any(moved), "no optimizer step changed any routing: the comparison is blind"
+    server.wait_idle()
+
+
+def test_the_field_per_prompt_and_for_scoring(http: httpx.Client) -> None:
+    """One value per prompt (a prompt that does not ask gets no field), and a scoring call
+    (max_new_tokens 0) returns the prompt's rows only: len(prompt) - 1 of them."""
+    body = {"input_ids": PROMPTS[:2], "return_routed_experts": [True, False],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}  # fmt: skip
+    first, second = http.post("/generate", json=body).json()
+    assert decode(first["meta_info"]["routed_experts"], LAYERS, TOP_K).shape == (
+        len(PROMPTS[0]) + 2, LAYERS, TOP_K,
+    )  # fmt: skip
+    assert "routed_experts" not in second["meta_info"]
+    scoring = {"input_ids": PROMPTS[1], "return_routed_experts": True,
+               "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+    out = http.post("/generate", json=scoring).json()
+    routed = decode(out["meta_info"]["routed_experts"], LAYERS, TOP_K)
+    assert routed.shape == (len(PROMPTS[1]) - 1, LAYERS, TOP_K) and out["output_ids"] == []
