@@ -302,7 +302,11 @@ class PooledRows:
     gives each crossing's index in the boundary buffers, or -1 where it is not captured; per
     captured boundary its sequence bound_seq [N] and position bound_pos [N]; `seq_ids` and
     `bound_ids` count 0.. (B and N). The host copy: `boundaries` [(sequence, position)] of the
-    captured ones and `bound_count` N."""
+    captured ones and `bound_count` N. Chunk tasks (the chunked rule, lockstep/ops/triton/
+    chunked_delta.py): each piece of a sequence's rows that falls in one chunk, in order, is a
+    task with its sequence task_seq [K], first position task_pos [K], first row of the step
+    task_row [K] and row count task_n [K]; sequence b's tasks are task_cu[b] .. task_cu[b+1]
+    - 1 [B + 1]; `task_count` K on the host."""
 
     cu: torch.Tensor
     starts: torch.Tensor
@@ -316,6 +320,12 @@ class PooledRows:
     seq_ids: torch.Tensor
     bound_ids: torch.Tensor
     boundaries: list[tuple[int, int]]
+    task_seq: torch.Tensor | None = None
+    task_pos: torch.Tensor | None = None
+    task_row: torch.Tensor | None = None
+    task_n: torch.Tensor | None = None
+    task_cu: torch.Tensor | None = None
+    task_count: int = 0
 
     @property
     def bound_count(self) -> int:
@@ -341,6 +351,18 @@ class PooledRows:
         index = iter(range(len(boundaries)))
         captured = set(boundaries)
         b, nb = len(rows), len(boundaries)
+        tasks = []  # (sequence, first position, first row of the step, rows)
+        row = 0
+        for i, (s, n) in enumerate(zip(starts, rows, strict=True)):
+            p = s
+            while p < s + n:
+                m = min(s + n - p, chunk - p % chunk)
+                tasks.append((i, p, row + p - s, m))
+                p += m
+            row += n
+        per_seq = [0] * b
+        for i, *_ in tasks:
+            per_seq[i] += 1
         lists = (
             [0, *itertools.accumulate(rows)],
             starts,
@@ -353,10 +375,12 @@ class PooledRows:
             [p for _, p in boundaries],
             list(range(b)),
             list(range(nb)),
+            *([t[f] for t in tasks] for f in range(4)),
+            [0, *itertools.accumulate(per_seq)],
         )
         host = torch.tensor([x for part in lists for x in part], dtype=torch.int32)
         parts = host.to(device, non_blocking=True).split([len(part) for part in lists])
-        return cls(*parts, boundaries=boundaries)
+        return cls(*parts[:11], boundaries, *parts[11:], task_count=len(tasks))
 
 
 @runtime_checkable
