@@ -13,7 +13,15 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, TP_REDUCTIONS, EngineConfig
+from lockstep.config import (
+    DEVICES,
+    DTYPES,
+    GDN_KERNELS,
+    KV_DTYPES,
+    MODES,
+    TP_REDUCTIONS,
+    EngineConfig,
+)
 
 _HELP = {
     "model": "Hugging Face hub id (org/name, read from the HF cache or downloaded), GGUF file, "
@@ -56,6 +64,8 @@ _HELP = {
     "the caches get; 0: none)",
     "linear_snapshot_interval": "hybrid models: keep a snapshot every so many tokens besides "
     "prompt ends (a multiple of 32)",
+    "gdn_kernel": "hybrid models: the gated delta rule row after row (recurrent) or in whole "
+    "chunk tiles on tensor cores (chunked; other bits, same contract)",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
@@ -65,6 +75,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "kv_dtype": KV_DTYPES,
     "tp_reduction": TP_REDUCTIONS,
+    "gdn_kernel": GDN_KERNELS,
 }
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 # The engine options `--help` describes; the others (tuning, debugging, hybrid models, and

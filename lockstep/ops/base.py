@@ -415,6 +415,34 @@ class PooledLinearAttentionOps(Protocol):
 
 
 @runtime_checkable
+class ChunkedLinearAttentionOps(Protocol):
+    """The chunked gated delta rule (lockstep/ops/chunked_delta.py: formulas and why a row's
+    bits do not depend on the schedule), for `gdn_kernel="chunked"`."""
+
+    def chunked_delta_rule(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        open_k: Tensor, open_v: Tensor, open_g: Tensor, open_beta: Tensor, start: int,
+    ) -> tuple[Tensor, list[tuple[int, Tensor]]]:  # fmt: skip
+        """`gated_delta_rule`'s contract with the open chunk's rows kept as they arrived (keys
+        [C, Hk, Dk], values [C, Hv, Dv], log gates and betas [C, Hv]); every boundary."""
+        ...
+
+
+@runtime_checkable
+class PooledChunkedLinearAttentionOps(Protocol):
+    """`chunked_delta_rule` over every sequence of a step, states and open rows at the
+    sequences' slots of a `LinearStatePool` (with `PooledLinearAttentionOps`' convolution)."""
+
+    def chunked_delta_rule_pooled(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        open_k: Tensor, open_v: Tensor, open_g: Tensor, open_beta: Tensor, seqs: PooledRows,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Returns out [T, Hv, Dv] and the boundary states before each sequence's last row
+        [N, Hv, Dk, Dv] (`seqs.boundaries` order)."""
+        ...
+
+
+@runtime_checkable
 class MoeOps(Protocol):
     """The routed-experts MLP (lockstep/ops/moe.py)."""
 

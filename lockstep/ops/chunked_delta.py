@@ -69,14 +69,14 @@ def chunk_tile(
     gamma[:, 0] = gh[:, 0]
     for r in range(1, c):  # one add per row, ascending
         gamma[:, r] = gamma[:, r - 1] + gh[:, r]
-    rows = torch.arange(c)
+    rows = torch.arange(c, device=k.device)
     lower = rows[None, :] < rows[:, None]  # j < i
     causal = rows[None, :] <= rows[:, None]  # j <= i
     diff = gamma[:, :, None] - gamma[:, None, :]
     decay = torch.exp(torch.where(causal, diff, float("-inf")))
     kk = _dot(kh, kh.transpose(1, 2))
     a = torch.where(lower, (bh[:, :, None] * kk) * decay, 0.0)
-    t = torch.eye(c).repeat(hv, 1, 1)
+    t = torch.eye(c, device=k.device).repeat(hv, 1, 1)
     for i in range(1, c):
         acc = a[:, i, 0:1] * t[:, 0, :]
         for j in range(1, i):
@@ -116,7 +116,7 @@ def chunked_delta_rule(
     rows 0 .. start % C - 1 meaningful, C = open_k.shape[0]). Returns out [n, Hv, Dv] and
     (position, state) at every multiple of C in (start, start + n]."""
     n, chunk = q.shape[0], open_k.shape[0]
-    out = torch.empty((n, v.shape[1], v.shape[2]), dtype=torch.float32)
+    out = torch.empty((n, v.shape[1], v.shape[2]), dtype=torch.float32, device=q.device)
     found: list[tuple[int, torch.Tensor]] = []
     i, p = 0, start
     while i < n:
@@ -124,7 +124,7 @@ def chunked_delta_rule(
         m = min(n - i, chunk - r0)
         tiles = []
         for buf, rows in ((q, q), (open_k, k), (open_v, v), (open_g, g), (open_beta, beta)):
-            tile = torch.zeros((chunk, *rows.shape[1:]), dtype=torch.float32)
+            tile = rows.new_zeros((chunk, *rows.shape[1:]), dtype=torch.float32)
             if buf is not q:  # queries of earlier rows are not needed: their outputs are out
                 tile[:r0] = buf[:r0]
             tile[r0 : r0 + m] = rows[i : i + m]
