@@ -162,3 +162,51 @@ def test_negative_control_chunk_relative_or_another_chunk_size_changes_the_bits(
     assert (relative - ref_out[5:]).abs().max() < 1e-3  # the same math, other rounding
     other_c, _, _ = _run([n], inputs, chunk=2 * C)
     assert not torch.equal(other_c, ref_out)
+
+
+@pytest.mark.slow
+def test_tiny_hybrid_decoder_chunked_pooled_split_equals_one_prefill() -> None:
+    """The whole tiny Qwen3.5 decoder on the Triton backend with the chunked rule, its state
+    in a slot of a state pool (the engine's pooled path: conv, WY, state and open-rows
+    kernels): a prefill in three passes, one a one-row step onto a chunk boundary, gives the
+    logits, K/V and linear state of one prefill, bit for bit; the open rows hold the betas
+    only the chunked kernels keep (the layout's option reached them)."""
+    import dataclasses
+
+    from lockstep.models.decoder import Decoder, ScratchKV
+    from lockstep.models.forward_batch import ForwardBatch
+    from lockstep.models.linear_attention import LinearState, LinearStatePool
+    from lockstep.models.resolver import resolve_model
+    from lockstep.ops.base import build_attention_meta
+    from lockstep.ops.gpu_deterministic import GpuDeterministicOps
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    decoder = Decoder.load(resolve_model("random:tiny-qwen3.5"), GpuDeterministicOps(), dtype, DEV)
+    # Chunks of 16 keep every pass within 32 rows (the interpreter's matmul tile table
+    # changes its K block above 32 rows, which changes the interpreter's rounding).
+    chunk = 16
+    layout = dataclasses.replace(decoder.linear_layout, chunk=chunk, kernel="chunked")
+    n = chunk + 4
+    tokens = [random.Random(2).randrange(512) for _ in range(n)]
+
+    def passes(lay, sizes: tuple[int, ...]):
+        state = LinearState.resume(lay, None, LinearStatePool(lay, 2))
+        kv = ScratchKV(decoder.spec, n, dtype, torch.device(DEV))
+        logits, start = [], 0
+        for size in sizes:
+            end = start + size
+            positions = list(range(start, end))
+            meta = build_attention_meta([size], [start], [list(range(end))])
+            batch = ForwardBatch.from_lists(tokens[start:end], positions, positions, meta,
+                                            list(range(size)), [state])  # fmt: skip
+            logits.append(decoder.forward(batch.to(DEV), kv))
+            start = end
+        return torch.cat(logits), kv, state
+
+    want, want_kv, want_state = passes(layout, (n,))
+    got, kv, state = passes(layout, (chunk - 1, 1, 4))
+    assert torch.equal(got, want)
+    assert torch.equal(kv.k, want_kv.k) and torch.equal(kv.v, want_kv.v)
+    for a, b in zip(state.meaningful(), want_state.meaningful(), strict=True):
+        assert torch.equal(a, b)
+    assert state.open_beta[:, : n % chunk].abs().min() > 0
