@@ -130,3 +130,21 @@ def test_negative_control_chunks_counted_from_each_call_change_the_bits() -> Non
     assert (relative - ref_out).abs().max() < 1e-4  # the same math, other rounding
     other_c, _, _ = _run([n], inputs, chunk=C // 2)
     assert not torch.equal(other_c, ref_out)
+
+
+def test_matches_the_recurrent_cpu_kernel() -> None:
+    """Against the kernel it replaces when on (the CPU's per-row `gdn_rule`): the same outputs
+    and boundary states within 1e-5, not the same bits."""
+    from lockstep.ops.cpu_deterministic import CpuDeterministicOps
+
+    n = 2 * C + 3
+    inputs = _inputs(n, seed=7)
+    out, bounds, _ = _run([n], inputs)
+    shapes = ((HV, DK, DV), (C, HK, DK), (C, HV), (C, HV, DV))
+    old, old_bounds = CpuDeterministicOps().gated_delta_rule(
+        *inputs, *[torch.zeros(s) for s in shapes], 0
+    )
+    assert (out - old).abs().max() < 1e-5
+    assert not torch.equal(out, old)
+    for p, s in old_bounds:
+        assert (bounds[p] - s).abs().max() < 1e-5
