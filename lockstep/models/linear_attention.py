@@ -315,7 +315,8 @@ def gated_deltanet(
     may then be None where the step crosses no boundary before a sequence's last row: a CUDA
     graph's decode step); else a loop over the sequences. Every op is row-local except the
     convolution (the sequence's own previous rows) and the delta rule
-    (`Ops.gated_delta_rule`), whose rows are computed alike either way."""
+    (`Ops.gated_delta_rule`, or `ChunkedLinearAttentionOps` where `layout.chunked`), whose rows
+    are computed alike either way."""
     lay = layout
     kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
     hv, dk = lay.num_value_heads, lay.key_head_dim
@@ -362,8 +363,9 @@ def pooled_rows(
     """The step's `PooledRows` where the backend runs pooled steps and every state sits in
     one pool, else None (the layers then loop over the sequences)."""
     pool = states[0].pool if states else None
-    pooled = PooledChunkedLinearAttentionOps if layout.chunked else PooledLinearAttentionOps
-    if pool is None or not isinstance(ops, PooledLinearAttentionOps) or not isinstance(ops, pooled):
+    # The convolution's pooled ops, and the rule's for the layout's kernel.
+    rule = PooledChunkedLinearAttentionOps if layout.chunked else PooledLinearAttentionOps
+    if pool is None or not (isinstance(ops, PooledLinearAttentionOps) and isinstance(ops, rule)):
         return None
     if any(s.pool is not pool for s in states):
         return None
