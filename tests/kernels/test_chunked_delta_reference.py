@@ -148,3 +148,16 @@ def test_matches_the_recurrent_cpu_kernel() -> None:
     assert not torch.equal(out, old)
     for p, s in old_bounds:
         assert (bounds[p] - s).abs().max() < 1e-5
+
+
+def test_chunk_tasks_cut_each_sequence_at_absolute_boundaries() -> None:
+    """`PooledRows.build`'s chunk tasks (what the Triton kernels walk): 40 rows from position
+    30 and one row at 31, chunks of 32, give (sequence, first position, first row, rows) =
+    (0, 30, 0, 2), (0, 32, 2, 32), (0, 64, 34, 6), (1, 31, 40, 1)."""
+    from lockstep.ops.base import PooledRows
+
+    seqs = PooledRows.build([40, 1], [30, 31], [5, 6], 32, torch.device("cpu"))
+    tasks = zip(*(getattr(seqs, f).tolist() for f in ("task_seq", "task_pos", "task_row",
+                                                       "task_n")), strict=True)  # fmt: skip
+    assert list(tasks) == [(0, 30, 0, 2), (0, 32, 2, 32), (0, 64, 34, 6), (1, 31, 40, 1)]
+    assert seqs.task_cu.tolist() == [0, 3, 4] and seqs.task_count == 4
