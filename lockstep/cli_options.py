@@ -13,7 +13,15 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, TP_REDUCTIONS, EngineConfig
+from lockstep.config import (
+    DEVICES,
+    DTYPES,
+    GDN_KERNELS,
+    KV_DTYPES,
+    MODES,
+    TP_REDUCTIONS,
+    EngineConfig,
+)
 
 _HELP = {
     "model": "Hugging Face hub id (org/name, read from the HF cache or downloaded), GGUF file, "
@@ -59,6 +67,8 @@ _HELP = {
     "enable_return_routed_experts": "MoE models: keep each cached token's routed experts beside "
     "its KV so that requests may ask for them (return_routed_experts, SGLang's routing-replay "
     "field); costs sparse layers x top_k x 2 bytes per KV token",
+    "gdn_kernel": "hybrid models: the gated delta rule row after row (recurrent) or in whole "
+    "chunk tiles on tensor cores (chunked; other bits, same contract)",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
@@ -68,6 +78,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "kv_dtype": KV_DTYPES,
     "tp_reduction": TP_REDUCTIONS,
+    "gdn_kernel": GDN_KERNELS,
 }
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 # The engine options `--help` describes; the others (tuning, debugging, hybrid models, and

@@ -28,6 +28,10 @@ DTYPES = ("auto", "float32", "bfloat16")
 # The KV cache's element type: "auto" is the model dtype; "fp8_e4m3" stores every K/V value as
 # float8_e4m3fn at scale 1.0 (lockstep/ops/fp8.py, "FP8 KV cache"), a byte per value.
 KV_DTYPES = ("auto", "fp8_e4m3")
+# How hybrid models run the gated delta rule (docs/design.md, "Linear attention"): "recurrent",
+# row after row (lockstep/ops/triton/gated_delta.py); "chunked", whole chunk tiles on tensor
+# cores (lockstep/ops/triton/chunked_delta.py; on the CPU its torch form). Different bits.
+GDN_KERNELS = ("recurrent", "chunked")
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class EngineConfig:
     # requests may ask for them (`return_routed_experts`, lockstep/cache/routed_experts.py).
     # Costs sparse layers x top_k x 2 bytes per KV token (int16 ids).
     enable_return_routed_experts: bool = False
+    # Hybrid models: the gated delta rule's form (`GDN_KERNELS`); part of the numerics, as
+    # the mode is. "chunked" is being landed: off by default until it beats "recurrent".
+    gdn_kernel: str = "recurrent"
 
     def __post_init__(self) -> None:
         if self.revision is not None and not (self.model and is_hub_id(self.model)):
@@ -122,6 +129,12 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _choice("gdn_kernel", self.gdn_kernel, GDN_KERNELS)
+        if self.gdn_kernel == "chunked" and self.mode != "deterministic":
+            raise ConfigError(
+                f"gdn_kernel='chunked' is invalid with mode={self.mode!r}: expected "
+                "mode='deterministic' (fast mode runs the stock torch form)"
+            )
         if self.kv_tokens is not None:
             _positive_int("kv_tokens", self.kv_tokens)
         if self.kv_memory_fraction is not None and not (

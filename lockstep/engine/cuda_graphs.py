@@ -282,7 +282,8 @@ class _StaticInputs:
         pooled = None
         if state_pool is not None:
             # Hybrid models: each row's state pool slot, first position and end [B each];
-            # a decode step crosses no boundary before its last row.
+            # a decode step crosses no boundary before its last row; each row is one chunk
+            # task (the chunked rule's).
             self.lin32 = torch.zeros(3 * bb, dtype=i32, device=device)
             count = torch.arange(bb, dtype=i32, device=device)
             none = torch.zeros(0, dtype=i32, device=device)
@@ -291,6 +292,8 @@ class _StaticInputs:
                 slots=self.lin32[:bb], bound_at=torch.zeros_like(count), bound_index=none,
                 row_seq=count,
                 bound_seq=none, bound_pos=none, seq_ids=count, bound_ids=none, boundaries=[],
+                task_seq=count, task_pos=self.lin32[bb : 2 * bb], task_row=count,
+                task_n=torch.ones_like(count), task_cu=meta.cu_q, task_count=bb,
             )  # fmt: skip
         self.batch = ForwardBatch(
             token_ids=d64[0:bb],

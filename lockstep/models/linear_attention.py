@@ -11,10 +11,13 @@ in chunks of `CHUNK` rows at absolute positions 0, C, 2C, ...:
                                  ^ boundary states: computed by one formula only
 
 `LinearState` is one running sequence's working state: the window, the boundary state of
-the chunk its next position falls in, and that chunk's rows so far ("open rows": key, the
-cumulative log decay and the corrected value u of each). A step of any size continues from
-it with the per-row formula of `Ops.gated_delta_rule`, so a decode step gives the bits of a
-prefill. The boundaries a step crosses that the radix cache will keep (an engine request's
+the chunk its next position falls in, and that chunk's rows so far ("open rows"). With the
+recurrent kernel (`LinearLayout.kernel`) they are each row's key, cumulative log decay and
+corrected value u, and a step of any size continues with the per-row formula of
+`Ops.gated_delta_rule`; with the chunked kernel they are the rows as they arrived (key, value,
+log gate, beta), and a step recomputes each chunk it touches from the whole chunk tile
+(`ChunkedLinearAttentionOps`, lockstep/ops/chunked_delta.py). Either way a decode step gives
+the bits of a prefill. The boundaries a step crosses that the radix cache will keep (an engine request's
 `keep`, reserved from a `LinearSnapshotPool`: lockstep/cache/linear_snapshots.py; every one for
 a state of its own) are captured as `LinearSnapshot`s, which the cache keeps beside the
 full-attention layers' KV; a prefix hit resumes from the last snapshot at or below the matched
@@ -30,7 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep.models.spec import LINEAR_ATTENTION_CHUNK, ModelSpec
-from lockstep.ops.base import PooledLinearAttentionOps, PooledRows
+from lockstep.ops.base import (
+    ChunkedLinearAttentionOps,
+    PooledChunkedLinearAttentionOps,
+    PooledLinearAttentionOps,
+    PooledRows,
+)
 
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
@@ -52,6 +60,12 @@ class LinearLayout:
     value_head_dim: int
     chunk: int
     device: torch.device
+    kernel: str = "recurrent"  # the rule's form: config.GDN_KERNELS
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the layers run the chunked rule (open rows: k, v, g, beta as they came)."""
+        return self.kernel == "chunked"
 
     @classmethod
     def of(cls, spec: ModelSpec, device: torch.device, chunk: int = CHUNK) -> LinearLayout:
@@ -98,7 +112,8 @@ class LinearSnapshot:
 class LinearStatePool:
     """The working states of the running sequences, one slot each, in device tensors indexed
     by slot (as the KV pool indexes tokens): windows [S, L, K-1, conv_dim], boundary states
-    [S, L, Hv, Dk, Dv] and open rows [S, L, C, ...], float32, allocated once. A pooled step
+    [S, L, Hv, Dk, Dv] and open rows [S, L, C, ...] (`LinearState` says which), float32,
+    allocated once. A pooled step
     runs every sequence's linear layer in one launch (`Ops` with `PooledLinearAttentionOps`).
     One more slot, `scratch_slot`, is never handed out: the CUDA graphs' padding rows write
     there."""
@@ -114,6 +129,8 @@ class LinearStatePool:
         self.open_gamma = z(rows, lay.num_layers, lay.chunk, lay.num_value_heads)
         self.open_u = z(rows, lay.num_layers, lay.chunk, lay.num_value_heads,
                         lay.value_head_dim)  # fmt: skip
+        self.open_beta = z(rows, lay.num_layers, lay.chunk if lay.chunked else 0,
+                           lay.num_value_heads)  # fmt: skip
         self.scratch_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -121,7 +138,8 @@ class LinearStatePool:
     def slot_bytes(layout: LinearLayout) -> int:
         """Bytes of one slot (float32): a snapshot's plus the open rows."""
         lay = layout
-        open_rows = lay.chunk * (lay.num_key_heads * lay.key_head_dim + lay.num_value_heads
+        heads = lay.num_value_heads * (2 if lay.chunked else 1)  # log decays (and betas)
+        open_rows = lay.chunk * (lay.num_key_heads * lay.key_head_dim + heads
                                  + lay.num_value_heads * lay.value_head_dim)  # fmt: skip
         return lay.snapshot_bytes + 4 * lay.num_layers * open_rows
 
@@ -142,8 +160,10 @@ class LinearStatePool:
 class LinearState:
     """One sequence's working state at `position` (the next position to compute): windows
     [L, K-1, conv_dim], the boundary state of the chunk holding `position` [L, Hv, Dk, Dv]
-    and that chunk's open rows (keys [L, C, Hk, Dk], cumulative log decays [L, C, Hv],
-    corrected values [L, C, Hv, Dv]; rows 0 .. position % C - 1 are meaningful). `captured`:
+    and that chunk's open rows (keys [L, C, Hk, Dk], `open_gamma` [L, C, Hv] and `open_u` [L,
+    C, Hv, Dv]: the cumulative log decays and corrected values with the recurrent kernel, the
+    log gates g and values v with the chunked one, which also keeps the betas in `open_beta`
+    [L, C, Hv] ([L, C, 0] otherwise); rows 0 .. position % C - 1 are meaningful). `captured`:
     snapshots of the boundaries crossed since the owner last took them. `keep`: the snapshots
     reserved for the boundaries to capture, by position (the engine's requests: a step
     captures only those); None: capture every boundary into tensors of its own. A pooled
@@ -157,6 +177,7 @@ class LinearState:
     open_k: torch.Tensor
     open_gamma: torch.Tensor
     open_u: torch.Tensor
+    open_beta: torch.Tensor
     captured: dict[int, LinearSnapshot] = field(default_factory=dict)
     pool: LinearStatePool | None = None
     slot: int = -1
@@ -184,8 +205,9 @@ class LinearState:
         z, lay = layout._zeros, layout
         if pool is not None:
             slot = pool.acquire()
-            parts = (pool.conv, pool.recurrent, pool.open_k, pool.open_gamma, pool.open_u)
-            conv, recurrent, open_k, open_gamma, open_u = (t[slot] for t in parts)
+            parts = (pool.conv, pool.recurrent, pool.open_k, pool.open_gamma, pool.open_u,
+                     pool.open_beta)  # fmt: skip
+            conv, recurrent, open_k, open_gamma, open_u, open_beta = (t[slot] for t in parts)
             if snapshot is None:
                 conv.zero_()
                 recurrent.zero_()
@@ -195,9 +217,9 @@ class LinearState:
             position = 0 if snapshot is None else snapshot.position
             # As a state of its own starts: rows past the open ones enter the kernels' sums
             # multiplied by zero, so the slot's last owner must leave nothing in them.
-            for t in (open_k, open_gamma, open_u):
+            for t in (open_k, open_gamma, open_u, open_beta):
                 t.zero_()
-            return cls(layout, position, conv, recurrent, open_k, open_gamma, open_u,
+            return cls(layout, position, conv, recurrent, open_k, open_gamma, open_u, open_beta,
                        pool=pool, slot=slot)  # fmt: skip
         if snapshot is None:
             conv = z(lay.num_layers, lay.conv_kernel - 1, lay.conv_dim)
@@ -212,6 +234,7 @@ class LinearState:
             z(lay.num_layers, lay.chunk, lay.num_key_heads, lay.key_head_dim),
             z(lay.num_layers, lay.chunk, lay.num_value_heads),
             z(lay.num_layers, lay.chunk, lay.num_value_heads, lay.value_head_dim),
+            z(lay.num_layers, lay.chunk if lay.chunked else 0, lay.num_value_heads),
         )  # fmt: skip
 
     def release(self) -> None:
@@ -255,7 +278,7 @@ class LinearState:
         """The tensors that define the state (open rows cut to those in use), for tests."""
         r = self.position % self.layout.chunk
         return (self.conv, self.recurrent, self.open_k[:, :r], self.open_gamma[:, :r],
-                self.open_u[:, :r])  # fmt: skip
+                self.open_u[:, :r], self.open_beta[:, :r])  # fmt: skip
 
 
 @dataclass
@@ -292,7 +315,8 @@ def gated_deltanet(
     may then be None where the step crosses no boundary before a sequence's last row: a CUDA
     graph's decode step); else a loop over the sequences. Every op is row-local except the
     convolution (the sequence's own previous rows) and the delta rule
-    (`Ops.gated_delta_rule`), whose rows are computed alike either way."""
+    (`Ops.gated_delta_rule`, or `ChunkedLinearAttentionOps` where `layout.chunked`), whose rows
+    are computed alike either way."""
     lay = layout
     kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
     hv, dk = lay.num_value_heads, lay.key_head_dim
@@ -309,10 +333,18 @@ def gated_deltanet(
         q = ops.l2_normalize(q.reshape(-1, dk), 1e-6, dk**-0.5).reshape(t, -1, dk)
         k_ = ops.l2_normalize(k_.reshape(-1, dk), 1e-6, 1.0).reshape(t, -1, dk)
         v = v.reshape(t, hv, lay.value_head_dim).contiguous()
-        out, bounds = ops.gated_delta_rule_pooled(
-            q, k_, v, g, beta, pool.recurrent[:, layer], pool.open_k[:, layer],
-            pool.open_gamma[:, layer], pool.open_u[:, layer], pooled,
-        )  # fmt: skip
+        if lay.chunked:
+            assert isinstance(ops, PooledChunkedLinearAttentionOps)
+            out, bounds = ops.chunked_delta_rule_pooled(
+                q, k_, v, g, beta, pool.recurrent[:, layer], pool.open_k[:, layer],
+                pool.open_u[:, layer], pool.open_gamma[:, layer], pool.open_beta[:, layer],
+                pooled,
+            )  # fmt: skip
+        else:
+            out, bounds = ops.gated_delta_rule_pooled(
+                q, k_, v, g, beta, pool.recurrent[:, layer], pool.open_k[:, layer],
+                pool.open_gamma[:, layer], pool.open_u[:, layer], pooled,
+            )  # fmt: skip
         for i, (seq, position) in enumerate(pooled.boundaries):
             assert states is not None
             snap = _snapshot(states[seq], position)
@@ -331,7 +363,9 @@ def pooled_rows(
     """The step's `PooledRows` where the backend runs pooled steps and every state sits in
     one pool, else None (the layers then loop over the sequences)."""
     pool = states[0].pool if states else None
-    if pool is None or not isinstance(ops, PooledLinearAttentionOps):
+    # The convolution's pooled ops, and the rule's for the layout's kernel.
+    rule = PooledChunkedLinearAttentionOps if layout.chunked else PooledLinearAttentionOps
+    if pool is None or not (isinstance(ops, PooledLinearAttentionOps) and isinstance(ops, rule)):
         return None
     if any(s.pool is not pool for s in states):
         return None
@@ -393,10 +427,18 @@ def _delta_rule_by_sequence(
         q = ops.l2_normalize(q.reshape(-1, dk), 1e-6, dk**-0.5).reshape(n, -1, dk)
         k_ = ops.l2_normalize(k_.reshape(-1, dk), 1e-6, 1.0).reshape(n, -1, dk)
         v = v.reshape(n, hv, lay.value_head_dim).contiguous()
-        o, boundaries = ops.gated_delta_rule(
-            q, k_, v, g[r0:r1].contiguous(), beta[r0:r1].contiguous(), state.recurrent[layer],
-            state.open_k[layer], state.open_gamma[layer], state.open_u[layer], start,
-        )  # fmt: skip
+        gates = g[r0:r1].contiguous(), beta[r0:r1].contiguous()
+        if lay.chunked:
+            assert isinstance(ops, ChunkedLinearAttentionOps)
+            o, boundaries = ops.chunked_delta_rule(
+                q, k_, v, *gates, state.recurrent[layer], state.open_k[layer],
+                state.open_u[layer], state.open_gamma[layer], state.open_beta[layer], start,
+            )  # fmt: skip
+        else:
+            o, boundaries = ops.gated_delta_rule(
+                q, k_, v, *gates, state.recurrent[layer], state.open_k[layer],
+                state.open_gamma[layer], state.open_u[layer], start,
+            )  # fmt: skip
         out[r0:r1] = o
         for position, s in boundaries:
             if not state.keeps(position):

@@ -302,7 +302,11 @@ class PooledRows:
     gives each crossing's index in the boundary buffers, or -1 where it is not captured; per
     captured boundary its sequence bound_seq [N] and position bound_pos [N]; `seq_ids` and
     `bound_ids` count 0.. (B and N). The host copy: `boundaries` [(sequence, position)] of the
-    captured ones and `bound_count` N."""
+    captured ones and `bound_count` N. Chunk tasks (the chunked rule, lockstep/ops/triton/
+    chunked_delta.py): each piece of a sequence's rows that falls in one chunk, in order, is a
+    task with its sequence task_seq [K], first position task_pos [K], first row of the step
+    task_row [K] and row count task_n [K]; sequence b's tasks are task_cu[b] .. task_cu[b+1]
+    - 1 [B + 1]; `task_count` K on the host."""
 
     cu: torch.Tensor
     starts: torch.Tensor
@@ -316,6 +320,12 @@ class PooledRows:
     seq_ids: torch.Tensor
     bound_ids: torch.Tensor
     boundaries: list[tuple[int, int]]
+    task_seq: torch.Tensor | None = None
+    task_pos: torch.Tensor | None = None
+    task_row: torch.Tensor | None = None
+    task_n: torch.Tensor | None = None
+    task_cu: torch.Tensor | None = None
+    task_count: int = 0
 
     @property
     def bound_count(self) -> int:
@@ -341,6 +351,18 @@ class PooledRows:
         index = iter(range(len(boundaries)))
         captured = set(boundaries)
         b, nb = len(rows), len(boundaries)
+        tasks = []  # (sequence, first position, first row of the step, rows)
+        row = 0
+        for i, (s, n) in enumerate(zip(starts, rows, strict=True)):
+            p = s
+            while p < s + n:
+                m = min(s + n - p, chunk - p % chunk)
+                tasks.append((i, p, row + p - s, m))
+                p += m
+            row += n
+        per_seq = [0] * b
+        for i, *_ in tasks:
+            per_seq[i] += 1
         lists = (
             [0, *itertools.accumulate(rows)],
             starts,
@@ -353,10 +375,12 @@ class PooledRows:
             [p for _, p in boundaries],
             list(range(b)),
             list(range(nb)),
+            *([t[f] for t in tasks] for f in range(4)),
+            [0, *itertools.accumulate(per_seq)],
         )
         host = torch.tensor([x for part in lists for x in part], dtype=torch.int32)
         parts = host.to(device, non_blocking=True).split([len(part) for part in lists])
-        return cls(*parts, boundaries=boundaries)
+        return cls(*parts[:11], boundaries, *parts[11:], task_count=len(tasks))
 
 
 @runtime_checkable
@@ -387,6 +411,34 @@ class PooledLinearAttentionOps(Protocol):
         """`gated_delta_rule` for every sequence of the step, states and open rows at the
         sequences' slots of the pool tensors (one layer's); returns out [T, Hv, Dv] and the
         boundary states before each sequence's last row [N, Hv, Dk, Dv]."""
+        ...
+
+
+@runtime_checkable
+class ChunkedLinearAttentionOps(Protocol):
+    """The chunked gated delta rule (lockstep/ops/chunked_delta.py: formulas and why a row's
+    bits do not depend on the schedule), for `gdn_kernel="chunked"`."""
+
+    def chunked_delta_rule(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        open_k: Tensor, open_v: Tensor, open_g: Tensor, open_beta: Tensor, start: int,
+    ) -> tuple[Tensor, list[tuple[int, Tensor]]]:  # fmt: skip
+        """`gated_delta_rule`'s contract with the open chunk's rows kept as they arrived (keys
+        [C, Hk, Dk], values [C, Hv, Dv], log gates and betas [C, Hv]); every boundary."""
+        ...
+
+
+@runtime_checkable
+class PooledChunkedLinearAttentionOps(Protocol):
+    """`chunked_delta_rule` over every sequence of a step, states and open rows at the
+    sequences' slots of a `LinearStatePool` (with `PooledLinearAttentionOps`' convolution)."""
+
+    def chunked_delta_rule_pooled(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+        open_k: Tensor, open_v: Tensor, open_g: Tensor, open_beta: Tensor, seqs: PooledRows,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Returns out [T, Hv, Dv] and the boundary states before each sequence's last row
+        [N, Hv, Dk, Dv] (`seqs.boundaries` order)."""
         ...
 
 

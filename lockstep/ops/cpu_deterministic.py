@@ -13,6 +13,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from lockstep.ops import chunked_delta
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.cpu_build import load_extension
 from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear
@@ -231,6 +232,18 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         chunk = open_k.shape[0]
         first = (start // chunk + 1) * chunk
         return out, [(first + i * chunk, s) for i, s in enumerate(boundaries)]
+
+    def chunked_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor, open_k: torch.Tensor, open_v: torch.Tensor,
+        open_g: torch.Tensor, open_beta: torch.Tensor, start: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:  # fmt: skip
+        """The torch chunked form (lockstep/ops/chunked_delta.py): row-local by construction,
+        so the CPU keeps the contract with `gdn_kernel="chunked"` as the GPU kernels do."""
+        return chunked_delta.chunked_delta_rule(
+            _f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), state, open_k, open_v, open_g,
+            open_beta, start,
+        )  # fmt: skip
 
     def moe(
         self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None

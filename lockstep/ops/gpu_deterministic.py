@@ -23,7 +23,14 @@ from lockstep.ops.base import (
 from lockstep.ops.moe import MoeLayer, Routing
 
 try:
-    from lockstep.ops.triton import activation, gated_delta, log_softmax, matmul, norm
+    from lockstep.ops.triton import (
+        activation,
+        chunked_delta,
+        gated_delta,
+        log_softmax,
+        matmul,
+        norm,
+    )
     from lockstep.ops.triton import moe as grouped_moe
     from lockstep.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, paged_attention
     from lockstep.ops.triton.attention_input import attention_input as _attention_input
@@ -205,6 +212,24 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         return gated_delta.gated_delta_rule_pooled(
             q, k, v, g, beta, state, open_k, open_gamma, open_u, seqs
+        )
+
+    def chunked_delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor, open_k: torch.Tensor, open_v: torch.Tensor,
+        open_g: torch.Tensor, open_beta: torch.Tensor, start: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:  # fmt: skip
+        return chunked_delta.chunked_delta_rule(
+            q, k, v, g, beta, state, open_k, open_v, open_g, open_beta, start
+        )
+
+    def chunked_delta_rule_pooled(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor, open_k: torch.Tensor, open_v: torch.Tensor,
+        open_g: torch.Tensor, open_beta: torch.Tensor, seqs: PooledRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return chunked_delta.chunked_delta_rule_pooled(
+            q, k, v, g, beta, state, open_k, open_v, open_g, open_beta, seqs
         )
 
     def moe(

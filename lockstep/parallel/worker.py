@@ -26,6 +26,7 @@ asks the kernel to kill it when its parent dies, so no worker outlives the engin
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import signal
 import sys
@@ -107,9 +108,12 @@ def load_rank_decoder(
     parallel = TensorParallel(ops, plan, reduction, collectives)
     dtype = getattr(torch, config.resolved_dtype)
     kv_dtype = getattr(torch, config.resolved_kv_dtype)
-    return Decoder.load(
+    decoder = Decoder.load(
         loaded, ops, dtype, device, max_position, parallel=parallel, kv_dtype=kv_dtype
     )
+    if decoder.linear_layout is not None:  # hybrid models: the rule's form (config.GDN_KERNELS)
+        decoder.linear_layout = dataclasses.replace(decoder.linear_layout, kernel=config.gdn_kernel)
+    return decoder
 
 
 def gather_kv(

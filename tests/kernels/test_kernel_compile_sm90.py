@@ -4,8 +4,8 @@ refuses (a type the interpreter never checks) fails here, in CI, rather than on 
 
 Covers the specializations an engine launch asks for that the GPU tests could miss: the
 attention input and attention kernels with an FP8 (e4m3) KV cache and with a bf16 one (decode
-and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule at Qwen3.5's head sizes.
-And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
+and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule (the per-row kernel and
+the chunked one's three) at Qwen3.5's head sizes. And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
 as over a bf16 cache (`attention.widen_kv` says why), which the interpreter cannot show.
 The compiles run in one child process: the test session runs Triton's interpreter
 (TRITON_INTERPRET=1, conftest.py), under which kernels cannot be compiled."""
@@ -103,6 +103,28 @@ def _gated_delta() -> tuple[str, dict, dict]:
     return "gated_delta._gdn_rule_kernel", types, {"C": 32, "BK": 128, "BV": 32, "PDL": True}
 
 
+def _chunked_delta(kernel: str) -> tuple[str, dict, dict]:
+    """The chunked rule's kernels at Qwen3.5's head sizes (C = 32, Dk = Dv = 128), as
+    chunked_delta_rule_pooled launches them."""
+    from lockstep.ops.triton.chunked_delta import BLOCK_V, DOT_PRECISION
+
+    pointers = ("q", "k", "v", "g", "beta", "state", "open_k", "open_v", "open_g", "open_beta",
+                "ws_w", "ws_u", "ws_gamma", "out", "bounds")  # fmt: skip
+    types = dict.fromkeys(pointers, "*fp32")
+    types |= dict.fromkeys(("task_seq", "task_pos", "task_row", "task_n", "task_cu", "starts",
+                            "ends", "slots", "bound_at", "bound_index"), "*i32")  # fmt: skip
+    types |= dict.fromkeys(("s_slot", "k_slot", "v_slot", "g_slot", "b_slot", "HK", "HV", "DK",
+                            "DV"), "i32")  # fmt: skip
+    constexprs = {"C": 32, "BK": 128, "PDL": True}
+    if kernel != "_gdn_open_rows_kernel":
+        constexprs["PREC"] = DOT_PRECISION
+    if kernel == "_gdn_chunk_state_kernel":
+        constexprs["BV"] = BLOCK_V
+    else:
+        constexprs["BVF"] = 128
+    return f"chunked_delta.{kernel}", types, constexprs
+
+
 def _widened_dot() -> tuple[str, dict, dict]:
     """The layout control: a dot over e4m3 values widened by a plain conversion."""
     return "widened_dot", {"q": "*bf16", "k": "*fp8e4nv", "out": "*fp32"}, {}
@@ -143,6 +165,9 @@ CASES = {
     "deepseek routing v3": _route_deepseek(8, True, False),
     "deepseek routing v2-lite": _route_deepseek(1, False, True),
     "gated delta rule": _gated_delta(),
+    "chunked delta rule wy": _chunked_delta("_gdn_chunk_wy_kernel"),
+    "chunked delta rule state and output": _chunked_delta("_gdn_chunk_state_kernel"),
+    "chunked delta rule open rows": _chunked_delta("_gdn_open_rows_kernel"),
     "fp8 grouped moe gate_up": _fp8_grouped_moe(),
     "negative control": _two_ways(),
 }
@@ -178,6 +203,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
     from lockstep.ops.triton import (
         attention,
         attention_input,
+        chunked_delta,
         fp8_moe,
         gated_delta,
         latent_attention,
@@ -203,7 +229,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         tl.store(dst, 0.0)
 
     modules = {"attention": attention, "attention_input": attention_input,
-               "gated_delta": gated_delta, "fp8_moe": fp8_moe,
+               "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
                "latent_attention": latent_attention, "moe": moe}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}

@@ -198,7 +198,8 @@ def mismatches(ref: Computed, got: Computed) -> list[str]:
         if not torch.equal(a, b):
             bad = (a != b).flatten(2).any(dim=2).any(dim=0).nonzero().flatten()
             problems.append(f"{name} cache differs at positions {bad.tolist()[:8]}")
-    names = ("conv window", "boundary state", "open keys", "open decays", "open values")
+    names = ("conv window", "boundary state", "open keys", "open decays or gates",
+             "open values", "open betas")  # fmt: skip
     for name, a, b in zip(names[: len(ref.state)], ref.state, got.state, strict=True):
         if not torch.equal(a, b):
             problems.append(f"final linear state: {name} differs")

@@ -115,6 +115,13 @@ def test_hybrid_padding_rows_write_the_spare_rows_not_row_zeros() -> None:
     assert s.pooled.starts.tolist() == [2, 1, 3, 2]
     assert s.pooled.ends.tolist() == [3, 2, 4, 3]
     assert s.pooled.cu.tolist() == [0, 1, 2, 3, 4] and s.pooled.boundaries == []
+    # The chunked rule's tasks: one per row, as PooledRows.build makes them for an eager step.
+    from lockstep.ops.base import PooledRows
+
+    eager = PooledRows.build([1] * 4, [2, 1, 3, 2], [0] * 4, layout.chunk, cpu)
+    for name in ("task_seq", "task_pos", "task_row", "task_n", "task_cu"):
+        assert getattr(s.pooled, name).tolist() == getattr(eager, name).tolist(), name
+    assert s.pooled.task_count == eager.task_count == 4
     assert pool.scratch_slot not in [st.slot for st in states]
     inputs.point_at_scratch()
     assert s.out_slots.tolist() == [99] * 4
