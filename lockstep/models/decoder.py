@@ -247,18 +247,7 @@ class Decoder:
         began = {kind: hook.begin(ops, batch) for kind, hook in self.step_hooks.items()}
         step = Step(batch, kv, parallel, began)
         for layer in self.layers:
-            if residual is None:
-                residual = h
-                x = ops.rms_norm(h, layer.input_norm, spec.rms_norm_eps)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, spec.rms_norm_eps)
-            h = layer.plan.mixer.forward(ops, x, layer.mixer, step)
-            if layer.mixer_norm is not None:
-                h = ops.rms_norm(h, layer.mixer_norm, spec.rms_norm_eps)
-            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, spec.rms_norm_eps)
-            h = layer.plan.mlp.forward(ops, x, layer.mlp, step)
-            if layer.mlp_norm is not None:
-                h = ops.rms_norm(h, layer.mlp_norm, spec.rms_norm_eps)
+            h, residual = self.run_layer(layer, h, residual, step)
         assert residual is not None
         for kind, hook in self.step_hooks.items():
             hook.end(began[kind], batch)
@@ -268,6 +257,28 @@ class Decoder:
         if spec.final_logit_softcap is not None:
             logits = ops.softcap(logits, spec.final_logit_softcap)
         return logits
+
+    def run_layer(
+        self, layer: Layer, h: torch.Tensor, residual: torch.Tensor | None, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of `forward`: (norm, mixer, norm, MLP) on the previous layer's output `h`
+        and the residual stream (None before the first layer); returns both after it. The
+        training module (lockstep/training/model.py) wraps it to recompute layers in the
+        backward."""
+        ops, eps = self.ops, self.spec.rms_norm_eps
+        if residual is None:
+            residual = h
+            x = ops.rms_norm(h, layer.input_norm, eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
+        h = layer.plan.mixer.forward(ops, x, layer.mixer, step)
+        if layer.mixer_norm is not None:
+            h = ops.rms_norm(h, layer.mixer_norm, eps)
+        x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
+        h = layer.plan.mlp.forward(ops, x, layer.mlp, step)
+        if layer.mlp_norm is not None:
+            h = ops.rms_norm(h, layer.mlp_norm, eps)
+        return h, residual
 
     def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, Hkv, D] (this rank's KV heads) at `slots` of `kv`."""

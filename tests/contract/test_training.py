@@ -1,8 +1,9 @@
 """The training module (lockstep.training): its logprobs are the engine's bits for packed
 batches of any composition and order, its gradients are transformers' (float32, relative
 1e-4), and trained weights go back to the engine (in-process and through a saved folder)
-with the trainer's bits; dense families and Qwen3-MoE. Tiny random models written by
-transformers (tests/support/tiny_hf.py)."""
+with the trainer's bits; the dense families here, every family's row in
+tests/contract/test_family_training.py. Tiny random models written by transformers
+(tests/support/tiny_hf.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 from lockstep import LLM  # noqa: E402
-from lockstep.errors import ModelLoadError  # noqa: E402
-from lockstep.models.moe import split_fused_experts  # noqa: E402
 from lockstep.training import LockstepForCausalLM  # noqa: E402
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
 VOCAB = 300  # tiny_hf's
 LENGTHS = [1, 3, 9, 17, 33, 40]  # across the engine's 16-token chunks and 64-token batches
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FOLDERS = ("llama", "qwen2", "qwen3", "qwen3_5")  # qwen3_5: the hybrid GRPO run
 
 
 def _sequences(seed: int, lengths: list[int] = LENGTHS) -> list[list[int]]:
@@ -49,9 +49,9 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("training")
-    for family in ("llama", "qwen2", "qwen3"):
+    for family in FOLDERS:
         save_tiny(family, root / family)
-    return {family: root / family for family in ("llama", "qwen2", "qwen3")}
+    return {family: root / family for family in FOLDERS}
 
 
 # llama: Llama 3 RoPE scaling; qwen2: q/k/v biases, tied embeddings; qwen3: q/k norms, GQA.
@@ -209,47 +209,20 @@ def test_trained_weights_serve_with_the_trainer_bits(
         )
 
 
-def test_qwen3_moe_bits_gradients_and_weight_update(tmp_path: Path) -> None:
-    """Qwen3-MoE (routed experts, some layers dense): the engine's bits for a packed batch in
-    two orders (control: fast mode differs), transformers' float32 gradients (its fused
-    expert tensors split per expert; experts no token chose get none), and an optimizer step
-    served by `update_weights` with the trainer's bits (control: the old weights differ)."""
-    folder = tmp_path / "qwen3_moe"
-    save_tiny("qwen3_moe", folder)
-    sequences = _sequences(seed=4, lengths=[2, 9, 17, 5])
-    llm = _llm(str(folder), "float32")
-    scores = _scores(llm, sequences)
-    model = LockstepForCausalLM.from_pretrained(str(folder))
-    fast = LockstepForCausalLM.from_pretrained(str(folder), mode="fast")
-    with torch.no_grad():
-        assert _bitwise_equal(model(sequences).per_sequence(), scores)
-        assert _bitwise_equal(model(sequences[::-1]).per_sequence()[::-1], scores)
-        assert not _bitwise_equal(fast(sequences).per_sequence(), scores)
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
-    reference = dict(split_fused_experts(_transformers_grads(folder, sequences, weights).items()))
-    _weighted_loss(model(sequences).per_sequence(), weights).backward()
-    chosen = {n: r for n, r in reference.items() if r.norm() > 0}
-    unchosen = [dict(model.named_parameters())[n].grad for n in reference if n not in chosen]
-    assert all(g is None or not g.any() for g in unchosen)
-    assert _worst_relative_error(model, chosen) < 1e-4
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    with torch.no_grad():
-        trained = model(sequences).per_sequence()
-    assert not _bitwise_equal(scores, trained)
-    llm.update_weights(model.state_dict())
-    assert _bitwise_equal(_scores(llm, sequences), trained)
+def test_gradient_checkpointing_is_refused_for_hybrid_models() -> None:
+    """A recomputed Gated DeltaNet layer would advance its recurrent state twice."""
+    with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported"):
+        LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5", gradient_checkpointing=True)
+    LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5")  # the control: without, loads
 
 
-def test_families_without_a_training_forward_are_refused() -> None:
-    with pytest.raises(ModelLoadError, match="no training forward yet"):
-        LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5")
-
-
-def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> None:
+# qwen3_5: a hybrid (Gated DeltaNet) model, its sampler's decode steps against the trainer's
+# packed prefill.
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path], family: str) -> None:
     from lockstep.training.grpo import run
 
-    folder = str(folders["qwen3"])
+    folder = str(folders[family])
 
     def mean_code_point(text: str) -> float:  # varies across a random byte model's samples
         return sum(map(ord, text)) / max(len(text), 1)
