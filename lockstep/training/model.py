@@ -51,6 +51,10 @@ from lockstep.training import functions as fn
 from lockstep.training.differentiable_ops import DifferentiableOps
 
 MODES = ("deterministic", "fast")
+# Canonical tensors that are constants of the model, not weights to train: DeepSeek-V3's
+# routing correction bias (a buffer in transformers too; it moves only the expert choice,
+# which has no gradient).
+BUFFERS = (".e_score_correction_bias",)
 # The engine's row-parallel reductions at TP 1 (lockstep/parallel/layers.py) this module
 # reproduces: "ranks", the one-call linear (the TP 1 default), and "chunked", the fixed
 # chunks and tree that give every tensor-parallel degree the same bits (the TP > 1 default).
@@ -130,7 +134,7 @@ class LockstepForCausalLM(nn.Module):
         self.kv_dtype = dtype
         self.gradient_checkpointing = gradient_checkpointing
         for name, tensor in loaded.iter_weights(dtype, device):
-            _register(self, name, nn.Parameter(tensor.clone()))
+            _register(self, name, tensor.clone())
 
     @classmethod
     def from_pretrained(
@@ -189,7 +193,7 @@ class LockstepForCausalLM(nn.Module):
         ops = DifferentiableOps(self.ops)
         parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), self.tp_reduction)
         context = PrepareContext(spec, parallel, self.dtype, device)
-        params = dict(self.named_parameters())
+        params = self.state_dict(keep_vars=True)  # parameters and buffers, as autograd sees them
         parts: dict[str, Any] = {
             entry.target: prepare(entry, [params[n] for n in entry.sources], context)
             for entry, prepare in weight_layout(spec)
@@ -259,9 +263,9 @@ class LockstepForCausalLM(nn.Module):
         save_folder(self, Path(folder))
 
 
-def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Place `param` at dotted `name` under `root`, making the modules between, so that
-    `state_dict()` and `named_parameters()` use the Hugging Face names."""
+def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Place `tensor` at dotted `name` under `root`, making the modules between, so that
+    `state_dict()` uses the canonical names: a parameter, or a buffer for `BUFFERS`."""
     *path, leaf = name.split(".")
     module = root
     for part in path:
@@ -270,7 +274,10 @@ def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
             child = nn.Module()
             module.add_module(part, child)
         module = child
-    module.register_parameter(leaf, param)
+    if name.endswith(BUFFERS):
+        module.register_buffer(leaf, tensor)
+    else:
+        module.register_parameter(leaf, nn.Parameter(tensor))
 
 
 def _refuse_unsupported(

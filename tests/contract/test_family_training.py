@@ -188,3 +188,20 @@ def test_family_trains_with_the_engine_bits(written, row: tuple[str, str, dict])
     assert not _bitwise_equal(trained, scores)  # the control: the engine's old weights differ
     llm.update_weights(model.state_dict())
     assert _bitwise_equal(_scores(llm, sequences), trained)
+
+
+# bfloat16 weights (float32 activations on the CPU, a bfloat16 KV cache): a hybrid, an MLA and
+# a windowed, soft-capped row.
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3", "gemma3"])
+def test_bfloat16_packed_logprobs_are_llm_score_bits(written, name: str) -> None:
+    (row,) = [r for r in ROWS if r[0] == name]
+    folder, _ = written(row)
+    sequences = _sequences(seed=9)
+    llm = LLM(str(folder), device="cpu", dtype="bfloat16", kv_tokens=2048, max_batch_tokens=64,
+              chunk_size=16)  # fmt: skip
+    scores = _scores(llm, sequences)
+    with torch.no_grad():
+        model = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+        assert _bitwise_equal(model(sequences).per_sequence(), scores)
+        fast = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, mode="fast")
+        assert not _bitwise_equal(fast(sequences).per_sequence(), scores)  # the control
