@@ -162,9 +162,12 @@ def test_gradients_are_transformers_autograd(
     assert _worst_relative_error(model, reference) > 1e-4
 
 
-# qwen2 from a folder (tied embeddings: config and tokenizer copied); llama from a random
-# preset (config.json written from the spec, tokenizer files from Lockstep's tokenizer).
-@pytest.mark.parametrize("source, dtype", [("qwen2", "bfloat16"), ("random:tiny", "float32")])
+# qwen2 from a folder (tied embeddings: config and tokenizer copied); llama and Qwen3.5 (hybrid)
+# from a random preset (config.json written from the spec, tokenizer files from Lockstep's).
+@pytest.mark.parametrize(
+    "source, dtype",
+    [("qwen2", "bfloat16"), ("random:tiny", "float32"), ("random:tiny-qwen3.5", "float32")],
+)
 def test_trained_weights_serve_with_the_trainer_bits(
     folders: dict[str, Path], tmp_path: Path, source: str, dtype: str
 ) -> None:
