@@ -239,6 +239,11 @@ class Decoder:
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """Run one step: write every row's K/V into `kv` at `batch.out_slots` and return the
         float32 logits [R, vocab] of `batch.logit_rows`."""
+        return self.head_logits(self.hidden_states(batch, kv))
+
+    def hidden_states(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """`forward` up to the LM head: the final-normed rows [R, hidden] of
+        `batch.logit_rows`, in the activation dtype."""
         spec, ops, parallel = self.spec, self.ops, self.parallel
         h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
         if self.embed_scale is not None:
@@ -252,10 +257,16 @@ class Decoder:
         for kind, hook in self.step_hooks.items():
             hook.end(began[kind], batch)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
-        x = x.index_select(0, batch.logit_rows)
-        logits = parallel.logits(x, self.lm_head)
-        if spec.final_logit_softcap is not None:
-            logits = ops.softcap(logits, spec.final_logit_softcap)
+        return x.index_select(0, batch.logit_rows)
+
+    def head_logits(self, x: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 logits [R, vocab] of final-normed rows x [R, hidden]: the LM head,
+        then soft-capping where the model has it. Every op is row-local, so a row's logits do
+        not depend on the other rows. `head`: the LM head weight (default the decoder's; the
+        training module passes its own view of it to recompute a chunk of rows)."""
+        logits = self.parallel.logits(x, self.lm_head if head is None else head)
+        if self.spec.final_logit_softcap is not None:
+            logits = self.ops.softcap(logits, self.spec.final_logit_softcap)
         return logits
 
     def run_layer(

@@ -49,6 +49,7 @@ from lockstep.parallel.layers import TensorParallel
 from lockstep.parallel.sharding import ShardPlan
 from lockstep.training import functions as fn
 from lockstep.training.differentiable_ops import DifferentiableOps
+from lockstep.training.token_logprobs import token_logprobs
 
 MODES = ("deterministic", "fast")
 # Canonical tensors that are constants of the model, not weights to train: DeepSeek-V3's
@@ -133,6 +134,9 @@ class LockstepForCausalLM(nn.Module):
         self.act_dtype = activation_dtype(device, dtype)
         self.kv_dtype = dtype
         self.gradient_checkpointing = gradient_checkpointing
+        # Rows per chunk of the LM head and log-softmax (None: token_logprobs.CHUNK_ELEMENTS
+        # logits per chunk); the bits do not depend on it.
+        self.logprob_chunk_rows: int | None = None
         for name, tensor in loaded.iter_weights(dtype, device):
             _register(self, name, tensor.clone())
 
@@ -166,7 +170,9 @@ class LockstepForCausalLM(nn.Module):
         """Per-token logprobs of a packed batch: `sequences` as lists of token ids, or one
         flat tensor of ids [T] with `seq_lens` (every length >= 1). Each sequence is a cold
         prefill from position 0 and sees only its own tokens: one engine step whose rows are
-        every token of every sequence, all of them logit rows."""
+        every token of every sequence, all of them logit rows. The LM head and log-softmax
+        run in chunks of rows (training/token_logprobs.py) unless `return_logits` asks for
+        the whole [T, vocab] float32 logits."""
         token_ids, lens = self._pack(sequences, seq_lens)
         device = token_ids.device
         decoder = self._decoder(max(lens))
@@ -180,9 +186,19 @@ class LockstepForCausalLM(nn.Module):
         states = [decoder.new_linear_state() for _ in lens] if self.spec.hybrid else None
         batch = ForwardBatch.from_lists(token_ids.tolist(), positions, rows, meta, rows, states)
         kv = ScratchKV(self.spec, t, self.kv_dtype, device)
-        logits = decoder.forward(batch.to(device), kv)
-        logprobs_all = fn.log_softmax(self.ops, logits)
-        return self._token_logprobs(token_ids, cu, logprobs_all, logits if return_logits else None)
+        x = decoder.hidden_states(batch.to(device), kv)
+        logits = None
+        if return_logits:
+            logits = decoder.head_logits(x)
+            picked = fn.log_softmax(self.ops, logits).gather(1, token_ids.roll(-1)[:, None])[:, 0]
+        else:  # chunks of rows: no [T, vocab] float32 tensor lives through the backward
+            picked = token_logprobs(decoder, x, token_ids.roll(-1), self.logprob_chunk_rows)
+        # Row j - 1 predicts token j; each sequence's first token has no logprob (0.0).
+        mask = torch.ones(t, dtype=torch.bool, device=device)
+        mask[cu[:-1]] = False
+        before = torch.arange(t, device=device).clamp(min=1) - 1
+        logprobs = torch.where(mask, picked[before], torch.zeros_like(picked))
+        return PackedOutput(logprobs, mask, cu, logits)
 
     def _decoder(self, longest: int) -> _TrainingDecoder:
         """The engine's decoder over this module's parameters: every weight prepared by its
@@ -237,22 +253,6 @@ class LockstepForCausalLM(nn.Module):
                 f"max_position={self.spec.max_position}"
             )
         return token_ids.to(device), lens
-
-    def _token_logprobs(
-        self,
-        token_ids: torch.Tensor,
-        cu: list[int],
-        logprobs_all: torch.Tensor,
-        logits: torch.Tensor | None,
-    ) -> PackedOutput:
-        """Row j - 1's log-probability of token j, for every j but each sequence's first."""
-        t, device = token_ids.numel(), token_ids.device
-        mask = torch.ones(t, dtype=torch.bool, device=device)
-        mask[cu[:-1]] = False
-        rows = torch.arange(t, device=device).clamp(min=1) - 1
-        picked = logprobs_all[rows, token_ids]
-        logprobs = torch.where(mask, picked, torch.zeros_like(picked))
-        return PackedOutput(logprobs, mask, cu, logits)
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, folder: str | Path) -> None:

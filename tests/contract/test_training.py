@@ -162,6 +162,64 @@ def test_gradients_are_transformers_autograd(
     assert _worst_relative_error(model, reference) > 1e-4
 
 
+# qwen2: tied embeddings (the head's gradient adds to the embedding's); qwen3_5: the hybrid.
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_the_head_in_chunks_of_rows_gives_the_whole_heads_bits_and_gradients(
+    folders: dict[str, Path], family: str
+) -> None:
+    """The default forward runs the LM head and log-softmax a chunk of rows at a time
+    (lockstep/training/token_logprobs.py); with chunks of 5 rows (several per sequence) its
+    logprobs are those of the whole [T, vocab] logits (`return_logits=True`) bit for bit, and
+    its gradients theirs within 1e-6."""
+    sequences = _sequences(seed=19, lengths=[3, 12, 7])
+    gen = torch.Generator().manual_seed(2)
+    weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
+    model = LockstepForCausalLM.from_pretrained(str(folders[family]))
+    whole = model(sequences, return_logits=True)
+    _weighted_loss(whole.per_sequence(), weights).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.logprob_chunk_rows = 5
+    chunked = model(sequences)
+    assert chunked.logits is None
+    assert torch.equal(chunked.logprobs, whole.logprobs)
+    _weighted_loss(chunked.per_sequence(), weights).backward()
+    assert _worst_relative_error(model, reference) < 1e-6
+    # The control: a sequence with one token changed gives other logprobs and gradients.
+    model.zero_grad()
+    changed = [list(s) for s in sequences]
+    changed[1][4] = (changed[1][4] + 1) % VOCAB
+    out = model(changed)
+    assert not torch.equal(out.logprobs, whole.logprobs)
+    _weighted_loss(out.per_sequence(), weights).backward()
+    assert _worst_relative_error(model, reference) > 1e-6
+
+
+def test_the_backward_keeps_no_tensor_of_every_rows_logits(folders: dict[str, Path]) -> None:
+    """What autograd saves for the backward: with the head in chunks, no tensor of logits or
+    log-probabilities at all (the control: `return_logits=True` keeps the whole [T, vocab]
+    log-softmax)."""
+    sequences = _sequences(seed=23, lengths=[30, 40, 25])
+    model = LockstepForCausalLM.from_pretrained(str(folders["qwen3"]))
+    model.logprob_chunk_rows = 16
+
+    def vocab_rows_saved(return_logits: bool) -> int:
+        """The most rows of any saved tensor [rows, vocab]."""
+        rows = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 2 and t.shape[1] == VOCAB:
+                rows.append(t.shape[0])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(sequences, return_logits=return_logits)
+        return max(rows)
+
+    assert vocab_rows_saved(return_logits=False) == 0
+    assert vocab_rows_saved(return_logits=True) == sum(map(len, sequences))
+
+
 # qwen2 from a folder (tied embeddings: config and tokenizer copied); llama and Qwen3.5 (hybrid)
 # from a random preset (config.json written from the spec, tokenizer files from Lockstep's).
 @pytest.mark.parametrize(
