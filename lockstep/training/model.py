@@ -27,7 +27,8 @@ reduction (`tp_reduction="chunked"`). FP8 checkpoints are refused at load.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,24 +84,53 @@ class PackedOutput:
 class _TrainingDecoder(Decoder):
     """The engine's decoder, each layer optionally recomputed in the backward
     (`checkpointing`): the recomputation runs the same ops on the same inputs, so it has
-    the same bits."""
+    the same bits. A Gated DeltaNet layer advances its sequences' states in place, so its
+    recomputation first puts its slice of every state back to the cold start the step began
+    from (training steps are cold prefills)."""
 
     checkpointing = False
 
     def run_layer(
         self, layer: Layer, h: torch.Tensor, residual: torch.Tensor | None, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.checkpointing and torch.is_grad_enabled():
-            run = super().run_layer
-            return checkpoint(run, layer, h, residual, step, use_reentrant=False)  # type: ignore[return-value]
-        return super().run_layer(layer, h, residual, step)
+        if not (self.checkpointing and torch.is_grad_enabled()):
+            return super().run_layer(layer, h, residual, step)
+
+        def run(
+            h: torch.Tensor, residual: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            with _cold_layer_state(layer, step):
+                return Decoder.run_layer(self, layer, h, residual, step)
+
+        return checkpoint(run, h, residual, use_reentrant=False)  # type: ignore[return-value]
+
+
+@contextmanager
+def _cold_layer_state(layer: Layer, step: Step) -> Iterator[None]:
+    """Within: a stateful mixer's slice of every sequence's `LinearState` zeroed and its
+    position 0, as at the step's start (the step hook advances the positions after the last
+    layer, before a recomputation); nothing for a mixer whose cache is the KV pool."""
+    states = step.batch.linear_states
+    if layer.plan.mixer.cache != "state" or not states:
+        yield
+        return
+    index, positions = layer.mixer.state_index, [state.position for state in states]
+    with torch.no_grad():
+        for state in states:
+            for t in (state.conv, state.recurrent, state.open_k, state.open_gamma, state.open_u):
+                t[index].zero_()
+            state.position = 0
+    try:
+        yield
+    finally:
+        for state, position in zip(states, positions, strict=True):
+            state.position = position
 
 
 class LockstepForCausalLM(nn.Module):
     """A causal LM with the engine's forward (module docstring). Build it with
     `from_pretrained`; `gradient_checkpointing` recomputes each layer in the backward instead
-    of keeping its activations (not for hybrid models, whose layers advance a recurrent state
-    a recomputation would advance twice). `tp_reduction`: the engine reduction of o_proj and
+    of keeping its activations. `tp_reduction`: the engine reduction of o_proj and
     down_proj whose bits to give (`REDUCTIONS`). `ops`: a backend instead of the engine's for
     `device` and `mode` (tests run the Triton backend on CPU tensors under its interpreter)."""
 
@@ -116,7 +146,7 @@ class LockstepForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         spec = loaded.spec
-        _refuse_unsupported(spec, loaded.source, dtype, mode, gradient_checkpointing)
+        _refuse_unsupported(spec, loaded.source, dtype, mode)
         if tp_reduction not in REDUCTIONS:
             raise ValueError(
                 f"tp_reduction={tp_reduction!r} is invalid: expected one of {REDUCTIONS}"
@@ -280,9 +310,7 @@ def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module.register_parameter(leaf, nn.Parameter(tensor))
 
 
-def _refuse_unsupported(
-    spec: ModelSpec, source: str, dtype: torch.dtype, mode: str, checkpointing: bool
-) -> None:
+def _refuse_unsupported(spec: ModelSpec, source: str, dtype: torch.dtype, mode: str) -> None:
     """One line naming what the training module cannot run (docs/training.md)."""
     if spec.fp8 is not None:
         raise ModelLoadError(f"{source}: FP8 checkpoints cannot be trained; load a bf16 one")
@@ -290,9 +318,3 @@ def _refuse_unsupported(
         raise ValueError(f"dtype={dtype} is invalid: expected torch.float32 or torch.bfloat16")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: expected one of {MODES}")
-    if checkpointing and spec.hybrid:
-        raise ValueError(
-            f"{source}: gradient_checkpointing=True is not supported for hybrid models (their "
-            "Gated DeltaNet layers advance a recurrent state that a recomputed layer would "
-            "advance twice); use gradient_checkpointing=False"
-        )

@@ -8,6 +8,7 @@ tests/contract/test_family_training.py. Tiny random models written by transforme
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -270,11 +271,32 @@ def test_trained_weights_serve_with_the_trainer_bits(
         )
 
 
-def test_gradient_checkpointing_is_refused_for_hybrid_models() -> None:
-    """A recomputed Gated DeltaNet layer would advance its recurrent state twice."""
-    with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported"):
-        LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5", gradient_checkpointing=True)
-    LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5")  # the control: without, loads
+def test_gradient_checkpointing_of_a_hybrid_model(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3.5's Gated DeltaNet layers advance their sequences' states in place; a recomputed
+    layer starts again from the cold state: the same logprobs, gradients within 1e-6. The
+    control: without that reset the recomputation would continue from the advanced state,
+    which the delta rule's backward refuses (it differentiates from a cold start)."""
+    from lockstep.training import model as model_module
+
+    folder = str(folders["qwen3_5"])
+    sequences = _sequences(seed=29, lengths=[5, 70, 18])  # 70: past a 64-row chunk
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
+    plain = LockstepForCausalLM.from_pretrained(folder)
+    out = plain(sequences)
+    _weighted_loss(out.per_sequence(), weights).backward()
+    reference = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    checkpointed = LockstepForCausalLM.from_pretrained(folder, gradient_checkpointing=True)
+    got = checkpointed(sequences)
+    assert torch.equal(got.logprobs, out.logprobs)
+    _weighted_loss(got.per_sequence(), weights).backward()
+    assert _worst_relative_error(checkpointed, reference) < 1e-6
+    monkeypatch.setattr(model_module, "_cold_layer_state", lambda layer, step: nullcontext())
+    loss = _weighted_loss(checkpointed(sequences).per_sequence(), weights)
+    with pytest.raises(ValueError, match="starts at position 0"):
+        loss.backward()
 
 
 # qwen3_5: a hybrid (Gated DeltaNet) model, its sampler's decode steps against the trainer's
