@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 from lockstep import LLM  # noqa: E402
+from lockstep.errors import ModelLoadError  # noqa: E402
 from lockstep.training import LockstepForCausalLM  # noqa: E402
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
@@ -297,6 +298,14 @@ def test_gradient_checkpointing_of_a_hybrid_model(
     loss = _weighted_loss(checkpointed(sequences).per_sequence(), weights)
     with pytest.raises(ValueError, match="starts at position 0"):
         loss.backward()
+
+
+def test_fp8_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
+    from tests.support.tiny_fp8 import write_fp8_folder
+
+    write_fp8_folder(tmp_path / "fp8", "fp8-block")
+    with pytest.raises(ModelLoadError, match="FP8 checkpoints cannot be trained"):
+        LockstepForCausalLM.from_pretrained(str(tmp_path / "fp8"))
 
 
 # qwen3_5: a hybrid (Gated DeltaNet) model, its sampler's decode steps against the trainer's
