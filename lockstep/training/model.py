@@ -203,8 +203,9 @@ class LockstepForCausalLM(nn.Module):
         every token of every sequence, all of them logit rows. The LM head and log-softmax
         run in chunks of rows (training/token_logprobs.py) unless `return_logits` asks for
         the whole [T, vocab] float32 logits."""
-        token_ids, lens = self._pack(sequences, seq_lens)
-        device = token_ids.device
+        host_ids, lens = self._pack(sequences, seq_lens)
+        device = self.get_parameter("model.embed_tokens.weight").device
+        token_ids = host_ids.to(device)
         decoder = self._decoder(max(lens))
         t = token_ids.numel()
         cu = [0, *itertools.accumulate(lens)]
@@ -214,7 +215,7 @@ class LockstepForCausalLM(nn.Module):
         meta = build_attention_meta(lens, [0] * len(lens), [rows[a:b] for a, b in
                                                              itertools.pairwise(cu)])  # fmt: skip
         states = [decoder.new_linear_state() for _ in lens] if self.spec.hybrid else None
-        batch = ForwardBatch.from_lists(token_ids.tolist(), positions, rows, meta, rows, states)
+        batch = ForwardBatch.from_lists(host_ids.tolist(), positions, rows, meta, rows, states)
         kv = ScratchKV(self.spec, t, self.kv_dtype, device)
         x = decoder.hidden_states(batch.to(device), kv)
         logits = None
@@ -252,6 +253,7 @@ class LockstepForCausalLM(nn.Module):
     def _pack(
         self, sequences: Sequence[Sequence[int]] | torch.Tensor, seq_lens: Sequence[int] | None
     ) -> tuple[torch.Tensor, list[int]]:
+        """The batch's token ids on the host (int64 [T]) and its lengths, checked."""
         embed = self.get_parameter("model.embed_tokens.weight")
         device = embed.device
         if device.type != self.device_type or embed.dtype != self.dtype:
@@ -282,7 +284,7 @@ class LockstepForCausalLM(nn.Module):
                 f"a sequence of {longest} tokens is longer than the model's "
                 f"max_position={self.spec.max_position}"
             )
-        return token_ids.to(device), lens
+        return token_ids, lens
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, folder: str | Path) -> None:
