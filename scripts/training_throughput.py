@@ -6,7 +6,7 @@ the same model, weights and tokens, and the bitwise check of its logprobs agains
         --batch 2 --seq-len 64 --steps 1 --warmup 0
 
 Default model: `random:qwen3-8b,layers=4` (Qwen3-8B's shapes, its first 4 layers, embeddings
-and head). One step of either implementation is a forward over `--batch` sequences of
+and head); `--model random:qwen3.5-9b,layers=4` runs the hybrid (Gated DeltaNet) one. One step of either implementation is a forward over `--batch` sequences of
 `--seq-len` random tokens, the loss -sum(logprob of each next token), and its backward, timed
 from the first op to the last gradient (CUDA synchronized); the median over `--steps` after
 `--warmup` is reported. The training module runs them packed (one row per token);

@@ -240,6 +240,11 @@ class Decoder:
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """Run one step: write every row's K/V into `kv` at `batch.out_slots` and return the
         float32 logits [R, vocab] of `batch.logit_rows`."""
+        return self.head_logits(self.hidden_states(batch, kv))
+
+    def hidden_states(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """`forward` up to the LM head: the final-normed rows [R, hidden] of
+        `batch.logit_rows`, in the activation dtype."""
         spec, ops, parallel = self.spec, self.ops, self.parallel
         h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
         if self.embed_scale is not None:
@@ -248,27 +253,44 @@ class Decoder:
         began = {kind: hook.begin(ops, batch) for kind, hook in self.step_hooks.items()}
         step = Step(batch, kv, parallel, began)
         for layer in self.layers:
-            if residual is None:
-                residual = h
-                x = ops.rms_norm(h, layer.input_norm, spec.rms_norm_eps)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, spec.rms_norm_eps)
-            h = layer.plan.mixer.forward(ops, x, layer.mixer, step)
-            if layer.mixer_norm is not None:
-                h = ops.rms_norm(h, layer.mixer_norm, spec.rms_norm_eps)
-            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, spec.rms_norm_eps)
-            h = layer.plan.mlp.forward(ops, x, layer.mlp, step)
-            if layer.mlp_norm is not None:
-                h = ops.rms_norm(h, layer.mlp_norm, spec.rms_norm_eps)
+            h, residual = self.run_layer(layer, h, residual, step)
         assert residual is not None
         for kind, hook in self.step_hooks.items():
             hook.end(began[kind], batch)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
-        x = x.index_select(0, batch.logit_rows)
-        logits = parallel.logits(x, self.lm_head)
-        if spec.final_logit_softcap is not None:
-            logits = ops.softcap(logits, spec.final_logit_softcap)
+        return x.index_select(0, batch.logit_rows)
+
+    def head_logits(self, x: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 logits [R, vocab] of final-normed rows x [R, hidden]: the LM head,
+        then soft-capping where the model has it. Every op is row-local, so a row's logits do
+        not depend on the other rows. `head`: the LM head weight (default the decoder's; the
+        training module passes its own view of it to recompute a chunk of rows)."""
+        logits = self.parallel.logits(x, self.lm_head if head is None else head)
+        if self.spec.final_logit_softcap is not None:
+            logits = self.ops.softcap(logits, self.spec.final_logit_softcap)
         return logits
+
+    def run_layer(
+        self, layer: Layer, h: torch.Tensor, residual: torch.Tensor | None, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of `forward`: (norm, mixer, norm, MLP) on the previous layer's output `h`
+        and the residual stream (None before the first layer); returns both after it. The
+        training module (lockstep/training/model.py) wraps it to recompute layers in the
+        backward."""
+        ops, eps = self.ops, self.spec.rms_norm_eps
+        if residual is None:
+            residual = h
+            x = ops.rms_norm(h, layer.input_norm, eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
+        h = layer.plan.mixer.forward(ops, x, layer.mixer, step)
+        if layer.mixer_norm is not None:
+            h = ops.rms_norm(h, layer.mixer_norm, eps)
+        x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
+        h = layer.plan.mlp.forward(ops, x, layer.mlp, step)
+        if layer.mlp_norm is not None:
+            h = ops.rms_norm(h, layer.mlp_norm, eps)
+        return h, residual
 
     def read_kv(self, kv: KVStorage, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, Hkv, D] (this rank's KV heads) at `slots` of `kv`."""

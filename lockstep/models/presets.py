@@ -528,9 +528,9 @@ def byte_tokenizer(vocab_size: int, add_bos: bool) -> Tokenizer:
 
 
 def load_preset(name: str, random_seed: int) -> tuple[ModelSpec, Tokenizer, RandomWeights]:
-    """A preset by name; "NAME,layers=N" keeps the first N layers of a dense preset (the same
+    """A preset by name; "NAME,layers=N" keeps the first N layers of the preset (the same
     tensors the whole preset has: each is drawn by its own name), for benchmarks and GPU
-    tests of one layer's work at real shapes without loading all of them."""
+    tests of a few layers' work at real shapes without loading all of them."""
     base, _, option = name.partition(",")
     if base not in PRESETS:
         raise ModelLoadError(
@@ -543,15 +543,21 @@ def load_preset(name: str, random_seed: int) -> tuple[ModelSpec, Tokenizer, Rand
 
 
 def _first_layers(spec: ModelSpec, name: str, option: str) -> ModelSpec:
-    """`spec` cut to the layer count `option` ("layers=N") names."""
+    """`spec` cut to the layer count `option` ("layers=N") names: the per-layer fields (layer
+    types of windowed and hybrid models, a MoE model's sparse layers) keep their first N
+    layers' entries, so each kept layer is the layer it is in the whole preset."""
     key, _, value = option.partition("=")
-    per_layer = spec.sliding is not None or spec.linear is not None or spec.moe is not None
     if key != "layers" or not value.isdigit() or not 1 <= int(value) <= spec.num_layers:
         raise ModelLoadError(
             f"random:{name}: expected random:NAME,layers=N with N in 1..{spec.num_layers}"
         )
-    if per_layer:
-        raise ModelLoadError(
-            f"random:{name}: layers=N is for dense presets (this one has per-layer types)"
-        )
-    return dataclasses.replace(spec, num_layers=int(value))
+    n = int(value)
+    cut: dict[str, Any] = {"num_layers": n}
+    for field in ("sliding", "linear"):
+        per_layer = getattr(spec, field)
+        if per_layer is not None:
+            cut[field] = dataclasses.replace(per_layer, layer_types=per_layer.layer_types[:n])
+    if spec.moe is not None:
+        sparse = tuple(i for i in spec.moe.sparse_layers if i < n)
+        cut["moe"] = dataclasses.replace(spec.moe, sparse_layers=sparse)
+    return dataclasses.replace(spec, **cut)

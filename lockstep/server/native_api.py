@@ -49,12 +49,12 @@ from lockstep.server.preparation import (
     check_fan_out,
     check_text_length,
     check_token_ids,
-    choice_seed,
     max_tokens_for,
 )
 from lockstep.server.processing_fields import compile_constraint, native_processing_options
 from lockstep.server.protocol import INT64_MAX, APIError, cache_namespace, clip
 from lockstep.server.responses import json_logprob, sse
+from lockstep.server.sampling import SamplingFields, build_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -445,34 +445,33 @@ def _rids(rid: str | list[str] | None, count: int, batched: bool) -> list[str]:
 
 
 def _sampling_params(item: _Item, sample: int, vocab_size: int) -> SamplingParams:
-    p = item.params
-    seed = choice_seed(p.sampling_seed, sample, "sampling_params.sampling_seed")
-    stop = () if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
+    """Sample `sample` of an item through the one builder (lockstep/server/sampling.py)."""
     wants_top = item.return_logprob and item.top_logprobs_num > 0
     wants_input = item.return_logprob and item.logprob_start_len >= 0
-    try:
-        return SamplingParams(
-            max_tokens=max(p.max_new_tokens, 1),
-            temperature=p.temperature,
-            top_k=max(p.top_k, 0),
-            top_p=p.top_p,
-            min_p=p.min_p,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=tuple(p.stop_token_ids or ()),
-            ignore_eos=p.ignore_eos,
-            include_stop_str_in_output=p.no_stop_trim,
-            skip_special_tokens=p.skip_special_tokens,
-            logprobs=item.top_logprobs_num if wants_top else None,
-            prompt_logprobs=item.top_logprobs_num if wants_input else None,
-            # SGLang leaves the first returned position's logprob out: not computed either,
-            # so a rollout's cached prompt serves the scoring of its output.
-            prompt_logprobs_start=item.logprob_start_len + 1,
-            return_routed_experts=item.return_routed_experts,
-            **native_processing_options(p, vocab_size),
-        )
-    except RequestError as exc:
-        raise APIError(str(exc), param="sampling_params", code="invalid_value") from None
+    return build_sampling_params(
+        native_fields(item.params),
+        choice=sample,
+        logprobs=item.top_logprobs_num if wants_top else None,
+        prompt_logprobs=item.top_logprobs_num if wants_input else None,
+        # SGLang leaves the first returned position's logprob out: not computed either, so a
+        # rollout's cached prompt serves the scoring of its output.
+        prompt_logprobs_start=item.logprob_start_len + 1,
+        processing=native_processing_options(item.params, vocab_size),
+        return_routed_experts=item.return_routed_experts,
+    )
+
+
+def native_fields(p: NativeSamplingParams) -> SamplingFields:
+    """The sampling knobs of SGLang's `sampling_params` (at least one new token, as SGLang
+    generates one where max_new_tokens is 0)."""
+    return SamplingFields(
+        max_tokens=max(p.max_new_tokens, 1), temperature=p.temperature, top_k=p.top_k,
+        top_p=p.top_p, min_p=p.min_p, seed=p.sampling_seed,
+        seed_param="sampling_params.sampling_seed", stop=p.stop,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        keep_stop_string=p.no_stop_trim, skip_special_tokens=p.skip_special_tokens,
+        error_param="sampling_params",
+    )  # fmt: skip
 
 
 def _render(served: Served, item: _Item, started: float, with_text: bool) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from lockstep.server.protocol import (
     CompletionRequest,
     clip,
 )
+from lockstep.server.sampling import SamplingFields, build_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -225,19 +226,6 @@ def max_tokens_for(
     return requested
 
 
-def choice_seed(seed: int | None, choice: int, param: str) -> int | None:
-    """Choice (sample) i of n samples with seed + i; a 400 where that leaves int64."""
-    if seed is None:
-        return None
-    if seed + choice >= 2**63:
-        raise APIError(
-            f"{param} + n - 1 must be below 2**63 ({param}={seed})",
-            param=param,
-            code="invalid_value",
-        )
-    return seed + choice
-
-
 async def logits_processing(
     served: Served, body: CompletionRequest | ChatCompletionRequest
 ) -> dict[str, Any]:
@@ -258,26 +246,25 @@ def sampling_params(
     extra_stop: tuple[str, ...] = (),
     processing: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """`extra_stop`: stop strings the server adds (tools.py)."""
-    seed = choice_seed(body.seed, choice, "seed")
-    stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
-    stop = tuple(stop) + tuple(s for s in extra_stop if s not in stop)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "disabled"
-        top_p=body.top_p,
-        min_p=body.min_p,
-        seed=seed,
-        stop=stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        include_stop_str_in_output=body.keeps_stop_string,
-        skip_special_tokens=body.skip_special_tokens,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        **(processing or {}),
-    )
+    """An OpenAI body's choice `choice` through the one builder (lockstep/server/sampling.py);
+    `extra_stop`: stop strings the server adds (tools.py)."""
+    return build_sampling_params(
+        openai_fields(body, max_tokens), choice=choice, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, extra_stop=extra_stop, processing=processing,
+    )  # fmt: skip
+
+
+def openai_fields(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingFields:
+    """The sampling knobs of a completions or chat completions body (`max_tokens` resolved
+    by the route: the body's, or what the context leaves)."""
+    return SamplingFields(
+        max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        min_p=body.min_p, seed=body.seed, seed_param="seed", stop=body.stop,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        keep_stop_string=body.keeps_stop_string, skip_special_tokens=body.skip_special_tokens,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,11 +41,13 @@ def blocked_attention_grads(
     seq_lens: Sequence[int],
     scale: float,
     block: int = BLOCK,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq [T, Hq, D], dk, dv [T, Hkv, D]) of out = causal softmax(scale q k^T) v
-    per packed sequence (rows cut by `seq_lens`), given dL/dout `grad_out` [T, Hq, D]. q, k,
-    v are the attention's inputs after norms and RoPE; the result has their dtype, widened to
-    float32 unless float64."""
+    """Gradients (dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, Dv]) of out = causal
+    softmax(scale q k^T) v per packed sequence (rows cut by `seq_lens`), given dL/dout
+    `grad_out` [T, Hq, Dv]. q, k, v are the attention's inputs after norms and RoPE (v may be
+    narrower than q and k: MLA's values); the result has their dtype, widened to float32
+    unless float64. `window`: the row at position p sees keys p - window + 1 .. p only."""
     if block < 1:
         raise ValueError(f"block={block} is invalid: expected >= 1")
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -59,9 +61,12 @@ def blocked_attention_grads(
     n, b = qt.shape[0], block
     m = torch.full((n, hq, b), float("-inf"), dtype=wide, device=q.device)
     l = torch.zeros_like(m)  # noqa: E741 (the softmax's sum, as the literature names it)
-    acc = torch.zeros_like(qt)
-    for offset, (rows, keys) in enumerate(tiles.pairs):
-        s = _scores(qt[rows], kt[keys], scale, group, causal=offset == 0)
+    acc = qt.new_zeros(*qt.shape[:-1], vt.shape[-1])
+    pairs = tiles.pairs
+    if window is not None:  # key tiles wholly outside every row's window add nothing
+        pairs = [pair for offset, pair in enumerate(pairs) if (offset - 1) * b + 1 < window]
+    for offset, (rows, keys) in enumerate(pairs):
+        s = _scores(qt[rows], kt[keys], scale, group, offset, window)
         m_old = m[rows]
         m_new = torch.maximum(m_old, s.amax(-1))
         rescale = (m_old - m_new).exp()
@@ -72,9 +77,9 @@ def blocked_attention_grads(
     lse = m + l.log()
     delta = (dot * (acc / l[..., None])).sum(-1, keepdim=True)  # [N, Hq, b, 1]
     dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kt), torch.zeros_like(vt)
-    for offset, (rows, keys) in enumerate(tiles.pairs):
+    for offset, (rows, keys) in enumerate(pairs):
         q_rows, k_keys, do_rows = qt[rows], _repeat(kt[keys], group), dot[rows]
-        s = _scores(q_rows, kt[keys], scale, group, causal=offset == 0)
+        s = _scores(q_rows, kt[keys], scale, group, offset, window)
         p = (s - lse[rows][..., None]).exp()
         dv.index_add_(0, keys, _group_sum(p.transpose(-1, -2) @ do_rows, group))
         ds = p * (do_rows @ _repeat(vt[keys], group).transpose(-1, -2) - delta[rows])
@@ -132,13 +137,20 @@ def _group_sum(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, group: int, causal: bool
+    q: torch.Tensor, k: torch.Tensor, scale: float, group: int, offset: int, window: int | None
 ) -> torch.Tensor:
-    """[pairs, Hq, b, b] scores of query tiles q against key tiles k; `causal` (a query tile
-    against its own key tile): -inf where the key comes after the query."""
+    """[pairs, Hq, b, b] scores of query tiles q against the key tiles `offset` tiles
+    before them: -inf where the key comes after the query (offset 0) or lies outside the
+    query's `window` (a query row i and key row j are offset * b + i - j positions apart).
+    A row whose keys in this tile are all masked adds nothing (its exp underflows to 0 in
+    pass 2; pass 1 keeps its running max)."""
     s = (q @ _repeat(k, group).transpose(-1, -2)) * scale
-    if causal:
-        b = s.shape[-1]
-        after = torch.ones(b, b, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(after, float("-inf"))
+    b = s.shape[-1]
+    rows = torch.arange(b, device=s.device)
+    apart = offset * b + rows[:, None] - rows[None, :]
+    hidden = apart < 0
+    if window is not None:
+        hidden = hidden | (apart >= window)
+    if hidden.any():
+        s = s.masked_fill(hidden, float("-inf"))
     return s

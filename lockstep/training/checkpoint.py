@@ -24,7 +24,10 @@ if TYPE_CHECKING:
     from lockstep.training.model import LockstepForCausalLM
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen3_5": "Qwen3_5ForCausalLM"}  # fmt: skip
+# config.json's model_type where it is not the family's name.
+MODEL_TYPES = {"qwen3_5": "qwen3_5_text"}
 # Files of a source folder that describe the model besides its weights.
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
@@ -55,9 +58,16 @@ def save_folder(model: LockstepForCausalLM, folder: Path) -> None:
 def hf_config(
     spec: ModelSpec, bos_token_id: int | None, eos_token_id: int | None, dtype: str
 ) -> dict[str, Any]:
-    """A transformers config.json for a spec of a trainable family (Llama, Qwen2, Qwen3,
-    Qwen3-MoE: its sparse layers as `mlp_only_layers`' complement), RoPE in transformers 5's
-    `rope_parameters` (Lockstep reads it too)."""
+    """A transformers config.json for a spec of the families a `random:` preset or a GGUF
+    file gives (Llama, Qwen2, Qwen3, Qwen3-MoE: its sparse layers as `mlp_only_layers`'
+    complement; Qwen3.5: its layer types and Gated DeltaNet shapes), RoPE in transformers 5's
+    `rope_parameters` (Lockstep reads it too). A trainer loaded from a folder copies that
+    folder's config instead (`save_folder`)."""
+    if spec.family not in ARCHITECTURES:
+        raise ValueError(
+            f"no config.json writer for family {spec.family!r}: supported "
+            f"{', '.join(ARCHITECTURES)} (load the model from a folder to save it)"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.rope_scaling is not None:
         s = spec.rope_scaling
@@ -65,7 +75,7 @@ def hf_config(
                     high_freq_factor=s.high_freq_factor,
                     original_max_position_embeddings=s.original_max_position)  # fmt: skip
     config: dict[str, Any] = {
-        "model_type": spec.family,
+        "model_type": MODEL_TYPES.get(spec.family, spec.family),
         "architectures": [ARCHITECTURES[spec.family]],
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -85,6 +95,15 @@ def hf_config(
     }
     if spec.family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    if spec.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = spec.partial_rotary_factor
+    if spec.linear is not None:
+        lin = spec.linear
+        config.update(layer_types=list(lin.layer_types), linear_conv_kernel_dim=lin.conv_kernel,
+                      linear_key_head_dim=lin.key_head_dim,
+                      linear_value_head_dim=lin.value_head_dim,
+                      linear_num_key_heads=lin.num_key_heads,
+                      linear_num_value_heads=lin.num_value_heads)  # fmt: skip
     if spec.moe is not None:
         moe = spec.moe
         config.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,

@@ -6,51 +6,58 @@
 
 The contract: for the same tokens and weights, in the same mode, dtype and device, every
 `logprobs` value equals bit for bit what `LLM.score` and the sampler's logprobs give. It
-holds by construction: the forward is the engine decoder's layer loop (lockstep/models/
-decoder.py) calling the same `Ops` backend on the same prepared inputs, each op wrapped in an
-autograd Function (lockstep/training/functions.py). The deterministic backends are batch
-invariant, so where a sequence sits in the packed batch, and what sits beside it, never
-changes its bits.
+holds by construction: the forward IS the engine's decoder (lockstep/models/decoder.py), its
+layer loop and its blocks, run on a differentiable view of the same `Ops` backend
+(lockstep/training/differentiable_ops.py) over one packed step of cold sequences. The
+deterministic backends are batch invariant, so where a sequence sits in the packed batch,
+and what sits beside it, never changes its bits. This module has no layer loop of its own.
 
-Parameters are `nn.Parameter`s under the Hugging Face names (`state_dict()` keys are what
-`save_pretrained` writes and `LLM.update_weights` takes), holding exactly the tensors the
-engine loads: norm weights float32, every other tensor in the model dtype (biases are widened
-to float32 in the forward, as the engine widens them at load). The engine fuses q|k|v and
-gate|up by rows; the forward concatenates the same rows each step, which leaves every output
-element's reduction unchanged and keeps the parameters separate.
+Parameters are `nn.Parameter`s under the canonical (Hugging Face) names (`state_dict()` keys
+are what `LLM.update_weights` takes), holding exactly the tensors the engine loads. Each
+forward prepares the decoder's weights from them with the blocks' own `prepare` (fused q|k|v
+and gate|up rows, MLA's absorbed per-head matrices, stacked experts, norms plus one), as
+differentiable views, so the gradient reaches every parameter.
 
-Supported: the dense families (Llama, Qwen2, Qwen3) and Qwen3-MoE, unquantized, in float32
-or bfloat16, on the CPU or CUDA (the backend and activation dtype the engine picks for the
-device), with the bits of an engine at tensor-parallel degree 1 (`tp_reduction="ranks"`, its
-default) or of an engine at any degree with the chunked reduction (`tp_reduction="chunked"`,
-the default at TP > 1). Hybrid (Qwen3.5) models and FP8 checkpoints are refused at load
-(docs/training.md says what each lacks).
+Every family the engine serves is trainable (lockstep/models/families), unquantized, in
+float32 or bfloat16, on the CPU or CUDA, with the bits of an engine at tensor-parallel degree
+1 (`tp_reduction="ranks"`, its default) or of an engine at any degree with the chunked
+reduction (`tp_reduction="chunked"`). FP8 checkpoints are refused at load.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lockstep.cache.routed_experts import sglang_layout
 from lockstep.errors import ModelLoadError
-from lockstep.models.decoder import activation_dtype
+from lockstep.models.blocks.base import PrepareContext, Step
+from lockstep.models.decoder import Decoder, Layer, ScratchKV, activation_dtype, weight_layout
+from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.resolver import LoadedModel, resolve_model
-from lockstep.models.rope import rope_tables
 from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer
 from lockstep.ops import build_attention_meta, get_ops
-from lockstep.ops.base import AttentionInput, AttentionMeta, Ops
-from lockstep.parallel.sharding import chunk_bounds, tree_sum
+from lockstep.ops.base import Ops
+from lockstep.parallel.layers import TensorParallel
+from lockstep.parallel.sharding import ShardPlan
 from lockstep.training import functions as fn
+from lockstep.training.differentiable_ops import DifferentiableOps
+from lockstep.training.token_logprobs import token_logprobs
 
-TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MODES = ("deterministic", "fast")
+# Canonical tensors that are constants of the model, not weights to train: DeepSeek-V3's
+# routing correction bias (a buffer in transformers too; it moves only the expert choice,
+# which has no gradient).
+BUFFERS = (".e_score_correction_bias",)
 # The engine's row-parallel reductions at TP 1 (lockstep/parallel/layers.py) this module
 # reproduces: "ranks", the one-call linear (the TP 1 default), and "chunked", the fixed
 # chunks and tree that give every tensor-parallel degree the same bits (the TP > 1 default).
@@ -89,30 +96,59 @@ class PackedOutput:
         return [self.routed_experts[cu[b] : cu[b + 1] - 1] for b in range(len(cu) - 1)]
 
 
-@dataclass
-class _Batch:
-    """One packed batch's layout on the device: token ids, positions, attention metadata."""
+class _TrainingDecoder(Decoder):
+    """The engine's decoder, each layer optionally recomputed in the backward
+    (`checkpointing`): the recomputation runs the same ops on the same inputs, so it has
+    the same bits. A Gated DeltaNet layer advances its sequences' states in place, so its
+    recomputation first puts its slice of every state back to the cold start the step began
+    from (training steps are cold prefills)."""
 
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMeta
-    seq_lens: list[int]
+    checkpointing = False
 
-    @property
-    def cu_seqlens(self) -> list[int]:
-        cu = [0]
-        for n in self.seq_lens:
-            cu.append(cu[-1] + n)
-        return cu
+    def run_layer(
+        self, layer: Layer, h: torch.Tensor, residual: torch.Tensor | None, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.checkpointing and torch.is_grad_enabled()):
+            return super().run_layer(layer, h, residual, step)
+
+        def run(
+            h: torch.Tensor, residual: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            with _cold_layer_state(layer, step):
+                return Decoder.run_layer(self, layer, h, residual, step)
+
+        return checkpoint(run, h, residual, use_reentrant=False)  # type: ignore[return-value]
+
+
+@contextmanager
+def _cold_layer_state(layer: Layer, step: Step) -> Iterator[None]:
+    """Within: a stateful mixer's slice of every sequence's `LinearState` zeroed and its
+    position 0, as at the step's start (the step hook advances the positions after the last
+    layer, before a recomputation); nothing for a mixer whose cache is the KV pool."""
+    states = step.batch.linear_states
+    if layer.plan.mixer.cache != "state" or not states:
+        yield
+        return
+    index, positions = layer.mixer.state_index, [state.position for state in states]
+    with torch.no_grad():
+        for state in states:
+            for t in (state.conv, state.recurrent, state.open_k, state.open_gamma, state.open_u,
+                      state.open_beta):  # fmt: skip
+                t[index].zero_()
+            state.position = 0
+    try:
+        yield
+    finally:
+        for state, position in zip(states, positions, strict=True):
+            state.position = position
 
 
 class LockstepForCausalLM(nn.Module):
-    """A dense causal LM with the engine's forward (module docstring). Build it with
+    """A causal LM with the engine's forward (module docstring). Build it with
     `from_pretrained`; `gradient_checkpointing` recomputes each layer in the backward instead
-    of keeping its activations (the recomputation has the same bits: the forward is
-    deterministic). `tp_reduction`: the engine reduction of o_proj and down_proj whose bits
-    to give (`REDUCTIONS`). `ops`: a backend instead of the engine's for `device` and `mode`
-    (tests run the Triton backend on CPU tensors under its interpreter)."""
+    of keeping its activations. `tp_reduction`: the engine reduction of o_proj and
+    down_proj whose bits to give (`REDUCTIONS`). `ops`: a backend instead of the engine's for
+    `device` and `mode` (tests run the Triton backend on CPU tensors under its interpreter)."""
 
     def __init__(
         self,
@@ -144,11 +180,11 @@ class LockstepForCausalLM(nn.Module):
         self.act_dtype = activation_dtype(device, dtype)
         self.kv_dtype = dtype
         self.gradient_checkpointing = gradient_checkpointing
-        cos, sin = rope_tables(spec, spec.max_position)
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        # Rows per chunk of the LM head and log-softmax (None: token_logprobs.CHUNK_ELEMENTS
+        # logits per chunk); the bits do not depend on it.
+        self.logprob_chunk_rows: int | None = None
         for name, tensor in loaded.iter_weights(dtype, device):
-            _register(self, name, nn.Parameter(tensor.clone()))
+            _register(self, name, tensor.clone())
 
     @classmethod
     def from_pretrained(
@@ -180,116 +216,72 @@ class LockstepForCausalLM(nn.Module):
     ) -> PackedOutput:
         """Per-token logprobs of a packed batch: `sequences` as lists of token ids, or one
         flat tensor of ids [T] with `seq_lens` (every length >= 1). Each sequence is a cold
-        prefill from position 0 and sees only its own tokens. `return_routed_experts`: the
-        experts this forward routed each row to (`PackedOutput.routed_experts`; a MoE model),
-        what a trainer compares with the rollout's or replays."""
-        batch = self._pack(sequences, seq_lens)
+        prefill from position 0 and sees only its own tokens: one engine step whose rows are
+        every token of every sequence, all of them logit rows. The LM head and log-softmax
+        run in chunks of rows (training/token_logprobs.py) unless `return_logits` asks for
+        the whole [T, vocab] float32 logits. `return_routed_experts`: the experts this forward
+        routed each row to (`PackedOutput.routed_experts`; a MoE model), what a trainer
+        compares with the rollout's or replays."""
+        if return_routed_experts and self.spec.moe is None:
+            raise ValueError(
+                f"return_routed_experts=True is invalid for {self.spec.family}: it is not a "
+                "mixture-of-experts model"
+            )
+        host_ids, lens = self._pack(sequences, seq_lens)
+        device = self.get_parameter("model.embed_tokens.weight").device
+        token_ids = host_ids.to(device)
+        decoder = self._decoder(max(lens))
+        t = token_ids.numel()
+        cu = [0, *itertools.accumulate(lens)]
+        rows = list(range(t))
+        positions = [p for n in lens for p in range(n)]
+        # Slot j of the scratch cache holds row j: sequence b's keys are its own rows.
+        meta = build_attention_meta(lens, [0] * len(lens), [rows[a:b] for a, b in
+                                                             itertools.pairwise(cu)])  # fmt: skip
+        states = [decoder.new_linear_state() for _ in lens] if self.spec.hybrid else None
+        batch = ForwardBatch.from_lists(host_ids.tolist(), positions, rows, meta, rows, states)
+        # The MoE blocks write each row's experts into the scratch store at its slot, row j.
+        kv = ScratchKV(self.spec, t, self.kv_dtype, device, routed_experts=return_routed_experts)
+        x = decoder.hidden_states(batch.to(device), kv)
+        logits = None
+        if return_logits:
+            logits = decoder.head_logits(x)
+            picked = fn.log_softmax(self.ops, logits).gather(1, token_ids.roll(-1)[:, None])[:, 0]
+        else:  # chunks of rows: no [T, vocab] float32 tensor lives through the backward
+            picked = token_logprobs(decoder, x, token_ids.roll(-1), self.logprob_chunk_rows)
+        # Row j - 1 predicts token j; each sequence's first token has no logprob (0.0).
+        mask = torch.ones(t, dtype=torch.bool, device=device)
+        mask[cu[:-1]] = False
+        before = torch.arange(t, device=device).clamp(min=1) - 1
+        logprobs = torch.where(mask, picked[before], torch.zeros_like(picked))
         routed = None
-        if return_routed_experts:
-            moe = self.spec.moe
-            if moe is None:
-                raise ValueError(
-                    f"return_routed_experts=True is invalid for {self.spec.family}: it is not a "
-                    "mixture-of-experts model"
-                )
-            t = batch.token_ids.numel()
-            routed = torch.zeros((t, self.spec.num_layers, moe.top_k), dtype=torch.int32,
-                                 device=batch.token_ids.device)  # fmt: skip
-        h = self.get_parameter("model.embed_tokens.weight")[batch.token_ids].to(self.act_dtype)
-        residual: torch.Tensor | None = None
-        for i in range(self.spec.num_layers):
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                h, residual = checkpoint(
-                    self._layer, i, h, residual, batch, routed, use_reentrant=False
-                )
-            else:
-                h, residual = self._layer(i, h, residual, batch, routed)
-        assert residual is not None
-        eps = self.spec.rms_norm_eps
-        x, _ = fn.add_rms_norm(self.ops, h, residual, self._norm("model.norm.weight"), eps)
-        head = "model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
-        logits = fn.linear(self.ops, x, self.get_parameter(head)).float()
-        logprobs_all = fn.log_softmax(self.ops, logits)
-        out = self._token_logprobs(batch, logprobs_all, logits if return_logits else None)
-        out.routed_experts = routed
-        return out
+        if kv.routed_experts is not None:
+            routed = torch.from_numpy(sglang_layout(self.spec, kv.routed_experts)).to(device)
+        return PackedOutput(logprobs, mask, cu, logits, routed)
 
-    def _layer(
-        self, i: int, h: torch.Tensor, residual: torch.Tensor | None, batch: _Batch,
-        routed: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Layer i as `Decoder.forward` runs it: (norm, attention, norm, MLP), the MLP a
-        routed-experts one in a sparse layer (Qwen3-MoE), which writes the experts it routed
-        each row to into `routed[:, i]` when given."""
-        ops, eps, p = self.ops, self.spec.rms_norm_eps, f"model.layers.{i}."
-        input_norm = self._norm(p + "input_layernorm.weight")
-        if residual is None:
-            residual = h
-            x = fn.rms_norm(ops, h, input_norm, eps)
-        else:
-            x, residual = fn.add_rms_norm(ops, h, residual, input_norm, eps)
-        h = self._attention(p + "self_attn.", x, batch)
-        x, residual = fn.add_rms_norm(
-            ops, h, residual, self._norm(p + "post_attention_layernorm.weight"), eps
-        )
-        m = p + "mlp."
-        moe = self.spec.moe
-        if moe is not None and i in moe.sparse_layers:
-            experts = [
-                tuple(self.get_parameter(f"{m}experts.{e}.{q}_proj.weight")
-                      for q in ("gate", "up", "down"))
-                for e in range(moe.num_experts)
-            ]  # fmt: skip
-            router = self.get_parameter(m + "gate.weight")
-            ids = None if routed is None else routed[:, i]
-            return fn.moe(ops, x, router, experts, moe.top_k, moe.renormalize, ids), residual
-        gate_up = self._cat([m + "gate_proj.weight", m + "up_proj.weight"])
-        act = fn.silu_mul(ops, fn.linear(ops, x, gate_up))
-        down = self.get_parameter(m + "down_proj.weight")
-        return self._row_linear(act, down, 1, self.spec.intermediate_size), residual
-
-    def _attention(self, a: str, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        """The attention block (lockstep/models/blocks/attention.py) on the packed rows."""
-        spec, ops = self.spec, self.ops
-        qkv_w = self._cat([a + f"{p}_proj.weight" for p in "qkv"])
-        bias = self._cat([a + f"{p}_proj.bias" for p in "qkv"]).float() if spec.qkv_bias else None
-        qkv = fn.linear(ops, x, qkv_w, bias)
-        q_norm = self._norm(a + "q_norm.weight") if spec.qk_norm else None
-        k_norm = self._norm(a + "k_norm.weight") if spec.qk_norm else None
-        layer = AttentionInput(
-            spec.num_heads, None, None, spec.rms_norm_eps, self.rope_cos, self.rope_sin
-        )
-        o = fn.causal_attention(
-            ops, qkv, q_norm, k_norm, layer, batch.positions, batch.meta, batch.seq_lens,
-            self.kv_dtype, 1.0 / math.sqrt(spec.head_dim),
-        )  # fmt: skip
-        return self._row_linear(o, self.get_parameter(a + "o_proj.weight"), spec.head_dim,
-                                spec.num_heads)  # fmt: skip
-
-    def _row_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, unit: int, units: int
-    ) -> torch.Tensor:
-        """o_proj or down_proj (K = `units` heads or columns of `unit` columns each) as
-        `TensorParallel.row_linear` computes it at TP 1 under `tp_reduction`."""
-        if self.tp_reduction == "ranks":
-            return fn.linear(self.ops, x, weight)
-        partials = [
-            None if lo == hi
-            else fn.partial_linear(self.ops, x[:, lo * unit : hi * unit],
-                                   weight[:, lo * unit : hi * unit])
-            for lo, hi in chunk_bounds(units)
-        ]  # fmt: skip
-        return tree_sum(partials).to(x.dtype)
-
-    def _norm(self, name: str) -> torch.Tensor:
-        return self.get_parameter(name).float()  # the engine keeps norms in float32
-
-    def _cat(self, names: list[str]) -> torch.Tensor:
-        return torch.cat([self.get_parameter(n) for n in names], dim=0)
+    def _decoder(self, longest: int) -> _TrainingDecoder:
+        """The engine's decoder over this module's parameters: every weight prepared by its
+        block's `prepare` (decoder.weight_layout) on the differentiable ops, so each prepared
+        weight is a view of parameters autograd follows back. RoPE tables for `longest`
+        positions (a table row is a function of its position alone)."""
+        spec, device = self.spec, self.get_parameter("model.embed_tokens.weight").device
+        ops = DifferentiableOps(self.ops)
+        parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), self.tp_reduction)
+        context = PrepareContext(spec, parallel, self.dtype, device)
+        params = self.state_dict(keep_vars=True)  # parameters and buffers, as autograd sees them
+        parts: dict[str, Any] = {
+            entry.target: prepare(entry, [params[n] for n in entry.sources], context)
+            for entry, prepare in weight_layout(spec)
+        }
+        decoder = _TrainingDecoder(spec, ops, self.dtype, device, parts, longest, parallel,  # type: ignore[arg-type]
+                                   self.kv_dtype)  # fmt: skip
+        decoder.checkpointing = self.gradient_checkpointing
+        return decoder
 
     def _pack(
         self, sequences: Sequence[Sequence[int]] | torch.Tensor, seq_lens: Sequence[int] | None
-    ) -> _Batch:
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The batch's token ids on the host (int64 [T]) and its lengths, checked."""
         embed = self.get_parameter("model.embed_tokens.weight")
         device = embed.device
         if device.type != self.device_type or embed.dtype != self.dtype:
@@ -303,7 +295,7 @@ class LockstepForCausalLM(nn.Module):
             if seq_lens is None:
                 raise ValueError("seq_lens=None with a flat tensor of ids: expected the lengths")
             lens = [int(n) for n in seq_lens]
-            token_ids = sequences.to(device=device, dtype=torch.int64).reshape(-1)
+            token_ids = sequences.to(device="cpu", dtype=torch.int64).reshape(-1)
         else:
             if seq_lens is not None:
                 raise ValueError("seq_lens is for a flat tensor of ids, not lists of sequences")
@@ -320,28 +312,7 @@ class LockstepForCausalLM(nn.Module):
                 f"a sequence of {longest} tokens is longer than the model's "
                 f"max_position={self.spec.max_position}"
             )
-        positions = torch.cat([torch.arange(n) for n in lens])
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        # Slot j of the scratch cache holds row j: sequence b's keys are its own rows.
-        slots = [list(range(s, s + n)) for s, n in zip(starts, lens, strict=True)]
-        meta = build_attention_meta(lens, [0] * len(lens), slots)
-        return _Batch(token_ids.to(device), positions.to(device), meta.to(device), lens)
-
-    def _token_logprobs(
-        self, batch: _Batch, logprobs_all: torch.Tensor, logits: torch.Tensor | None
-    ) -> PackedOutput:
-        """Row j - 1's log-probability of token j, for every j but each sequence's first."""
-        t = batch.token_ids.numel()
-        cu = batch.cu_seqlens
-        device = batch.token_ids.device
-        mask = torch.ones(t, dtype=torch.bool, device=device)
-        mask[cu[:-1]] = False
-        rows = torch.arange(t, device=device).clamp(min=1) - 1
-        picked = logprobs_all[rows, batch.token_ids]
-        logprobs = torch.where(mask, picked, torch.zeros_like(picked))
-        return PackedOutput(logprobs, mask, cu, logits)
+        return token_ids, lens
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, folder: str | Path) -> None:
@@ -352,9 +323,9 @@ class LockstepForCausalLM(nn.Module):
         save_folder(self, Path(folder))
 
 
-def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Place `param` at dotted `name` under `root`, making the modules between, so that
-    `state_dict()` and `named_parameters()` use the Hugging Face names."""
+def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Place `tensor` at dotted `name` under `root`, making the modules between, so that
+    `state_dict()` uses the canonical names: a parameter, or a buffer for `BUFFERS`."""
     *path, leaf = name.split(".")
     module = root
     for part in path:
@@ -363,16 +334,14 @@ def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
             child = nn.Module()
             module.add_module(part, child)
         module = child
-    module.register_parameter(leaf, param)
+    if name.endswith(BUFFERS):
+        module.register_buffer(leaf, tensor)
+    else:
+        module.register_parameter(leaf, nn.Parameter(tensor))
 
 
 def _refuse_unsupported(spec: ModelSpec, source: str, dtype: torch.dtype, mode: str) -> None:
     """One line naming what the training module cannot run (docs/training.md)."""
-    if spec.family not in TRAINABLE_FAMILIES:
-        raise ModelLoadError(
-            f"{source}: family {spec.family!r} has no training forward yet; supported: "
-            f"{', '.join(TRAINABLE_FAMILIES)}"
-        )
     if spec.fp8 is not None:
         raise ModelLoadError(f"{source}: FP8 checkpoints cannot be trained; load a bf16 one")
     if dtype not in (torch.float32, torch.bfloat16):

@@ -1,12 +1,14 @@
 """The training module (lockstep.training): its logprobs are the engine's bits for packed
 batches of any composition and order, its gradients are transformers' (float32, relative
 1e-4), and trained weights go back to the engine (in-process and through a saved folder)
-with the trainer's bits; dense families and Qwen3-MoE. Tiny random models written by
-transformers (tests/support/tiny_hf.py)."""
+with the trainer's bits; the dense families here, every family's row in
+tests/contract/test_family_training.py. Tiny random models written by transformers
+(tests/support/tiny_hf.py)."""
 
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,13 @@ import transformers  # noqa: E402
 
 from lockstep import LLM  # noqa: E402
 from lockstep.errors import ModelLoadError  # noqa: E402
-from lockstep.models.moe import split_fused_experts  # noqa: E402
 from lockstep.training import LockstepForCausalLM  # noqa: E402
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
 VOCAB = 300  # tiny_hf's
 LENGTHS = [1, 3, 9, 17, 33, 40]  # across the engine's 16-token chunks and 64-token batches
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FOLDERS = ("llama", "qwen2", "qwen3", "qwen3_5")  # qwen3_5: the hybrid GRPO run
 
 
 def _sequences(seed: int, lengths: list[int] = LENGTHS) -> list[list[int]]:
@@ -49,9 +51,9 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("training")
-    for family in ("llama", "qwen2", "qwen3"):
+    for family in FOLDERS:
         save_tiny(family, root / family)
-    return {family: root / family for family in ("llama", "qwen2", "qwen3")}
+    return {family: root / family for family in FOLDERS}
 
 
 # llama: Llama 3 RoPE scaling; qwen2: q/k/v biases, tied embeddings; qwen3: q/k norms, GQA.
@@ -162,9 +164,70 @@ def test_gradients_are_transformers_autograd(
     assert _worst_relative_error(model, reference) > 1e-4
 
 
-# qwen2 from a folder (tied embeddings: config and tokenizer copied); llama from a random
-# preset (config.json written from the spec, tokenizer files from Lockstep's tokenizer).
-@pytest.mark.parametrize("source, dtype", [("qwen2", "bfloat16"), ("random:tiny", "float32")])
+# qwen2: tied embeddings (the head's gradient adds to the embedding's); qwen3_5: the hybrid.
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_the_head_in_chunks_of_rows_gives_the_whole_heads_bits_and_gradients(
+    folders: dict[str, Path], family: str
+) -> None:
+    """The default forward runs the LM head and log-softmax a chunk of rows at a time
+    (lockstep/training/token_logprobs.py); with chunks of 5 rows (several per sequence) its
+    logprobs are those of the whole [T, vocab] logits (`return_logits=True`) bit for bit, and
+    its gradients theirs within 1e-6."""
+    sequences = _sequences(seed=19, lengths=[3, 12, 7])
+    gen = torch.Generator().manual_seed(2)
+    weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
+    model = LockstepForCausalLM.from_pretrained(str(folders[family]))
+    whole = model(sequences, return_logits=True)
+    _weighted_loss(whole.per_sequence(), weights).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.logprob_chunk_rows = 5
+    chunked = model(sequences)
+    assert chunked.logits is None
+    assert torch.equal(chunked.logprobs, whole.logprobs)
+    _weighted_loss(chunked.per_sequence(), weights).backward()
+    assert _worst_relative_error(model, reference) < 1e-6
+    # The control: a sequence with one token changed gives other logprobs and gradients.
+    model.zero_grad()
+    changed = [list(s) for s in sequences]
+    changed[1][4] = (changed[1][4] + 1) % VOCAB
+    out = model(changed)
+    assert not torch.equal(out.logprobs, whole.logprobs)
+    _weighted_loss(out.per_sequence(), weights).backward()
+    assert _worst_relative_error(model, reference) > 1e-6
+
+
+def test_the_backward_keeps_no_tensor_of_every_rows_logits(folders: dict[str, Path]) -> None:
+    """What autograd saves for the backward: with the head in chunks, no tensor of logits or
+    log-probabilities at all (the control: `return_logits=True` keeps the whole [T, vocab]
+    log-softmax)."""
+    sequences = _sequences(seed=23, lengths=[30, 40, 25])
+    model = LockstepForCausalLM.from_pretrained(str(folders["qwen3"]))
+    model.logprob_chunk_rows = 16
+
+    def vocab_rows_saved(return_logits: bool) -> int:
+        """The most rows of any saved tensor [rows, vocab]."""
+        rows = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 2 and t.shape[1] == VOCAB:
+                rows.append(t.shape[0])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(sequences, return_logits=return_logits)
+        return max(rows)
+
+    assert vocab_rows_saved(return_logits=False) == 0
+    assert vocab_rows_saved(return_logits=True) == sum(map(len, sequences))
+
+
+# qwen2 from a folder (tied embeddings: config and tokenizer copied); llama and Qwen3.5 (hybrid)
+# from a random preset (config.json written from the spec, tokenizer files from Lockstep's).
+@pytest.mark.parametrize(
+    "source, dtype",
+    [("qwen2", "bfloat16"), ("random:tiny", "float32"), ("random:tiny-qwen3.5", "float32")],
+)
 def test_trained_weights_serve_with_the_trainer_bits(
     folders: dict[str, Path], tmp_path: Path, source: str, dtype: str
 ) -> None:
@@ -209,47 +272,49 @@ def test_trained_weights_serve_with_the_trainer_bits(
         )
 
 
-def test_qwen3_moe_bits_gradients_and_weight_update(tmp_path: Path) -> None:
-    """Qwen3-MoE (routed experts, some layers dense): the engine's bits for a packed batch in
-    two orders (control: fast mode differs), transformers' float32 gradients (its fused
-    expert tensors split per expert; experts no token chose get none), and an optimizer step
-    served by `update_weights` with the trainer's bits (control: the old weights differ)."""
-    folder = tmp_path / "qwen3_moe"
-    save_tiny("qwen3_moe", folder)
-    sequences = _sequences(seed=4, lengths=[2, 9, 17, 5])
-    llm = _llm(str(folder), "float32")
-    scores = _scores(llm, sequences)
-    model = LockstepForCausalLM.from_pretrained(str(folder))
-    fast = LockstepForCausalLM.from_pretrained(str(folder), mode="fast")
-    with torch.no_grad():
-        assert _bitwise_equal(model(sequences).per_sequence(), scores)
-        assert _bitwise_equal(model(sequences[::-1]).per_sequence()[::-1], scores)
-        assert not _bitwise_equal(fast(sequences).per_sequence(), scores)
-    gen = torch.Generator().manual_seed(0)
+def test_gradient_checkpointing_of_a_hybrid_model(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3.5's Gated DeltaNet layers advance their sequences' states in place; a recomputed
+    layer starts again from the cold state: the same logprobs, gradients within 1e-6. The
+    control: without that reset the recomputation would continue from the advanced state,
+    which the delta rule's backward refuses (it differentiates from a cold start)."""
+    from lockstep.training import model as model_module
+
+    folder = str(folders["qwen3_5"])
+    sequences = _sequences(seed=29, lengths=[5, 70, 18])  # 70: past a 64-row chunk
+    gen = torch.Generator().manual_seed(4)
     weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
-    reference = dict(split_fused_experts(_transformers_grads(folder, sequences, weights).items()))
-    _weighted_loss(model(sequences).per_sequence(), weights).backward()
-    chosen = {n: r for n, r in reference.items() if r.norm() > 0}
-    unchosen = [dict(model.named_parameters())[n].grad for n in reference if n not in chosen]
-    assert all(g is None or not g.any() for g in unchosen)
-    assert _worst_relative_error(model, chosen) < 1e-4
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    with torch.no_grad():
-        trained = model(sequences).per_sequence()
-    assert not _bitwise_equal(scores, trained)
-    llm.update_weights(model.state_dict())
-    assert _bitwise_equal(_scores(llm, sequences), trained)
+    plain = LockstepForCausalLM.from_pretrained(folder)
+    out = plain(sequences)
+    _weighted_loss(out.per_sequence(), weights).backward()
+    reference = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    checkpointed = LockstepForCausalLM.from_pretrained(folder, gradient_checkpointing=True)
+    got = checkpointed(sequences)
+    assert torch.equal(got.logprobs, out.logprobs)
+    _weighted_loss(got.per_sequence(), weights).backward()
+    assert _worst_relative_error(checkpointed, reference) < 1e-6
+    monkeypatch.setattr(model_module, "_cold_layer_state", lambda layer, step: nullcontext())
+    loss = _weighted_loss(checkpointed(sequences).per_sequence(), weights)
+    with pytest.raises(ValueError, match="starts at position 0"):
+        loss.backward()
 
 
-def test_families_without_a_training_forward_are_refused() -> None:
-    with pytest.raises(ModelLoadError, match="no training forward yet"):
-        LockstepForCausalLM.from_pretrained("random:tiny-qwen3.5")
+def test_fp8_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
+    from tests.support.tiny_fp8 import write_fp8_folder
+
+    write_fp8_folder(tmp_path / "fp8", "fp8-block")
+    with pytest.raises(ModelLoadError, match="FP8 checkpoints cannot be trained"):
+        LockstepForCausalLM.from_pretrained(str(tmp_path / "fp8"))
 
 
-def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path]) -> None:
+# qwen3_5: a hybrid (Gated DeltaNet) model, its sampler's decode steps against the trainer's
+# packed prefill.
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path], family: str) -> None:
     from lockstep.training.grpo import run
 
-    folder = str(folders["qwen3"])
+    folder = str(folders[family])
 
     def mean_code_point(text: str) -> float:  # varies across a random byte model's samples
         return sum(map(ord, text)) / max(len(text), 1)

@@ -12,8 +12,9 @@ embeddings and head):
   * after two AdamW steps, `LLM.update_weights(state_dict())` samples the trained weights:
     the sampler's logprobs and `LLM.score` equal the module's (control: before the update
     they differ);
-  * Qwen3-MoE (`random:tiny-qwen3-moe`) through the Triton MoE kernels: `LLM.score`'s bits
-    (control: fast mode), finite gradients.
+  * every family's tiny preset (Qwen3-MoE, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+    Gemma 3, Mistral, Phi-3) through the Triton kernels: `LLM.score`'s bits (control: fast
+    mode), finite gradients.
 
 Only where CUDA is present; the CPU runs the same code on the CPU kernels
 (tests/contract/test_training.py) and on the Triton kernels under the interpreter
@@ -199,24 +200,33 @@ def test_trained_weights_sample_with_the_trainer_bits_on_cuda(llm, policy) -> No
         assert torch.equal(lps[len(p) - 1 :].cpu(), sampled)  # the sampler's bits
 
 
-def test_qwen3_moe_logprobs_are_llm_score_bits_on_cuda() -> None:
-    """The routed experts through the Triton MoE kernels (`random:tiny-qwen3-moe`, bf16): the
-    engine's bits for a packed batch (control: fast mode), finite gradients."""
+# Every family's tiny preset (the families' layer variants: routed experts, hybrid Gated
+# DeltaNet, hybrid MoE, Qwen3-Next's grouped projections, MLA with DeepSeek routing, Gemma 3's
+# windows and soft-capping, Mistral's window, Phi-3's LongRoPE).
+TINY = ("random:tiny-qwen3-moe", "random:tiny-qwen3.5", "random:tiny-qwen3.5-moe",
+        "random:tiny-qwen3-next", "random:tiny-deepseek-v3", "random:tiny-gemma3",
+        "random:tiny-mistral", "random:tiny-phi3")  # fmt: skip
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_family_logprobs_are_llm_score_bits_on_cuda(model: str) -> None:
+    """Each family through the Triton kernels (bf16): the engine's bits for a packed batch
+    (control: fast mode), finite gradients on every parameter."""
     from lockstep import LLM
     from lockstep.training import LockstepForCausalLM
 
-    model = "random:tiny-qwen3-moe"
     llm = LLM(model, device=DEVICE, dtype="bfloat16", kv_tokens=8192, max_model_len=1024)
+    policy = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE)
     rng = random.Random(3)
-    sequences = [[rng.randrange(512) for _ in range(rng.randint(1, 300))] for _ in range(6)]
+    vocab = policy.spec.vocab_size
+    sequences = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(6)]
     expected = _scores(llm, sequences)
     llm.close()
-    policy = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE)
     out = policy(sequences)
     assert _bitwise_equal(out.per_sequence(), expected)
     (-out.logprobs.sum()).backward()
-    grads = [p.grad for p in policy.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
+    params = list(policy.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
     fast = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE, mode="fast")
     with torch.no_grad():
         assert not _bitwise_equal(fast(sequences).per_sequence(), expected)

@@ -600,8 +600,23 @@ def test_a_preset_cut_to_its_first_layers_keeps_their_tensors():
                 "random:tiny-qwen3,depth=1"):  # fmt: skip
         with pytest.raises(ModelLoadError, match="layers=N with N in 1..2"):
             resolve_model(bad)
-    with pytest.raises(ModelLoadError, match="for dense presets"):
-        resolve_model("random:tiny-qwen3-moe,layers=1")
+
+
+# Presets with per-layer fields: a hybrid's layer types, a MoE model's sparse layers, Gemma 3's
+# windows, DeepSeek-V3's dense first layer.
+@pytest.mark.parametrize(
+    "name, layers",
+    [("tiny-qwen3.5", 2), ("tiny-qwen3-moe", 1), ("tiny-gemma3", 2), ("tiny-deepseek-v3", 2)],
+)
+def test_a_per_layer_preset_cut_keeps_its_first_layers_as_they_are(name: str, layers: int):
+    whole = resolve_model(f"random:{name}")
+    cut = resolve_model(f"random:{name},layers={layers}")
+    assert cut.spec.num_layers == layers
+    assert cut.spec.layer_plans == whole.spec.layer_plans[:layers]
+    tensors = dict(whole.iter_weights(torch.float32, "cpu"))
+    weights = dict(cut.iter_weights(torch.float32, "cpu"))
+    assert not any(n.startswith(f"model.layers.{layers}.") for n in weights)
+    assert all(torch.equal(t, tensors[n]) for n, t in weights.items())
 
 
 def test_preset_scales_keep_activations_order_one():

@@ -1,10 +1,12 @@
 """The blocked attention backward (lockstep/training/attention_grad.py): its gradients are the
 full-matrix autograd gradients (float32, relative 1e-5) on a packed batch of several
-sequences with grouped-query heads, and no tensor it makes is larger than one [Hq, block,
+sequences with grouped-query heads, with a sliding window (windows shorter than, equal to and
+longer than a tile) and with values narrower than the keys (MLA), and no tensor it makes is larger than one [Hq, block,
 block] tile of scores per query tile, where the full-matrix backward makes [Hq, n, n]."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,8 +33,11 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention per sequence with the whole [Hq, n, n] score matrix (transformers')."""
+def _dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention per sequence with the whole [Hq, n, n] score matrix (transformers'),
+    a row at position p seeing keys p - window + 1 .. p where a window is given."""
     outs, start = [], 0
     for n in SEQ_LENS:
         qb = q[start : start + n].transpose(0, 1)
@@ -40,6 +45,8 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         vb = v[start : start + n].transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         scores = (qb @ kb.transpose(1, 2)) * SCALE
         causal = torch.ones(n, n, dtype=torch.bool).tril()
+        if window is not None:
+            causal &= torch.ones(n, n, dtype=torch.bool).triu(1 - window)
         weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         outs.append((weights @ vb).transpose(0, 1))
         start += n
@@ -56,9 +63,34 @@ def _inputs() -> tuple[torch.Tensor, ...]:
     return q, k, v, grad
 
 
-def _dense_grads(q, k, v, grad):  # type: ignore[no-untyped-def]
+def _dense_grads(q, k, v, grad, window=None):  # type: ignore[no-untyped-def]
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    return torch.autograd.grad(_dense(*leaves), leaves, grad)
+    return torch.autograd.grad(_dense(*leaves, window), leaves, grad)
+
+
+@pytest.mark.parametrize("window", [2, 8, BLOCK, 45, 200])  # 1: dq is exactly 0
+def test_windowed_gradients_equal_the_full_matrix_gradients(window: int) -> None:
+    q, k, v, grad = _inputs()
+    expected = _dense_grads(q, k, v, grad, window)
+    got = blocked_attention_grads(q, k, v, grad, SEQ_LENS, SCALE, block=BLOCK, window=window)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert ((g - e).norm() / e.norm()).item() < 1e-5, name
+    # The control: without the window the gradient is another one.
+    unwindowed = blocked_attention_grads(q, k, v, grad, SEQ_LENS, SCALE, block=BLOCK)
+    assert ((unwindowed[1] - expected[1]).norm() / expected[1].norm()).item() > 1e-2
+
+
+def test_values_narrower_than_keys() -> None:
+    """MLA's latent attention: the values are the first columns of the keys' rows."""
+    q, k, _, _ = _inputs()
+    narrow = D // 4
+    v = k[..., :narrow].clone()
+    grad = torch.randn(q.shape[0], HQ, narrow, generator=torch.Generator().manual_seed(1))
+    expected = _dense_grads(q, k, v, grad)
+    got = blocked_attention_grads(q, k, v, grad, SEQ_LENS, SCALE, block=BLOCK)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert g.shape == e.shape
+        assert ((g - e).norm() / e.norm()).item() < 1e-5, name
 
 
 def test_blocked_gradients_equal_the_full_matrix_gradients() -> None:
