@@ -240,6 +240,7 @@ class Engine:
         self._inflight: LaunchedStep | None = None  # a step launched ahead (overlap_decode)
         self._last_layout: list[ChunkLogits] = []  # the last completed step's chunks
         self.steps_launched_ahead = 0
+        self.num_steps = 0  # forward steps completed by `step()`
         # Seconds the last `step()` waited for its tokens to reach the host: what is left of a
         # step's wall time is the host's own work (benchmarks report both).
         self.last_token_wait_s = 0.0
@@ -439,6 +440,8 @@ class Engine:
             self._thread_governor.tick()
         launched = self._inflight or self._launch(None)
         self._inflight = None
+        if launched is not None:
+            self.num_steps += 1
         if launched is None:
             self._last_layout = []
             return []
@@ -688,6 +691,8 @@ class Engine:
             "cached_tokens_total": self.cached_tokens_total,
             "generated_tokens_total": self.generated_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "steps_launched_ahead": self.steps_launched_ahead,
             "state_snapshots": self.radix.num_states,
             "state_bytes": self.radix.state_bytes,
             "state_snapshot_slots": self.snapshot_pool.num_slots if self.snapshot_pool else 0,
