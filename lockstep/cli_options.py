@@ -13,7 +13,15 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from lockstep.config import DEVICES, DTYPES, KV_DTYPES, MODES, TP_REDUCTIONS, EngineConfig
+from lockstep.config import (
+    DEVICES,
+    DTYPES,
+    KV_DTYPES,
+    MODES,
+    SPECULATIVE_METHODS,
+    TP_REDUCTIONS,
+    EngineConfig,
+)
 
 _HELP = {
     "model": "Hugging Face hub id (org/name, read from the HF cache or downloaded), GGUF file, "
@@ -56,6 +64,11 @@ _HELP = {
     "the caches get; 0: none)",
     "linear_snapshot_interval": "hybrid models: keep a snapshot every so many tokens besides "
     "prompt ends (a multiple of 32)",
+    "speculative": "exact speculative decoding (same outputs): ngram drafts by prompt lookup "
+    "(default: off; docs/speculative.md)",
+    "num_draft_tokens": "most draft tokens one verify step checks per request",
+    "prompt_lookup_min": "shortest n-gram prompt lookup matches",
+    "prompt_lookup_max": "longest n-gram prompt lookup matches (tried first)",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
@@ -65,6 +78,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "kv_dtype": KV_DTYPES,
     "tp_reduction": TP_REDUCTIONS,
+    "speculative": SPECULATIVE_METHODS,
 }
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 # The engine options `--help` describes; the others (tuning, debugging, hybrid models, and

@@ -28,6 +28,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 # The KV cache's element type: "auto" is the model dtype; "fp8_e4m3" stores every K/V value as
 # float8_e4m3fn at scale 1.0 (lockstep/ops/fp8.py, "FP8 KV cache"), a byte per value.
 KV_DTYPES = ("auto", "fp8_e4m3")
+# Drafters of exact speculative decoding (docs/speculative.md): "ngram" is prompt lookup.
+SPECULATIVE_METHODS = ("ngram",)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,13 @@ class EngineConfig:
     # chunk, 32): a hit resumes at most this many tokens minus one before where it ends, and
     # 511 tokens are a sixteenth of a default CUDA step (lockstep/cache/linear_snapshots.py).
     linear_snapshot_interval: int = 512
+    # Exact speculative decoding (docs/speculative.md): the drafter (None: off), the most
+    # draft tokens one verify step checks per request, and the n-gram sizes prompt lookup
+    # matches (the longest first). Outputs are the same with or without it.
+    speculative: str | None = None
+    num_draft_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         if self.revision is not None and not (self.model and is_hub_id(self.model)):
@@ -148,6 +157,7 @@ class EngineConfig:
                 " null (on for CUDA)"
             )
         self._check_tp()
+        self._check_speculative()
         if not isinstance(self.random_seed, int) or self.random_seed < 0:
             raise ConfigError(
                 f"random_seed={self.random_seed!r} is invalid: expected an integer >= 0"
@@ -186,6 +196,24 @@ class EngineConfig:
             raise ConfigError(
                 f"linear_snapshot_interval={interval} is invalid: expected a multiple of the "
                 f"linear-attention chunk, {chunk} (e.g. {max(chunk, interval // chunk * chunk)})"
+            )
+
+    def _check_speculative(self) -> None:
+        if self.speculative is not None:
+            _choice("speculative", self.speculative, SPECULATIVE_METHODS)
+        _positive_int("num_draft_tokens", self.num_draft_tokens)
+        _positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        _positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min={self.prompt_lookup_min} is invalid with prompt_lookup_max="
+                f"{self.prompt_lookup_max}: expected prompt_lookup_min <= prompt_lookup_max"
+            )
+        if self.speculative is not None and self.overlap_decode:
+            raise ConfigError(
+                f"overlap_decode=True is invalid with speculative={self.speculative!r}: a "
+                "draft needs the tokens before it on the host; expected overlap_decode false or "
+                "null"
             )
 
     def _check_tp(self) -> None:
@@ -316,7 +344,7 @@ class EngineConfig:
     def use_overlap_decode(self) -> bool:
         if self.overlap_decode is not None:
             return self.overlap_decode
-        return self.resolved_device == "cuda" and self.tp == 1
+        return self.resolved_device == "cuda" and self.tp == 1 and self.speculative is None
 
 
 def _choice(name: str, value: object, accepted: tuple[str, ...]) -> None:
