@@ -294,3 +294,28 @@ def test_speculation_is_refused_where_it_cannot_be_exact() -> None:
     with pytest.raises(ConfigError, match="num_draft_tokens=0"):
         EngineConfig(speculative="ngram", num_draft_tokens=0)
     assert not EngineConfig(speculative="ngram", device="cuda").use_overlap_decode
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "always-right"])
+@pytest.mark.parametrize(("seed", "kv_tokens"), [(0, 4096), (2, 120)])
+def test_mixed_workload_with_arrivals_aborts_and_processing(
+    drafter: str, seed: int, kv_tokens: int
+) -> None:
+    """The overlapped-decode suite's workload (arrivals mid-run, aborts, stop tokens and
+    strings, top and prompt logprobs, penalties and grammars, a tight pool): requests whose
+    logits are processed decode one token at a time beside speculating ones, and every output
+    is the plain loop's."""
+    from tests.contract.test_overlap_decode import _drive, _workload, assert_same_outputs
+
+    options = {"kv_tokens": kv_tokens, "max_running": 6, "output_reserve": 0.0}
+    plain = _engine("random:tiny", **options)
+    work = _workload(seed, plain.decoder.spec.vocab_size)
+    want = _drive(plain, work)
+    spec = _speculating("random:tiny", **options)
+    if drafter == "always-right":
+        finals = [prompt + want[rid][0] for _, rid, prompt, _, _ in work]
+        spec.speculator.drafter = _ReferenceDrafter(finals, plain.decoder.spec.vocab_size, False)
+    assert_same_outputs(_drive(spec, work), want, work)
+    assert spec.speculator.counters.verify_chunks > 0
+    if drafter == "always-right":
+        assert spec.speculator.counters.accepted > 0
