@@ -10,8 +10,9 @@ its client reads tokens as they come) carries at most `mixed_step.rows(keys)` pr
 beside its decodes (lockstep/engine/step_budget.py: it costs at most about `factor`
 decode-only steps, so new prompts do not stall running streams; requests answered whole only
 see their total time, which the largest steps serve best), and at most `prompt_logprob_rows`
-rows of a step compute prompt logprobs (their logits are the step's largest workspace:
-lockstep/engine/memory.py). Any chunking gives the same bits (the contract).
+rows of a step compute prompt logprobs or verify speculative drafts (their logits are the
+step's largest workspace: lockstep/engine/memory.py). Any chunking gives the same bits (the
+contract).
 
 Admission finishes what it starts: a waiting request is admitted only while the pool (free and
 evictable slots) can carry it and every running request to their ends, counting for each the
@@ -204,9 +205,14 @@ class Scheduler:
                 continue
             draft: tuple[int, ...] = ()
             if self.speculator is not None and spare > 0 and budget > 1 and _decoding(request):
-                draft = self.speculator.propose(request, min(spare, budget - 1))
+                # Draft rows need logits beside the sampling row, as prompt-logprob rows do:
+                # they share that bound (the step's logits workspace, lockstep/engine/memory.py).
+                limit = min(spare, budget - 1, logprob_rows if logprob_rows is not None else spare)
+                draft = self.speculator.propose(request, limit) if limit > 0 else ()
                 spare -= len(draft)
                 n += len(draft)
+                if logprob_rows is not None:
+                    logprob_rows -= len(draft)
             if not self._reserve(owed + n, keep=request, planned=plan):
                 self._preempt(request)
                 continue

@@ -108,3 +108,25 @@ def test_drafts_take_only_spare_slots_and_are_given_back() -> None:
                 assert len(request.slots) == request.num_computed == request.num_tokens - 1
     assert widest > 0 and engine.scheduler.num_preemptions == 0
     assert engine.pool.num_free == engine.pool.num_slots
+
+
+def test_draft_rows_share_the_prompt_logprob_row_bound() -> None:
+    """Draft rows need logits like prompt-logprob rows do, and the step's logits workspace is
+    reserved for PROMPT_LOGPROB_ROWS of them beside the sampling rows: a step never drafts
+    more than what that bound leaves (here cut to 3, with 4 requests each wanting 4 drafts)."""
+    from lockstep.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="random:tiny", device="cpu", kv_tokens=1024,
+                                 speculative="ngram", num_draft_tokens=4,
+                                 prompt_lookup_min=1))  # fmt: skip
+    engine.scheduler.prompt_logprob_rows = 3
+    for i in range(4):
+        engine.add_request(f"r{i}", [3 + i, 4] * 12, SamplingParams(max_tokens=24, temperature=0,
+                                                                    ignore_eos=True))  # fmt: skip
+    widest = 0
+    while engine.has_unfinished():
+        engine.step()
+        drafted = sum(len(part.chunk.draft) for part in engine._last_layout)
+        assert drafted <= 3
+        widest = max(widest, drafted)
+    assert widest == 3
