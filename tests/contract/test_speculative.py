@@ -319,3 +319,25 @@ def test_mixed_workload_with_arrivals_aborts_and_processing(
     assert spec.speculator.counters.verify_chunks > 0
     if drafter == "always-right":
         assert spec.speculator.counters.accepted > 0
+
+
+def test_tensor_parallel_speculation_equals_plain() -> None:
+    """At tp=2 (gloo worker processes) a verify chunk is one more batch the ranks compute:
+    the outputs of the plain tp=2 engine."""
+    from lockstep import LLM
+
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    options = {"device": "cpu", "kv_tokens": 512, "tp": 2, "tp_reduction": "chunked"}
+    plain = LLM("random:tiny", **options)
+    try:
+        want = [(o.token_ids, o.logprobs) for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        plain.close()
+    spec = LLM("random:tiny", **options, speculative="ngram", prompt_lookup_min=1)
+    try:
+        got = [(o.token_ids, o.logprobs) for o in spec.generate(prompts, params, use_tqdm=False)]
+        assert spec.engine.stats()["spec_accepted_tokens_total"] > 0
+    finally:
+        spec.close()
+    assert got == want
