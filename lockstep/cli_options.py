@@ -64,8 +64,10 @@ _HELP = {
     "the caches get; 0: none)",
     "linear_snapshot_interval": "hybrid models: keep a snapshot every so many tokens besides "
     "prompt ends (a multiple of 32)",
-    "speculative": "exact speculative decoding (same outputs): ngram drafts by prompt lookup "
-    "(default: off; docs/speculative.md)",
+    "speculative": "exact speculative decoding (same outputs): ngram drafts by prompt lookup, "
+    "draft by --draft-model (default: off; docs/speculative.md)",
+    "draft_model": "--speculative draft: a small model of the same tokenizer that drafts (a "
+    "model argument as --model takes)",
     "num_draft_tokens": "most draft tokens one verify step checks per request",
     "prompt_lookup_min": "shortest n-gram prompt lookup matches",
     "prompt_lookup_max": "longest n-gram prompt lookup matches (tried first)",

@@ -28,8 +28,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 # The KV cache's element type: "auto" is the model dtype; "fp8_e4m3" stores every K/V value as
 # float8_e4m3fn at scale 1.0 (lockstep/ops/fp8.py, "FP8 KV cache"), a byte per value.
 KV_DTYPES = ("auto", "fp8_e4m3")
-# Drafters of exact speculative decoding (docs/speculative.md): "ngram" is prompt lookup.
-SPECULATIVE_METHODS = ("ngram",)
+# Drafters of exact speculative decoding (docs/speculative.md): "ngram" is prompt lookup,
+# "draft" a small model of the same tokenizer (`draft_model`).
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class EngineConfig:
     num_draft_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_model: str | None = None  # speculative="draft": the model that drafts (as `model`)
 
     def __post_init__(self) -> None:
         if self.revision is not None and not (self.model and is_hub_id(self.model)):
@@ -208,6 +210,12 @@ class EngineConfig:
             raise ConfigError(
                 f"prompt_lookup_min={self.prompt_lookup_min} is invalid with prompt_lookup_max="
                 f"{self.prompt_lookup_max}: expected prompt_lookup_min <= prompt_lookup_max"
+            )
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError(
+                f"speculative={self.speculative!r} is invalid with draft_model="
+                f"{self.draft_model!r}: expected speculative='draft' with a draft_model, and a "
+                "draft_model only with speculative='draft'"
             )
         if self.speculative is not None and self.overlap_decode:
             raise ConfigError(

@@ -8,17 +8,25 @@ its own bits: a wrong guess costs a rejected row, nothing else.
     Drafter.propose(tokens, limit) -> at most `limit` token ids that may follow `tokens`
 
 `NgramDrafter` (prompt lookup) needs no model: it finds the last n tokens earlier in the
-prompt and output and proposes what followed them there. A drafter that runs a model of its
-own (MTP layers, a small draft model) implements the same method; it would keep its own KV
-per sequence, which the method's `tokens` (prompt and output so far) are enough to rebuild.
+prompt and output and proposes what followed them there. `DraftModelDrafter` runs a small
+model of the same tokenizer in an engine of its own, greedily, from the whole context; that
+engine's prefix cache keeps what it computed for the sequence, so each proposal computes only
+the tokens added since the last one and its own drafts. MTP layers would implement the same
+method.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lockstep.engine.engine import Engine
+
+# A text whose token ids a draft model's tokenizer must give as the target's does.
+TOKENIZER_PROBE = "Lockstep drafts 123 tokens: naïve café, <tag>, x = y + 1;\n"
 
 
 class Drafter(Protocol):
@@ -67,8 +75,40 @@ class NgramDrafter:
         return []
 
 
+class DraftModelDrafter:
+    """A small model proposes its own greedy continuation, computed by `engine` (an engine
+    of the draft model on the same device, used by nothing else). Its tokens are only
+    guesses: the target decides, so the draft engine's options (dtype, mode) change how many
+    drafts are kept, never an output.
+
+    Costs, per verify step and request: the draft engine's prefill of the tokens the context
+    gained since its last proposal (its prefix cache holds the rest) and `limit` - 1 decode
+    steps, run one request at a time on the host's thread."""
+
+    name = "draft"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        from lockstep.engine.sampling_params import SamplingParams
+
+        engine = self.engine
+        limit = min(limit, engine.max_model_len - len(tokens))
+        if limit < 1:
+            return []  # past the draft model's context
+        params = SamplingParams(max_tokens=limit, temperature=0.0, ignore_eos=True)
+        engine.add_request("draft", list(tokens), params)
+        drafted: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                drafted += out.new_token_ids
+        return drafted
+
+
 def make_drafter(method: str, min_n: int, max_n: int) -> Drafter:
-    """The drafter an engine option names (`EngineConfig.speculative`)."""
+    """The drafter of prompt lookup (`EngineConfig.speculative` "ngram"); the draft model's
+    needs an engine (`Engine` builds it)."""
     if method == "ngram":
         return NgramDrafter(min_n, max_n)
-    raise ValueError(f"speculative={method!r} is invalid: expected ngram")
+    raise ValueError(f"speculative={method!r} is invalid here: expected ngram")

@@ -36,7 +36,7 @@ from lockstep.engine.cuda_graphs import (
     graph_batch_buckets,
     graph_context_buckets,
 )
-from lockstep.engine.drafters import make_drafter
+from lockstep.engine.drafters import TOKENIZER_PROBE, DraftModelDrafter, make_drafter
 from lockstep.engine.grammar import GrammarCompiler
 from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
@@ -145,6 +145,8 @@ class Engine:
         self.state_pool = None
         if layout is not None:
             self.state_pool = LinearStatePool(layout, config.resolved_max_running)
+        # Before the pool is sized: a draft model's engine takes its memory first.
+        self.speculator = self._speculator(layout is not None)
         # Device memory allocated before the caches: the weights (and hybrid models' working
         # states): the base of `memory_bound`.
         self.allocated_before_pool = (
@@ -188,7 +190,6 @@ class Engine:
             state_aligned=layout is not None,
             snapshots=self.snapshot_pool,
         )
-        self.speculator = self._speculator(layout is not None)
         resume, policy = None, None
         if layout is not None:
             resume = partial(LinearState.resume, layout, pool=self.state_pool, keep_all=False)
@@ -301,10 +302,36 @@ class Engine:
                 "linear-attention layers cannot undo rejected drafts; expected no speculative "
                 "option for hybrid models"
             )
+        if config.speculative == "draft":
+            return Speculator(DraftModelDrafter(self._draft_engine()), config.num_draft_tokens)
         drafter = make_drafter(
             config.speculative, config.prompt_lookup_min, config.prompt_lookup_max
         )
         return Speculator(drafter, config.num_draft_tokens)
+
+    def _draft_engine(self) -> Engine:
+        """The engine of `draft_model`, on this engine's device: greedy, one request at a
+        time, a pool of two contexts (its prefix cache keeps each sequence's KV between
+        proposals). Refused unless it tokenizes as this model does."""
+        config = self.config
+        assert config.draft_model is not None
+        draft_config = EngineConfig(
+            model=config.draft_model, mode=config.mode, device=config.resolved_device,
+            dtype=config.dtype, kv_tokens=2 * self.max_model_len, max_running=1,
+            cuda_graphs=config.cuda_graphs, num_threads=config.num_threads,
+            random_seed=config.random_seed, debug_checks=config.debug_checks,
+        )  # fmt: skip
+        draft = Engine(draft_config, detokenize=False)
+        ours = self.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+        theirs = draft.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+        vocab, draft_vocab = self.loaded.spec.vocab_size, draft.decoder.spec.vocab_size
+        if ours != theirs or draft_vocab > vocab:
+            raise ConfigError(
+                f"draft_model={config.draft_model!r} is invalid for {self.model_name}: its "
+                f"tokenizer differs (vocabulary {draft_vocab} against {vocab}, or other ids "
+                "for the same text); expected a model of the same tokenizer"
+            )
+        return draft
 
     def _prepare_processing(self, request: Request) -> None:
         """What logits processing reads besides the parameters: the grammar's matcher, the

@@ -341,3 +341,47 @@ def test_tensor_parallel_speculation_equals_plain() -> None:
     finally:
         spec.close()
     assert got == want
+
+
+@pytest.mark.parametrize("draft", ["random:tiny", "random:tiny-qwen3"])
+def test_draft_model_speculation_equals_plain(draft: str) -> None:
+    """A draft model of the same tokenizer proposes greedily from its own engine. The target's
+    own weights as the draft keep every greedy draft (the same bits give the same argmax);
+    another model keeps fewer; the outputs are the plain engine's either way, beside
+    batch-mates and through preemption."""
+    rng = random.Random(4)
+    options = {"kv_tokens": 120, "max_batch_tokens": 128, "chunk_size": 32, "output_reserve": 0.0}
+    plain = _engine("random:tiny", **options)
+    vocab = plain.decoder.spec.vocab_size
+    requests = {
+        f"r{i}": ([rng.randrange(vocab) for _ in range(rng.randint(4, 30))],
+                  SamplingParams(max_tokens=20, temperature=0.0 if i < 6 else 1.0, seed=i,
+                                 ignore_eos=True, logprobs=1))
+        for i in range(10)
+    }  # fmt: skip
+    want = _run(plain, requests)
+    spec = _engine("random:tiny", speculative="draft", draft_model=draft, **options)
+    got = _run(spec, requests)
+    assert spec.scheduler.num_preemptions > 0
+    for rid in requests:
+        assert got[rid][:4] == want[rid][:4], rid
+    assert spec.speculator.counters.accepted > 0
+    _assert_pool_free(spec)
+    if draft == "random:tiny":
+        # Greedy requests alone: the draft's argmax is the target's at every position (drafts
+        # never run past max_tokens), so every draft is kept.
+        greedy = {rid: r for rid, r in requests.items() if r[1].temperature == 0.0}
+        again = _engine("random:tiny", speculative="draft", draft_model=draft, **options)
+        alone = _run(again, greedy)
+        assert all(alone[rid][:4] == want[rid][:4] for rid in greedy)
+        counters = again.speculator.counters
+        assert counters.drafted > 0 and counters.accepted == counters.drafted, counters
+
+
+def test_draft_model_of_another_tokenizer_is_refused() -> None:
+    with pytest.raises(ConfigError, match="draft_model='random:smollm2-135m' is invalid"):
+        _engine("random:tiny", speculative="draft", draft_model="random:smollm2-135m")
+    with pytest.raises(ConfigError, match="expected speculative='draft' with a draft_model"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(ConfigError, match="a draft_model only with speculative='draft'"):
+        EngineConfig(speculative="ngram", draft_model="random:tiny")
