@@ -27,8 +27,6 @@ from lockstep.engine.sampling_params import SamplingParams
 class RepeatLastDrafter:
     """Proposes `limit` copies of the last token: a verify step of full width every step."""
 
-    name = "repeat-last"
-
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         return [tokens[-1]] * limit
 

@@ -317,7 +317,7 @@ def run_bench_speculative(args: argparse.Namespace) -> int:
                           "invalid: expected both >= 1")  # fmt: skip
     options = engine_options_from_args(args)
     options["speculative"] = options.get("speculative") or "ngram"
-    plain = Engine(EngineConfig.from_options(**dict(options, speculative=None)))
+    plain = Engine(EngineConfig.from_options(**dict(options, speculative=None, draft_model=None)))
     speculating = Engine(EngineConfig.from_options(**options))
     prompts = speculative.load_prompts(args.prompts_file, plain)
     results = speculative.bench_speculative(

@@ -33,8 +33,6 @@ class Drafter(Protocol):
     """Proposes tokens that may follow a sequence. `propose` must not depend on anything but
     its arguments and the drafter's own fixed configuration, so that a run can be repeated."""
 
-    name: str
-
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """At most `limit` (>= 1) token ids that may come after `tokens` (the prompt and the
         output so far); an empty list when the drafter has no guess."""
@@ -48,8 +46,6 @@ class NgramDrafter:
     copied text tends to continue where it was last seen.
 
     Costs one vectorised scan of the context per n tried, on the host, per verify step."""
-
-    name = "ngram"
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
@@ -84,8 +80,6 @@ class DraftModelDrafter:
     Costs, per verify step and request: the draft engine's prefill of the tokens the context
     gained since its last proposal (its prefix cache holds the rest) and `limit` - 1 decode
     steps, run one request at a time on the host's thread."""
-
-    name = "draft"
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

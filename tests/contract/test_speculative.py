@@ -116,8 +116,6 @@ class _ReferenceDrafter:
     (`wrong` False: every draft is kept) or, at every position, a token other than the true one
     (`wrong` True: every draft is rejected)."""
 
-    name = "reference"
-
     def __init__(self, sequences: Sequence[Sequence[int]], vocab: int, wrong: bool) -> None:
         self.sequences = [list(s) for s in sequences]
         self.vocab = vocab

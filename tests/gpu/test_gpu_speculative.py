@@ -66,8 +66,6 @@ class _FixedDrafter:
     """Always proposes `limit` copies of one token: every step is a verify step of k rows
     (almost always rejected), for timing."""
 
-    name = "fixed"
-
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         return [tokens[-1]] * limit
 
