@@ -45,7 +45,8 @@ class NgramDrafter:
     matches, the most recent one that has `limit` tokens after it, else the most recent one:
     copied text tends to continue where it was last seen.
 
-    Costs one vectorised scan of the context per n tried, on the host, per verify step."""
+    Costs, on the host, per verify step and request: a copy of the context into an array and
+    one comparison pass over it, then a check of the n-grams where the last token recurs."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
@@ -57,16 +58,20 @@ class NgramDrafter:
         length = len(tokens)
         if limit < 1 or length < self.min_n + 1:
             return []
-        context = np.asarray(tokens, dtype=np.int64)
-        # Windows start at 0..length-1-n over context[:-1]: each one has at least one token
-        # after it, and the suffix never matches itself.
+        context = np.fromiter(tokens, dtype=np.int64, count=length)
+        # Where an earlier occurrence of the suffix can end: positions before the last that
+        # hold the last token (one pass; the n-grams are then checked at those few places).
+        ends = np.flatnonzero(context[: length - 1] == context[length - 1])
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
-            starts = np.flatnonzero((windows == context[length - n :]).all(axis=1))
-            if starts.size == 0:
+            found = ends[ends >= n - 1]
+            if n > 1 and found.size:
+                before = context[found[:, None] + np.arange(1 - n, 0)]  # the n - 1 tokens before
+                found = found[(before == context[length - n : length - 1]).all(axis=1)]
+            if found.size == 0:
                 continue
-            full = starts[starts + n + limit <= length]
-            start = int(full[-1] if full.size else starts[-1]) + n
+            after = found + 1  # where each match's continuation starts
+            full = after[after + limit <= length]
+            start = int(full[-1] if full.size else after[-1])
             return [int(t) for t in context[start : start + limit]]
         return []
 
