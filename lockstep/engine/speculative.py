@@ -54,8 +54,8 @@ class Speculator:
         """Draft tokens to verify after `request`'s last token: at most `limit` (the step's
         rows and free KV slots the scheduler can spare), `num_draft_tokens`, and one less than
         the tokens max_tokens still allows (a verify yields at most drafts + 1 tokens; so the
-        last position computed stays below max_model_len, as add_request checks). None for a
-        request whose logits are processed: penalties, grammars and min_tokens read the
+        last position computed stays below max_model_len, as add_request checks). No drafts
+        for a request whose logits are processed: penalties, grammars and min_tokens read the
         tokens before each position, which a draft row would need before they are known."""
         if request.params.processes_logits or request.pending:
             return ()
