@@ -387,3 +387,36 @@ def test_draft_model_of_another_tokenizer_is_refused() -> None:
         EngineConfig(speculative="draft")
     with pytest.raises(ConfigError, match="a draft_model only with speculative='draft'"):
         EngineConfig(speculative="ngram", draft_model="random:tiny")
+
+
+def test_runs_that_reach_the_context_limit_stop_where_plain_decode_does() -> None:
+    """Prompt and max_tokens fill the whole context: the always-right drafter proposes to the
+    end, and no verify chunk computes a position plain decode would not (the last token's
+    position, P + max_tokens - 1, is never computed: below max_model_len, and within the KV
+    slots add_request counted)."""
+    rng = random.Random(6)
+    plain = _engine("random:tiny", max_model_len=64)
+    prompts = [[rng.randrange(512) for _ in range(64 - gen)] for gen in (1, 2, 5, 24)]
+    requests = {
+        f"r{i}": (p, SamplingParams(max_tokens=64 - len(p), temperature=0.0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    }
+    want = _run(plain, requests)
+    spec = _speculating("random:tiny", max_model_len=64)
+    spec.speculator.drafter = _ReferenceDrafter(
+        [requests[r][0] + want[r][0] for r in requests], 512, wrong=False
+    )
+    widest = []
+    real_launch = spec.runner.launch
+
+    def launch(plan, *args, **kwargs):
+        for c in plan:
+            assert c.end <= len(c.request.prompt_ids) + c.request.params.max_tokens - 1, c
+        widest.append(max(len(c.draft) for c in plan))
+        return real_launch(plan, *args, **kwargs)
+
+    spec.runner.launch = launch
+    got = _run(spec, requests)
+    assert max(widest) == 4
+    for rid in requests:
+        assert got[rid][:4] == want[rid][:4] and len(got[rid][0]) == 64 - len(requests[rid][0])
