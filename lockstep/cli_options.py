@@ -19,6 +19,7 @@ from lockstep.config import (
     GDN_KERNELS,
     KV_DTYPES,
     MODES,
+    SPECULATIVE_METHODS,
     TP_REDUCTIONS,
     EngineConfig,
 )
@@ -69,6 +70,13 @@ _HELP = {
     "field); costs sparse layers x top_k x 2 bytes per KV token",
     "gdn_kernel": "hybrid models: the gated delta rule row after row (recurrent) or in whole "
     "chunk tiles on tensor cores (chunked; other bits, same contract)",
+    "speculative": "exact speculative decoding (same outputs): ngram drafts by prompt lookup, "
+    "draft by --draft-model (default: off; docs/speculative.md)",
+    "draft_model": "--speculative draft: a small model of the same tokenizer that drafts (a "
+    "model argument as --model takes)",
+    "num_draft_tokens": "most draft tokens one verify step checks per request",
+    "prompt_lookup_min": "shortest n-gram prompt lookup matches",
+    "prompt_lookup_max": "longest n-gram prompt lookup matches (tried first)",
     "overlap_decode": "launch the next decode step before this one's tokens reach the host "
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
@@ -79,6 +87,7 @@ _CHOICES = {
     "kv_dtype": KV_DTYPES,
     "tp_reduction": TP_REDUCTIONS,
     "gdn_kernel": GDN_KERNELS,
+    "speculative": SPECULATIVE_METHODS,
 }
 _NEGATED = {"enable_prefix_cache": "--no-prefix-cache", "cuda_graphs": "--no-cuda-graphs"}
 # The engine options `--help` describes; the others (tuning, debugging, hybrid models, and

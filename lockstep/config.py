@@ -32,6 +32,9 @@ KV_DTYPES = ("auto", "fp8_e4m3")
 # row after row (lockstep/ops/triton/gated_delta.py); "chunked", whole chunk tiles on tensor
 # cores (lockstep/ops/triton/chunked_delta.py; on the CPU its torch form). Different bits.
 GDN_KERNELS = ("recurrent", "chunked")
+# Drafters of exact speculative decoding (docs/speculative.md): "ngram" is prompt lookup,
+# "draft" a small model of the same tokenizer (`draft_model`).
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,14 @@ class EngineConfig:
     # Hybrid models: the gated delta rule's form (`GDN_KERNELS`); part of the numerics, as
     # the mode is. "chunked" is being landed: off by default until it beats "recurrent".
     gdn_kernel: str = "recurrent"
+    # Exact speculative decoding (docs/speculative.md): the drafter (None: off), the most
+    # draft tokens one verify step checks per request, and the n-gram sizes prompt lookup
+    # matches (the longest first). Outputs are the same with or without it.
+    speculative: str | None = None
+    num_draft_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None  # speculative="draft": the model that drafts (as `model`)
 
     def __post_init__(self) -> None:
         if self.revision is not None and not (self.model and is_hub_id(self.model)):
@@ -165,6 +176,7 @@ class EngineConfig:
                 " null (on for CUDA)"
             )
         self._check_tp()
+        self._check_speculative()
         if not isinstance(self.random_seed, int) or self.random_seed < 0:
             raise ConfigError(
                 f"random_seed={self.random_seed!r} is invalid: expected an integer >= 0"
@@ -203,6 +215,30 @@ class EngineConfig:
             raise ConfigError(
                 f"linear_snapshot_interval={interval} is invalid: expected a multiple of the "
                 f"linear-attention chunk, {chunk} (e.g. {max(chunk, interval // chunk * chunk)})"
+            )
+
+    def _check_speculative(self) -> None:
+        if self.speculative is not None:
+            _choice("speculative", self.speculative, SPECULATIVE_METHODS)
+        _positive_int("num_draft_tokens", self.num_draft_tokens)
+        _positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        _positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min={self.prompt_lookup_min} is invalid with prompt_lookup_max="
+                f"{self.prompt_lookup_max}: expected prompt_lookup_min <= prompt_lookup_max"
+            )
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError(
+                f"speculative={self.speculative!r} is invalid with draft_model="
+                f"{self.draft_model!r}: expected speculative='draft' with a draft_model, and a "
+                "draft_model only with speculative='draft'"
+            )
+        if self.speculative is not None and self.overlap_decode:
+            raise ConfigError(
+                f"overlap_decode=True is invalid with speculative={self.speculative!r}: a "
+                "draft needs the tokens before it on the host; expected overlap_decode false or "
+                "null"
             )
 
     def _check_tp(self) -> None:
@@ -333,7 +369,7 @@ class EngineConfig:
     def use_overlap_decode(self) -> bool:
         if self.overlap_decode is not None:
             return self.overlap_decode
-        return self.resolved_device == "cuda" and self.tp == 1
+        return self.resolved_device == "cuda" and self.tp == 1 and self.speculative is None
 
 
 def _choice(name: str, value: object, accepted: tuple[str, ...]) -> None:

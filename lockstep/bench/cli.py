@@ -39,6 +39,27 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.set_defaults(func=run_bench_decode)
     _add_throughput_parser(kinds)
     _add_serve_parser(kinds)
+    _add_speculative_parser(kinds)
+
+
+def _add_speculative_parser(kinds: argparse._SubParsersAction) -> None:
+    spec = kinds.add_parser(
+        "speculative",
+        help="batch-1 decode with and without exact speculative decoding on real text",
+        description="Runs each prompt alone, greedy, on a plain engine and on a speculating "
+        "one in turn (--speculative, default ngram), compares the outputs bit for bit, and "
+        "reports acceptance and the decode speed-up (docs/speculative.md).",
+    )
+    spec.add_argument("--prompts-file", type=Path, required=True,
+                      help="JSON lines of {name, prompt} or {name, user} (e.g. "
+                      "bench/copy_prompts.jsonl)")  # fmt: skip
+    spec.add_argument("--max-tokens", type=int, default=128,
+                      help="tokens generated per prompt (greedy; EOS ends a run)")  # fmt: skip
+    spec.add_argument("--repeats", type=int, default=3,
+                      help="runs of each prompt on each engine, in turn")  # fmt: skip
+    spec.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    add_engine_arguments(spec)
+    spec.set_defaults(func=run_bench_speculative)
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,6 +303,35 @@ def _command(
         elif value is not None:
             words += [flag, str(value)]
     return " ".join(words + engine_flags(engine_options))
+
+
+def run_bench_speculative(args: argparse.Namespace) -> int:
+    """Exit status 0, or 1 when speculation changed an output."""
+    from lockstep.bench import speculative
+    from lockstep.config import EngineConfig
+    from lockstep.engine.engine import Engine
+    from lockstep.errors import ConfigError
+
+    if args.max_tokens < 1 or args.repeats < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens} and --repeats {args.repeats} are "
+                          "invalid: expected both >= 1")  # fmt: skip
+    options = engine_options_from_args(args)
+    options["speculative"] = options.get("speculative") or "ngram"
+    plain = Engine(EngineConfig.from_options(**dict(options, speculative=None, draft_model=None)))
+    speculating = Engine(EngineConfig.from_options(**options))
+    prompts = speculative.load_prompts(args.prompts_file, plain)
+    results = speculative.bench_speculative(
+        plain, speculating, prompts, args.max_tokens, args.repeats
+    )
+    doc = speculative.report(results, options, args.repeats)
+    doc["command"] = _command(
+        "lockstep bench speculative", args, options, ("prompts_file", "max_tokens", "repeats")
+    )
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc))
+    return 0 if doc["identical"] else 1
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:

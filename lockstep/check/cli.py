@@ -26,7 +26,7 @@ from lockstep.check.client import APIS
 from lockstep.check.compare import FAIL
 from lockstep.check.report import render_table, write_json, write_plot
 from lockstep.check.runner import CheckReport, CheckSetupError, run_checks
-from lockstep.check.scenarios import SCENARIOS, ScenarioSettings
+from lockstep.check.scenarios import SCENARIOS, SPECULATIVE_SERVE_ARGS, ScenarioSettings
 from lockstep.check.serve import LockstepServer, ServeError
 
 EXAMPLES = """\
@@ -34,6 +34,7 @@ examples:
   lockstep check --serve                                  # start Lockstep on a free port
   lockstep check --serve --port 8123                      # ... on this port
   lockstep check --serve --mode fast --scenarios batch    # expect a FAIL: fast mode
+  lockstep check --serve --scenarios speculative          # a second server speculates
   lockstep check --url http://127.0.0.1:8000 --json out.json --plot deltas.png
   lockstep check --url http://gpu-box:8000/v1 --model Qwen/Qwen3-8B --atol 1e-6
   lockstep check --url URL --scenarios restart --save before.json     # then restart it,
@@ -311,27 +312,74 @@ def _check_served(
     with tempfile.TemporaryDirectory(prefix="lockstep-check-") as scratch:
         if restart and settings.save is None:
             settings = dataclasses.replace(settings, save=Path(scratch) / "before.json")
+        if "speculative" in args.scenarios:
+            plain = Path(scratch) / "plain.json"
+            settings = dataclasses.replace(settings, speculative_save=plain)
         report = _serve_and_check(args, err, lambda url: check(url, None, settings, args.scenarios))
-        saved = next((r for r in report.results if r.name == "restart"), None)
-        if not restart or saved is None or saved.status == FAIL or not settings.save.is_file():
-            return report  # nothing saved to compare with: the first result stands
-        again = dataclasses.replace(settings, save=None, against=settings.save)
-        err.print("restarting the server for the restart scenario", highlight=False)
-        after = _serve_and_check(args, err, lambda url: check(url, None, again, ["restart"]))
-    compared = after.results[0]
-    compared.note("compared across a restart of the server")
-    report.results = [compared if r.name == "restart" else r for r in report.results]
-    report.elapsed_s += after.elapsed_s
+        if restart and settings.save is not None:
+            again = dataclasses.replace(settings, save=None, against=settings.save)
+            _second_server(args, err, report, "restart", again, (), check,
+                           "restarting the server for the restart scenario",
+                           "compared across a restart of the server")  # fmt: skip
+        if settings.speculative_save is not None:
+            again = dataclasses.replace(
+                settings, speculative_save=None, speculative_against=settings.speculative_save
+            )
+            flags = " ".join(SPECULATIVE_SERVE_ARGS)
+            after = _second_server(
+                args, err, report, "speculative", again, SPECULATIVE_SERVE_ARGS, check,
+                f"starting a second server with {flags} for the speculative scenario",
+                f"compared with a second server started with {flags}",
+            )  # fmt: skip
+            if after is not None:  # how much it speculated: a comparison of nothing proves little
+                counters = after.engine_counters
+                drafted = counters.get("spec_drafted_tokens_total", 0)
+                accepted = counters.get("spec_accepted_tokens_total", 0)
+                after.results[0].note(f"the second server kept {accepted} of {drafted} drafts")
     return report
 
 
+def _second_server(
+    args: argparse.Namespace,
+    err: Console,
+    report: CheckReport,
+    scenario: str,
+    settings: ScenarioSettings,
+    extra_args: tuple[str, ...],
+    check: Callable[[str, str | None, ScenarioSettings, list[str]], CheckReport],
+    announce: str,
+    note: str,
+) -> CheckReport | None:
+    """Run `scenario` again on a second server (the first one's arguments and `extra_args`)
+    against what the first one saved, and put that comparison in `report` in place of the
+    first result; returns the second run's report. Nothing happens (None) when the first run
+    failed or saved nothing."""
+    saved = next((r for r in report.results if r.name == scenario), None)
+    path = settings.against if scenario == "restart" else settings.speculative_against
+    if saved is None or saved.status == FAIL or path is None or not path.is_file():
+        return None  # nothing saved to compare with: the first result stands
+    err.print(announce, highlight=False)
+    after = _serve_and_check(
+        args, err, lambda url: check(url, None, settings, [scenario]), extra_args
+    )
+    compared = after.results[0]
+    compared.note(note)
+    report.results = [compared if r.name == scenario else r for r in report.results]
+    report.elapsed_s += after.elapsed_s
+    return after
+
+
 def _serve_and_check(
-    args: argparse.Namespace, err: Console, check: Callable[[str], CheckReport]
+    args: argparse.Namespace,
+    err: Console,
+    check: Callable[[str], CheckReport],
+    extra_args: tuple[str, ...] = (),
 ) -> CheckReport:
-    """One Lockstep server for the length of `check`; its log is kept if the check fails.
-    The served model's name comes from /v1/models: --model was what to load."""
+    """One Lockstep server (with `extra_args` after the user's) for the length of `check`; its
+    log is kept if the check fails. The served model's name comes from /v1/models: --model was
+    what to load."""
     server = LockstepServer(
-        serve_args(args), startup_timeout_s=args.serve_timeout_s, port=args.port
+        [*serve_args(args), *extra_args], startup_timeout_s=args.serve_timeout_s, port=args.port
     )
     err.print(f"starting: {' '.join(server.command)}", highlight=False)
     with server:

@@ -59,6 +59,10 @@ class ScenarioSettings:
     max_model_len: int | None = None
     save: Path | None = None
     against: Path | None = None
+    # The speculative scenario (`lockstep check --serve` only): where the first server's
+    # outputs go, and where the second server, started with speculation, reads them.
+    speculative_save: Path | None = None
+    speculative_against: Path | None = None
 
 
 @dataclass
@@ -379,8 +383,60 @@ async def scenario_restart(ctx: ScenarioContext, result: ScenarioResult) -> None
     if save is None and against is None:
         result.skip("needs --save FILE (now) and --against FILE (after a restart)")
         return
+    await _fingerprints(ctx, result, fingerprint_requests(), save, against)
+    if against is None:
+        result.reason = "fingerprints saved; compare after a restart with --against"
+
+
+def speculative_requests(max_tokens: int) -> list[dict[str, Any]]:
+    """Probes that invite copying (prompt lookup finds their continuations in the prompt), so
+    that a speculating server keeps drafts: an edit of a paragraph, a code file continued, a
+    list, each greedy, and one seeded sample."""
+    paragraph = (
+        "The river runs through the old town, past the market square and under the stone "
+        "bridge, where fishermen sell their catch every morning before the sun is high."
+    )
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef "
+    prompts = [
+        f"Repeat the text, replacing 'river' with 'canal'.\n\nText: {paragraph}\n\nNew text:",
+        code,
+        "Monday, Tuesday, Wednesday, Thursday, Friday. Again: Monday, Tuesday,",
+    ]
+    reqs: list[dict[str, Any]] = [
+        {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0} for p in prompts
+    ]
+    reqs.append({"prompt": prompts[0], "max_tokens": max_tokens, "temperature": 0.8, "seed": 7})
+    return reqs
+
+
+async def scenario_speculative(ctx: ScenarioContext, result: ScenarioResult) -> None:
+    """A server with speculative decoding against the same server without it: the same
+    tokens and logprobs on copy-inviting probes. `lockstep check --serve` runs the probes on
+    the server as configured, then on a second one started with `--speculative ngram`
+    (SPECULATIVE_SERVE_ARGS), and compares. The probes go one at a time, so that the two
+    servers compute them beside the same batch-mates (none) and only speculation differs:
+    fast mode then fails this scenario because of speculation alone (the engine's own tests
+    cover speculation beside batch-mates)."""
+    save, against = ctx.settings.speculative_save, ctx.settings.speculative_against
+    if save is None and against is None:
+        result.skip("needs --serve: compares the server with a second one that speculates")
+        return
+    requests = speculative_requests(ctx.settings.max_tokens)
+    await _fingerprints(ctx, result, requests, save, against)
+    if against is None:
+        result.reason = "outputs saved for the speculating server"
+
+
+async def _fingerprints(
+    ctx: ScenarioContext,
+    result: ScenarioResult,
+    requests: list[dict[str, Any]],
+    save: Path | None,
+    against: Path | None,
+) -> None:
+    """Run `requests` one by one; compare the outputs with those saved in `against` (whose
+    requests are run instead), and/or save them to `save`."""
     saved: dict[str, Any] | None = None
-    requests = fingerprint_requests()
     if against is not None:
         try:
             saved = json.loads(against.read_text())
@@ -436,8 +492,6 @@ async def scenario_restart(ctx: ScenarioContext, result: ScenarioResult) -> None
         }
         save.write_text(json.dumps(doc, indent=1) + "\n")
         result.note(f"saved {len(outs)} fingerprints to {save}")
-        if saved is None:
-            result.reason = "fingerprints saved; compare after a restart with --against"
 
 
 def context_limit(ctx: ScenarioContext) -> tuple[int | None, str]:
@@ -493,5 +547,8 @@ SCENARIOS: dict[str, Scenario] = {
     "score": scenario_score,
     "sampling": scenario_sampling,
     "restart": scenario_restart,
+    "speculative": scenario_speculative,
     "long": scenario_long,
 }
+# What the speculative scenario's second server adds to the first one's arguments.
+SPECULATIVE_SERVE_ARGS = ("--speculative", "ngram", "--num-draft-tokens", "4")

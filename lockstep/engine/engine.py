@@ -38,6 +38,7 @@ from lockstep.engine.cuda_graphs import (
     graph_batch_buckets,
     graph_context_buckets,
 )
+from lockstep.engine.drafters import TOKENIZER_PROBE, DraftModelDrafter, make_drafter
 from lockstep.engine.grammar import GrammarCompiler
 from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
@@ -45,6 +46,7 @@ from lockstep.engine.request import Request, Status
 from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.speculative import Speculator
 from lockstep.engine.step_budget import mixed_step_budget
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
@@ -150,6 +152,8 @@ class Engine:
         self.state_pool = None
         if layout is not None:
             self.state_pool = LinearStatePool(layout, config.resolved_max_running)
+        # Before the pool is sized: a draft model's engine takes its memory first.
+        self.speculator = self._speculator(layout is not None)
         # Device memory allocated before the caches: the weights (and hybrid models' working
         # states): the base of `memory_bound`.
         self.allocated_before_pool = (
@@ -221,6 +225,7 @@ class Engine:
                 self._bytes_per_token(routing=False),  # what a step reads: K/V
                 config.resolved_max_mixed_step_cost,
             ),
+            speculator=self.speculator,
         )
         graphs = None
         if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
@@ -325,6 +330,50 @@ class Engine:
         n = min(len(request.all_ids) - 1, request.num_computed)
         slots = torch.tensor(request.slots.ids[:n], dtype=torch.int64, device=store.device)
         return routed_store.sglang_layout(self.decoder.spec, store.index_select(0, slots))
+
+    def _speculator(self, hybrid: bool) -> Speculator | None:
+        """The speculative decoding the config asks for (docs/speculative.md), or None."""
+        config = self.config
+        if config.speculative is None:
+            return None
+        if hybrid:
+            # A verify chunk advances the linear-attention state past drafts that may be
+            # rejected, and that state cannot be rolled back the way KV slots are given back.
+            raise ConfigError(
+                f"speculative={config.speculative!r} is invalid for {self.model_name}: its "
+                "linear-attention layers cannot undo rejected drafts; expected no speculative "
+                "option for hybrid models"
+            )
+        if config.speculative == "draft":
+            return Speculator(DraftModelDrafter(self._draft_engine()), config.num_draft_tokens)
+        drafter = make_drafter(
+            config.speculative, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        return Speculator(drafter, config.num_draft_tokens)
+
+    def _draft_engine(self) -> Engine:
+        """The engine of `draft_model`, on this engine's device: greedy, one request at a
+        time, a pool of two contexts (its prefix cache keeps each sequence's KV between
+        proposals). Refused unless it tokenizes as this model does."""
+        config = self.config
+        assert config.draft_model is not None
+        draft_config = EngineConfig(
+            model=config.draft_model, mode=config.mode, device=config.resolved_device,
+            dtype=config.dtype, kv_tokens=2 * self.max_model_len, max_running=1,
+            cuda_graphs=config.cuda_graphs, num_threads=config.num_threads,
+            random_seed=config.random_seed, debug_checks=config.debug_checks,
+        )  # fmt: skip
+        draft = Engine(draft_config, detokenize=False)
+        ours = self.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+        theirs = draft.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+        vocab, draft_vocab = self.loaded.spec.vocab_size, draft.decoder.spec.vocab_size
+        if ours != theirs or draft_vocab > vocab:
+            raise ConfigError(
+                f"draft_model={config.draft_model!r} is invalid for {self.model_name}: its "
+                f"tokenizer differs (vocabulary {draft_vocab} against {vocab}, or other ids "
+                "for the same text); expected a model of the same tokenizer"
+            )
+        return draft
 
     def _prepare_processing(self, request: Request) -> None:
         """What logits processing reads besides the parameters: the grammar's matcher, the
@@ -445,6 +494,8 @@ class Engine:
         if launched is None:
             self._last_layout = []
             return []
+        # Speculation turns overlapped decode off (EngineConfig.use_overlap_decode): a draft
+        # needs the tokens before it on the host.
         if self.config.use_overlap_decode and self._can_launch_ahead(launched):
             self._inflight = self._launch(launched, defer_processing=True)
             self.steps_launched_ahead += 1
@@ -527,12 +578,20 @@ class Engine:
         waited = time.perf_counter()
         tokens, chosen_lps = launched.chosen()
         self.last_token_wait_s = time.perf_counter() - waited
+        drafts = {id(p.chunk.request): p.chunk.draft for p in launched.layout if p.chunk.draft}
+        runs = self.speculator.start_verify(drafts) if drafts and self.speculator else None
         for (request, row), token, lp in zip(launched.sampling, tokens, chosen_lps, strict=True):
             request.pending -= 1
-            if not _live(request):
+            if not _live(request) or (runs is not None and not runs.keeps(request)):
                 continue
             top = launched.top_logprobs(row, request.params.logprobs or 0)
             outputs.append(self._advance(request, TokenLogprob(token, lp, top)))
+            if runs is not None:
+                runs.kept(request, outputs[-1].finished)
+        # Before anything caches a prefix: rejected drafts' slots go back to the pool.
+        for part in launched.layout:
+            if part.chunk.draft and _live(part.chunk.request):
+                self.scheduler.discard_unverified(part.chunk.request)
         # After the tokens are appended: caching the prompt reads all_ids.
         for part in launched.layout:
             if part.chunk.completes_prompt and _live(part.chunk.request):
@@ -699,6 +758,17 @@ class Engine:
             "state_snapshots_free": self.snapshot_pool.num_free if self.snapshot_pool else 0,
             "state_snapshots_not_kept": self.scheduler.snapshots_not_kept,
             "state_snapshots_evicted": self.radix.num_evicted_states,
+            **self._speculation_stats(),
+        }
+
+    def _speculation_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters since start (zeros without speculation)."""
+        counters = self.speculator.counters if self.speculator is not None else None
+        return {
+            "spec_drafted_tokens_total": counters.drafted if counters else 0,
+            "spec_accepted_tokens_total": counters.accepted if counters else 0,
+            "spec_verify_chunks_total": counters.verify_chunks if counters else 0,
+            "spec_acceptance_rate": counters.acceptance_rate if counters else 0.0,
         }
 
     # ----------------------------------------------------------------- tensor parallelism

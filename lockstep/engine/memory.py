@@ -208,7 +208,8 @@ def default_linear_snapshots(max_running: int, snapshot_bytes: int, cache_bytes:
 
 def logit_rows(max_batch_tokens: int, max_running: int) -> int:
     """The most rows one step computes logits for: every running request's sampling row and
-    PROMPT_LOGPROB_ROWS prompt-logprob rows, and never more than the step's rows."""
+    PROMPT_LOGPROB_ROWS prompt-logprob or speculative draft rows (the scheduler bounds both
+    together), and never more than the step's rows."""
     return min(max_batch_tokens, max_running + PROMPT_LOGPROB_ROWS)
 
 

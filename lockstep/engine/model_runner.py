@@ -52,6 +52,9 @@ class ChunkLogits:
     prompt_positions: list[int]  # positions p whose logits score prompt[p + 1]
     prompt_rows: list[int]
     sample_row: int | None
+    # A verify chunk's draft positions, in order: row i chooses the token after draft[i]
+    # (lockstep/engine/speculative.py).
+    draft_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,10 @@ class StepShape:
         prefill = decode = keys = 0
         for part in layout:
             chunk = part.chunk
-            if chunk.end - chunk.start == 1 and chunk.start >= len(chunk.request.prompt_ids):
-                decode += 1
-                keys += chunk.end
+            rows = chunk.end - chunk.start
+            if chunk.draft or (rows == 1 and chunk.start >= len(chunk.request.prompt_ids)):
+                decode += rows  # a verify chunk's rows are decode rows, checked together
+                keys += rows * chunk.start + rows * (rows + 1) // 2
             else:
                 prefill += chunk.end - chunk.start
         return cls(prefill, decode, keys)
@@ -163,17 +167,27 @@ class ModelRunner:
         logits, layout = self.forward(plan, source)
         logprobs = self.ops.log_softmax(logits)
         sampling = [
-            (part.chunk.request, part.sample_row) for part in layout if part.sample_row is not None
+            (part.chunk.request, row)
+            for part in layout
+            if part.sample_row is not None
+            for row in (part.sample_row, *part.draft_rows)
         ]
         step = LaunchedStep(layout, logprobs, sampling)
         if not sampling:
             return step
+        # A verify chunk's rows choose the tokens of positions num_tokens, num_tokens + 1, ...
+        # with the decode sampler, each at its own position.
+        positions: list[int] = []
+        for part in layout:
+            if part.sample_row is not None:
+                first = part.chunk.request.num_tokens
+                positions.extend(range(first, first + 1 + len(part.draft_rows)))
         choices = [
             RowSampling(
                 temperature=r.params.temperature, top_k=r.params.top_k, top_p=r.params.top_p,
-                min_p=r.params.min_p, seed=r.seed, position=r.num_tokens,
+                min_p=r.params.min_p, seed=r.seed, position=position,
             )
-            for r, _ in sampling
+            for (r, _), position in zip(sampling, positions, strict=True)
         ]  # fmt: skip
         row_ids = [row for _, row in sampling]
         if row_ids == list(range(logits.shape[0])):  # decode steps: every row samples
@@ -220,14 +234,16 @@ class ModelRunner:
         q_counts, q_starts, tables = [], [], []
         for chunk in plan:
             req, start, end = chunk.request, chunk.start, chunk.end
+            real_end = end - len(chunk.draft)  # a verify chunk's drafts follow its real tokens
             row0 = len(tokens)
-            known = min(end, req.num_tokens - req.pending)
+            known = min(real_end, req.num_tokens - req.pending)
             tokens.extend(req.token_slice(start, known))
-            for p in range(known, end):  # pending: a placeholder, patched on the device
+            for p in range(known, real_end):  # pending: a placeholder, patched on the device
                 if source is None or id(req) not in source.index:
                     raise RuntimeError(f"{req.request_id}: position {p} is pending, no source")
                 patches.append((row0 + p - start, source.index[id(req)]))
                 tokens.append(0)
+            tokens.extend(chunk.draft)
             positions.extend(range(start, end))
             out_slots.extend(req.slots.ids[start:end])
             q_counts.append(end - start)
@@ -243,11 +259,17 @@ class ModelRunner:
                     prompt_rows.append(len(logit_rows))
                     logit_rows.append(row0 + p - start)
             sample_row = None
-            if end == req.num_tokens:
+            draft_rows: list[int] = []
+            if real_end == req.num_tokens:
                 # Prompt positions stop at P-2, so the sampling row is never among them.
                 sample_row = len(logit_rows)
-                logit_rows.append(row0 + end - 1 - start)
-            layout.append(ChunkLogits(chunk, prompt_positions, prompt_rows, sample_row))
+                logit_rows.append(row0 + real_end - 1 - start)
+                for p in range(real_end, end):
+                    draft_rows.append(len(logit_rows))
+                    logit_rows.append(row0 + p - start)
+            layout.append(
+                ChunkLogits(chunk, prompt_positions, prompt_rows, sample_row, tuple(draft_rows))
+            )
         meta = build_attention_meta(q_counts, q_starts, tables)
         states = None
         if self.decoder.linear_layout is not None:

@@ -61,6 +61,11 @@ class SlotTable:
         self.ids = []
         self._synced = 0
 
+    def truncate(self, n: int) -> None:
+        """Keep ids[:n] (a verify step giving back its rejected positions' slots)."""
+        del self.ids[n:]
+        self._synced = min(self._synced, n)
+
     def array(self, n: int) -> np.ndarray:
         """ids[:n] as an int32 numpy array (a view of the mirror: read it before the next
         change)."""

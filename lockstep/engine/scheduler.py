@@ -10,8 +10,9 @@ its client reads tokens as they come) carries at most `mixed_step.rows(keys)` pr
 beside its decodes (lockstep/engine/step_budget.py: it costs at most about `factor`
 decode-only steps, so new prompts do not stall running streams; requests answered whole only
 see their total time, which the largest steps serve best), and at most `prompt_logprob_rows`
-rows of a step compute prompt logprobs (their logits are the step's largest workspace:
-lockstep/engine/memory.py). Any chunking gives the same bits (the contract).
+rows of a step compute prompt logprobs or verify speculative drafts (their logits are the
+step's largest workspace: lockstep/engine/memory.py). Any chunking gives the same bits (the
+contract).
 
 Admission finishes what it starts: a waiting request is admitted only while the pool (free and
 evictable slots) can carry it and every running request to their ends, counting for each the
@@ -59,6 +60,7 @@ from lockstep.cache.linear_snapshots import SnapshotPolicy
 from lockstep.cache.radix import PrefixMatch, RadixCache
 from lockstep.engine.admission import Need, PoolProjection
 from lockstep.engine.request import Request, Status
+from lockstep.engine.speculative import Speculator
 from lockstep.engine.step_budget import MixedStepBudget
 
 # How many of the oldest waiting requests admission looks at when it prefers cache hits;
@@ -72,11 +74,14 @@ OUTPUT_RESERVE_CLIP = 4096
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute positions start..end-1 of `request` this step."""
+    """Compute positions start..end-1 of `request` this step. A verify chunk
+    (lockstep/engine/speculative.py) ends with `draft`: the tokens of positions
+    end-len(draft)..end-1, which are guesses, not the request's tokens yet."""
 
     request: Request
     start: int
     end: int
+    draft: tuple[int, ...] = ()
 
     @property
     def completes_prompt(self) -> bool:
@@ -98,6 +103,7 @@ class Scheduler:
         output_reserve: float = 0.0,
         prompt_logprob_rows: int | None = None,
         mixed_step: MixedStepBudget | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """`new_linear_state(snapshot or None)`: a working state resumed from a radix
         snapshot (hybrid models; None for models without linear attention) that captures the
@@ -105,7 +111,9 @@ class Scheduler:
         slots of `radix.snapshots`. `output_reserve`: the share of running requests' remaining
         outputs admission keeps room for (0: none); `prompt_logprob_rows`: the most
         prompt-logprob rows a step computes (None: no bound); `mixed_step`: the row budget of
-        a step with decodes (None: `max_batch_tokens`). See the module docstring."""
+        a step with decodes (None: `max_batch_tokens`); `speculator`: drafts verified beside
+        decoding requests' tokens (None: no speculation). See the module docstring."""
+        self.speculator = speculator
         self.output_reserve = output_reserve
         self.prompt_logprob_rows = prompt_logprob_rows
         self.mixed_step = mixed_step
@@ -182,6 +190,12 @@ class Scheduler:
         # request; the slot ids differ where a reservation freed slots mid-loop (outputs never
         # depend on slot ids: the contract).
         owed = 0
+        # Drafts only take slots no running request needs this step, so speculation never
+        # evicts or preempts (and a full pool simply decodes one token at a time).
+        spare = 0
+        if self.speculator is not None:
+            need = sum(min(r.num_tokens - r.num_computed, self.chunk_size) for r in running)
+            spare = self.pool.num_free - need
         for request in running:
             if budget == 0:
                 break
@@ -191,11 +205,21 @@ class Scheduler:
             n, rows = _cap_logprob_rows(request, request.num_computed, n, logprob_rows)
             if n == 0:
                 continue
+            draft: tuple[int, ...] = ()
+            if self.speculator is not None and spare > 0 and budget > 1 and _decoding(request):
+                # Draft rows need logits beside the sampling row, as prompt-logprob rows do:
+                # they share that bound (the step's logits workspace, lockstep/engine/memory.py).
+                limit = min(spare, budget - 1, logprob_rows if logprob_rows is not None else spare)
+                draft = self.speculator.propose(request, limit) if limit > 0 else ()
+                spare -= len(draft)
+                n += len(draft)
+                if logprob_rows is not None:
+                    logprob_rows -= len(draft)
             if not self._reserve(owed + n, keep=request, planned=plan):
                 self._preempt(request)
                 continue
             start = request.num_computed
-            plan.append(ScheduledChunk(request, start, start + n))
+            plan.append(ScheduledChunk(request, start, start + n, draft))
             owed += n
             budget -= n
             if logprob_rows is not None:
@@ -228,7 +252,8 @@ class Scheduler:
         its slot table): the prompt it has still to compute, then `output_reserve` of the rest
         of its output budget (at most OUTPUT_RESERVE_CLIP tokens), one slot a step, ending
         after its prefill steps and those (lockstep/engine/admission.py)."""
-        held = len(request.slots) if held is None else held
+        # A verify chunk's draft slots are given back when the step completes.
+        held = min(len(request.slots), request.num_tokens) if held is None else held
         prompt = len(request.prompt_ids)
         # A request ends with prompt + max_tokens - 1 positions computed, one more when a
         # decode step launched ahead computes past its end.
@@ -370,6 +395,19 @@ class Scheduler:
         return ScheduledChunk(request, start, start + n)
 
     # ----------------------------------------------------------------- releasing KV
+    def discard_unverified(self, request: Request) -> None:
+        """After a verify chunk: give back the slots of positions past the kept tokens, whose
+        KV was computed from rejected drafts (or after the request's last token), and count
+        only the kept positions as computed. Runs before anything caches the request's
+        prefix, so the radix cache never holds a rejected token."""
+        keep = request.num_tokens - 1  # the last token's KV is computed by the next step
+        assert request.pending == 0 and keep >= request.prefix_len, request.request_id
+        extra = request.slots.ids[keep:]
+        if extra:
+            self.pool.free(torch.tensor(extra, dtype=torch.int64))
+            request.slots.truncate(keep)
+        request.num_computed = keep
+
     def cache_prefix(self, request: Request) -> None:
         """Hand the request's computed KV, and the logprobs it knows for those positions, to
         the radix cache (so others can reuse them) and keep it locked for the request. Where

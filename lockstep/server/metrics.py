@@ -94,11 +94,28 @@ class _EngineStatsCollector(Collector):
             "Prompt tokens served from the prefix cache / prompt tokens, since start",
             value=s.get("cached_tokens_total", 0) / prompt_total if prompt_total else 0.0,
         )
+        yield GaugeMetricFamily(
+            "lockstep_spec_acceptance_rate",
+            "Draft tokens kept / draft tokens proposed, since start (0 without speculation)",
+            value=s.get("spec_acceptance_rate", 0.0),
+        )
         counters = {
             "lockstep_prompt_tokens": ("Prompt tokens admitted", "prompt_tokens_total"),
             "lockstep_cached_prompt_tokens": ("Prompt tokens hit in cache", "cached_tokens_total"),
             "lockstep_generation_tokens": ("Tokens generated", "generated_tokens_total"),
             "lockstep_preemptions": ("Requests preempted for KV space", "num_preemptions"),
+            "lockstep_spec_draft_tokens": (
+                "Draft tokens proposed by speculative decoding",
+                "spec_drafted_tokens_total",
+            ),
+            "lockstep_spec_accepted_tokens": (
+                "Draft tokens verified and kept (outputs are the same either way)",
+                "spec_accepted_tokens_total",
+            ),
+            "lockstep_spec_verify_chunks": (
+                "Verify chunks computed (one per speculating request per step)",
+                "spec_verify_chunks_total",
+            ),
             "lockstep_linear_snapshots_not_kept": (
                 "Chunk boundaries not kept for want of a free snapshot slot (hybrid models)",
                 "state_snapshots_not_kept",

@@ -327,6 +327,8 @@ def test_every_scenario_passes_on_a_deterministic_server(fake_server: Any, tmp_p
     _no_budget_cut(doc)
     results = by_name(doc)
     assert doc["passed"] and doc["model"] == "fake-model" and list(results) == list(SCENARIOS)
+    # The speculative scenario starts a second server of its own: only with --serve.
+    assert results.pop("speculative")["status"] == SKIP
     for name, r in results.items():
         assert r["status"] == PASS, (name, r)
         assert r["requests"] > 0
@@ -536,6 +538,27 @@ def test_lockstep_fast_mode_fails_batch(tmp_path: Path, api: str) -> None:
     batch = by_name(json.loads(out.read_text()))["batch"]
     assert batch["status"] == FAIL and "runs differ" in batch["reason"]
     assert batch["max_abs_delta_logprob"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_lockstep_speculative_scenario_compares_two_servers(tmp_path: Path, mode: str) -> None:
+    """The speculative scenario runs its probes on the server as given, then on a second one
+    started with speculation, and compares: identical in deterministic mode; in fast mode
+    (the negative control) a verify chunk's rows get other bits than one-row decode, so the
+    same comparison fails."""
+    out = tmp_path / "out.json"
+    argv = ["--serve", *E2E, "--mode", mode, "--scenarios", "speculative", *HANG_GUARD]
+    code = run_cli([*argv, "--max-tokens", "16", "--json", str(out)])
+    result = by_name(json.loads(out.read_text()))["speculative"]
+    assert any("--speculative ngram" in n for n in result["notes"]), result
+    kept = next(n for n in result["notes"] if n.startswith("the second server kept"))
+    assert int(kept.split()[4]) > 0, result  # drafts were kept: verify chunks did run
+    assert result["positions_compared"] > 0
+    if mode == "deterministic":
+        assert code == 0 and result["status"] == PASS, result
+    else:
+        assert code == 1 and result["status"] == FAIL, result
 
 
 @pytest.mark.slow

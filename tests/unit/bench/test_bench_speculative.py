@@ -1,0 +1,34 @@
+"""`lockstep bench speculative`: its JSON line holds each prompt's acceptance and timings and
+says the outputs were identical (exit 0); in fast mode, where a verify row does not get a
+decode row's bits, the same comparison fails (exit 1: the negative control)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lockstep.cli import main
+
+PROMPTS = [
+    {"name": "copy", "user": "Repeat exactly: red, green, blue, red, green, blue, red, green."},
+    {"name": "raw", "prompt": "a b c d e f a b c d e f a b c"},
+]
+
+
+@pytest.mark.parametrize(("mode", "code"), [("deterministic", 0), ("fast", 1)])
+def test_bench_speculative_compares_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, code: int
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    argv = ["bench", "speculative", "--prompts-file", str(prompts), "--max-tokens", "16",
+            "--repeats", "1", "--device", "cpu", "--mode", mode]  # fmt: skip
+    assert main(argv) == code
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["identical"] is (code == 0)
+    assert [r["name"] for r in doc["results"]] == ["copy", "raw"]
+    assert all(r["generated_tokens"] > 0 for r in doc["results"])
+    assert any(r["acceptance_rate"] > 0 for r in doc["results"])
+    assert doc["command"].startswith("lockstep bench speculative --prompts-file ")
