@@ -48,8 +48,8 @@ _HELP = {
     "admission keeps free in the KV pool: 1 admits only what can run to its end without "
     "preemption, 0 admits on the first chunk and preempts when the pool runs dry",
     "max_mixed_step_cost": "a step that carries prefill beside running decodes costs at most "
-    "this many decode-only steps, by a roofline estimate (bounds inter-token latency; default: "
-    "2 on CUDA, 0 = no bound on the CPU)",
+    "this many decode-only steps, by a roofline estimate (bounds the longest gap between "
+    "streamed tokens at the price of their typical gap; default 0: no bound)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
     "num_threads": "CPU threads (default: the cores this process may use, its affinity and "

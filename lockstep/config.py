@@ -61,7 +61,7 @@ DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(kv_memory_fraction=0.3, max_batch_tokens=1024, chunk_size=512,
                           max_running=64, max_mixed_step_cost=0.0),
     "cuda": DeviceDefaults(kv_memory_fraction=1.0, max_batch_tokens=8192, chunk_size=4096,
-                           max_running=256, max_mixed_step_cost=2.0),
+                           max_running=256, max_mixed_step_cost=0.0),
 }  # fmt: skip
 
 

@@ -16,6 +16,12 @@ kernels: RIDGE_FLOP_PER_BYTE is the effective one measured on an H200 (docs/resu
 beside the KV pool"). An H100 reads more slowly at the same rate, so its ridge is higher and
 there the bound errs on the side of smaller chunks. Where the bound is wrong it only moves how
 prompts are cut into chunks: outputs never change (the contract covers any chunking).
+
+The model leaves out what a mixed step pays beside its rows: it runs eagerly, while decode-only
+steps replay CUDA graphs, and at a few dozen requests the host's launch work outlasts the
+device's. Cutting prompts finer then turns most steps into eager ones: at 64 streams of 512 in
+/ 256 out the longest gap shrank and the typical one grew about fourfold (docs/results.md, "The
+server path"). So the bound is off unless asked for (`--max-mixed-step-cost`).
 """
 
 from __future__ import annotations
