@@ -20,7 +20,7 @@ prompts are cut into chunks: outputs never change (the contract covers any chunk
 The model leaves out what a mixed step pays beside its rows: it runs eagerly, while decode-only
 steps replay CUDA graphs, and at a few dozen requests the host's launch work outlasts the
 device's. Cutting prompts finer then turns most steps into eager ones: at 64 streams of 512 in
-/ 256 out the longest gap shrank and the typical one grew about fourfold (docs/results.md, "The
+/ 256 out the longest gap shrank and the typical one more than doubled (docs/results.md, "The
 server path"). So the bound is off unless asked for (`--max-mixed-step-cost`).
 """
 

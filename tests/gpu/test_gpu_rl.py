@@ -55,8 +55,14 @@ def _free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of the distinct storages under `tensors` (views share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def test_release_both_frees_the_memory_and_resume_gives_the_same_bits() -> None:
-    from lockstep.engine.memory_occupation import MemoryOccupation, _storages, _weight_tensors
+    from lockstep.engine.memory_occupation import MemoryOccupation, _weight_tensors
 
     llm = _llm()
     engine = llm.engine
@@ -64,8 +70,8 @@ def test_release_both_frees_the_memory_and_resume_gives_the_same_bits() -> None:
     assert _probe(llm, seed=12) != before  # the control: the probe sees a change
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.num_graphs > 0
-    weight_bytes = sum(s.nbytes() for s in _storages(_weight_tensors(engine.decoder)))
-    pool_bytes = sum(s.nbytes() for s in _storages([engine.pool._k, engine.pool._v]))
+    weight_bytes = _storage_bytes(_weight_tensors(engine.decoder))
+    pool_bytes = _storage_bytes([engine.pool._k, engine.pool._v])
     memory = MemoryOccupation(engine)
     free_before = _free()
     started = time.perf_counter()
@@ -159,12 +165,14 @@ def test_a_paused_run_gives_the_unpaused_bits_on_cuda(pause: str) -> None:
 ROUTED_MODEL = "random:deepseek-v2-lite"  # MLA + DeepSeek routing, its first layer dense
 
 
-def _routed(llm, prompts: list[list[int]]) -> list[tuple[list[int], object]]:
-    """Each prompt's sampled tokens and routed experts (one request per prompt, seeded)."""
+def _routed(llm, prompts: list[list[int]], first: int = 0) -> list[tuple[list[int], object]]:
+    """Each prompt's sampled tokens and routed experts (one request per prompt, prompt j
+    seeded 50 + first + j: `first` is its index in the batch it is compared with)."""
     from lockstep import SamplingParams
 
-    params = [SamplingParams(max_tokens=32, temperature=1.0, seed=50 + i, ignore_eos=True,
-                             return_routed_experts=True) for i in range(len(prompts))]  # fmt: skip
+    params = [SamplingParams(max_tokens=32, temperature=1.0, seed=50 + first + j,
+                             ignore_eos=True, return_routed_experts=True)
+              for j in range(len(prompts))]  # fmt: skip
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.token_ids, o.routed_experts) for o in outs]
 
@@ -199,7 +207,7 @@ def test_routed_experts_under_cuda_graphs_equal_eager_and_a_run_alone() -> None:
                 assert np.array_equal(routed, sglang_layout(decoder.spec, kv.routed_experts))
             for i in (0, 3, 7):
                 llm.engine.flush_cache()
-                ((tokens, routed),) = _routed(llm, [prompts[i]])
+                ((tokens, routed),) = _routed(llm, [prompts[i]], first=i)
                 assert tokens == results[name][i][0]
                 assert np.array_equal(routed, results[name][i][1])
         del llm
