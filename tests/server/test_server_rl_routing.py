@@ -6,7 +6,8 @@ layer 2 dense). Each of 5 GRPO steps samples over HTTP `/generate` with `return_
 [prompt + output - 1, num_hidden_layers, top_k]) and checks it equals the experts the trainer's
 own forward routes every position to, and that every importance ratio is exactly 1; then an
 optimizer step, a pause (`retract`), the new weights over a gloo group
-(`/update_weights_from_distributed`) and `continue_generation`.
+(`/update_weights_from_distributed`) or as tensors (`/update_weights_from_tensor`) and
+`continue_generation`; the k3 KL is exactly 0 and `weight_version` follows each update.
 
 Control: after each optimizer step, before the broadcast, the trainer's routing is compared
 with the served one again; over the 5 steps it must differ somewhere (the comparison sees the
@@ -33,6 +34,7 @@ from lockstep.training.weight_sync import (  # noqa: E402
     join_weight_group,
     leave_weight_group,
     push_weights,
+    tensor_update_request,
 )
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
@@ -117,15 +119,39 @@ def _same_routing(trainer_out: Any, served: list[np.ndarray]) -> list[bool]:
     return [np.array_equal(m.numpy(), s) for m, s in zip(mine, served, strict=True)]
 
 
+def _push(
+    server: ServerProcess, http: httpx.Client, trainer: Any, group: Any, transport: str,
+    version: str,
+) -> None:  # fmt: skip
+    """The trainer's weights to the server between a pause (`retract`) and a continue."""
+    assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    if transport == "distributed":
+        answer = push_weights(server.base_url, trainer, group, weight_version=version,
+                              timeout_s=60)  # fmt: skip
+    else:
+        response = http.post("/update_weights_from_tensor",
+                             json=tensor_update_request(trainer, version))  # fmt: skip
+        assert response.status_code == 200, response.text
+        answer = response.json()
+    assert answer["weight_version"] == version
+    assert http.post("/continue_generation").status_code == 200
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
 def test_grpo_routing_replay_equals_the_trainers_routing_at_every_step(
-    server: ServerProcess, http: httpx.Client, group: Any, folder: Path
+    server: ServerProcess, http: httpx.Client, group: Any, folder: Path, transport: str
 ) -> None:
+    """Weights through the trainer's gloo group, or as safetensors bytes
+    (`/update_weights_from_tensor`, a colocated trainer); each run starts by sending its fresh
+    trainer's weights, so the server serves them whatever ran before."""
     trainer = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    _push(server, http, trainer, group, transport, f"{transport}-0")
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=5e-2)
     prompts = [p for p in PROMPTS for _ in range(GROUP)]
     moved = []
     for step in range(1, 6):
         outs = _rollouts(http, step)
+        assert {o["meta_info"]["weight_version"] for o in outs} == {f"{transport}-{step - 1}"}
         served = _served_routing(outs)
         for p, routed in zip(prompts, served, strict=True):
             assert routed.shape == (len(p) + TOKENS - 1, LAYERS, TOP_K)
@@ -141,18 +167,17 @@ def test_grpo_routing_replay_equals_the_trainers_routing_at_every_step(
         for p, o, lps, advantage in zip(prompts, outs, per, advantages, strict=True):
             train = lps[len(p) - 1 :]
             rollout = torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]])
+            d = (rollout - train.detach()).double()
+            k3 = d.exp() - d - 1.0
             ratio = (train - rollout).exp()
+            assert torch.equal(k3, torch.zeros_like(k3)), f"step {step}: k3 {k3}"
             assert torch.equal(ratio.detach(), torch.ones_like(ratio)), f"step {step}: {ratio}"
             loss = loss - (ratio * advantage).sum() / (len(outs) * TOKENS)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         moved.append(not all(_same_routing(_trainer_forward(trainer, outs, False), served)))
-        assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
-        answer = push_weights(server.base_url, trainer, group, weight_version=f"routing-{step}",
-                              timeout_s=60)  # fmt: skip
-        assert answer["weight_version"] == f"routing-{step}"
-        assert http.post("/continue_generation").status_code == 200
+        _push(server, http, trainer, group, transport, f"{transport}-{step}")
     assert any(moved), "no optimizer step changed any routing: the comparison is blind"
     server.wait_idle()
 
