@@ -53,10 +53,10 @@ class DeviceDefaults:
 # which costs what its rows cost (no bound on mixed steps). A GPU server runs batches of
 # hundreds (the RL-scale workload: 256 requests of 1k in / 1k out at once): prefill steps of
 # 8k tokens, all the device memory left after the weights, the largest step's workspace, the
-# CUDA graphs and a fixed headroom goes to the KV pool (lockstep/engine/memory.py), and a step
-# that carries prefill beside running decodes costs at most about two decode-only steps
-# (lockstep/engine/step_budget.py). The same in every mode, so that both modes get the same
-# capacity.
+# CUDA graphs and a fixed headroom goes to the KV pool (lockstep/engine/memory.py). Prompts
+# beside streamed decodes are not cut finer by default: a step with prompt rows runs eagerly,
+# and more of them cost streams more than they save (lockstep/engine/step_budget.py). The same
+# in every mode, so that both modes get the same capacity.
 DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(kv_memory_fraction=0.3, max_batch_tokens=1024, chunk_size=512,
                           max_running=64, max_mixed_step_cost=0.0),
