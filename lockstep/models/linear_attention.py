@@ -275,10 +275,13 @@ class LinearState:
         return taken
 
     def meaningful(self) -> tuple[torch.Tensor, ...]:
-        """The tensors that define the state (open rows cut to those in use), for tests."""
+        """The tensors that define the state (open rows cut to those in use), for tests; the
+        open betas only where the chunked rule keeps them (the recurrent rule's state is the
+        five tensors it always was, so its recorded digests stand)."""
         r = self.position % self.layout.chunk
-        return (self.conv, self.recurrent, self.open_k[:, :r], self.open_gamma[:, :r],
-                self.open_u[:, :r], self.open_beta[:, :r])  # fmt: skip
+        state = (self.conv, self.recurrent, self.open_k[:, :r], self.open_gamma[:, :r],
+                 self.open_u[:, :r])  # fmt: skip
+        return (*state, self.open_beta[:, :r]) if self.layout.chunked else state
 
 
 @dataclass

@@ -97,12 +97,15 @@ def test_negative_control_fast_mode_breaks_fp8_invariance() -> None:
 
 def test_negative_control_stock_fp8_linear_breaks_invariance() -> None:
     """Deterministic everything, except the FP8 linear through F.linear (oneDNN, whose row
-    bits change with M): the property fails, so it sees the FP8 GEMM."""
+    bits change with M when it splits the work over threads): the property fails, so it sees
+    the FP8 GEMM. Two threads, given: on one, oneDNN's rows happen to keep their bits, and the
+    engine's thread governor (lockstep/cpu_threads.py) gives up a thread when another test
+    process keeps a core busy."""
 
     class StockFp8(CpuDeterministicOps):
         def fp8_linear(self, x, weight, bias=None):
             return CpuFastOps.fp8_linear(CpuFastOps(), x, weight, bias)
 
-    engine = _engine(BLOCK)
+    engine = _engine(BLOCK, num_threads=2)
     engine.decoder.ops = StockFp8()
     assert _batch_invariance_failures(engine) > 0, "stock FP8 linear passed: the check is blind"

