@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The server path on one GPU, in one call (docs/results.md, "The server path"): streaming ITL
-# at 64 concurrent with prompts never bounded beside streamed decodes, then with the default
-# bound (--max-mixed-step-cost 2), each server's step counts; 256 concurrent POST /generate
-# (1k / 1k, logprobs); the eager and CUDA-graph decode step at batch 64 (the eager floor a
-# mixed step pays); the RL control surface's GPU test. Results go to $OUT (default ./out).
+# The server path on one GPU, in one call (docs/results.md, "The server path"): the offline
+# loop (256 x 1k / 1k); streaming ITL at 64 concurrent with prompts never bounded beside
+# streamed decodes (the default), then with --max-mixed-step-cost 2, each server's step counts;
+# 256 concurrent POST /generate (1k / 1k, logprobs) against the offline wall; the eager and
+# CUDA-graph decode step at batch 64 (the eager floor a mixed step pays); the RL control
+# surface's GPU test. Results go to $OUT (default ./out). About 10 minutes on an H100: split
+# it (the RL test alone) if the call's limit is near.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -30,6 +32,10 @@ stream() {
         --output "$OUT/stream_$1.json" 2>&1 | grep -E "wall time|TTFT|ITL|TPOT"
     stats
 }
+date -u
+# The offline loop first, in the same call: the server's /generate wall is compared with it.
+timeout 200 python3 -m lockstep bench throughput $M --num-prompts 256 --input-len 1024 \
+    --output-len 1024 --output "$OUT/offline.json" 2>&1 | grep -E "wall time|KV pool|decode-only"
 date -u
 serve unbounded --max-mixed-step-cost 0
 stream unbounded
