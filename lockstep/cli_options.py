@@ -52,6 +52,8 @@ _HELP = {
     "streamed tokens at the price of their typical gap; default 0: no bound)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
+    "piecewise_cuda_graphs": "replay steps with prompt rows (up to 2,048 rows) as per-layer CUDA "
+    "graphs around eager attention (same bits; attention-only models at tp 1; default: off)",
     "num_threads": "CPU threads (default: the cores this process may use, its affinity and "
     'CPU quota; docs/cpu_ops.md, "Threads")',
     "random_seed": "seed of random-weight presets",

@@ -92,6 +92,10 @@ class EngineConfig:
     max_mixed_step_cost: float | None = None
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
+    # Steps with prompt rows (chunked prefill beside decodes, speculative verify chunks) of
+    # up to 2,048 rows replay per-layer CUDA graphs around eager attention, same bits
+    # (lockstep/engine/piecewise_graphs.py). None: the device's default (off).
+    piecewise_cuda_graphs: bool | None = None
     num_threads: int | None = None  # CPU threads; None: torch's default
     random_seed: int = 0  # weights of random-weight presets
     debug_checks: bool = False  # check cache integrity after every step
@@ -170,6 +174,13 @@ class EngineConfig:
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
         self._check_linear_snapshots()
+        if self.piecewise_cuda_graphs is not None and not isinstance(
+            self.piecewise_cuda_graphs, bool
+        ):
+            raise ConfigError(
+                f"piecewise_cuda_graphs={self.piecewise_cuda_graphs!r} is invalid: expected "
+                "true, false or null (the device's default: off)"
+            )
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(
                 f"overlap_decode={self.overlap_decode!r} is invalid: expected true, false or"
@@ -364,6 +375,12 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         # At tp > 1 decode runs eagerly: captured collectives are for the multi-GPU issue.
         return self.cuda_graphs and self.resolved_device == "cuda" and self.tp == 1
+
+    @property
+    def use_piecewise_cuda_graphs(self) -> bool:
+        if not self.use_cuda_graphs:
+            return False
+        return bool(self.piecewise_cuda_graphs)
 
     @property
     def use_overlap_decode(self) -> bool:

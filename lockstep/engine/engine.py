@@ -32,7 +32,7 @@ from lockstep.cache.linear_snapshots import LinearSnapshotPool, SnapshotPolicy
 from lockstep.cache.radix import RadixCache
 from lockstep.config import EngineConfig
 from lockstep.cpu_threads import set_engine_threads
-from lockstep.engine import memory
+from lockstep.engine import memory, piecewise_graphs
 from lockstep.engine.cuda_graphs import (
     DecodeGraphRunner,
     graph_batch_buckets,
@@ -237,7 +237,16 @@ class Engine:
                 max_context=self.max_model_len, state_pool=self.state_pool,
                 spare_kv_slot=self.pool.spare_slot,
             )  # fmt: skip
-        self.runner = ModelRunner(self.decoder, self.pool, graphs)
+        piecewise = None
+        if config.use_piecewise_cuda_graphs:
+            why = piecewise_graphs.supports(self.decoder)
+            if why is not None:
+                logger.warning("piecewise CUDA graphs are not used: %s", why)
+            else:
+                piecewise = piecewise_graphs.PiecewiseGraphRunner(
+                    self.decoder, self.pool, self._piecewise_tokens()
+                )
+        self.runner = ModelRunner(self.decoder, self.pool, graphs, piecewise)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         # Structured outputs: llguidance's view of the tokenizer, built on first use.
         self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size)
@@ -845,10 +854,17 @@ class Engine:
         buckets = None
         if config.use_cuda_graphs:
             buckets = (graph_batch_buckets(max_running), graph_context_buckets(self.max_model_len))
+        piecewise = 0
+        if config.use_piecewise_cuda_graphs and piecewise_graphs.supports(self.decoder) is None:
+            piecewise = self._piecewise_tokens()
         return memory.step_workspace(
             self.decoder.spec, self.decoder.act_dtype.itemsize, config.resolved_max_batch_tokens,
-            max_running, buckets,
+            max_running, buckets, piecewise_tokens=piecewise,
         )  # fmt: skip
+
+    def _piecewise_tokens(self) -> int:
+        """The largest step the piecewise graphs take."""
+        return min(piecewise_graphs.MAX_TOKENS, self.config.resolved_max_batch_tokens)
 
     def _kv_budget(self) -> memory.KVBudget:
         """Size the KV pool from memory (lockstep/engine/memory.py): on CUDA what is free after

@@ -219,9 +219,12 @@ def step_workspace(
     max_batch_tokens: int,
     max_running: int,
     graph_buckets: tuple[Sequence[int], Sequence[int]] | None,
+    piecewise_tokens: int = 0,
 ) -> StepWorkspace:
     """The reservation beside the KV pool (module docstring). `graph_buckets`: the decode
-    graphs' (batch buckets, context buckets), None without CUDA graphs."""
+    graphs' (batch buckets, context buckets), None without CUDA graphs; `piecewise_tokens`:
+    the largest step of the piecewise graphs (0: none), whose pool holds that step's
+    activations beside the eager ones, plus the static q and o and final hidden rows."""
     per_row = (
         4 * spec.hidden_size
         + spec.q_size
@@ -241,6 +244,9 @@ def step_workspace(
         for b in batches:
             for c in contexts:
                 graphs += 6 * b * 8 + (4 * b + 2 + b * c) * 4  # static inputs
+    if piecewise_tokens:
+        static = 2 * spec.q_size + spec.hidden_size
+        graphs += piecewise_tokens * ((per_row + static) * activation_bytes + 3 * 8)
     return StepWorkspace(
         activations=max_batch_tokens * per_row * activation_bytes,
         logits=logit_rows(max_batch_tokens, max_running) * vocab * (activation_bytes + 4 + 4),

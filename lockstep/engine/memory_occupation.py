@@ -66,9 +66,9 @@ class MemoryOccupation:
                 f"{running} request(s) are running: pause them (/pause_generation with mode"
                 " retract or abort) before releasing memory"
             )
-        graphs = engine.runner.graphs
-        if graphs is not None:
-            graphs.drop_graphs()
+        for graphs in (engine.runner.graphs, engine.runner.piecewise):
+            if graphs is not None:
+                graphs.drop_graphs()
         if "kv_cache" in tags and "kv_cache" not in self.released:
             engine.radix.flush()
             engine.pool.release_memory()

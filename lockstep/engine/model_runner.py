@@ -27,6 +27,7 @@ import torch
 from lockstep.engine.cuda_graphs import DecodeGraphRunner
 from lockstep.engine.logits_processing import process_logits
 from lockstep.engine.outputs import TokenLogprob
+from lockstep.engine.piecewise_graphs import PiecewiseGraphRunner
 from lockstep.engine.request import Request
 from lockstep.engine.sampler import RowSampling, choose_token_tensor, top_logprobs
 from lockstep.engine.scheduler import ScheduledChunk
@@ -139,16 +140,23 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Launches steps eagerly, or pure decode steps from CUDA graphs when `graphs` is given
-    (same bits: see lockstep/engine/cuda_graphs.py)."""
+    """Launches steps eagerly, pure decode steps from CUDA graphs when `graphs` is given
+    (same bits: see lockstep/engine/cuda_graphs.py), and steps with prompt rows from graph
+    pieces around eager attention when `piecewise` is given
+    (lockstep/engine/piecewise_graphs.py)."""
 
     def __init__(
-        self, decoder: Decoder, kv: KVStorage, graphs: DecodeGraphRunner | None = None
+        self,
+        decoder: Decoder,
+        kv: KVStorage,
+        graphs: DecodeGraphRunner | None = None,
+        piecewise: PiecewiseGraphRunner | None = None,
     ) -> None:
         self.decoder = decoder
         self.ops = decoder.ops
         self.kv = kv
         self.graphs = graphs
+        self.piecewise = piecewise
         self.device = decoder.device
 
     def launch(
@@ -288,9 +296,11 @@ class ModelRunner:
         """Enqueue one forward pass; returns float32 logits [R, vocab] (on the model's device)
         and which rows belong to which chunk."""
         batch, layout, patches = self.build(plan, source)
+        patch = (patches, source.tokens) if patches and source is not None else None
         if self.graphs is not None and self.graphs.can_run(batch):
-            patch = (patches, source.tokens) if patches and source is not None else None
             return self.graphs.run(batch, patch), layout
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            return self.piecewise.run(batch, patch), layout
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         if patches and source is not None:

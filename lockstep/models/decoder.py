@@ -245,6 +245,12 @@ class Decoder:
     def hidden_states(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """`forward` up to the LM head: the final-normed rows [R, hidden] of
         `batch.logit_rows`, in the activation dtype."""
+        return self.final_hidden_states(batch, kv).index_select(0, batch.logit_rows)
+
+    def final_hidden_states(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """Every row's final-normed hidden state [T, hidden] (row-local after the layers, so
+        a row's bits are those `hidden_states` selects; the piecewise CUDA graphs capture up
+        to here, lockstep/engine/piecewise_graphs.py)."""
         spec, ops, parallel = self.spec, self.ops, self.parallel
         h = parallel.embed(batch.token_ids, self.embed).to(self.act_dtype)
         if self.embed_scale is not None:
@@ -258,7 +264,7 @@ class Decoder:
         for kind, hook in self.step_hooks.items():
             hook.end(began[kind], batch)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, spec.rms_norm_eps)
-        return x.index_select(0, batch.logit_rows)
+        return x
 
     def head_logits(self, x: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 logits [R, vocab] of final-normed rows x [R, hidden]: the LM head,

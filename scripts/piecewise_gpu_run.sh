@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Piecewise CUDA graphs on one GPU, in one call (docs/results.md, "The server path"): their GPU
+# tests (bits equal to eager steps, the negative control), then streaming ITL at 64
+# concurrent (512 in / 256 out) on random:qwen3-8b for each server setting named on the
+# command line, each with its step counts:
+#   default     the defaults (prompts never bounded beside streamed decodes, eager mixed steps)
+#   bounded     --max-mixed-step-cost 2 (eager mixed steps)
+#   piecewise   --max-mixed-step-cost 2 --piecewise-cuda-graphs
+#   pw-unbounded  --max-mixed-step-cost 0 --piecewise-cuda-graphs
+# Run from the repository root: scripts/piecewise_gpu_run.sh [tests] SETTING... Results go to
+# $OUT (default ./out). About 2 minutes a setting on an H100, 3 for the tests.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+M="--model random:qwen3-8b --device cuda --dtype bfloat16"
+serve() {  # serve NAME [options]: start a server on :8000, wait until it answers
+    python3 -m lockstep serve $M --port 8000 "${@:2}" > "$OUT/serve_$1.log" 2>&1 &
+    SERVER=$!
+    python3 -c 'import time, urllib.request
+for _ in range(150):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health"); break
+    except Exception: time.sleep(2)'
+}
+stream() {
+    timeout 150 python3 -m lockstep bench serve --api completions --max-concurrency 64 \
+        --num-prompts 256 --input-len 512 --output-len 256 --warmup 64 --no-progress \
+        --output "$OUT/stream_$1.json" 2>&1 | grep -E "wall time|TTFT|ITL|TPOT"
+    python3 -c 'import json, urllib.request
+d = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v1/engine"))["stats"]
+print("stats", json.dumps({k: d[k] for k in ("num_steps", "steps_launched_ahead", "num_preemptions")}))'
+}
+for what in "$@"; do
+    date -u
+    case "$what" in
+    tests)
+        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_piecewise_graphs.py \
+            2>&1 | tail -15
+        continue ;;
+    default) opts=() ;;
+    bounded) opts=(--max-mixed-step-cost 2) ;;
+    piecewise) opts=(--max-mixed-step-cost 2 --piecewise-cuda-graphs) ;;
+    pw-unbounded) opts=(--max-mixed-step-cost 0 --piecewise-cuda-graphs) ;;
+    *) echo "unknown setting $what" >&2; exit 2 ;;
+    esac
+    echo "== $what: ${opts[*]}"
+    serve "$what" "${opts[@]}"
+    stream "$what"
+    kill $SERVER; wait $SERVER
+    grep -iE "error|traceback" "$OUT/serve_$what.log" | head -5
+done
+date -u
