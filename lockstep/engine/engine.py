@@ -527,7 +527,8 @@ class Engine:
     def _drop_dead_inflight(self) -> None:
         """Forget a step launched ahead once every request in it stopped or was aborted
         (its device work completes unread; their slots were already released)."""
-        if self._inflight is not None and not any(_live(r) for r, _ in self._inflight.sampling):
+        inflight = self._inflight
+        if inflight is not None and not any(_live(p.chunk.request) for p in inflight.layout):
             self._inflight = None
 
     def _launch(
@@ -535,8 +536,13 @@ class Engine:
     ) -> LaunchedStep | None:
         """Schedule the next step and launch it on the device; each request that samples in
         it gets a pending token. `after`: the step launched before, whose tokens are this
-        one's pending rows (overlapped decode); `defer_processing`: see ModelRunner.launch."""
-        plan = self.scheduler.schedule(admit=after is None)
+        one's pending rows (a step launched ahead: it never preempts, and it admits only
+        where prompts may be launched ahead, `_launches_prompts_ahead`); `defer_processing`:
+        see ModelRunner.launch."""
+        ahead = after is not None
+        plan = self.scheduler.schedule(
+            admit=not ahead or self._launches_prompts_ahead, may_preempt=not ahead
+        )
         if not plan:
             if self.scheduler.waiting:
                 raise RuntimeError("scheduler made no progress with requests waiting")
@@ -546,31 +552,51 @@ class Engine:
             request.pending += 1
         return launched
 
+    @property
+    def _launches_prompts_ahead(self) -> bool:
+        """Whether steps launched ahead may carry prompt chunks and admit (every model but
+        the hybrid ones, whose linear states move with their prompt chunks; those launch
+        only pure decode steps ahead)."""
+        return self.decoder.linear_layout is None
+
     def _can_launch_ahead(self, launched: LaunchedStep) -> bool:
-        """Whether the next schedule is certain to be one new token for exactly the running
-        requests, all of which sampled in `launched` (no admission, eviction or preemption),
-        and completing `launched` needs no read from the device beyond its tokens (prompt or
-        top logprobs would wait for the step launched ahead as well)."""
+        """Whether the next step can be scheduled and launched before `launched`'s results
+        reach the host: every running request that sampled in `launched` has that one token
+        pending and all else computed (its next row takes the token from the device), every
+        other one has nothing pending (a prompt still to compute, or a decode the budget left
+        out), and completing `launched` needs no read from the device beyond its tokens
+        (prompt or top logprobs would wait for the step launched ahead as well). Hybrid
+        models: the next schedule must be one new token for exactly the running requests, all
+        of which sampled in `launched`, and nothing admissible waits. A step launched ahead
+        never preempts (`Scheduler.schedule(may_preempt=False)`); it may admit waiting
+        requests, whose prefix match then misses what `launched` caches (speed only)."""
         scheduler = self.scheduler
         running = scheduler.running
         if not running or len(running) > scheduler.max_batch_tokens:
             return False
-        if scheduler.would_admit():
-            return False  # the next schedule would admit (a step launched ahead never does)
-        if launched.tokens is None or scheduler.pool.num_free < len(running):
+        prompts = self._launches_prompts_ahead
+        if not prompts and (scheduler.would_admit() or launched.tokens is None):
+            return False  # the next schedule would admit, or has no token to decode
+        if launched.sampling and launched.tokens is None:
+            return False  # its choice waits for the host (logits processing)
+        decoding = sum(1 for r in running if r.num_computed >= len(r.prompt_ids))
+        if scheduler.pool.num_free < decoding:
             return False
         if any(part.prompt_positions for part in launched.layout):
             return False
-        if all(len(r.output_ids) + 1 >= r.params.max_tokens for r in running):
+        if all(
+            r.num_computed >= len(r.prompt_ids) and len(r.output_ids) + 1 >= r.params.max_tokens
+            for r in running
+        ):
             return False  # the step would compute nothing anyone reads
         sampled = {id(r) for r, _ in launched.sampling}
-        return all(
-            id(r) in sampled
-            and r.pending == 1
-            and r.num_computed == r.num_tokens - 1
-            and not r.params.logprobs
-            for r in running
-        )
+        for r in running:
+            if id(r) in sampled:
+                if r.pending != 1 or r.num_computed != r.num_tokens - 1 or r.params.logprobs:
+                    return False
+            elif not prompts or r.pending != 0:
+                return False
+        return True
 
     def _complete(self, launched: LaunchedStep) -> list[StepOutput]:
         """Apply a launched step's results on the host: prompt logprobs, appended tokens,

@@ -171,7 +171,7 @@ class ModelRunner:
         (its next logits need tokens the host has not seen yet), enqueue the forward only;
         `sample` makes the choice once the host has them. No host wait, the eager CUDA path's
         patch indices aside."""
-        source = after.token_source() if after is not None else None
+        source = after.token_source() if after is not None and after.sampling else None
         logits, layout = self.forward(plan, source)
         logprobs = self.ops.log_softmax(logits)
         sampling = [

@@ -164,17 +164,19 @@ class Scheduler:
             snapshots.check_integrity(held)
 
     # ----------------------------------------------------------------- planning
-    def schedule(self, admit: bool = True) -> list[ScheduledChunk]:
+    def schedule(self, admit: bool = True, may_preempt: bool = True) -> list[ScheduledChunk]:
         """Plan the next step and count its positions as computed: each planned request's
         `num_computed` becomes its chunk's end (the caller launches the plan at once). The
         scheduler is the only place `num_computed` moves forward. `admit` False: running
-        requests only (a step launched ahead)."""
-        plan = self._plan(admit)
+        requests only. `may_preempt` False (a step launched ahead, whose requests may have a
+        token pending): a running request whose rows find no slot waits for a later step
+        instead of preempting another."""
+        plan = self._plan(admit, may_preempt)
         for chunk in plan:
             chunk.request.num_computed = chunk.end
         return plan
 
-    def _plan(self, admit: bool) -> list[ScheduledChunk]:
+    def _plan(self, admit: bool, may_preempt: bool = True) -> list[ScheduledChunk]:
         # Decodes first, so that prompts never take their rows; each group oldest first.
         running = sorted(self.running, key=lambda r: (not _decoding(r), r.arrival))
         budget = self.max_batch_tokens
@@ -215,8 +217,9 @@ class Scheduler:
                 n += len(draft)
                 if logprob_rows is not None:
                     logprob_rows -= len(draft)
-            if not self._reserve(owed + n, keep=request, planned=plan):
-                self._preempt(request)
+            if not self._reserve(owed + n, keep=request, planned=plan, may_preempt=may_preempt):
+                if may_preempt:
+                    self._preempt(request)
                 continue
             start = request.num_computed
             plan.append(ScheduledChunk(request, start, start + n, draft))

@@ -183,6 +183,34 @@ def test_negative_control_wrong_pending_tokens_change_outputs(monkeypatch) -> No
     assert vocab > 3
 
 
+def test_steps_with_prompt_chunks_and_admissions_are_launched_ahead(monkeypatch) -> None:
+    """Requests arriving while others decode, prompts cut into chunks of 8: steps launched
+    ahead carry prompt chunks and admit waiting requests, and every output is the plain
+    loop's (hybrid models launch only pure decode steps ahead: tests/contract/test_hybrid.py)."""
+    from lockstep.engine.model_runner import ModelRunner, StepShape
+
+    plain = _engine(False, chunk_size=8, max_running=5)
+    work = _workload(7, plain.decoder.spec.vocab_size)
+    want = _drive(plain, work)
+    ahead_shapes = []
+    seen: set[str] = set()
+    launch = ModelRunner.launch
+
+    def recording(self: ModelRunner, plan, after=None, defer_processing=False):
+        step = launch(self, plan, after, defer_processing)
+        first = {c.request.request_id for c in plan} - seen  # admitted in this step
+        seen.update(first)
+        if after is not None:
+            ahead_shapes.append((StepShape.of(step.layout), bool(first)))
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", recording)
+    overlapped = _engine(True, chunk_size=8, max_running=5)
+    assert_same_outputs(_drive(overlapped, work), want, work)
+    assert any(shape.prefill_rows and shape.decode_rows for shape, _ in ahead_shapes)
+    assert any(admitted for _, admitted in ahead_shapes)
+
+
 def test_no_step_is_launched_past_max_tokens() -> None:
     """A request of max_tokens k needs k - 1 decode steps after its prefill; all of them are
     launched ahead and none more (a step past its last token would be computed for nothing)."""
