@@ -49,11 +49,13 @@ _HELP = {
     "preemption, 0 admits on the first chunk and preempts when the pool runs dry",
     "max_mixed_step_cost": "a step that carries prefill beside running decodes costs at most "
     "this many decode-only steps, by a roofline estimate (bounds the longest gap between "
-    "streamed tokens at the price of their typical gap; default 0: no bound)",
+    "streamed tokens; 0: no bound; default: 2 on CUDA where such steps replay piecewise CUDA "
+    "graphs, else 0)",
     "enable_prefix_cache": "disable the radix prefix cache",
     "cuda_graphs": "disable CUDA graphs for decode",
-    "piecewise_cuda_graphs": "replay steps with prompt rows (up to 2,048 rows) as per-layer CUDA "
-    "graphs around eager attention (same bits; attention-only models at tp 1; default: off)",
+    "piecewise_cuda_graphs": "replay steps with prompt rows (up to 1,024 rows) as per-layer CUDA "
+    "graphs around eager attention (same bits; models with only paged attention, at tp 1; "
+    "default: on with CUDA graphs)",
     "num_threads": "CPU threads (default: the cores this process may use, its affinity and "
     'CPU quota; docs/cpu_ops.md, "Threads")',
     "random_seed": "seed of random-weight presets",

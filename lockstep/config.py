@@ -61,7 +61,7 @@ DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(kv_memory_fraction=0.3, max_batch_tokens=1024, chunk_size=512,
                           max_running=64, max_mixed_step_cost=0.0),
     "cuda": DeviceDefaults(kv_memory_fraction=1.0, max_batch_tokens=8192, chunk_size=4096,
-                           max_running=256, max_mixed_step_cost=0.0),
+                           max_running=256, max_mixed_step_cost=2.0),
 }  # fmt: skip
 
 
@@ -88,13 +88,15 @@ class EngineConfig:
     output_reserve: float = 1.0
     # A step that carries prefill rows beside running decodes costs at most this many
     # decode-only steps (lockstep/engine/step_budget.py); 0: no bound, prefill fills the step
-    # budget. None: the device's default (2 on CUDA, off on the CPU).
+    # budget. None: the device's default (2 on CUDA where such steps replay piecewise CUDA
+    # graphs, else off: an eager mixed step pays the host's launch work, which finer chunks
+    # only multiply).
     max_mixed_step_cost: float | None = None
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
     # Steps with prompt rows (chunked prefill beside decodes, speculative verify chunks) of
-    # up to 2,048 rows replay per-layer CUDA graphs around eager attention, same bits
-    # (lockstep/engine/piecewise_graphs.py). None: the device's default (off).
+    # up to 1,024 rows replay per-layer CUDA graphs around eager attention, same bits
+    # (lockstep/engine/piecewise_graphs.py). None: on wherever CUDA graphs are.
     piecewise_cuda_graphs: bool | None = None
     num_threads: int | None = None  # CPU threads; None: torch's default
     random_seed: int = 0  # weights of random-weight presets
@@ -179,7 +181,7 @@ class EngineConfig:
         ):
             raise ConfigError(
                 f"piecewise_cuda_graphs={self.piecewise_cuda_graphs!r} is invalid: expected "
-                "true, false or null (the device's default: off)"
+                "true, false or null (on wherever CUDA graphs are)"
             )
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(
@@ -378,9 +380,10 @@ class EngineConfig:
 
     @property
     def use_piecewise_cuda_graphs(self) -> bool:
-        if not self.use_cuda_graphs:
-            return False
-        return bool(self.piecewise_cuda_graphs)
+        """Asked for (or left to the default) with CUDA graphs on; the engine still runs
+        steps with prompt rows eagerly for models the pieces do not take
+        (`piecewise_graphs.supports`)."""
+        return self.use_cuda_graphs and self.piecewise_cuda_graphs is not False
 
     @property
     def use_overlap_decode(self) -> bool:

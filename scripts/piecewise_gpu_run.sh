@@ -3,12 +3,14 @@
 # tests (bits equal to eager steps, the negative control), then streaming ITL at 64
 # concurrent (512 in / 256 out) on random:qwen3-8b for each server setting named on the
 # command line, each with its step counts:
-#   default     the defaults (prompts never bounded beside streamed decodes, eager mixed steps)
-#   bounded     --max-mixed-step-cost 2 (eager mixed steps)
-#   piecewise   --max-mixed-step-cost 2 --piecewise-cuda-graphs
-#   pw-unbounded  --max-mixed-step-cost 0 --piecewise-cuda-graphs
-# Run from the repository root: scripts/piecewise_gpu_run.sh [tests] SETTING... Results go to
-# $OUT (default ./out). About 2 minutes a setting on an H100, 3 for the tests.
+#   default     the defaults
+#   eager-C     --max-mixed-step-cost C --no-piecewise-cuda-graphs (C = 0: no bound)
+#   pw-C        --max-mixed-step-cost C --piecewise-cuda-graphs
+# and `generate`: the offline loop (256 x 1k / 1k) then 256 concurrent POST /generate of the
+# same shape (logprobs) on a default server, in the same call, for the server's overhead.
+# Run from the repository root: scripts/piecewise_gpu_run.sh [tests] [generate] SETTING...
+# Results go to $OUT (default ./out). About 2 minutes a setting on an H100, 3 for the tests,
+# 4 for generate.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -39,10 +41,18 @@ for what in "$@"; do
         timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_piecewise_graphs.py \
             2>&1 | tail -15
         continue ;;
+    generate)
+        timeout 200 python3 -m lockstep bench throughput $M --num-prompts 256 --input-len 1024 \
+            --output-len 1024 --output "$OUT/offline.json" 2>&1 | grep -E "wall time|decode-only|prefill"
+        serve generate
+        timeout 150 python3 -m lockstep bench serve --api generate --no-stream --logprobs \
+            --num-prompts 256 --input-len 1024 --output-len 1024 --warmup 64 --no-progress \
+            --output "$OUT/generate.json" 2>&1 | grep -E "wall time|E2E"
+        kill $SERVER; wait $SERVER
+        continue ;;
     default) opts=() ;;
-    bounded) opts=(--max-mixed-step-cost 2) ;;
-    piecewise) opts=(--max-mixed-step-cost 2 --piecewise-cuda-graphs) ;;
-    pw-unbounded) opts=(--max-mixed-step-cost 0 --piecewise-cuda-graphs) ;;
+    eager-*) opts=(--max-mixed-step-cost "${what#eager-}" --no-piecewise-cuda-graphs) ;;
+    pw-*) opts=(--max-mixed-step-cost "${what#pw-}" --piecewise-cuda-graphs) ;;
     *) echo "unknown setting $what" >&2; exit 2 ;;
     esac
     echo "== $what: ${opts[*]}"

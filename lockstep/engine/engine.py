@@ -47,7 +47,7 @@ from lockstep.engine.sampler import warm_up as warm_up_sampler
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.speculative import Speculator
-from lockstep.engine.step_budget import mixed_step_budget
+from lockstep.engine.step_budget import mixed_step_budget, ridge_flop_per_byte
 from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
@@ -223,7 +223,8 @@ class Engine:
                 spec,
                 spec.num_parameters * (1 if spec.fp8 is not None else self.dtype.itemsize),
                 self._bytes_per_token(routing=False),  # what a step reads: K/V
-                config.resolved_max_mixed_step_cost,
+                self._mixed_step_cost(),
+                ridge_flop_per_byte(_device_name(self.device)),
             ),
             speculator=self.speculator,
         )
@@ -238,14 +239,13 @@ class Engine:
                 spare_kv_slot=self.pool.spare_slot,
             )  # fmt: skip
         piecewise = None
-        if config.use_piecewise_cuda_graphs:
-            why = piecewise_graphs.supports(self.decoder)
-            if why is not None:
-                logger.warning("piecewise CUDA graphs are not used: %s", why)
-            else:
-                piecewise = piecewise_graphs.PiecewiseGraphRunner(
-                    self.decoder, self.pool, self._piecewise_tokens()
-                )
+        if self._runs_piecewise():
+            piecewise = piecewise_graphs.PiecewiseGraphRunner(
+                self.decoder, self.pool, self._piecewise_tokens()
+            )
+        elif config.use_piecewise_cuda_graphs:
+            logger.info("steps with prompt rows run eagerly (no piecewise CUDA graphs: %s)",
+                        piecewise_graphs.supports(self.decoder))  # fmt: skip
         self.runner = ModelRunner(self.decoder, self.pool, graphs, piecewise)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         # Structured outputs: llguidance's view of the tokenizer, built on first use.
@@ -880,13 +880,27 @@ class Engine:
         buckets = None
         if config.use_cuda_graphs:
             buckets = (graph_batch_buckets(max_running), graph_context_buckets(self.max_model_len))
-        piecewise = 0
-        if config.use_piecewise_cuda_graphs and piecewise_graphs.supports(self.decoder) is None:
-            piecewise = self._piecewise_tokens()
+        piecewise = self._piecewise_tokens() if self._runs_piecewise() else 0
         return memory.step_workspace(
             self.decoder.spec, self.decoder.act_dtype.itemsize, config.resolved_max_batch_tokens,
             max_running, buckets, piecewise_tokens=piecewise,
         )  # fmt: skip
+
+    def _runs_piecewise(self) -> bool:
+        """Whether steps with prompt rows replay piecewise CUDA graphs."""
+        return self.config.use_piecewise_cuda_graphs and (
+            piecewise_graphs.supports(self.decoder) is None
+        )
+
+    def _mixed_step_cost(self) -> float:
+        """The mixed-step bound: the one asked for, else the device's default where steps
+        with prompt rows replay piecewise graphs, else none (an eager mixed step pays the
+        host's launch work, which cutting prompts finer only multiplies:
+        lockstep/engine/step_budget.py)."""
+        config = self.config
+        if config.max_mixed_step_cost is None and not self._runs_piecewise():
+            return 0.0
+        return config.resolved_max_mixed_step_cost
 
     def _piecewise_tokens(self) -> int:
         """The largest step the piecewise graphs take."""

@@ -48,9 +48,11 @@ from lockstep.models.forward_batch import ForwardBatch
 from lockstep.ops.base import AttentionMeta, LayerKV
 
 # Token buckets: steps larger than the last are device-bound (an 8k-token prefill step runs
-# ~190 ms of kernels against ~20 ms of launches, which overlap it) and stay eager.
-MAX_TOKENS = 2048
-DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, MAX_TOKENS)
+# ~190 ms of kernels against ~20 ms of launches, which overlap it) and stay eager. The pool
+# holds the largest bucket's activations for good (0.15 GiB for Qwen3-8B at 1,024 rows; the
+# mixed-step bound cuts steps beside 64 streams to about 250 rows on an H100).
+MAX_TOKENS = 1024
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, MAX_TOKENS)
 
 
 def supports(decoder: Decoder) -> str | None:

@@ -12,16 +12,15 @@ prompt rows, F the FLOPs one row costs, PEAK the rate those rows run at), and a 
     P <= (PEAK / BW) x (factor - 1) x (W + KV) / F
 
 PEAK / BW, the FLOPs a step can do per byte it reads, is a property of the card and of the
-kernels: RIDGE_FLOP_PER_BYTE is the effective one measured on an H200 (docs/results.md, "Memory
-beside the KV pool"). An H100 reads more slowly at the same rate, so its ridge is higher and
-there the bound errs on the side of smaller chunks. Where the bound is wrong it only moves how
+kernels (`ridge_flop_per_byte`): prompt rows in mixed steps ran at about 340-390 TFLOP/s on
+both Hopper cards, which read at 4.27 TB/s (H200) and 3.03 TB/s (H100) (docs/results.md,
+"Memory beside the KV pool" and "The server path"). Where the bound is wrong it only moves how
 prompts are cut into chunks: outputs never change (the contract covers any chunking).
 
-The model leaves out what a mixed step pays beside its rows: it runs eagerly, while decode-only
-steps replay CUDA graphs, and at a few dozen requests the host's launch work outlasts the
-device's. Cutting prompts finer then turns most steps into eager ones: at 64 streams of 512 in
-/ 256 out the longest gap shrank and the typical one more than doubled (docs/results.md, "The
-server path"). So the bound is off unless asked for (`--max-mixed-step-cost`).
+The model leaves out what a mixed step pays beside its rows when it runs eagerly (decode-only
+steps replay CUDA graphs): at a few dozen requests the host's launch work outlasts the device's,
+and cutting prompts finer turns most steps into such eager ones. Piecewise CUDA graphs
+(`--piecewise-cuda-graphs`) remove that price.
 """
 
 from __future__ import annotations
@@ -32,8 +31,18 @@ from dataclasses import dataclass
 from lockstep.models.spec import ModelSpec
 
 # The prompt rows' effective matrix rate in a mixed step over memory bandwidth, FLOPs per byte
-# (module docstring).
+# (module docstring): the H200's, and by card where measured.
 RIDGE_FLOP_PER_BYTE = 80
+RIDGE_BY_CARD = {"H100": 128, "H200": 80}
+
+
+def ridge_flop_per_byte(device_name: str) -> float:
+    """The ridge of the card named `device_name` (torch.cuda.get_device_name), the H200's
+    where the card was not measured."""
+    for card, ridge in RIDGE_BY_CARD.items():
+        if card in device_name:
+            return ridge
+    return RIDGE_FLOP_PER_BYTE
 
 
 @dataclass(frozen=True)
@@ -43,18 +52,19 @@ class MixedStepBudget:
     `weight_bytes`: the bytes a step reads of the weights; `flops_per_row`: what one row costs
     in the matrix products (2 x the parameters a token uses); `kv_bytes_per_key`: what a
     decode row reads per key it attends to; `factor`: the most decode-only steps a mixed step
-    may cost."""
+    may cost; `ridge`: FLOPs per byte read (`ridge_flop_per_byte`)."""
 
     weight_bytes: int
     flops_per_row: int
     kv_bytes_per_key: int
     factor: float
+    ridge: float = RIDGE_FLOP_PER_BYTE
 
     def rows(self, decode_keys: int) -> int:
         """The prompt rows a step whose decodes attend to `decode_keys` keys in all may add
         (at least one, so that prompts always advance)."""
         read = self.weight_bytes + decode_keys * self.kv_bytes_per_key
-        allowed = RIDGE_FLOP_PER_BYTE * (self.factor - 1) * read / self.flops_per_row
+        allowed = self.ridge * (self.factor - 1) * read / self.flops_per_row
         return max(1, math.floor(allowed))
 
 
@@ -72,9 +82,14 @@ def active_parameters(spec: ModelSpec) -> int:
 
 
 def mixed_step_budget(
-    spec: ModelSpec, weight_bytes: int, kv_bytes_per_key: int, factor: float
+    spec: ModelSpec,
+    weight_bytes: int,
+    kv_bytes_per_key: int,
+    factor: float,
+    ridge: float = RIDGE_FLOP_PER_BYTE,
 ) -> MixedStepBudget | None:
     """The bound for a served model, or None when `factor` is 0 (no bound)."""
     if factor == 0:
         return None
-    return MixedStepBudget(weight_bytes, 2 * active_parameters(spec), kv_bytes_per_key, factor)
+    flops = 2 * active_parameters(spec)
+    return MixedStepBudget(weight_bytes, flops, kv_bytes_per_key, factor, ridge)

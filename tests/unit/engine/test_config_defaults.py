@@ -34,10 +34,12 @@ def test_cuda_defaults_run_batches_of_hundreds_in_every_mode(mode: str) -> None:
         256, 8192, 4096,
     )  # fmt: skip
     assert c.resolved_kv_memory_fraction == 1.0  # all but the reservation and the headroom
-    # Off: a mixed step runs eagerly, and its host work, not its rows, sets its time
-    # (lockstep/engine/step_budget.py).
-    assert c.resolved_max_mixed_step_cost == 0.0 and c.output_reserve == 1.0
-    assert c.use_overlap_decode and c.use_cuda_graphs
+    # Two decode-only steps where mixed steps replay piecewise graphs (the engine takes 0
+    # for a model they do not run: its mixed steps are eager, lockstep/engine/step_budget.py).
+    assert c.resolved_max_mixed_step_cost == 2.0 and c.output_reserve == 1.0
+    assert c.use_overlap_decode and c.use_cuda_graphs and c.use_piecewise_cuda_graphs
+    assert not EngineConfig(device="cuda", cuda_graphs=False).use_piecewise_cuda_graphs
+    assert not EngineConfig(device="cuda", piecewise_cuda_graphs=False).use_piecewise_cuda_graphs
     resolved = c.resolved_options()
     assert resolved["max_running"] == 256 and resolved["device"] == "cuda"
     assert resolved["dtype"] == "bfloat16" and resolved["kv_tokens"] is None

@@ -417,3 +417,20 @@ def test_admission_counts_that_running_requests_release_their_slots_when_they_en
     assert scheduler.num_preemptions == 0
     for r in (long, short, newcomer):
         assert r.output_ids == alone(r.prompt_ids, r.params.max_tokens), r.request_id
+
+
+def test_the_ridge_is_the_cards() -> None:
+    """The H100 reads at 3.03 TB/s where the H200 reads at 4.27 with the same matrix rate, so
+    its mixed steps carry more prompt rows per byte read; an unmeasured card takes the H200's."""
+    from lockstep.engine.step_budget import (
+        RIDGE_FLOP_PER_BYTE,
+        MixedStepBudget,
+        ridge_flop_per_byte,
+    )
+
+    assert ridge_flop_per_byte("NVIDIA H100 80GB HBM3") == 128
+    assert ridge_flop_per_byte("NVIDIA H200") == 80 == RIDGE_FLOP_PER_BYTE
+    assert ridge_flop_per_byte("NVIDIA L40S") == RIDGE_FLOP_PER_BYTE
+    h100 = MixedStepBudget(1000, 100, 0, factor=2, ridge=128)
+    h200 = MixedStepBudget(1000, 100, 0, factor=2, ridge=80)
+    assert (h100.rows(0), h200.rows(0)) == (1280, 800)
