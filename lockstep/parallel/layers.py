@@ -18,16 +18,20 @@ embedding row is taken from the rank that holds it, the logits are concatenated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from lockstep.config import TP_REDUCTIONS
 from lockstep.ops.base import Ops
+from lockstep.ops.moe import prepare_expert_weights
 from lockstep.parallel.collectives import Collectives
 from lockstep.parallel.sharding import CHUNKS, ShardPlan, chunk_bounds, tree_sum
 
 REDUCTIONS = TP_REDUCTIONS
+# What a row-parallel linear reduces over (`TensorParallel.row_width`).
+ROW_KINDS = ("attention", "mlp", "expert", "shared")
 
 
 def default_reduction(ops: Ops) -> str:
@@ -67,15 +71,18 @@ class TensorParallel:
         self.reduction = reduction
         self.collectives = collectives
         spec = plan.spec
-        plans = [ShardPlan(spec, plan.tp, r) for r in range(plan.tp)]
+        plans = [ShardPlan(spec, plan.tp, r, plan.ep) for r in range(plan.tp)]
         head_bounds = chunk_bounds(spec.num_heads)
         # Per rank, its non-empty chunks in ascending order: the rows of its gathered stack.
         self._gathered_chunks = {
             "attention": [[c for c in p.attention_chunks() if head_bounds[c][0] < head_bounds[c][1]]
                           for p in plans],
-            "mlp": [[c for c in p.mlp_chunks() if _nonempty(spec.intermediate_size, c)]
-                    for p in plans],
         }  # fmt: skip
+        for kind in ROW_KINDS[1:]:
+            width = self.row_width(kind)
+            self._gathered_chunks[kind] = [
+                [c for c in p.mlp_chunks() if _nonempty(width, c)] for p in plans
+            ]
         self._vocab_rows = [plan.vocab_rows(r) for r in range(plan.tp)]
 
     @classmethod
@@ -83,24 +90,51 @@ class TensorParallel:
         return cls(ops, plan, reduction, None)
 
     # ------------------------------------------------------------------ weights
-    def row_weight(self, weight: torch.Tensor, kind: str) -> RowParallelWeight:
-        """This rank's pieces of a full row-parallel weight [N, K]: `kind` "attention" (K is
-        heads x head_dim, chunked by heads) or "mlp" (K is the intermediate size)."""
-        plan, spec = self.plan, self.plan.spec
+    def row_width(self, kind: str) -> int:
+        """The units of K a row-parallel `kind` reduces over: heads ("attention"), the dense
+        MLP's intermediate size ("mlp"), an expert's ("expert"), the shared expert's
+        ("shared")."""
+        spec = self.plan.spec
         if kind == "attention":
-            unit, chunks = spec.head_dim, plan.attention_chunks()
-            bounds = chunk_bounds(spec.num_heads)
+            return spec.num_heads
+        if kind == "mlp":
+            return spec.intermediate_size
+        if kind not in ROW_KINDS:
+            raise ValueError(f"row-parallel kind {kind!r}: expected one of {ROW_KINDS}")
+        moe = spec.moe
+        if moe is None:
+            return 0
+        return moe.intermediate_size if kind == "expert" else moe.shared_expert_size
+
+    def row_weight(self, weight: torch.Tensor, kind: str) -> RowParallelWeight:
+        """This rank's pieces of a row-parallel weight [N, K] (`kind` "expert": stacked
+        experts [E, N, K], every piece stacked alike): "attention" (K is heads x head_dim,
+        chunked by heads), "mlp", "expert" or "shared" (K is that MLP's width). `weight`
+        holds every column, or for "expert" this rank's columns (`ShardPlan.expert_columns`).
+        Under expert parallelism an expert's pieces are all CHUNKS chunks (its owner
+        computes it whole)."""
+        plan = self.plan
+        width = self.row_width(kind)
+        bounds = chunk_bounds(width)
+        if kind == "attention":
+            unit, chunks = plan.spec.head_dim, plan.attention_chunks()
             offset = plan.heads[0] * unit
+        elif kind == "expert":
+            unit, offset = 1, 0  # the caller passes this rank's columns only
+            chunks = list(range(CHUNKS)) if plan.ep > 1 else plan.mlp_chunks()
+            first = bounds[chunks[0]][0]
+            bounds = [(lo - first, hi - first) for lo, hi in bounds]
         else:
             unit, chunks = 1, plan.mlp_chunks()
-            bounds = chunk_bounds(spec.intermediate_size)
-            offset = plan.intermediate[0]
+            offset = plan.columns(width)[0]
         ranges = [(bounds[c][0] * unit, bounds[c][1] * unit) for c in chunks]
         if self.reduction != "chunked":
             ranges = [(ranges[0][0], ranges[-1][1])]
+        prepare = self.ops.prepare_linear_weight
+        if weight.dim() == 3:
+            prepare = partial(prepare_expert_weights, prepare)
         pieces = tuple(
-            None if lo == hi else self.ops.prepare_linear_weight(weight[:, lo:hi].contiguous())
-            for lo, hi in ranges
+            None if lo == hi else prepare(weight[..., lo:hi].contiguous()) for lo, hi in ranges
         )
         return RowParallelWeight(pieces, tuple((lo - offset, hi - offset) for lo, hi in ranges))
 
@@ -108,39 +142,48 @@ class TensorParallel:
     def row_linear(self, x: torch.Tensor, weight: RowParallelWeight, kind: str) -> torch.Tensor:
         """x [T, local K] @ the full weight's rows, summed over every rank's columns, in x's
         dtype; identical on every rank."""
-        ops, coll = self.ops, self.collectives
-        if self.reduction != "chunked":
+        if self.reduction != "chunked" and self.collectives is None:
             (piece,) = weight.pieces
             assert piece is not None
+            return self.ops.linear(x, piece)
+        partials = [
+            None if piece is None else self.ops.partial_linear(x[:, lo:hi], piece)
+            for piece, (lo, hi) in zip(weight.pieces, weight.bounds, strict=True)
+        ]
+        return self.reduce(partials, kind).to(x.dtype)
+
+    def reduce(self, partials: list[torch.Tensor | None], kind: str) -> torch.Tensor:
+        """The float32 sum over every rank of a row-parallel `kind`'s partials [T, N]: this
+        rank's, one per piece of its `RowParallelWeight` (None: an empty chunk), by the
+        reduction (module docstring); identical on every rank. A collective: every rank
+        calls it with the same T."""
+        coll = self.collectives
+        if self.reduction != "chunked":
+            (only,) = partials
+            assert only is not None
             if coll is None:
-                return ops.linear(x, piece)
-            partial = ops.partial_linear(x, piece)
+                return only
             if self.reduction == "all_reduce":
-                return coll.all_reduce_sum(partial).to(x.dtype)
-            parts = coll.all_gather(partial)
+                return coll.all_reduce_sum(only)
+            parts = coll.all_gather(only)
             total = parts[0]
             for part in parts[1:]:
                 total = total + part
-            return total.to(x.dtype)
-        partials = [
-            None if piece is None else ops.partial_linear(x[:, lo:hi], piece)
-            for piece, (lo, hi) in zip(weight.pieces, weight.bounds, strict=True)
-        ]
+            return total
         if coll is None:
-            return tree_sum(partials).to(x.dtype)
+            return tree_sum(partials)
         local = [p for p in partials if p is not None]
         per_rank = self._gathered_chunks[kind]
         most = max(len(ids) for ids in per_rank)
-        rows = (x.shape[0], local[0].shape[1]) if local else None
-        assert rows is not None, "a rank with no work in a row-parallel layer"
+        assert local, "a rank with no work in a row-parallel layer"
         while len(local) < most:  # gather needs one shape on every rank
-            local.append(torch.zeros(rows, dtype=torch.float32, device=x.device))
+            local.append(torch.zeros_like(local[0]))
         gathered = coll.all_gather(torch.stack(local))
         full: list[torch.Tensor | None] = [None] * CHUNKS
         for stack, ids in zip(gathered, per_rank, strict=True):
             for j, c in enumerate(ids):
                 full[c] = stack[j]
-        return tree_sum(full).to(x.dtype)
+        return tree_sum(full)
 
     def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `token_ids` from this rank's vocabulary rows `table`; each row

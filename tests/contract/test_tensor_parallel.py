@@ -60,7 +60,9 @@ def test_degrees_each_model_takes() -> None:
     assert supported_degrees(PRESETS["tiny"].spec) == [1, 2, 4]
     assert supported_degrees(PRESETS["smollm2-135m"].spec) == [1, 3]
     assert supported_degrees(PRESETS["qwen3-8b"].spec) == [1, 2, 4, 8]
-    assert supported_degrees(PRESETS["tiny-qwen3-moe"].spec) == [1]
+    assert supported_degrees(PRESETS["tiny-qwen3-moe"].spec) == [1, 2, 4]
+    assert supported_degrees(PRESETS["tiny-qwen3.5"].spec) == [1]  # hybrid: tp 1 only
+    assert supported_degrees(PRESETS["tiny-deepseek-v3"].spec) == [1]  # MLA: tp 1 only
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ Common kinds (`LayoutEntry.kind`):
     embed           as is, in the model dtype
     linear          rows concatenated, then `Ops.prepare_linear_weight` (each output element's
                     reduction is unchanged by the fusion)
-    row_attention, row_mlp   row-parallel (`TensorParallel.row_weight`): o_proj, down_proj
+    row_attention, row_mlp, row_shared   row-parallel (`TensorParallel.row_weight`): o_proj,
+                    down_proj, a shared expert's down_proj
     fp8             an FP8 linear: its parts' weights, then their weight scales, then their
                     input scales ("tensor"), fused by `fuse_fp8`
 
@@ -47,7 +48,7 @@ def prepare_common(entry: LayoutEntry, parts: list[torch.Tensor], context: Prepa
         return torch.cat(parts).to(device=device, dtype=torch.float32) + 1.0
     if kind == "embed":
         return concatenated(parts, context)
-    if kind in ("row_attention", "row_mlp"):
+    if kind in ("row_attention", "row_mlp", "row_shared"):
         return context.parallel.row_weight(concatenated(parts, context), kind.removeprefix("row_"))
     if kind == "linear":
         return fused_linear(parts, context)
@@ -107,5 +108,8 @@ def shard(plan: ShardPlan, rule: str, parts: list[torch.Tensor]) -> list[torch.T
         (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
         q, k, v = parts
         return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
-    lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[rule]
+    if rule == "shared":
+        lo, hi = plan.shared_columns
+    else:
+        lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[rule]
     return [p[lo:hi] for p in parts]
