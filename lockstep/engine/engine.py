@@ -57,7 +57,7 @@ from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
 from lockstep.ops.base import PooledLinearAttentionOps
 from lockstep.parallel.group import ShardedDecoder, WorkerGroup
-from lockstep.parallel.sharding import degree_problem, supported_degrees
+from lockstep.parallel.sharding import degree_problem, expert_problem, supported_degrees
 from lockstep.parallel.worker import load_rank_decoder, set_threads
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,14 @@ class Engine:
                 f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
                 f" {', '.join(map(str, supported_degrees(spec)))}"
             )
+        problem = expert_problem(spec, config.ep)
+        if problem is not None:
+            works = [ep for ep in supported_degrees(spec) if expert_problem(spec, ep) is None]
+            raise ConfigError(
+                f"ep={config.ep} is invalid for {loaded.name}: {problem}; expected ep=1"
+                + (f" or one of {', '.join(map(str, works[1:]))} (with the same --tp)"
+                   if spec.moe is not None and len(works) > 1 else "")
+            )  # fmt: skip
         if config.enable_return_routed_experts and spec.moe is None:
             raise ConfigError(
                 f"enable_return_routed_experts=True is invalid for {loaded.name}: it has no "

@@ -1,14 +1,16 @@
-"""Mixture-of-experts models under tensor parallelism on the CPU (gloo, one process per rank):
-the same bits at every degree (lockstep/parallel/experts.py).
+"""Mixture-of-experts models under tensor and expert parallelism on the CPU (gloo, one process
+per rank): the same bits at every degree (lockstep/parallel/experts.py).
 
-On a tiny Qwen3-MoE folder written by transformers (8 experts of width 40, top 2; dense and
-sparse layers):
+On a tiny Qwen3-MoE folder written by transformers (8 experts of width 40, top 4, so that a
+token's experts usually live on both expert-parallel ranks; dense and sparse layers):
 
-* TP 2 and TP 4 give TP 1's bits (the chunked reduction) for logits and every KV head.
-* The property suite at TP 2: random prefix hits, partitions and batch-mates equal one cold
-  prefill, at TP 2 and at TP 1; generated logprobs equal the rescored ones.
-* Negative controls: TP 2 under the "ranks" reduction, TP 1's default one-call experts and
-  fast mode at TP 2 each give other bits.
+* TP 2, TP 4 and EP 2 give TP 1's bits (the chunked reduction) for logits and every KV head.
+* The property suite at TP 2 and EP 2: random prefix hits, partitions and batch-mates equal
+  one cold prefill, at that degree and at TP 1; generated logprobs equal the rescored ones.
+* Negative controls: TP 2 under the "ranks" reduction, TP 1's default one-call experts, fast
+  mode at TP 2, and EP 2 under "all_reduce" (each rank combines its own experts, the library
+  sums the ranks: another order of adding a token's four outputs) each give other bits.
+* EP without experts, or an EP degree that is not --tp, is refused in one line.
 * A worker killed mid-run ends the engine with the one-line `TensorParallelError`.
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from lockstep import LLM, SamplingParams
+from lockstep.errors import ConfigError
 from lockstep.parallel.group import TensorParallelError
 from tests.support.invariance_harness import (
     compute,
@@ -42,17 +45,18 @@ def _llm(folder: Path, tp: int, **options) -> LLM:
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("qwen3_moe")
-    save_tiny("qwen3_moe", folder)
+    save_tiny("qwen3_moe", folder, num_experts_per_tok=4)
     return folder
 
 
 @pytest.fixture(scope="module")
 def engines(moe_folder: Path):
-    """The Qwen3-MoE folder at TP 1 (chunked) and TP 2: 3 processes."""
+    """The Qwen3-MoE folder at TP 1 (chunked), TP 2 and EP 2: 5 processes."""
     llms = {}
     try:
         llms[1] = _llm(moe_folder, 1, tp_reduction="chunked")
         llms[2] = _llm(moe_folder, 2)
+        llms["ep2"] = _llm(moe_folder, 2, ep=2)
         yield {name: llm.engine for name, llm in llms.items()}
     finally:
         for llm in llms.values():
@@ -73,16 +77,18 @@ def _differing(engine, other, sequences) -> list[int]:
     ]
 
 
-def test_tp_2_gives_the_logits_and_kv_of_tp_1(engines) -> None:
+@pytest.mark.parametrize("degree", [2, "ep2"])
+def test_tp_2_and_ep_2_give_the_logits_and_kv_of_tp_1(engines, degree) -> None:
     sequences = _sequences(4, 48, seed=1)
-    assert engines[2].decoder.spec.moe is not None
-    assert _differing(engines[1], engines[2], sequences) == []
+    assert engines[degree].decoder.spec.moe.top_k == 4
+    assert _differing(engines[1], engines[degree], sequences) == []
 
 
-def test_position_invariance_at_tp_2(engines) -> None:
-    """The property suite's case at TP 2: random prefix hits, partitions and batch-mates
-    equal one cold prefill at TP 2 and at TP 1."""
-    engine, single = engines[2], engines[1]
+@pytest.mark.parametrize("degree", [2, "ep2"])
+def test_position_invariance_at_tp_2_and_ep_2(engines, degree) -> None:
+    """The property suite's case: random prefix hits, partitions and batch-mates equal one
+    cold prefill at this degree and at TP 1."""
+    engine, single = engines[degree], engines[1]
     for seed in range(8):
         rng = random.Random(seed)
         n = rng.randint(1, 40)
@@ -95,11 +101,12 @@ def test_position_invariance_at_tp_2(engines) -> None:
         engine.check_integrity()
 
 
-def test_decode_equals_rescoring_at_tp_2(engines) -> None:
+@pytest.mark.parametrize("degree", [2, "ep2"])
+def test_decode_equals_rescoring(engines, degree) -> None:
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=10, logprobs=0, ignore_eos=True)
     prompts = _sequences(3, 12, seed=4)
-    assert generation_scoring_mismatches(engines[2], prompts, params) == []
-    engines[2].check_integrity()
+    assert generation_scoring_mismatches(engines[degree], prompts, params) == []
+    engines[degree].check_integrity()
 
 
 def test_tp_4_gives_the_bits_of_tp_1(engines, moe_folder: Path) -> None:
@@ -110,21 +117,39 @@ def test_tp_4_gives_the_bits_of_tp_1(engines, moe_folder: Path) -> None:
         four.close()
 
 
-def test_controls_other_reductions_and_fast_mode_change_bits(engines, moe_folder: Path) -> None:
-    """The chunked rule is what makes the degrees agree: TP 2 under "ranks" (one partial per
-    rank), TP 1's default one-call experts and fast mode at TP 2 each differ from TP 1."""
+def test_controls_other_reductions_and_combines_change_bits(engines, moe_folder: Path) -> None:
+    """The chunked rule and the fixed combine are what make the degrees agree: TP 2 under
+    "ranks" or "all_reduce", TP 1's default one-call experts, fast mode at TP 2 and EP 2
+    under "ranks" or "all_reduce" each differ from TP 1. And the combine alone: at 2 ranks
+    the library's SUM adds two partials as "ranks" does (TP 2 gives the same bits under
+    both), so EP 2's two reductions differ only in how a token's four expert outputs are
+    combined (in rank order, or per rank then summed), which changes bits."""
     sequences = _sequences(3, 48, seed=2)
-    controls = {
-        "tp=2 ranks": lambda: _llm(moe_folder, 2, tp_reduction="ranks"),
-        "tp=1 default": lambda: _llm(moe_folder, 1),
-        "tp=2 fast": lambda: _llm(moe_folder, 2, mode="fast"),
+    options = {
+        "tp=2 ranks": (2, {"tp_reduction": "ranks"}),
+        "tp=2 all_reduce": (2, {"tp_reduction": "all_reduce"}),
+        "tp=1 default": (1, {}),
+        "tp=2 fast": (2, {"mode": "fast"}),
+        "ep=2 ranks": (2, {"ep": 2, "tp_reduction": "ranks"}),
+        "ep=2 all_reduce": (2, {"ep": 2, "tp_reduction": "all_reduce"}),
     }
-    for name, make in controls.items():
-        llm = make()
+    got = {}
+    for name, (tp, extra) in options.items():
+        llm = _llm(moe_folder, tp, **extra)
         try:
-            assert _differing(engines[1], llm.engine, sequences), f"{name} gave the TP 1 bits"
+            got[name] = [reference(llm.engine, tokens) for tokens in sequences]
         finally:
             llm.close()
+    chunked = [reference(engines[1], tokens) for tokens in sequences]
+
+    def differ(a: str | list, b: str) -> bool:
+        first = chunked if isinstance(a, list) else got[a]
+        return any(mismatches(x, y) for x, y in zip(first, got[b], strict=True))
+
+    for name in options:
+        assert differ(chunked, name), f"{name} gave the TP 1 bits"
+    assert not differ("tp=2 ranks", "tp=2 all_reduce")
+    assert differ("ep=2 ranks", "ep=2 all_reduce")
 
 
 def test_a_killed_rank_ends_the_engine_with_one_line(moe_folder: Path) -> None:
@@ -146,3 +171,19 @@ def test_a_killed_rank_ends_the_engine_with_one_line(moe_folder: Path) -> None:
         assert f"rank 1 (pid {pid}) exited with status -9" in message
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "needle"),
+    [
+        (None, {"ep": 2, "tp": 1}, "ep=2 is invalid with tp=1: expert parallelism spreads "),
+        (None, {"ep": 9, "tp": 1}, "ep=9 is invalid: expected an integer from 1 to 8"),
+        ("random:tiny", {"ep": 2, "tp": 2}, "ep=2 is invalid for random:tiny: it has no routed "),
+    ],
+)
+def test_bad_expert_parallel_settings_are_refused_in_one_line(model, options, needle) -> None:
+    with pytest.raises(ConfigError) as info:
+        LLM(model, device="cpu", kv_tokens=64, **options)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(needle)
