@@ -127,7 +127,7 @@ class Engine:
             works = [ep for ep in supported_degrees(spec) if expert_problem(spec, ep) is None]
             raise ConfigError(
                 f"ep={config.ep} is invalid for {loaded.name}: {problem}; expected ep=1"
-                + (f" or one of {', '.join(map(str, works[1:]))} (with the same --tp)"
+                + (f" or ep={' or '.join(map(str, works[1:]))} (with --tp the same)"
                    if spec.moe is not None and len(works) > 1 else "")
             )  # fmt: skip
         if config.enable_return_routed_experts and spec.moe is None:
@@ -137,7 +137,10 @@ class Engine:
             )
         if self.device.type == "cuda":  # refused with the arithmetic, before any load
             free, _ = torch.cuda.mem_get_info(self.device)
-            memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp, free)
+            need = memory.RankWeights.of(spec, self.dtype.itemsize, config.tp, config.ep)
+            logger.info("weights: at least %s", need.describe())
+            memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp,
+                                            free, config.ep)  # fmt: skip
         # Ranks 1..tp-1 start loading while rank 0 does (lockstep.parallel.group).
         self.workers: WorkerGroup | None = None
         if config.tp > 1:
