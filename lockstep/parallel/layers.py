@@ -117,7 +117,10 @@ class TensorParallel:
         width = self.row_width(kind)
         bounds = chunk_bounds(width)
         if kind == "attention":
-            unit, chunks = plan.spec.head_dim, plan.attention_chunks()
+            # o_proj's input per head: head_dim, or MLA's value width.
+            mla = plan.spec.mla
+            unit = plan.spec.head_dim if mla is None else mla.v_head_dim
+            chunks = plan.attention_chunks()
             offset = plan.heads[0] * unit
         elif kind == "expert":
             unit, offset = 1, 0  # the caller passes this rank's columns only

@@ -54,8 +54,6 @@ def chunk_bounds(n: int) -> list[tuple[int, int]]:
 def degree_problem(spec: ModelSpec, tp: int) -> str | None:
     """Why `tp` cannot shard `spec` (None when it can)."""
     h, hkv = spec.num_heads, spec.num_kv_heads
-    if spec.mla is not None and tp > 1:
-        return "multi-head latent attention models run at tp=1 only"
     if spec.hybrid and tp > 1:
         return "hybrid (linear-attention) models run at tp=1 only"
     if spec.fp8 is not None and tp > 1:

@@ -60,7 +60,8 @@ class KVShard:
         spec = plan.spec
         shape = (len(spec.kv_layers), num_slots, plan.num_local_kv_heads, spec.cache_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # MLA keeps one latent row per token: its values are its keys' first columns.
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if spec.cache_values else self.k
         self.routed_experts = None  # the routing store is rank 0's (every rank routes alike)
 
     def k_cache(self, layer: int) -> torch.Tensor:

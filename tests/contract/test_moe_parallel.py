@@ -10,6 +10,10 @@ token's experts usually live on both expert-parallel ranks; dense and sparse lay
 * Negative controls: TP 2 under the "ranks" reduction, TP 1's default one-call experts, fast
   mode at TP 2, and EP 2 under "all_reduce" (each rank combines its own experts, the library
   sums the ranks: another order of adding a token's four outputs) each give other bits.
+* A tiny DeepSeek-V3 folder (multi-head latent attention with a q LoRA, grouped sigmoid
+  routing with a correction bias, an ungated shared expert, a dense first layer): TP 2 and
+  EP 2 give TP 1's bits, and the property suite holds at TP 2; TP 1's default reduction
+  differs (the control).
 * EP without experts, or an EP degree that is not --tp, is refused in one line.
 * A worker killed mid-run ends the engine with the one-line `TensorParallelError`.
 """
@@ -187,3 +191,47 @@ def test_bad_expert_parallel_settings_are_refused_in_one_line(model, options, ne
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(needle)
+
+
+@pytest.fixture(scope="module")
+def deepseek_engines(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny DeepSeek-V3 folder at TP 1 (chunked and default), TP 2 and EP 2."""
+    folder = tmp_path_factory.mktemp("deepseek_v3")
+    save_tiny("deepseek_v3", folder)
+    llms = {}
+    try:
+        llms[1] = _llm(folder, 1, tp_reduction="chunked")
+        llms["default"] = _llm(folder, 1)
+        llms[2] = _llm(folder, 2)
+        llms["ep2"] = _llm(folder, 2, ep=2)
+        yield {name: llm.engine for name, llm in llms.items()}
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+
+def test_deepseek_v3_at_tp_2_and_ep_2_gives_the_bits_of_tp_1(deepseek_engines) -> None:
+    engines = deepseek_engines
+    spec = engines[2].decoder.spec
+    assert spec.mla is not None and spec.moe is not None and spec.moe.shared_expert_size
+    assert spec.moe.groups > 1 and spec.moe.correction_bias
+    sequences = _sequences(3, 40, seed=6)
+    for degree in (2, "ep2"):
+        assert _differing(engines[1], engines[degree], sequences) == [], degree
+    # One latent row per token and layer on every rank, as at TP 1.
+    assert engines[2].pool.k_cache(0).shape[1:] == (1, spec.mla.cache_width)
+    assert _differing(engines[1], engines["default"], sequences), "the control gave TP 1's bits"
+
+
+def test_deepseek_v3_position_invariance_at_tp_2(deepseek_engines) -> None:
+    engine, single = deepseek_engines[2], deepseek_engines[1]
+    for seed in range(6):
+        rng = random.Random(100 + seed)
+        n = rng.randint(1, 40)
+        tokens = [rng.randrange(300) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=3)
+        got = compute(engine, tokens, plan, rng)
+        problems = mismatches(reference(engine, tokens), got)
+        problems += mismatches(reference(single, tokens), got)
+        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
+        engine.check_integrity()
