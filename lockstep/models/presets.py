@@ -287,7 +287,8 @@ PRESETS: dict[str, Preset] = {
         add_bos=False,
     ),
     # DeepSeek-V3 / R1 (671 B without its multi-token-prediction layer): 1.25 TiB in bf16,
-    # refused on one GPU with that arithmetic (MLA models run at tp 1).
+    # refused on one GPU with that arithmetic; TP and EP 2-8 shard it (deepseek-v3-fp8, its
+    # FP8 release, runs at tp 1).
     "deepseek-v3": _preset(
         _deepseek("deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                   moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
