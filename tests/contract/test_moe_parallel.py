@@ -16,6 +16,8 @@ token's experts usually live on both expert-parallel ranks; dense and sparse lay
   differs (the control).
 * EP without experts, or an EP degree that is not --tp, is refused in one line.
 * A worker killed mid-run ends the engine with the one-line `TensorParallelError`.
+* `lockstep check --serve` against `lockstep serve --tp 2 --ep 2` on a Qwen3-MoE folder passes
+  every scenario but restart, exactly.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tests.support.invariance_harness import (
     random_plan,
     reference,
 )
-from tests.support.tiny_hf import save_tiny
+from tests.support.tiny_hf import check_serve_passes_every_scenario, save_tiny
 
 
 def _llm(folder: Path, tp: int, **options) -> LLM:
@@ -235,3 +237,8 @@ def test_deepseek_v3_position_invariance_at_tp_2(deepseek_engines) -> None:
         problems += mismatches(reference(single, tokens), got)
         assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
         engine.check_integrity()
+
+
+@pytest.mark.slow
+def test_check_serve_passes_at_tp_2_ep_2(tmp_path: Path) -> None:
+    check_serve_passes_every_scenario("qwen3_moe", tmp_path, serve_args=("--tp", "2", "--ep", "2"))
