@@ -61,6 +61,11 @@ from lockstep.parallel.sharding import degree_problem, expert_problem, supported
 from lockstep.parallel.worker import load_rank_decoder, set_threads
 
 logger = logging.getLogger(__name__)
+# Why FP8 models run at tp 1 on CUDA: a reduction chunk's partial must stay float32
+# (lockstep/parallel/layers.py) and the GPU FP8 GEMM rounds its output to bf16.
+FP8_CUDA_TP = (
+    "FP8 models shard on the CPU only for now (the GPU FP8 GEMM has no float32-partial form)"
+)
 
 
 def _live(request: Request) -> bool:
@@ -122,6 +127,10 @@ class Engine:
                 f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
                 f" {', '.join(map(str, supported_degrees(spec)))}"
             )
+        if spec.fp8 is not None and config.tp > 1 and self.device.type == "cuda":
+            raise ConfigError(
+                f"tp={config.tp} is invalid for {loaded.name} on CUDA: {FP8_CUDA_TP}; expected tp=1"
+            )
         problem = expert_problem(spec, config.ep)
         if problem is not None:
             works = [ep for ep in supported_degrees(spec) if expert_problem(spec, ep) is None]
@@ -140,7 +149,8 @@ class Engine:
             need = memory.RankWeights.of(spec, self.dtype.itemsize, config.tp, config.ep)
             logger.info("weights: at least %s", need.describe())
             memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp,
-                                            free, config.ep)  # fmt: skip
+                                            free, config.ep,
+                                            FP8_CUDA_TP if spec.fp8 is not None else None)  # fmt: skip
         # Ranks 1..tp-1 start loading while rank 0 does (lockstep.parallel.group).
         self.workers: WorkerGroup | None = None
         if config.tp > 1:

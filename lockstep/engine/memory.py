@@ -301,17 +301,24 @@ class RankWeights:
 
 
 def refuse_oversized_weights(
-    name: str, spec: ModelSpec, dtype_bytes: int, tp: int, free_bytes: int, ep: int = 1
+    name: str,
+    spec: ModelSpec,
+    dtype_bytes: int,
+    tp: int,
+    free_bytes: int,
+    ep: int = 1,
+    unshardable: str | None = None,
 ) -> None:
     """Raise `ConfigError` when `spec`'s weights cannot fit in `free_bytes` per rank at tensor
     parallelism `tp` (expert parallelism `ep`): `RankWeights`' lower bound. The message holds
-    the arithmetic and the smallest degree that fits, or why sharding cannot help."""
+    the arithmetic and the smallest degree that fits, or why sharding cannot help
+    (`unshardable`: a reason of the device's, which the model's degrees do not know)."""
     from lockstep.parallel.sharding import degree_problem, supported_degrees
 
     need = RankWeights.of(spec, dtype_bytes, tp, ep)
     if need.bytes <= free_bytes:
         return
-    degrees = supported_degrees(spec)
+    degrees = [1] if unshardable else supported_degrees(spec)
     fits = [d for d in degrees if RankWeights.of(spec, dtype_bytes, d, d if ep > 1 else 1).bytes
             <= free_bytes]  # fmt: skip
     if fits and fits[0] > tp:
@@ -322,7 +329,7 @@ def refuse_oversized_weights(
         hint = (f"even tp={degrees[-1]} needs {most.bytes / GIB:.1f} GiB per GPU (degrees that "
                 f"work: {', '.join(map(str, degrees))})")  # fmt: skip
     else:
-        hint = f"it cannot be split over more GPUs: {degree_problem(spec, 2)}"
+        hint = f"it cannot be split over more GPUs: {unshardable or degree_problem(spec, 2)}"
     raise ConfigError(
         f"model {name} does not fit: its weights need at least {need.describe()} and the "
         f"device has {free_bytes / GIB:.1f} GiB free; {hint}"

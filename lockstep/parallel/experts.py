@@ -34,7 +34,14 @@ from itertools import accumulate
 
 import torch
 
-from lockstep.ops.moe import MoeLayer, combine_in_rank_order, write_routed_experts
+from lockstep.ops.fp8 import BLOCK
+from lockstep.ops.moe import (
+    Fp8Experts,
+    MoeLayer,
+    combine_in_rank_order,
+    prepare_fp8_experts,
+    write_routed_experts,
+)
 from lockstep.parallel.layers import RowParallelWeight, TensorParallel
 from lockstep.parallel.sharding import ShardPlan, tree_sum
 
@@ -61,6 +68,35 @@ def expert_down_columns(plan: ShardPlan, parts: list[torch.Tensor]) -> torch.Ten
     return torch.stack([p[:, c0:c1] for p in parts[lo:hi]])
 
 
+def sharded_fp8_experts(
+    parallel: TensorParallel, target: str, weights: list[torch.Tensor], scales: list[torch.Tensor]
+) -> Fp8Experts | RowParallelWeight:
+    """Block-FP8 experts cut as `expert_gate_up_rows` and `expert_down_columns` cut plain ones:
+    e4m3 `weights` and their fp32 block `scales` (expert-major, as the layout lists them),
+    each scale cut with its weight's rows or columns (every cut on a 128 edge:
+    `fp8_block_problem`). gate_up: one `Fp8Experts` of this rank's experts and rows; down: a
+    `RowParallelWeight` whose pieces are `Fp8Experts` of each reduction unit's columns."""
+    plan, ops = parallel.plan, parallel.ops
+    lo, hi = plan.experts
+    c0, c1 = plan.expert_columns
+    if not target.endswith("experts_down"):
+        mine_w = [w[c0:c1] for w in weights[2 * lo : 2 * hi]]
+        mine_s = [s[c0 // BLOCK : -(-c1 // BLOCK)] for s in scales[2 * lo : 2 * hi]]
+        return prepare_fp8_experts(ops.prepare_fp8_linear, mine_w, mine_s, hi - lo)
+    ranges = parallel.row_ranges("expert")
+    pieces = tuple(
+        None
+        if a == b
+        else prepare_fp8_experts(
+            ops.prepare_fp8_linear, [w[:, a:b].contiguous() for w in weights[lo:hi]],
+            [s[:, a // BLOCK : -(-b // BLOCK)].contiguous() for s in scales[lo:hi]], hi - lo,
+        )
+        for a, b in ranges
+    )  # fmt: skip
+    first = ranges[0][0]
+    return RowParallelWeight(pieces, tuple((a - first, b - first) for a, b in ranges))
+
+
 def sharded_moe(
     parallel: TensorParallel,
     x: torch.Tensor,
@@ -73,6 +109,10 @@ def sharded_moe(
     [local experts, 2 x local columns, K']; `down`: this rank's down pieces (stacked over its
     experts). `routed_experts`: as `Ops.moe`'s. A collective: every rank calls it."""
     ops, plan = parallel.ops, parallel.plan
+    fp8 = any(isinstance(piece, Fp8Experts) for piece in down.pieces)
+    # Block-FP8 experts (the CPU's dequantized weights): the FP8 expert linear, whose fp32
+    # output is the unrounded partial.
+    expert_linear = ops.fp8_expert_linear if fp8 else ops.linear  # type: ignore[attr-defined]
     experts, weights = ops.moe_route(x, layer)
     write_routed_experts(routed_experts, experts)
     t, k = experts.shape
@@ -92,10 +132,13 @@ def sharded_moe(
             continue
         at = slice(starts[e] - starts[first], starts[e + 1] - starts[first])
         rows = x.index_select(0, torch.div(mine[at], k, rounding_mode="floor"))
-        act = ops.silu_mul(ops.linear(rows, layer.gate_up[e - first]))
+        act = ops.silu_mul(expert_linear(rows, layer.gate_up[e - first]))
         for out, piece, (lo, hi) in zip(partials, down.pieces, down.bounds, strict=True):
             if out is not None and piece is not None:
-                out[at] = ops.partial_linear(act[:, lo:hi], piece[e - first])
+                if fp8:
+                    out[at] = expert_linear(act[:, lo:hi].contiguous(), piece.weight[e - first])
+                else:
+                    out[at] = ops.partial_linear(act[:, lo:hi], piece[e - first])
     if plan.ep == 1:  # every rank has every slot's partials over its columns
         y = parallel.reduce(partials, "expert")[torch.argsort(order)]
     elif parallel.reduction == "all_reduce":  # combined per rank, then summed across ranks
@@ -158,4 +201,5 @@ def _summed_combination(
     return coll.all_reduce_sum(local)
 
 
-__all__ = ["expert_down_columns", "expert_gate_up_rows", "sharded_experts", "sharded_moe"]
+__all__ = ["expert_down_columns", "expert_gate_up_rows", "sharded_experts",
+           "sharded_fp8_experts", "sharded_moe"]  # fmt: skip

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lockstep.config import TP_REDUCTIONS
 from lockstep.ops.base import Ops
+from lockstep.ops.fp8 import BLOCK, Fp8Weight
 from lockstep.ops.moe import prepare_expert_weights
 from lockstep.parallel.collectives import Collectives
 from lockstep.parallel.sharding import CHUNKS, ShardPlan, chunk_bounds, tree_sum
@@ -46,14 +48,17 @@ class RowParallelWeight:
     unit (a chunk under "chunked", the rank's whole input otherwise) and the local input
     columns [lo, hi) it multiplies; None for an empty chunk."""
 
-    pieces: tuple[torch.Tensor | None, ...]
+    pieces: tuple[Any, ...]  # torch.Tensor, Fp8Weight or Fp8Experts; None: an empty chunk
     bounds: tuple[tuple[int, int], ...]
 
     def copy_(self, other: RowParallelWeight) -> None:
         """Overwrite in place (the tensors keep their storage: CUDA graphs replay them)."""
         for mine, new in zip(self.pieces, other.pieces, strict=True):
-            if mine is not None and new is not None:
+            if isinstance(mine, torch.Tensor) and isinstance(new, torch.Tensor):
                 mine.copy_(new)
+            elif mine is not None and new is not None:  # FP8: every tensor it holds
+                for live, fresh in zip(mine.tensors(), new.tensors(), strict=True):
+                    live.copy_(fresh)
 
 
 class TensorParallel:
@@ -106,39 +111,62 @@ class TensorParallel:
             return 0
         return moe.intermediate_size if kind == "expert" else moe.shared_expert_size
 
-    def row_weight(self, weight: torch.Tensor, kind: str) -> RowParallelWeight:
-        """This rank's pieces of a row-parallel weight [N, K] (`kind` "expert": stacked
-        experts [E, N, K], every piece stacked alike): "attention" (K is heads x head_dim,
-        chunked by heads), "mlp", "expert" or "shared" (K is that MLP's width). `weight`
-        holds every column, or for "expert" this rank's columns (`ShardPlan.expert_columns`).
-        Under expert parallelism an expert's pieces are all CHUNKS chunks (its owner
-        computes it whole)."""
+    def row_ranges(self, kind: str) -> list[tuple[int, int]]:
+        """This rank's reduction units of a row-parallel `kind`: [lo, hi) columns of the full
+        K (`row_width` units times o_proj's columns per head), one per chunk it computes
+        under "chunked" (empty chunks included), else one over all its columns. Under expert
+        parallelism an expert's units are all CHUNKS chunks (its owner computes it whole)."""
         plan = self.plan
-        width = self.row_width(kind)
-        bounds = chunk_bounds(width)
+        bounds = chunk_bounds(self.row_width(kind))
+        unit = 1
         if kind == "attention":
             # o_proj's input per head: head_dim, or MLA's value width.
             mla = plan.spec.mla
             unit = plan.spec.head_dim if mla is None else mla.v_head_dim
             chunks = plan.attention_chunks()
-            offset = plan.heads[0] * unit
-        elif kind == "expert":
-            unit, offset = 1, 0  # the caller passes this rank's columns only
-            chunks = list(range(CHUNKS)) if plan.ep > 1 else plan.mlp_chunks()
-            first = bounds[chunks[0]][0]
-            bounds = [(lo - first, hi - first) for lo, hi in bounds]
+        elif kind == "expert" and plan.ep > 1:
+            chunks = list(range(CHUNKS))
         else:
-            unit, chunks = 1, plan.mlp_chunks()
-            offset = plan.columns(width)[0]
+            chunks = plan.mlp_chunks()
         ranges = [(bounds[c][0] * unit, bounds[c][1] * unit) for c in chunks]
         if self.reduction != "chunked":
             ranges = [(ranges[0][0], ranges[-1][1])]
+        return ranges
+
+    def row_weight(self, weight: torch.Tensor, kind: str) -> RowParallelWeight:
+        """This rank's pieces of a row-parallel weight [N, K] (`kind` "expert": stacked
+        experts [E, N, K], every piece stacked alike): "attention" (K is heads x head_dim,
+        chunked by heads), "mlp", "expert" or "shared" (K is that MLP's width). `weight`
+        holds every column, or for "expert" this rank's columns (`ShardPlan.expert_columns`)."""
+        ranges = self.row_ranges(kind)
+        offset = ranges[0][0]  # the rank's first column: where its local input starts
+        shift = offset if kind == "expert" else 0
         prepare = self.ops.prepare_linear_weight
         if weight.dim() == 3:
             prepare = partial(prepare_expert_weights, prepare)
         pieces = tuple(
-            None if lo == hi else prepare(weight[..., lo:hi].contiguous()) for lo, hi in ranges
+            None if lo == hi else prepare(weight[..., lo - shift : hi - shift].contiguous())
+            for lo, hi in ranges
         )
+        return RowParallelWeight(pieces, tuple((lo - offset, hi - offset) for lo, hi in ranges))
+
+    def fp8_row_weight(
+        self, weight: torch.Tensor, scale: torch.Tensor, kind: str
+    ) -> RowParallelWeight:
+        """`row_weight` of a block-FP8 weight: e4m3 [N, K] with its block scales [ceil(N/128),
+        ceil(K/128)], every column; each piece an FP8 linear of its columns and their scale
+        columns (`fp8_block_problem` has checked that every cut falls on a block edge)."""
+        ranges = self.row_ranges(kind)
+        offset = ranges[0][0]
+        pieces = tuple(
+            None
+            if lo == hi
+            else self.ops.prepare_fp8_linear(
+                "block", weight[:, lo:hi].contiguous(),
+                scale[:, lo // BLOCK : -(-hi // BLOCK)].contiguous(), None,
+            )
+            for lo, hi in ranges
+        )  # fmt: skip
         return RowParallelWeight(pieces, tuple((lo - offset, hi - offset) for lo, hi in ranges))
 
     # ------------------------------------------------------------------ forward pieces
@@ -150,10 +178,18 @@ class TensorParallel:
             assert piece is not None
             return self.ops.linear(x, piece)
         partials = [
-            None if piece is None else self.ops.partial_linear(x[:, lo:hi], piece)
+            None if piece is None else self.partial(x[:, lo:hi], piece)
             for piece, (lo, hi) in zip(weight.pieces, weight.bounds, strict=True)
         ]
         return self.reduce(partials, kind).to(x.dtype)
+
+    def partial(self, x: torch.Tensor, piece: torch.Tensor | Fp8Weight) -> torch.Tensor:
+        """One reduction unit's float32 partial: `Ops.partial_linear`, or for a block-FP8
+        piece its FP8 linear (the CPU backends': fp32 activations in, fp32 out, unrounded;
+        FP8 pieces are built on the CPU only, lockstep/models/blocks/prepare.py)."""
+        if isinstance(piece, Fp8Weight):
+            return self.ops.fp8_linear(x, piece).float()
+        return self.ops.partial_linear(x, piece)
 
     def reduce(self, partials: list[torch.Tensor | None], kind: str) -> torch.Tensor:
         """The float32 sum over every rank of a row-parallel `kind`'s partials [T, N]: this

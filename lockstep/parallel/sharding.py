@@ -56,8 +56,8 @@ def degree_problem(spec: ModelSpec, tp: int) -> str | None:
     h, hkv = spec.num_heads, spec.num_kv_heads
     if spec.hybrid and tp > 1:
         return "hybrid (linear-attention) models run at tp=1 only"
-    if spec.fp8 is not None and tp > 1:
-        return "FP8 models run at tp=1 only"
+    if spec.fp8 is not None and tp > 1 and spec.fp8.scheme != "block":
+        return f"{spec.fp8.scheme}-scaled FP8 models run at tp=1 only (block-FP8 ones shard)"
     if not 1 <= tp <= MAX_TP:
         return f"expected 1..{MAX_TP}"
     if h % tp:
@@ -67,6 +67,10 @@ def degree_problem(spec: ModelSpec, tp: int) -> str | None:
     starts = {lo for lo, _ in chunk_bounds(h)}
     if any(r * h // tp not in starts for r in range(tp)):
         return f"its rank boundaries fall inside one of the {CHUNKS} reduction chunks"
+    if spec.fp8 is not None and tp > 1:
+        problem = fp8_block_problem(spec, tp)
+        if problem is not None:
+            return problem
     moe = spec.moe
     if moe is not None:
         widths = [("expert", moe.intermediate_size), ("shared expert", moe.shared_expert_size)]
@@ -75,6 +79,43 @@ def degree_problem(spec: ModelSpec, tp: int) -> str | None:
             empty = [r for r, (lo, hi) in enumerate(spans) if lo == hi]
             if empty:
                 return f"the {what} width {width} leaves rank {empty[0]} no columns"
+    return None
+
+
+def fp8_block_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Where sharding a block-FP8 model over `tp` ranks would split one of its 128 x 128 scale
+    blocks (None: nowhere). Every cut must fall on a block edge: each rank's first row of a
+    column-parallel projection (its heads' q / k / v rows, its columns of gate / up) and every
+    reduction chunk's first column of a row-parallel one (o by heads, down by columns), since a
+    chunk's partial is an FP8 linear of its own, which quantizes its activation per 128-column
+    group. The dimension and the cut are named, one line."""
+    from lockstep.ops.fp8 import BLOCK  # here: lockstep.ops imports the models package
+
+    mla, moe = spec.mla, spec.moe
+    unit = spec.head_dim if mla is None else mla.v_head_dim
+    q_rows = spec.head_dim if mla is None else mla.qk_head_dim
+    cuts: list[tuple[str, int, list[int]]] = [
+        ("the query rows", spec.num_heads * q_rows, [r * spec.num_heads // tp * q_rows
+                                                     for r in range(tp)]),
+        ("o_proj's input", spec.num_heads * unit, [lo * unit for lo, _ in chunk_bounds(
+            spec.num_heads)]),
+    ]  # fmt: skip
+    if mla is None and tp <= spec.num_kv_heads:
+        per = spec.num_kv_heads // tp
+        cuts.append(("the key and value rows", spec.num_kv_heads * spec.head_dim,
+                     [r * per * spec.head_dim for r in range(tp)]))  # fmt: skip
+    widths = [("the MLP width", spec.intermediate_size)]
+    if moe is not None:
+        widths += [("the expert width", moe.intermediate_size),
+                   ("the shared expert width", moe.shared_expert_size)]  # fmt: skip
+    for what, width in widths:
+        if width:
+            cuts.append((what, width, [lo for lo, _ in chunk_bounds(width)]))
+    for what, n, starts in cuts:
+        bad = next((c for c in starts if c % BLOCK and c < n), None)
+        if bad is not None:
+            return (f"a shard would split an FP8 scale block: {what} ({n}) would be cut at "
+                    f"{bad}, not a multiple of {BLOCK}")  # fmt: skip
     return None
 
 

@@ -2,7 +2,7 @@
 
 * random:qwen3-235b-a22b and random:deepseek-v3-fp8 (real shapes) are refused on one H200
   (139 GiB free) with the arithmetic; the Qwen model names the smallest degree that fits, the
-  DeepSeek one why it cannot be split yet (its FP8 weights). Controls: the degree named fits, and the per-rank
+  DeepSeek one too, or on CUDA why it cannot be split yet (its FP8 weights). Controls: the degree named fits, and the per-rank
   arithmetic is checked against the parameters counted by hand.
 * A tensor-parallel degree that does not divide the heads, an expert-parallel one that does
   not divide the experts: one line each, before any process starts.
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lockstep import LLM
+from lockstep.engine.engine import FP8_CUDA_TP
 from lockstep.engine.memory import GIB, RankWeights, refuse_oversized_weights
 from lockstep.errors import ConfigError
 from lockstep.models.presets import PRESETS
@@ -62,10 +63,15 @@ def test_rank_weights_arithmetic() -> None:
 def test_deepseek_v3_fp8_is_refused_on_one_gpu_with_why() -> None:
     message = _refusal("deepseek-v3-fp8", 1)
     assert "624.9 GiB per GPU (671.03 B parameters x 1 bytes / tp=1)" in message
-    assert "cannot be split over more GPUs: FP8 models run at tp=1 only" in message
-    # What it would need at TP 8 / EP 8 (once FP8 shards): a lower bound of 78 GiB a GPU.
-    plan = RankWeights.of(PRESETS["deepseek-v3-fp8"].spec, 2, 8, 8)
+    assert "--tp 8 fits (degrees that work: 1, 2, 4, 8)" in message
+    # On CUDA its FP8 weights do not shard yet: the engine passes that reason.
+    spec = PRESETS["deepseek-v3-fp8"].spec
+    with pytest.raises(ConfigError, match="cannot be split over more GPUs: FP8 models shard"):
+        refuse_oversized_weights("random:deepseek-v3-fp8", spec, 2, 1, H200, 1, FP8_CUDA_TP)
+    # TP 8 / EP 8: a lower bound of 78 GiB a GPU, which fits.
+    plan = RankWeights.of(spec, 2, 8, 8)
     assert 78 < plan.bytes / GIB < 79
+    refuse_oversized_weights("random:deepseek-v3-fp8", spec, 2, 8, H200, 8)
 
 
 @pytest.fixture(scope="module")

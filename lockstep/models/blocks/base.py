@@ -99,11 +99,12 @@ def linear_entry(
 
 
 def row_linear_entry(spec: ModelSpec, target: str, module: str, kind: str) -> LayoutEntry:
-    """A row-parallel linear (o_proj, down_proj): FP8 ones run whole (FP8 models are TP 1),
-    plain ones are cut into reduction chunks ("row_attention", "row_mlp" or, a shared
-    expert's down, "row_shared")."""
+    """A row-parallel linear (o_proj, down_proj), cut into reduction chunks ("row_attention",
+    "row_mlp" or, a shared expert's down, "row_shared"); an FP8 one is "fp8_" + that kind
+    (its "fp8" entry's sources: blocks/prepare.py)."""
     if spec.is_fp8_linear(module):
-        return linear_entry(spec, target, [module])
+        entry = linear_entry(spec, target, [module])
+        return entry._replace(kind="fp8_" + kind)
     return LayoutEntry(target, kind, [module + ".weight"])
 
 

@@ -183,15 +183,19 @@ class LatentAttention:
         split per head into W_UK^T and W_UV by `absorbed`, each head prepared as a linear and
         stacked)."""
         kind, spec = entry.kind, context.spec
+        lo, hi = context.parallel.plan.heads
         if kind == "mla_fp8":  # MLA models are MoE models, whose FP8 scheme is "block"
             count = len(parts) // 2  # the weights, then their block scales
-            weights = [fp8_rope_rows_reordered(spec, n, w)
-                       for n, w in zip(entry.sources[:count], parts[:count], strict=True)]  # fmt: skip
-            return fuse_fp8("block", weights + parts[count:], context.ops, context.device,
+            names = entry.sources[:count]
+            weights = [local_head_rows(spec, n, fp8_rope_rows_reordered(spec, n, w), lo, hi)
+                       for n, w in zip(names, parts[:count], strict=True)]  # fmt: skip
+            # A rank's query rows start and end on 128-row block edges (fp8_block_problem).
+            scales = [local_head_rows(spec, n, s, lo, hi, BLOCK)
+                      for n, s in zip(names, parts[count:], strict=True)]  # fmt: skip
+            return fuse_fp8("block", weights + scales, context.ops, context.device,
                             entry.sources)  # fmt: skip
         if kind not in ("mla_linear", "mla_absorb_k", "mla_absorb_v"):
             return prepare_common(entry, parts, context)
-        lo, hi = context.parallel.plan.heads
         if kind == "mla_linear":
             # Reordered whole (the order is per head of the full tensor), then this rank's
             # heads' rows of the per-head projections; q_a and kv_a are every rank's.
@@ -251,15 +255,16 @@ def _mla(spec: ModelSpec) -> MlaSpec:
 
 
 def local_head_rows(
-    spec: ModelSpec, source: str, weight: torch.Tensor, lo: int, hi: int
+    spec: ModelSpec, source: str, weight: torch.Tensor, lo: int, hi: int, per_row: int = 1
 ) -> torch.Tensor:
     """Heads [lo, hi)'s rows of a per-head query projection (q_proj, q_b_proj: qk_head_dim
-    rows a head); any other source (q_a_proj, kv_a_proj_with_mqa) whole: the latent and the
-    RoPE key are every head's, so every tensor-parallel rank computes them alike."""
+    rows a head), or of its block scales (`per_row` = 128 weight rows a scale row); any other
+    source (q_a_proj, kv_a_proj_with_mqa) whole: the latent and the RoPE key are every
+    head's, so every tensor-parallel rank computes them alike."""
     if not source.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
         return weight
     rows = _mla(spec).qk_head_dim
-    return weight[lo * rows : hi * rows]
+    return weight[lo * rows // per_row : -(-hi * rows // per_row)]
 
 
 def _rope_linear_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:

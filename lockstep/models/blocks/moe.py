@@ -39,8 +39,8 @@ contract is in lockstep/ops/moe.py).
 Tensor and expert parallelism (lockstep/parallel/experts.py): at a degree above 1, or at TP 1
 under the chunked reduction, a rank keeps its experts' gate_up rows of its columns and their
 down as a `RowParallelWeight` of stacked pieces, and the layer runs `sharded_moe` instead of
-`Ops.moe`; the shared expert is cut by columns as the dense MLP is. Block-FP8 experts run
-whole (FP8 models run at tp 1).
+`Ops.moe`; the shared expert is cut by columns as the dense MLP is. Block-FP8 experts are cut
+alike, their block scales with them (`sharded_fp8_experts`; on the CPU only).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from lockstep.models.blocks.base import (
     linear_entry,
     row_linear_entry,
 )
-from lockstep.models.blocks.prepare import concatenated, prepare_common
+from lockstep.models.blocks.prepare import concatenated, fp8_pieces, prepare_common
 from lockstep.ops.base import DeepseekRoutingOps, DenseOps, GatedOutputOps, MoeOps
 from lockstep.ops.moe import (
     DeepseekRouting,
@@ -74,6 +74,7 @@ from lockstep.parallel.experts import (
     expert_down_columns,
     expert_gate_up_rows,
     sharded_experts,
+    sharded_fp8_experts,
     sharded_moe,
 )
 from lockstep.parallel.layers import RowParallelWeight
@@ -199,6 +200,8 @@ class MoeMlp:
             half = len(parts) // 2
             weights = [w.to(device) for w in parts[:half]]
             scales = [s.to(device=device, dtype=torch.float32) for s in parts[half:]]
+            if fp8_pieces(context) and sharded_experts(context.parallel):
+                return sharded_fp8_experts(context.parallel, entry.target, weights, scales)
             return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales, moe.num_experts)
         parallel, experts = context.parallel, moe.num_experts
         if sharded_experts(parallel):
@@ -225,8 +228,11 @@ class MoeMlp:
             layer = MoeLayer(router, gate_up.weight, down.weight, moe.top_k, moe.renormalize,
                              gate_up.scale, down.scale, deepseek)  # fmt: skip
         elif isinstance(down, RowParallelWeight):  # sharded: `down` holds the pieces
-            empty = gate_up.new_empty((gate_up.shape[0], context.spec.hidden_size, 0))
-            layer = MoeLayer(router, gate_up, empty, moe.top_k, moe.renormalize, deepseek=deepseek)
+            # Block-FP8 experts: the layer holds their prepared weights (sharded_moe runs
+            # them through the FP8 expert linear).
+            rows = gate_up.weight if isinstance(gate_up, Fp8Experts) else gate_up
+            empty = rows.new_empty((rows.shape[0], context.spec.hidden_size, 0))
+            layer = MoeLayer(router, rows, empty, moe.top_k, moe.renormalize, deepseek=deepseek)
         else:
             layer = MoeLayer(router, gate_up, down, moe.top_k, moe.renormalize, deepseek=deepseek)
         shared_gate = parts.get("shared_gate")
