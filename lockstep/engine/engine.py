@@ -131,6 +131,16 @@ class Engine:
             raise ConfigError(
                 f"tp={config.tp} is invalid for {loaded.name} on CUDA: {FP8_CUDA_TP}; expected tp=1"
             )
+        if (config.use_cuda_graphs and spec.moe is not None and spec.fp8 is None
+                and config.resolved_tp_reduction == "chunked"):  # fmt: skip
+            # At TP 1 the chunked reduction runs the sharded experts
+            # (lockstep/parallel/experts.py), which read per-expert counts on the host.
+            raise ConfigError(
+                f"tp_reduction='chunked' is invalid with CUDA graphs for {loaded.name} at "
+                "tp=1: its chunked experts read their slot counts on the host, which a graph "
+                "cannot capture; expected --no-cuda-graphs, or tp_reduction 'ranks' (the TP 1 "
+                "default)"
+            )
         problem = expert_problem(spec, config.ep)
         if problem is not None:
             works = [ep for ep in supported_degrees(spec) if expert_problem(spec, ep) is None]
