@@ -4,8 +4,10 @@ collectives and the same code runs).
 
 Reductions of a row-parallel linear (`REDUCTIONS`):
 
-    chunked     each of the CHUNKS chunks' partial alone, all-gathered, `tree_sum`: the same
-                bits at every degree, TP 1 included (the deterministic default)
+    chunked     each of the CHUNKS chunks' partial alone, added in `tree_sum` by one rank
+                per row: the same bits at every degree, TP 1 included (the deterministic
+                default); the partials are all-gathered (few rows) or sent by blocks of rows
+                to the rank that adds them, whose sums are then all-gathered (many rows)
     ranks       one partial per rank, all-gathered, added in rank order: the same bits at one
                 degree, different between degrees; at TP 1 the plain unchunked linear
     all_reduce  one partial per rank summed by the library's all-reduce (the yardstick and
@@ -32,6 +34,10 @@ from lockstep.parallel.collectives import Collectives
 from lockstep.parallel.sharding import CHUNKS, ShardPlan, chunk_bounds, tree_sum
 
 REDUCTIONS = TP_REDUCTIONS
+# A chunked reduction of at least this many rows per rank is added by blocks of rows
+# (`TensorParallel._reduce_by_row_blocks`: fewer bytes, two collectives); fewer rows (decode)
+# are gathered whole (one collective). The same bits either way.
+SCATTER_ROWS_PER_RANK = 4
 # What a row-parallel linear reduces over (`TensorParallel.row_width`).
 ROW_KINDS = ("attention", "mlp", "expert", "shared")
 
@@ -215,14 +221,44 @@ class TensorParallel:
         per_rank = self._gathered_chunks[kind]
         most = max(len(ids) for ids in per_rank)
         assert local, "a rank with no work in a row-parallel layer"
-        while len(local) < most:  # gather needs one shape on every rank
+        while len(local) < most:  # the collectives need one shape on every rank
             local.append(torch.zeros_like(local[0]))
-        gathered = coll.all_gather(torch.stack(local))
+        stack = torch.stack(local)  # [most, rows, N]
+        if stack.shape[1] >= SCATTER_ROWS_PER_RANK * coll.size:
+            return self._reduce_by_row_blocks(stack, per_rank)
         full: list[torch.Tensor | None] = [None] * CHUNKS
-        for stack, ids in zip(gathered, per_rank, strict=True):
+        for gathered, ids in zip(coll.all_gather(stack), per_rank, strict=True):
             for j, c in enumerate(ids):
-                full[c] = stack[j]
+                full[c] = gathered[j]
         return tree_sum(full)
+
+    def _reduce_by_row_blocks(self, stack: torch.Tensor, per_rank: list[list[int]]) -> torch.Tensor:
+        """`reduce` of many rows, with about a quarter of the bytes of gathering every
+        partial: rank r receives every rank's chunk partials of its block of rows (an
+        all-to-all), adds each row's CHUNKS partials in the tree, and the blocks' sums are
+        all-gathered. Each element is the same tree of the same partials as on the gather
+        path, so the bits do not depend on which path a step takes.
+
+            rows    | block 0 | block 1 | ... |      block r: rows [r R / tp, (r+1) R / tp)
+            rank q  sends its chunks' rows of block r to rank r; rank r adds them"""
+        coll = self.collectives
+        assert coll is not None
+        rows = stack.shape[1]
+        blocks = [(r * rows // coll.size, (r + 1) * rows // coll.size) for r in range(coll.size)]
+        tallest = max(hi - lo for lo, hi in blocks)
+        send = stack.new_zeros((coll.size, stack.shape[0], tallest, stack.shape[2]))
+        for r, (lo, hi) in enumerate(blocks):
+            send[r, :, : hi - lo] = stack[:, lo:hi]
+        received = coll.all_to_all(send)  # [q]: rank q's chunk partials of this rank's block
+        lo, hi = blocks[coll.rank]
+        full: list[torch.Tensor | None] = [None] * CHUNKS
+        for q, ids in enumerate(per_rank):
+            for j, c in enumerate(ids):
+                full[c] = received[q, j, : hi - lo]
+        mine = stack.new_zeros((tallest, stack.shape[2]))
+        mine[: hi - lo] = tree_sum(full)
+        sums = coll.all_gather(mine)
+        return torch.cat([s[: b - a] for s, (a, b) in zip(sums, blocks, strict=True)])
 
     def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `token_ids` from this rank's vocabulary rows `table`; each row

@@ -3,7 +3,8 @@ tensor and expert parallelism, as a block: the model itself is hybrid (Gated Del
 runs at tp 1, so its sparse layer is prepared and run alone, at TP 1 and on two ranks that
 are threads of this process joined by a real gloo group (lockstep/parallel/collectives.py).
 
-* TP 2 and EP 2 give each rank the output of TP 1 under the chunked reduction, bit for bit.
+* TP 2 and EP 2 give each rank the output of TP 1 under the chunked reduction, bit for bit,
+  for 3 rows (partials gathered) and 23 (partials added by blocks of rows).
 * Control: TP 1's default reduction (`Ops.moe` and the one-call shared down projection)
   gives other bits.
 """
@@ -90,15 +91,17 @@ def _two_ranks(spec, weights, ep: int, x: torch.Tensor) -> list[tuple]:
 def test_gated_shared_expert_layer_at_tp_2_and_ep_2(model) -> None:
     spec, weights = model
     assert spec.moe is not None and spec.moe.shared_expert_size and spec.moe.shared_expert_gated
-    x = torch.randn(23, spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    single, whole = _run(spec, weights, ShardPlan(spec, 1, 0), "chunked", None, x)
     experts, width = spec.moe.num_experts, spec.moe.intermediate_size
-    assert whole == (experts, 2 * width)
     # TP: every expert, half its columns; EP: half the experts, whole.
     shards = {1: (experts, width), 2: (experts // 2, 2 * width)}
-    for ep in (1, 2):
-        for r, (out, shard) in enumerate(_two_ranks(spec, weights, ep, x)):
-            assert shard == shards[ep], f"ep={ep} rank {r} holds {shard}"
-            assert torch.equal(out, single), f"ep={ep} rank {r}"
+    # 3 rows: the partials are gathered whole; 23: added by blocks of rows (layers.py).
+    for rows in (3, 23):
+        x = torch.randn(rows, spec.hidden_size, generator=torch.Generator().manual_seed(rows))
+        single, whole = _run(spec, weights, ShardPlan(spec, 1, 0), "chunked", None, x)
+        assert whole == (experts, 2 * width)
+        for ep in (1, 2):
+            for r, (out, shard) in enumerate(_two_ranks(spec, weights, ep, x)):
+                assert shard == shards[ep], f"ep={ep} rank {r} holds {shard}"
+                assert torch.equal(out, single), f"rows={rows} ep={ep} rank {r}"
     default, _ = _run(spec, weights, ShardPlan(spec, 1, 0), "ranks", None, x)
     assert not torch.equal(default, single), "the control gave the chunked bits"
