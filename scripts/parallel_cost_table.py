@@ -3,14 +3,16 @@ every GPU receives per step, the same for the conventional collectives, and the 
 step they are expected to take on NVLink. A computed plan, not a measurement: the GPU run
 (tests/gpu) is what confirms or corrects it.
 
-Lockstep's collectives (lockstep/parallel): every sum over ranks is done by the receiver in a
-fixed order, so partials travel in float32 and are gathered, never reduced in flight:
+Lockstep's collectives (lockstep/parallel): every sum over ranks is done by one rank in a
+fixed order, so partials travel in float32, never reduced in flight. A chunked reduction of
+R rows (`TensorParallel.reduce`; R = T tokens, or T k (token, expert) slots for the routed
+experts under TP, lockstep/parallel/experts.py):
 
-    row-parallel linear (o_proj, a dense or shared down_proj), TP:
-        all-gather of each rank's CHUNKS/tp chunk partials [T, H] fp32
-        -> each GPU receives (tp - 1) x (8 / tp) x T x H x 4 bytes
-    routed experts, TP (lockstep/parallel/experts.py): the same, per (token, rank) slot:
-        (tp - 1) x (8 / tp) x T x k x H x 4 bytes
+    R < 4 tp (decode of few tokens): one all-gather of each rank's 8 / tp chunk partials
+        -> each GPU receives (tp - 1) x (8 / tp) x R x H x 4 bytes
+    R >= 4 tp: an all-to-all of each rank's chunk partials by blocks of R / tp rows, the
+        tree on each block's rank, an all-gather of the sums (two collectives)
+        -> (tp - 1) x (8 / tp + 1) x ceil(R / tp) x H x 4 bytes
     routed experts, EP: each owner's slots [~T k / ep, H] fp32 all-gathered
         -> (ep - 1) x ceil(T k / ep) x H x 4 bytes (experts evenly loaded)
     embedding rows and the vocabulary-parallel logits: all-gathers of [T, H] and [T, V / tp]
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass
 from lockstep.engine.memory import GIB, RankWeights
 from lockstep.models.presets import PRESETS
 from lockstep.models.spec import ModelSpec
+from lockstep.parallel.layers import SCATTER_ROWS_PER_RANK
 from lockstep.parallel.sharding import CHUNKS
 
 MODELS = {"DeepSeek-V3 (FP8)": "deepseek-v3-fp8", "Qwen3-235B-A22B (bf16)": "qwen3-235b-a22b"}
@@ -76,6 +79,16 @@ def _floor_bytes(spec: ModelSpec, degree: int, batch: int) -> float:
     return ((experts + w.sharded) / degree + w.replicated) * w.width
 
 
+def chunked_reduction(rows: int, width: int, degree: int) -> tuple[float, int]:
+    """Bytes one GPU receives for a chunked reduction of `rows` x `width` float32 partials,
+    and its collectives (module docstring; `SCATTER_ROWS_PER_RANK` picks the path)."""
+    per_rank = CHUNKS // degree
+    if rows < SCATTER_ROWS_PER_RANK * degree:
+        return (degree - 1) * per_rank * rows * width * 4, 1
+    block = math.ceil(rows / degree)
+    return (degree - 1) * (per_rank + 1) * block * width * 4, 2
+
+
 def step_cost(
     name: str, spec: ModelSpec, route: str, degree: int, batch: int, link: float, latency: float,
     hbm: float,
@@ -86,22 +99,22 @@ def step_cost(
     sparse = len(spec.moe.sparse_layers)
     dense = spec.num_layers - sparse
     shared = 1 if spec.moe.shared_expert_size else 0
-    per_rank = CHUNKS // degree
-    gather = (degree - 1) * per_rank * 4  # bytes received per [1, 1] row element, chunked
     ring = 2 * (degree - 1) / degree * 2  # bf16 ring all-reduce, per element
     # Attention's o_proj in every layer, the dense MLPs' down, the shared experts' down.
     linears = spec.num_layers + dense + shared * sparse
-    ours, theirs = linears * t * h * gather, linears * t * h * ring
-    # One gather per MoE layer (ours); one all-reduce (TP) or two all-to-alls (EP) otherwise.
-    collectives, conventional = (
-        linears + sparse + 2,
-        linears + sparse * (1 if route == "TP" else 2) + 2,
-    )
+    per_linear, calls = chunked_reduction(t, h, degree)
+    ours, theirs = linears * per_linear, linears * t * h * ring
+    collectives = linears * calls + 2
+    # One all-reduce (TP) or two all-to-alls (EP) per MoE layer, conventionally.
+    conventional = linears + sparse * (1 if route == "TP" else 2) + 2
     if route == "TP":
-        ours += sparse * t * k * h * gather
+        per_layer, calls = chunked_reduction(t * k, h, degree)
+        ours += sparse * per_layer
+        collectives += sparse * calls
         theirs += sparse * t * h * ring
     else:
         ours += sparse * (degree - 1) * math.ceil(t * k / degree) * h * 4
+        collectives += sparse
         theirs += sparse * 2 * (degree - 1) / degree * t * k * h * 2
     # The embedding's rows and the logits, both all-gathered in float32 either way.
     ends = (degree - 1) * t * h * 4 + (degree - 1) * t * math.ceil(v / degree) * 4
