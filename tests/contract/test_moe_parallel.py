@@ -242,3 +242,14 @@ def test_deepseek_v3_position_invariance_at_tp_2(deepseek_engines) -> None:
 @pytest.mark.slow
 def test_check_serve_passes_at_tp_2_ep_2(tmp_path: Path) -> None:
     check_serve_passes_every_scenario("qwen3_moe", tmp_path, serve_args=("--tp", "2", "--ep", "2"))
+
+
+def test_training_refuses_the_chunked_experts_in_one_line(moe_folder: Path) -> None:
+    """The training module has no differentiable view of the chunked experts: refused."""
+    from lockstep.training import LockstepForCausalLM
+
+    with pytest.raises(ValueError) as info:
+        LockstepForCausalLM.from_pretrained(str(moe_folder), tp_reduction="chunked")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith("train with the TP 1 reduction only; expected tp_reduction='ranks'")
