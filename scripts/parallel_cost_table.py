@@ -13,6 +13,9 @@ experts under TP, lockstep/parallel/experts.py):
     R >= 4 tp: an all-to-all of each rank's chunk partials by blocks of R / tp rows, the
         tree on each block's rank, an all-gather of the sums (two collectives)
         -> (tp - 1) x (8 / tp + 1) x ceil(R / tp) x H x 4 bytes
+    routed experts, TP, T >= 4 tp: the blocks are of tokens, and each block's rank also
+        combines its tokens' k slots, so one row a token comes back
+        -> (tp - 1) x (8 / tp x k + 1) x ceil(T / tp) x H x 4 bytes
     routed experts, EP: each owner's slots [~T k / ep, H] fp32 all-gathered
         -> (ep - 1) x ceil(T k / ep) x H x 4 bytes (experts evenly loaded)
     embedding rows and the vocabulary-parallel logits: all-gathers of [T, H] and [T, V / tp]
@@ -89,6 +92,17 @@ def chunked_reduction(rows: int, width: int, degree: int) -> tuple[float, int]:
     return (degree - 1) * (per_rank + 1) * block * width * 4, 2
 
 
+def expert_reduction(tokens: int, k: int, width: int, degree: int) -> tuple[float, int]:
+    """Bytes and collectives of the routed experts' reduction under TP: by blocks of tokens
+    (each block's k slots' partials to its rank, one sum per token back) from
+    SCATTER_ROWS_PER_RANK tokens a rank, else `chunked_reduction` of the T k slots."""
+    if tokens < SCATTER_ROWS_PER_RANK * degree:
+        return chunked_reduction(tokens * k, width, degree)
+    block = math.ceil(tokens / degree)
+    per_rank = CHUNKS // degree
+    return (degree - 1) * (per_rank * k + 1) * block * width * 4, 2
+
+
 def step_cost(
     name: str, spec: ModelSpec, route: str, degree: int, batch: int, link: float, latency: float,
     hbm: float,
@@ -108,7 +122,7 @@ def step_cost(
     # One all-reduce (TP) or two all-to-alls (EP) per MoE layer, conventionally.
     conventional = linears + sparse * (1 if route == "TP" else 2) + 2
     if route == "TP":
-        per_layer, calls = chunked_reduction(t * k, h, degree)
+        per_layer, calls = expert_reduction(t, k, h, degree)
         ours += sparse * per_layer
         collectives += sparse * calls
         theirs += sparse * t * h * ring

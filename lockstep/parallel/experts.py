@@ -13,8 +13,11 @@ every token alike (`Ops.moe_route`). Then, for each (token, rank) slot s of expe
 Who computes what (lockstep/parallel/sharding.py, `ShardPlan.experts`, `expert_columns`):
 
     tensor parallel   every rank holds its chunks' columns of every expert and computes the
-                      p_s,c of its chunks for every slot; `TensorParallel.reduce` all-gathers
-                      them and adds each slot's CHUNKS partials in the tree
+                      p_s,c of its chunks for every slot; `TensorParallel.reduce` adds each
+                      slot's CHUNKS partials in the tree (few tokens: all gathered, every
+                      rank adds; at least 4 tokens a rank: `reduce_by_blocks` sends each
+                      rank its block of tokens' partials, that rank adds and combines them,
+                      and the tokens' outputs are gathered)
     expert parallel   the owner of e holds it whole and computes y_s itself, tree included;
                       the owners' rows are all-gathered (each rank's slots packed, padded to
                       the largest count) and each slot takes its owner's row: a copy, so
@@ -42,7 +45,7 @@ from lockstep.ops.moe import (
     prepare_fp8_experts,
     write_routed_experts,
 )
-from lockstep.parallel.layers import RowParallelWeight, TensorParallel
+from lockstep.parallel.layers import SCATTER_ROWS_PER_RANK, RowParallelWeight, TensorParallel
 from lockstep.parallel.sharding import ShardPlan, tree_sum
 
 
@@ -139,6 +142,17 @@ def sharded_moe(
                     out[at] = expert_linear(act[:, lo:hi].contiguous(), piece.weight[e - first])
                 else:
                     out[at] = ops.partial_linear(act[:, lo:hi], piece[e - first])
+    many = t >= SCATTER_ROWS_PER_RANK * plan.tp
+    if plan.ep == 1 and plan.tp > 1 and parallel.reduction == "chunked" and many:
+        # Blocks of tokens: each block's rank adds its slots' partials in the tree and
+        # combines them, so a token's sum travels instead of its k slots.
+        inv = torch.argsort(order)
+        by_token = [None if p is None else p[inv].view(t, k, hidden) for p in partials]
+
+        def combine(y: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+            return combine_in_rank_order(y.to(x.dtype), weights[lo:hi])
+
+        return parallel.reduce_by_blocks(by_token, "expert", combine).to(x.dtype)
     if plan.ep == 1:  # every rank has every slot's partials over its columns
         y = parallel.reduce(partials, "expert")[torch.argsort(order)]
     elif parallel.reduction == "all_reduce":  # combined per rank, then summed across ranks

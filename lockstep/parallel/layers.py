@@ -19,6 +19,7 @@ embedding row is taken from the rank that holds it, the logits are concatenated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -35,7 +36,7 @@ from lockstep.parallel.sharding import CHUNKS, ShardPlan, chunk_bounds, tree_sum
 
 REDUCTIONS = TP_REDUCTIONS
 # A chunked reduction of at least this many rows per rank is added by blocks of rows
-# (`TensorParallel._reduce_by_row_blocks`: fewer bytes, two collectives); fewer rows (decode)
+# (`TensorParallel.reduce_by_blocks`: fewer bytes, two collectives); fewer rows (decode)
 # are gathered whole (one collective). The same bits either way.
 SCATTER_ROWS_PER_RANK = 4
 # What a row-parallel linear reduces over (`TensorParallel.row_width`).
@@ -217,36 +218,52 @@ class TensorParallel:
             return total
         if coll is None:
             return tree_sum(partials)
-        local = [p for p in partials if p is not None]
-        per_rank = self._gathered_chunks[kind]
-        most = max(len(ids) for ids in per_rank)
-        assert local, "a rank with no work in a row-parallel layer"
-        while len(local) < most:  # the collectives need one shape on every rank
-            local.append(torch.zeros_like(local[0]))
-        stack = torch.stack(local)  # [most, rows, N]
+        stack, per_rank = self._local_stack(partials, kind)
         if stack.shape[1] >= SCATTER_ROWS_PER_RANK * coll.size:
-            return self._reduce_by_row_blocks(stack, per_rank)
+            return self.reduce_by_blocks(partials, kind)
         full: list[torch.Tensor | None] = [None] * CHUNKS
         for gathered, ids in zip(coll.all_gather(stack), per_rank, strict=True):
             for j, c in enumerate(ids):
                 full[c] = gathered[j]
         return tree_sum(full)
 
-    def _reduce_by_row_blocks(self, stack: torch.Tensor, per_rank: list[list[int]]) -> torch.Tensor:
-        """`reduce` of many rows, with about a quarter of the bytes of gathering every
-        partial: rank r receives every rank's chunk partials of its block of rows (an
-        all-to-all), adds each row's CHUNKS partials in the tree, and the blocks' sums are
-        all-gathered. Each element is the same tree of the same partials as on the gather
-        path, so the bits do not depend on which path a step takes.
+    def _local_stack(
+        self, partials: list[torch.Tensor | None], kind: str
+    ) -> tuple[torch.Tensor, list[list[int]]]:
+        """This rank's non-empty chunk partials stacked [most, rows, ...] (zero-padded to the
+        most any rank has: the collectives need one shape on every rank), and every rank's
+        chunk ids, the rows of its stack."""
+        local = [p for p in partials if p is not None]
+        per_rank = self._gathered_chunks[kind]
+        most = max(len(ids) for ids in per_rank)
+        assert local, "a rank with no work in a row-parallel layer"
+        while len(local) < most:
+            local.append(torch.zeros_like(local[0]))
+        return torch.stack(local), per_rank
+
+    def reduce_by_blocks(
+        self,
+        partials: list[torch.Tensor | None],
+        kind: str,
+        finish: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`reduce` under "chunked" at tp > 1 by blocks of rows (partials [R, ...]): rank r
+        receives every rank's chunk partials of its block of rows (an all-to-all), adds each
+        element's CHUNKS partials in the tree, applies `finish(sums, lo, hi)` to its block
+        (rows [lo, hi); default: none) and the blocks are all-gathered. Each element is the
+        same tree of the same partials as on `reduce`'s gather path, so the bits do not
+        depend on the path; for many rows it moves about a quarter of the bytes. A
+        collective; every rank needs at least one row.
 
             rows    | block 0 | block 1 | ... |      block r: rows [r R / tp, (r+1) R / tp)
             rank q  sends its chunks' rows of block r to rank r; rank r adds them"""
         coll = self.collectives
-        assert coll is not None
+        assert coll is not None and self.reduction == "chunked"
+        stack, per_rank = self._local_stack(partials, kind)
         rows = stack.shape[1]
         blocks = [(r * rows // coll.size, (r + 1) * rows // coll.size) for r in range(coll.size)]
         tallest = max(hi - lo for lo, hi in blocks)
-        send = stack.new_zeros((coll.size, stack.shape[0], tallest, stack.shape[2]))
+        send = stack.new_zeros((coll.size, stack.shape[0], tallest, *stack.shape[2:]))
         for r, (lo, hi) in enumerate(blocks):
             send[r, :, : hi - lo] = stack[:, lo:hi]
         received = coll.all_to_all(send)  # [q]: rank q's chunk partials of this rank's block
@@ -255,8 +272,11 @@ class TensorParallel:
         for q, ids in enumerate(per_rank):
             for j, c in enumerate(ids):
                 full[c] = received[q, j, : hi - lo]
-        mine = stack.new_zeros((tallest, stack.shape[2]))
-        mine[: hi - lo] = tree_sum(full)
+        done = tree_sum(full)
+        if finish is not None:
+            done = finish(done, lo, hi)
+        mine = done.new_zeros((tallest, *done.shape[1:]))
+        mine[: hi - lo] = done
         sums = coll.all_gather(mine)
         return torch.cat([s[: b - a] for s, (a, b) in zip(sums, blocks, strict=True)])
 

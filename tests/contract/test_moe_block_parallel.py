@@ -4,7 +4,8 @@ runs at tp 1, so its sparse layer is prepared and run alone, at TP 1 and on two 
 are threads of this process joined by a real gloo group (lockstep/parallel/collectives.py).
 
 * TP 2 and EP 2 give each rank the output of TP 1 under the chunked reduction, bit for bit,
-  for 3 rows (partials gathered) and 23 (partials added by blocks of rows).
+  for 3, 5 and 23 tokens (the partials gathered, sent by blocks of slots, sent by blocks of
+  tokens).
 * Control: TP 1's default reduction (`Ops.moe` and the one-call shared down projection)
   gives other bits.
 """
@@ -94,8 +95,10 @@ def test_gated_shared_expert_layer_at_tp_2_and_ep_2(model) -> None:
     experts, width = spec.moe.num_experts, spec.moe.intermediate_size
     # TP: every expert, half its columns; EP: half the experts, whole.
     shards = {1: (experts, width), 2: (experts // 2, 2 * width)}
-    # 3 rows: the partials are gathered whole; 23: added by blocks of rows (layers.py).
-    for rows in (3, 23):
+    # The three ways the experts' partials travel at TP 2 (lockstep/parallel/experts.py): 3
+    # tokens (6 slots) gathered whole; 5 tokens (10 slots) by blocks of slots; 23 tokens by
+    # blocks of tokens, combined where they are added.
+    for rows in (3, 5, 23):
         x = torch.randn(rows, spec.hidden_size, generator=torch.Generator().manual_seed(rows))
         single, whole = _run(spec, weights, ShardPlan(spec, 1, 0), "chunked", None, x)
         assert whole == (experts, 2 * width)
