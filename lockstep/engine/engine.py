@@ -154,10 +154,12 @@ class Engine:
                 f"enable_return_routed_experts=True is invalid for {loaded.name}: it has no "
                 "routed experts; expected a mixture-of-experts model or the option off"
             )
+        if self.device.type == "cuda" or config.tp > 1:  # what each rank will hold
+            need = memory.RankWeights.of(spec, self.dtype.itemsize, config.tp, config.ep)
+            where = "GPU" if self.device.type == "cuda" else "rank"
+            logger.info("weights: at least %s", need.describe(where))
         if self.device.type == "cuda":  # refused with the arithmetic, before any load
             free, _ = torch.cuda.mem_get_info(self.device)
-            need = memory.RankWeights.of(spec, self.dtype.itemsize, config.tp, config.ep)
-            logger.info("weights: at least %s", need.describe())
             memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp,
                                             free, config.ep,
                                             FP8_CUDA_TP if spec.fp8 is not None else None)  # fmt: skip

@@ -286,11 +286,11 @@ class RankWeights:
         """Bytes on each rank (the shares divide evenly up to a row; a lower bound)."""
         return ((self.experts + self.sharded) / self.tp + self.replicated) * self.width
 
-    def describe(self) -> str:
+    def describe(self, device: str = "GPU") -> str:
         """The arithmetic, in one line: "58.9 GiB per GPU (... x 2 bytes / tp=8 ...)"."""
         total = (self.experts + self.sharded + self.replicated) / 1e9
         degree = f"tp={self.tp}" + (f", ep={self.ep}" if self.ep > 1 else "")
-        line = f"{self.bytes / GIB:.1f} GiB per GPU ({total:.2f} B parameters x {self.width} bytes"
+        line = f"{self.bytes / GIB:.1f} GiB per {device} ({total:.2f} B parameters x {self.width} bytes"
         if self.tp == 1:
             return line + f" / {degree})"
         return (
