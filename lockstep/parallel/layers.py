@@ -252,7 +252,7 @@ class TensorParallel:
         element's CHUNKS partials in the tree, applies `finish(sums, lo, hi)` to its block
         (rows [lo, hi); default: none) and the blocks are all-gathered. Each element is the
         same tree of the same partials as on `reduce`'s gather path, so the bits do not
-        depend on the path; for many rows it moves about a quarter of the bytes. A
+        depend on the path; for many rows at TP 8 it moves about a quarter of the bytes. A
         collective; every rank needs at least one row.
 
             rows    | block 0 | block 1 | ... |      block r: rows [r R / tp, (r+1) R / tp)
