@@ -62,6 +62,8 @@ _HELP = {
     "debug_checks": "check KV cache integrity after every step",
     "tp": "tensor-parallel degree, one process per rank (gloo on the CPU, one GPU per rank on "
     "CUDA); same bits at every degree; which degrees a model takes: docs/design.md",
+    "ep": "expert parallelism: 1, or --tp to spread a mixture-of-experts model's experts "
+    "over the tensor-parallel ranks (each computes its experts whole; same bits as --tp 1)",
     "tp_reduction": "how row-parallel partial sums are added: chunked (default in deterministic "
     "mode: same bits at every degree), ranks, all_reduce (default in fast mode)",
     "linear_snapshots": "hybrid models: radix snapshots of the linear-attention state to "

@@ -109,6 +109,10 @@ class EngineConfig:
     # Tensor-parallel degree: one process per rank (docs/design.md, "Tensor parallelism").
     # Which degrees a model takes is checked when it is loaded (lockstep.parallel.sharding).
     tp: int = 1
+    # Expert parallelism: 1, or tp to spread a mixture-of-experts model's routed experts over
+    # the tensor-parallel ranks, each computing its experts whole (lockstep/parallel/experts.py);
+    # attention and the dense MLPs stay tensor-parallel. The same bits as tp=1 either way.
+    ep: int = 1
     # How row-parallel partial sums are added; None: "chunked" in deterministic mode (the
     # same bits at every degree, TP 1 included), "all_reduce" in fast mode.
     tp_reduction: str | None = None
@@ -260,6 +264,14 @@ class EngineConfig:
             raise ConfigError(f"tp={tp!r} is invalid: expected an integer from 1 to {MAX_TP}")
         if self.tp_reduction is not None:
             _choice("tp_reduction", self.tp_reduction, TP_REDUCTIONS)
+        ep = self.ep
+        if not isinstance(ep, int) or isinstance(ep, bool) or not 1 <= ep <= MAX_TP:
+            raise ConfigError(f"ep={ep!r} is invalid: expected an integer from 1 to {MAX_TP}")
+        if ep > 1 and ep != tp:
+            raise ConfigError(
+                f"ep={ep} is invalid with tp={tp}: expert parallelism spreads the experts over "
+                f"the tensor-parallel ranks; expected ep=1 or ep={tp} (e.g. --tp {ep} --ep {ep})"
+            )
         if tp > 1 and self.overlap_decode:
             raise ConfigError(
                 f"overlap_decode=True is invalid with tp={tp}: expected tp=1 (decode steps of a"

@@ -57,10 +57,15 @@ from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
 from lockstep.ops.base import PooledLinearAttentionOps
 from lockstep.parallel.group import ShardedDecoder, WorkerGroup
-from lockstep.parallel.sharding import degree_problem, supported_degrees
+from lockstep.parallel.sharding import degree_problem, expert_problem, supported_degrees
 from lockstep.parallel.worker import load_rank_decoder, set_threads
 
 logger = logging.getLogger(__name__)
+# Why FP8 models run at tp 1 on CUDA: a reduction chunk's partial must stay float32
+# (lockstep/parallel/layers.py) and the GPU FP8 GEMM rounds its output to bf16.
+FP8_CUDA_TP = (
+    "FP8 models shard on the CPU only for now (the GPU FP8 GEMM has no float32-partial form)"
+)
 
 
 def _live(request: Request) -> bool:
@@ -122,14 +127,42 @@ class Engine:
                 f" {spec.num_kv_heads} KV heads): {problem}; degrees that work:"
                 f" {', '.join(map(str, supported_degrees(spec)))}"
             )
+        if spec.fp8 is not None and config.tp > 1 and self.device.type == "cuda":
+            raise ConfigError(
+                f"tp={config.tp} is invalid for {loaded.name} on CUDA: {FP8_CUDA_TP}; expected tp=1"
+            )
+        if (config.use_cuda_graphs and spec.moe is not None and spec.fp8 is None
+                and config.resolved_tp_reduction == "chunked"):  # fmt: skip
+            # At TP 1 the chunked reduction runs the sharded experts
+            # (lockstep/parallel/experts.py), which read per-expert counts on the host.
+            raise ConfigError(
+                f"tp_reduction='chunked' is invalid with CUDA graphs for {loaded.name} at "
+                "tp=1: its chunked experts read their slot counts on the host, which a graph "
+                "cannot capture; expected --no-cuda-graphs, or tp_reduction 'ranks' (the TP 1 "
+                "default)"
+            )
+        problem = expert_problem(spec, config.ep)
+        if problem is not None:
+            works = [ep for ep in supported_degrees(spec) if expert_problem(spec, ep) is None]
+            raise ConfigError(
+                f"ep={config.ep} is invalid for {loaded.name}: {problem}; expected ep=1"
+                + (f" or ep={' or '.join(map(str, works[1:]))} (with --tp the same)"
+                   if spec.moe is not None and len(works) > 1 else "")
+            )  # fmt: skip
         if config.enable_return_routed_experts and spec.moe is None:
             raise ConfigError(
                 f"enable_return_routed_experts=True is invalid for {loaded.name}: it has no "
                 "routed experts; expected a mixture-of-experts model or the option off"
             )
+        if self.device.type == "cuda" or config.tp > 1:  # what each rank will hold
+            need = memory.RankWeights.of(spec, self.dtype.itemsize, config.tp, config.ep)
+            where = "GPU" if self.device.type == "cuda" else "rank"
+            logger.info("weights: at least %s", need.describe(where))
         if self.device.type == "cuda":  # refused with the arithmetic, before any load
             free, _ = torch.cuda.mem_get_info(self.device)
-            memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp, free)
+            memory.refuse_oversized_weights(loaded.name, spec, self.dtype.itemsize, config.tp,
+                                            free, config.ep,
+                                            FP8_CUDA_TP if spec.fp8 is not None else None)  # fmt: skip
         # Ranks 1..tp-1 start loading while rank 0 does (lockstep.parallel.group).
         self.workers: WorkerGroup | None = None
         if config.tp > 1:

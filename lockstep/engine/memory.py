@@ -56,8 +56,10 @@ running requests' working states (`LinearStatePool`, a slot per running request)
 allocated before free memory is measured.
 
 Before any weight is loaded on CUDA, `refuse_oversized_weights` refuses a model whose weights
-alone exceed the free device memory (a lower bound: every parameter at its stored width, split
-evenly over the tensor-parallel ranks), with the arithmetic, instead of failing mid-load.
+alone exceed the free device memory of a rank (`RankWeights`, a lower bound: every parameter
+at its stored width, the sharded ones split evenly over the tensor- or expert-parallel ranks,
+norms and routers on every rank), with the arithmetic and the smallest degree that fits,
+instead of failing mid-load; the engine logs that per-rank need at start.
 
 On the CPU (`cpu_kv_budget`): kv_memory_fraction (0.3) of the available RAM, capped at
 CPU_DEFAULT_KV_TOKEN_CAP tokens: a CPU serves few long sequences, and a pool sized from RAM
@@ -256,27 +258,86 @@ def step_workspace(
     )
 
 
+@dataclass(frozen=True)
+class RankWeights:
+    """The weights one rank of a tensor- (and expert-) parallel engine holds, in parameters:
+    the routed experts (its columns of every expert under tensor parallelism, its experts
+    under expert parallelism: a 1/tp share either way, lockstep/parallel/sharding.py), the
+    rest that is sharded (attention, the dense and shared MLPs, embedding and LM head: 1/tp),
+    and what every rank holds whole (norms, routers). `width`: bytes per parameter (1 for an
+    FP8 model, whose unquantized share is not counted: a lower bound)."""
+
+    tp: int
+    ep: int
+    width: int
+    experts: int
+    sharded: int
+    replicated: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec, dtype_bytes: int, tp: int, ep: int = 1) -> RankWeights:
+        h = spec.hidden_size
+        norms = spec.num_layers * len(spec.norm_names()) * h + h
+        experts = routers = 0
+        if spec.moe is not None:
+            sparse, e = len(spec.moe.sparse_layers), spec.moe.num_experts
+            experts = sparse * e * 3 * h * spec.moe.intermediate_size
+            routers = sparse * e * h
+        sharded = spec.num_parameters - experts - routers - norms
+        width = 1 if spec.fp8 is not None else dtype_bytes
+        return cls(tp, ep, width, experts, sharded, routers + norms)
+
+    @property
+    def bytes(self) -> float:
+        """Bytes on each rank (the shares divide evenly up to a row; a lower bound)."""
+        return ((self.experts + self.sharded) / self.tp + self.replicated) * self.width
+
+    def describe(self, device: str = "GPU") -> str:
+        """The arithmetic, in one line: "58.9 GiB per GPU (... x 2 bytes / tp=8 ...)"."""
+        total = (self.experts + self.sharded + self.replicated) / 1e9
+        degree = f"tp={self.tp}" + (f", ep={self.ep}" if self.ep > 1 else "")
+        line = f"{self.bytes / GIB:.1f} GiB per {device} ({total:.2f} B parameters x {self.width} bytes"
+        if self.tp == 1:
+            return line + f" / {degree})"
+        return (
+            f"{line}: {(self.experts + self.sharded) / 1e9:.2f} B of them / {degree} (experts "
+            f"{self.experts / 1e9:.2f} B), {self.replicated / 1e9:.3f} B of norms and routers "
+            "on every rank)"
+        )
+
+
 def refuse_oversized_weights(
-    name: str, spec: ModelSpec, dtype_bytes: int, tp: int, free_bytes: int
+    name: str,
+    spec: ModelSpec,
+    dtype_bytes: int,
+    tp: int,
+    free_bytes: int,
+    ep: int = 1,
+    unshardable: str | None = None,
 ) -> None:
     """Raise `ConfigError` when `spec`'s weights cannot fit in `free_bytes` per rank at tensor
-    parallelism `tp`: at least num_parameters x `dtype_bytes` (1 byte for an FP8 model, whose
-    quantized share is not counted here) / tp. The message holds the arithmetic and, where
-    sharding cannot help, why."""
+    parallelism `tp` (expert parallelism `ep`): `RankWeights`' lower bound. The message holds
+    the arithmetic and the smallest degree that fits, or why sharding cannot help
+    (`unshardable`: a reason of the device's, which the model's degrees do not know)."""
     from lockstep.parallel.sharding import degree_problem, supported_degrees
 
-    width = 1 if spec.fp8 is not None else dtype_bytes
-    need = spec.num_parameters * width / tp
-    if need <= free_bytes:
+    need = RankWeights.of(spec, dtype_bytes, tp, ep)
+    if need.bytes <= free_bytes:
         return
-    degrees = supported_degrees(spec)
-    if len(degrees) > 1:
-        hint = f"a larger --tp splits it (degrees that work: {', '.join(map(str, degrees))})"
+    degrees = [1] if unshardable else supported_degrees(spec)
+    fits = [d for d in degrees if RankWeights.of(spec, dtype_bytes, d, d if ep > 1 else 1).bytes
+            <= free_bytes]  # fmt: skip
+    if fits and fits[0] > tp:
+        flag = f"--tp {fits[0]}" + (f" --ep {fits[0]}" if ep > 1 else "")
+        hint = f"{flag} fits (degrees that work: {', '.join(map(str, degrees))})"
+    elif len(degrees) > 1:
+        most = RankWeights.of(spec, dtype_bytes, degrees[-1], degrees[-1] if ep > 1 else 1)
+        hint = (f"even tp={degrees[-1]} needs {most.bytes / GIB:.1f} GiB per GPU (degrees that "
+                f"work: {', '.join(map(str, degrees))})")  # fmt: skip
     else:
-        hint = f"it cannot be split over more GPUs: {degree_problem(spec, 2)}"
+        hint = f"it cannot be split over more GPUs: {unshardable or degree_problem(spec, 2)}"
     raise ConfigError(
-        f"model {name} does not fit: its weights need at least {need / GIB:.1f} GiB per GPU "
-        f"({spec.num_parameters / 1e9:.2f} B parameters x {width} bytes / tp={tp}) and the "
+        f"model {name} does not fit: its weights need at least {need.describe()} and the "
         f"device has {free_bytes / GIB:.1f} GiB free; {hint}"
     )
 

@@ -287,7 +287,8 @@ PRESETS: dict[str, Preset] = {
         add_bos=False,
     ),
     # DeepSeek-V3 / R1 (671 B without its multi-token-prediction layer): 1.25 TiB in bf16,
-    # refused on one GPU with that arithmetic (MoE models run at tp 1).
+    # refused on one GPU with that arithmetic; TP and EP 2-8 shard it (deepseek-v3-fp8, its
+    # FP8 release, runs at tp 1).
     "deepseek-v3": _preset(
         _deepseek("deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                   moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
@@ -370,6 +371,15 @@ PRESETS: dict[str, Preset] = {
     "qwen3-32b": _preset(
         _qwen3(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+        add_bos=False,
+    ),
+    # Qwen3-235B-A22B: 470 GB in bf16, more than any one GPU; 128 experts, so tensor and
+    # expert parallelism of 2, 4 and 8 both shard it (lockstep/parallel/sharding.py).
+    "qwen3-235b-a22b": _preset(
+        _qwen3(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288,
+               num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+               head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+               norm_topk_prob=True),
         add_bos=False,
     ),
 }  # fmt: skip

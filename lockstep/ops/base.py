@@ -463,6 +463,14 @@ class MoeOps(Protocol):
         device copy inside the op, so a CUDA graph holds it."""
         ...
 
+    def moe_route(self, x: torch.Tensor, layer: MoeLayer) -> Routing:
+        """Steps 1-3 of `moe` alone (DeepSeek's 2'-3' where `layer.deepseek`): each token's
+        experts in rank order and their fp32 weights, from `layer.router`, `top_k`,
+        `renormalize` and `deepseek` (the experts are not read). The same bits as the routing
+        inside `moe`. The sharded experts (lockstep/parallel/experts.py) route by it, so
+        every rank routes identically and runs its own slice of the chosen experts."""
+        ...
+
 
 @runtime_checkable
 class DeepseekRoutingOps(Protocol):

@@ -253,17 +253,19 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
         fp32 combine."""
         x = _f32(x)
-        logits = self.linear(x, layer.router)
-        if layer.deepseek is not None:
-            experts, weights = self.route_deepseek(logits, layer)
-        else:
-            experts, weights = self._ext.moe_route(
-                logits, layer.top_k, layer.renormalize, self._simd
-            )
+        experts, weights = self.moe_route(x, layer)
         write_routed_experts(routed_experts, experts)
         linear = self.fp8_expert_linear if layer.fp8 else self.linear
         slots = experts_grouped(x, experts, layer, linear, self.silu_mul)
         return combine_in_rank_order(slots, weights)
+
+    def moe_route(self, x: torch.Tensor, layer: MoeLayer) -> Routing:
+        """Router logits by `linear`, then the C++ `moe_route` or `route_deepseek`."""
+        logits = self.linear(_f32(x), layer.router)
+        if layer.deepseek is not None:
+            return self.route_deepseek(logits, layer)
+        experts, weights = self._ext.moe_route(logits, layer.top_k, layer.renormalize, self._simd)
+        return Routing(experts, weights)
 
     def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
         """DeepSeek routing (`lockstep.ops.moe`, steps 2'-3'): the scores from the extension's

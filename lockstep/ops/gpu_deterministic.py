@@ -245,6 +245,11 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
             return moe_fp8(x, layer, routed_experts=routed_experts)
         return grouped_moe.moe(x, layer, routed_experts=routed_experts)
 
+    def moe_route(self, x: torch.Tensor, layer: MoeLayer) -> Routing:
+        """The routing kernels `moe` runs: fp32 logits from the Triton matmul, then
+        `route_layer`."""
+        return grouped_moe.route_layer(grouped_moe.router_logits(x, layer), layer)
+
     def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
         """DeepSeek routing, one Triton program per token (`moe.route_deepseek` in
         `lockstep/ops/triton/moe.py`); `moe` routes DeepSeek layers through it."""

@@ -13,6 +13,7 @@ from lockstep.ops.fp8 import Fp8Weight, check_fp8_weight, fp8_linear_reference
 from lockstep.ops.moe import (
     ExpertFn,
     MoeLayer,
+    Routing,
     expert_parts,
     experts_grouped,
     write_routed_experts,
@@ -124,16 +125,22 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         """The contract in float64: a stable sort of the logits (ties keep the lower id),
         the full softmax, the chosen probabilities (renormalized), a sum over the k."""
         x = x.to(f64)
-        logits = self.linear(x, layer.router)
-        experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices
-        experts = experts[:, : layer.top_k]
+        experts, weights = self.moe_route(x, layer)
         write_routed_experts(routed_experts, experts)
-        weights = torch.softmax(logits, dim=-1).gather(1, experts)
-        if layer.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
         expert = self._fp8_expert(layer) if layer.fp8 else None
         slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul, expert)
         return (slots * weights[:, :, None]).sum(dim=1)
+
+    def moe_route(self, x: torch.Tensor, layer: MoeLayer) -> Routing:
+        """A stable sort of the float64 logits (ties keep the lower id), the full softmax,
+        the chosen probabilities (renormalized)."""
+        logits = self.linear(x, layer.router)
+        experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        experts = experts[:, : layer.top_k]
+        weights = torch.softmax(logits, dim=-1).gather(1, experts)
+        if layer.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(experts, weights)
 
     def _fp8_expert(self, layer: MoeLayer) -> ExpertFn:
         """A block-FP8 expert by `fp8_linear_reference`, each checkpoint part (gate, up, down)

@@ -46,6 +46,10 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float(), dim=-1)
 
+    def moe_route(self, x: torch.Tensor, layer: MoeLayer) -> Routing:
+        """`stock_routing` of the router's logits (F.linear, as `moe` computes them)."""
+        return stock_routing(F.linear(x, layer.router.to(x.dtype)).float(), layer)
+
     def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:
         assert layer.deepseek is not None
         return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)

@@ -1,7 +1,7 @@
 """The collectives a sharded forward step uses, over torch.distributed.
 
-Only all-gather carries numbers a result depends on: every sum over ranks is done by the
-receiver in a fixed order (lockstep.parallel.layers). `all_reduce_sum` (the library's SUM,
+Only all-gather and all-to-all carry numbers a result depends on, and they move values: every
+sum over ranks is done by the receiver in a fixed order (lockstep.parallel.layers). `all_reduce_sum` (the library's SUM,
 whose order follows the message size and the algorithm, NCCL's in particular) exists for the
 `all_reduce` reduction, the yardstick and negative control, and nothing else.
 """
@@ -34,6 +34,14 @@ class Collectives:
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._group.allgather([out], [tensor]).wait()
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` [size, ...] (equal shapes on all ranks): row r goes to rank r; the result's
+        row q is what rank q sent this rank. Moves values, adds nothing."""
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        self._group.alltoall_base(out, tensor, [], []).wait()
         return out
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

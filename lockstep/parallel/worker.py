@@ -60,8 +60,9 @@ class KVShard:
         spec = plan.spec
         shape = (len(spec.kv_layers), num_slots, plan.num_local_kv_heads, spec.cache_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.routed_experts = None  # MoE models run at TP 1 (parallel/sharding.py)
+        # MLA keeps one latent row per token: its values are its keys' first columns.
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if spec.cache_values else self.k
+        self.routed_experts = None  # the routing store is rank 0's (every rank routes alike)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.k[layer]
@@ -103,7 +104,7 @@ def load_rank_decoder(
     """Rank `rank`'s shard of the model (`collectives`: its process group when tp > 1)."""
     device = rank_device(config, rank)
     ops = get_ops(device.type, config.mode)
-    plan = ShardPlan(loaded.spec, config.tp, rank)
+    plan = ShardPlan(loaded.spec, config.tp, rank, config.ep)
     reduction = config.resolved_tp_reduction
     parallel = TensorParallel(ops, plan, reduction, collectives)
     dtype = getattr(torch, config.resolved_dtype)

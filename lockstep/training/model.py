@@ -21,7 +21,8 @@ differentiable views, so the gradient reaches every parameter.
 Every family the engine serves is trainable (lockstep/models/families), unquantized, in
 float32 or bfloat16, on the CPU or CUDA, with the bits of an engine at tensor-parallel degree
 1 (`tp_reduction="ranks"`, its default) or of an engine at any degree with the chunked
-reduction (`tp_reduction="chunked"`). FP8 checkpoints are refused at load.
+reduction (`tp_reduction="chunked"`; mixture-of-experts models: "ranks" only). FP8
+checkpoints are refused at load.
 """
 
 from __future__ import annotations
@@ -166,6 +167,13 @@ class LockstepForCausalLM(nn.Module):
         if tp_reduction not in REDUCTIONS:
             raise ValueError(
                 f"tp_reduction={tp_reduction!r} is invalid: expected one of {REDUCTIONS}"
+            )
+        if tp_reduction == "chunked" and spec.moe is not None:
+            # The sharded experts' path (lockstep/parallel/experts.py) has no differentiable
+            # view yet.
+            raise ValueError(
+                f"tp_reduction='chunked' is invalid for {loaded.source}: its routed experts "
+                "train with the TP 1 reduction only; expected tp_reduction='ranks'"
             )
         self.tp_reduction = tp_reduction
         self.spec: ModelSpec = spec

@@ -215,13 +215,17 @@ def write_hub_cache(
 
 
 def check_serve_passes_every_scenario(
-    family: str, tmp_path: Path, write: Callable[..., Any] = save_tiny
+    family: str,
+    tmp_path: Path,
+    write: Callable[..., Any] = save_tiny,
+    serve_args: tuple[str, ...] = (),
 ) -> None:
     """`lockstep check --serve --model <tiny `family` folder>` (CPU, one run): every scenario
     but restart passes (left out: a second server start, which the default model's end-to-end
     run in tests/unit/check/test_check.py covers), the radix one with cached tokens reported
     on every hit. `write(family, folder, vocab_size=...)` writes the folder (default
-    `save_tiny`; e.g. an FP8 writer of tests/support/tiny_fp8.py)."""
+    `save_tiny`; e.g. an FP8 writer of tests/support/tiny_fp8.py); `serve_args`: more
+    `lockstep serve` arguments (e.g. "--tp", "2")."""
     import argparse
 
     from lockstep.check.cli import add_check_parser
@@ -237,6 +241,7 @@ def check_serve_passes_every_scenario(
         "check", "--serve", "--model", str(folder), "--max-model-len", "512", "--max-tokens",
         "8", "--concurrency", "4", "--device", "cpu", "--budget-s", "1800", "--no-progress",
         "--scenarios", "batch,prefix,radix,score,sampling,long", "--json", str(out),
+        *(f"--serve-arg={arg}" for arg in serve_args),
     ])  # fmt: skip
     code = args.func(args)
     results = {r["name"]: r for r in json.loads(out.read_text())["scenarios"]}

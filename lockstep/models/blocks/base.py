@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 Linear = torch.Tensor | Fp8Weight  # a prepared linear weight, plain or FP8
 
 
-SHARDS = ("whole", "heads", "intermediate", "vocab")
+SHARDS = ("whole", "heads", "intermediate", "shared", "vocab")
 
 
 class LayoutEntry(NamedTuple):
@@ -60,6 +60,7 @@ class LayoutEntry(NamedTuple):
         whole         all of them (row-parallel kinds are cut later, by reduction chunks)
         heads         q | k | v sources: this rank's query heads' rows of q, KV heads' of k, v
         intermediate  each source's rows of this rank's intermediate columns
+        shared        each source's rows of this rank's columns of the shared expert's width
         vocab         each source's rows of this rank's vocabulary slice
     """
 
@@ -98,10 +99,12 @@ def linear_entry(
 
 
 def row_linear_entry(spec: ModelSpec, target: str, module: str, kind: str) -> LayoutEntry:
-    """A row-parallel linear (o_proj, down_proj): FP8 ones run whole (FP8 models are TP 1),
-    plain ones are cut into reduction chunks ("row_attention" or "row_mlp")."""
+    """A row-parallel linear (o_proj, down_proj), cut into reduction chunks ("row_attention",
+    "row_mlp" or, a shared expert's down, "row_shared"); an FP8 one is "fp8_" + that kind
+    (its "fp8" entry's sources: blocks/prepare.py)."""
     if spec.is_fp8_linear(module):
-        return linear_entry(spec, target, [module])
+        entry = linear_entry(spec, target, [module])
+        return entry._replace(kind="fp8_" + kind)
     return LayoutEntry(target, kind, [module + ".weight"])
 
 

@@ -33,6 +33,12 @@ their dot products are unchanged. The q LoRA and KV norms use epsilon 1e-6 whate
 config says, as transformers builds them. Every step but the attention is row-local; the
 attention's rows depend only on cache rows 0..p of their sequence (`LatentAttentionOps`).
 
+Tensor parallelism (lockstep/parallel/sharding.py): a rank holds its heads' rows of q_proj or
+q_b_proj, its heads of W_UK^T and W_UV and their chunks of o (row-parallel by heads, dv
+columns a head); q_a | kv_a and both norms are every rank's, so every rank computes the same
+latent and RoPE key and keeps the same cache rows (the latent KV per rank: one row a token,
+as at TP 1). Each head's attention is the same computation at any degree.
+
 Block-FP8 checkpoints (DeepSeek-V3's own release, `ModelSpec.fp8`): q_a | kv_a (or q | kv_a),
 q_b and o are FP8 linears, each with its `weight_scale` [ceil(N/128), ceil(K/128)] (spec.py);
 the RoPE reorder moves e4m3 rows within their 128-row scale blocks only
@@ -58,16 +64,13 @@ from lockstep.models.blocks.base import (
     Step,
     linear,
     linear_entry,
+    row_linear_entry,
 )
-from lockstep.models.blocks.prepare import (
-    fuse_fp8,
-    fused_linear,
-    prepare_common,
-    shard,
-)
+from lockstep.models.blocks.prepare import fuse_fp8, fused_linear, prepare_common
 from lockstep.ops.base import DenseOps, LatentAttentionOps
 from lockstep.ops.fp8 import BLOCK, dequantize_weight
 from lockstep.ops.moe import prepare_expert_weights
+from lockstep.parallel.layers import RowParallelWeight
 
 if TYPE_CHECKING:
     from lockstep.models.spec import MlaSpec, ModelSpec
@@ -165,7 +168,7 @@ class LatentAttention:
             LayoutEntry(t + "kv_a_norm", "norm", [a + "kv_a_layernorm.weight"]),
             LayoutEntry(t + "w_uk", "mla_absorb_k", kv_b),
             LayoutEntry(t + "w_uv", "mla_absorb_v", kv_b),
-            linear_entry(spec, t + "o", [a + "o_proj"]),  # MLA models run at tp 1
+            row_linear_entry(spec, t + "o", a + "o_proj", "row_attention"),
         ]
         return entries
 
@@ -180,21 +183,27 @@ class LatentAttention:
         split per head into W_UK^T and W_UV by `absorbed`, each head prepared as a linear and
         stacked)."""
         kind, spec = entry.kind, context.spec
+        lo, hi = context.parallel.plan.heads
         if kind == "mla_fp8":  # MLA models are MoE models, whose FP8 scheme is "block"
             count = len(parts) // 2  # the weights, then their block scales
-            weights = [fp8_rope_rows_reordered(spec, n, w)
-                       for n, w in zip(entry.sources[:count], parts[:count], strict=True)]  # fmt: skip
-            return fuse_fp8("block", weights + parts[count:], context.ops, context.device,
+            names = entry.sources[:count]
+            weights = [local_head_rows(spec, n, fp8_rope_rows_reordered(spec, n, w), lo, hi)
+                       for n, w in zip(names, parts[:count], strict=True)]  # fmt: skip
+            # A rank's query rows start and end on 128-row block edges (fp8_block_problem).
+            scales = [local_head_rows(spec, n, s, lo, hi, BLOCK)
+                      for n, s in zip(names, parts[count:], strict=True)]  # fmt: skip
+            return fuse_fp8("block", weights + scales, context.ops, context.device,
                             entry.sources)  # fmt: skip
         if kind not in ("mla_linear", "mla_absorb_k", "mla_absorb_v"):
             return prepare_common(entry, parts, context)
-        parts = shard(context.parallel.plan, entry.shard, parts)
         if kind == "mla_linear":
-            reordered = [rope_rows_reordered(spec, n, p)
+            # Reordered whole (the order is per head of the full tensor), then this rank's
+            # heads' rows of the per-head projections; q_a and kv_a are every rank's.
+            reordered = [local_head_rows(spec, n, rope_rows_reordered(spec, n, p), lo, hi)
                          for n, p in zip(entry.sources, parts, strict=True)]  # fmt: skip
             return fused_linear(reordered, context)
         scale = parts[1] if len(parts) > 1 else None  # parts: kv_b_proj[, its block scales]
-        per_head = absorbed(spec, parts[0], kind[-1], scale)
+        per_head = absorbed(spec, parts[0], kind[-1], scale)[lo:hi]
         per_head = per_head.to(device=context.device, dtype=context.dtype)
         return prepare_expert_weights(context.ops.prepare_linear_weight, per_head)
 
@@ -235,12 +244,27 @@ class LatentAttention:
         query = torch.cat([torch.stack(q_lat, dim=1), q_pe.to(q_lat[0].dtype)], dim=2)
         o = mla_ops.latent_attention(query.contiguous(), cache, batch.meta, w.scale, rank)
         out = torch.cat([linear(ops, o[:, h].contiguous(), w.w_uv[h]) for h in range(heads)], 1)
+        if isinstance(w.o, RowParallelWeight):
+            return step.parallel.row_linear(out, w.o, "attention")
         return linear(ops, out, w.o)
 
 
 def _mla(spec: ModelSpec) -> MlaSpec:
     assert spec.mla is not None
     return spec.mla
+
+
+def local_head_rows(
+    spec: ModelSpec, source: str, weight: torch.Tensor, lo: int, hi: int, per_row: int = 1
+) -> torch.Tensor:
+    """Heads [lo, hi)'s rows of a per-head query projection (q_proj, q_b_proj: qk_head_dim
+    rows a head), or of its block scales (`per_row` = 128 weight rows a scale row); any other
+    source (q_a_proj, kv_a_proj_with_mqa) whole: the latent and the RoPE key are every
+    head's, so every tensor-parallel rank computes them alike."""
+    if not source.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        return weight
+    rows = _mla(spec).qk_head_dim
+    return weight[lo * rows // per_row : -(-hi * rows // per_row)]
 
 
 def _rope_linear_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:

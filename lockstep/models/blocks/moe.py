@@ -30,11 +30,17 @@ and DeepSeek-V3 store them (DeepSeek's shared experts too, as FP8 linears); the 
 the correction bias stay unquantized (Qwen's checkpoints list `mlp.gate` in
 `modules_to_not_convert`; an FP8 router is refused at load).
 
-Prepared: the router as a linear, the shared expert's gate | up, down and gate row as
-linears (whole: MoE models run at tp 1), the experts stacked into gate_up [E, 2I, K'] and down
+Prepared: the router as a linear, the shared expert's gate | up and gate row as linears, its
+down row-parallel (as the dense MLP's), the experts stacked into gate_up [E, 2I, K'] and down
 [E, H, I'] (lockstep/ops/moe.py, "Weights"), FP8 experts with their stacked block scales
 (`Fp8Experts`, "FP8 experts" there). A token's output is a function of its own row (the
 contract is in lockstep/ops/moe.py).
+
+Tensor and expert parallelism (lockstep/parallel/experts.py): at a degree above 1, or at TP 1
+under the chunked reduction, a rank keeps its experts' gate_up rows of its columns and their
+down as a `RowParallelWeight` of stacked pieces, and the layer runs `sharded_moe` instead of
+`Ops.moe`; the shared expert is cut by columns as the dense MLP is. Block-FP8 experts are cut
+alike, their block scales with them (`sharded_fp8_experts`; on the CPU only).
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ from lockstep.models.blocks.base import (
     Step,
     linear,
     linear_entry,
+    row_linear_entry,
 )
-from lockstep.models.blocks.prepare import concatenated, prepare_common, shard
+from lockstep.models.blocks.prepare import concatenated, fp8_pieces, prepare_common
 from lockstep.ops.base import DeepseekRoutingOps, DenseOps, GatedOutputOps, MoeOps
 from lockstep.ops.moe import (
     DeepseekRouting,
@@ -63,6 +70,14 @@ from lockstep.ops.moe import (
     prepare_expert_weights,
     prepare_fp8_experts,
 )
+from lockstep.parallel.experts import (
+    expert_down_columns,
+    expert_gate_up_rows,
+    sharded_experts,
+    sharded_fp8_experts,
+    sharded_moe,
+)
+from lockstep.parallel.layers import RowParallelWeight
 
 if TYPE_CHECKING:
     from lockstep.models.spec import ModelSpec
@@ -76,10 +91,12 @@ class MoeMlpWeights:
 
     router: torch.Tensor
     experts_gate_up: torch.Tensor | Fp8Experts
-    experts_down: torch.Tensor | Fp8Experts
+    # Sharded experts (lockstep/parallel/experts.py): this rank's pieces, and `layer.down`
+    # is an empty [local experts, H, 0] (the layer then carries the router and gate_up).
+    experts_down: torch.Tensor | Fp8Experts | RowParallelWeight
     layer: MoeLayer
     shared_gate_up: Linear | None = None  # rows gate | up
-    shared_down: Linear | None = None
+    shared_down: Linear | RowParallelWeight | None = None
     shared_gate: torch.Tensor | None = None  # [8, H]: row 0 the shared expert's sigmoid gate
     correction_bias: torch.Tensor | None = None  # DeepSeek-V3: [E] fp32, `layer.deepseek`'s
     routing_index: int = 0  # the layer's index among the sparse layers (the routing store's)
@@ -157,9 +174,10 @@ class MoeMlp:
         if self.shared:
             s = f"model.layers.{layer}.{self._shared_module}"
             entries += [
-                linear_entry(spec, t + "shared_gate_up", [s + "gate_proj", s + "up_proj"]),
-                linear_entry(spec, t + "shared_down", [s + "down_proj"]),
-            ]
+                linear_entry(spec, t + "shared_gate_up", [s + "gate_proj", s + "up_proj"],
+                             "shared"),
+                row_linear_entry(spec, t + "shared_down", s + "down_proj", "row_shared"),
+            ]  # fmt: skip
         if self.shared == "gated":
             entries.append(
                 LayoutEntry(t + "shared_gate", "linear", [p + "shared_expert_gate.weight"])
@@ -182,10 +200,20 @@ class MoeMlp:
             half = len(parts) // 2
             weights = [w.to(device) for w in parts[:half]]
             scales = [s.to(device=device, dtype=torch.float32) for s in parts[half:]]
+            if fp8_pieces(context) and sharded_experts(context.parallel):
+                return sharded_fp8_experts(context.parallel, entry.target, weights, scales)
             return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales, moe.num_experts)
-        fused = concatenated(shard(context.parallel.plan, entry.shard, parts), context)
+        parallel, experts = context.parallel, moe.num_experts
+        if sharded_experts(parallel):
+            if entry.target.endswith("experts_down"):
+                down = expert_down_columns(parallel.plan, parts)
+                return parallel.row_weight(down.to(device=device, dtype=context.dtype), "expert")
+            parts = expert_gate_up_rows(parallel.plan, parts)
+            lo, hi = parallel.plan.experts
+            experts = hi - lo
+        fused = concatenated(parts, context)
         # Expert-major sources, so the concatenated rows are expert e's rows at block e.
-        stacked = fused.view(moe.num_experts, -1, fused.shape[1])
+        stacked = fused.view(experts, -1, fused.shape[1])
         return prepare_expert_weights(ops.prepare_linear_weight, stacked)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> MoeMlpWeights:
@@ -199,6 +227,12 @@ class MoeMlp:
         if isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts):
             layer = MoeLayer(router, gate_up.weight, down.weight, moe.top_k, moe.renormalize,
                              gate_up.scale, down.scale, deepseek)  # fmt: skip
+        elif isinstance(down, RowParallelWeight):  # sharded: `down` holds the pieces
+            # Block-FP8 experts: the layer holds their prepared weights (sharded_moe runs
+            # them through the FP8 expert linear).
+            rows = gate_up.weight if isinstance(gate_up, Fp8Experts) else gate_up
+            empty = rows.new_empty((rows.shape[0], context.spec.hidden_size, 0))
+            layer = MoeLayer(router, rows, empty, moe.top_k, moe.renormalize, deepseek=deepseek)
         else:
             layer = MoeLayer(router, gate_up, down, moe.top_k, moe.renormalize, deepseek=deepseek)
         shared_gate = parts.get("shared_gate")
@@ -212,18 +246,25 @@ class MoeMlp:
 
     def forward(self, ops: Ops, x: torch.Tensor, w: MoeMlpWeights, step: Step) -> torch.Tensor:
         store = step.kv.routed_experts
-        if store is None:
-            routed = ops.moe(x, w.layer)
-        else:
+        ids = None
+        if store is not None:
             # The op writes the ids it routed by; they go to the rows' KV slots (padding rows
             # of a CUDA graph copy row 0, so they write row 0's very ids into its slot).
             ids = torch.empty((x.shape[0], w.layer.top_k), dtype=store.dtype, device=x.device)
-            routed = ops.moe(x, w.layer, ids)
+        if isinstance(w.experts_down, RowParallelWeight):
+            routed = sharded_moe(step.parallel, x, w.layer, w.experts_down, ids)
+        else:
+            routed = ops.moe(x, w.layer) if ids is None else ops.moe(x, w.layer, ids)
+        if store is not None and ids is not None:
             store[:, w.routing_index].index_copy_(0, step.batch.out_slots, ids)
         if w.shared_gate_up is None:
             return routed
         assert w.shared_down is not None
-        shared = linear(ops, ops.silu_mul(linear(ops, x, w.shared_gate_up)), w.shared_down)
+        act = ops.silu_mul(linear(ops, x, w.shared_gate_up))
+        if isinstance(w.shared_down, RowParallelWeight):
+            shared = step.parallel.row_linear(act, w.shared_down, "shared")
+        else:
+            shared = linear(ops, act, w.shared_down)
         if w.shared_gate is None:  # DeepSeek: ungated, one elementwise add
             return routed + shared.to(routed.dtype)
         # One gate value per token, broadcast over its row so the gate op (which takes x and

@@ -11,12 +11,17 @@ Common kinds (`LayoutEntry.kind`):
     embed           as is, in the model dtype
     linear          rows concatenated, then `Ops.prepare_linear_weight` (each output element's
                     reduction is unchanged by the fusion)
-    row_attention, row_mlp   row-parallel (`TensorParallel.row_weight`): o_proj, down_proj
+    row_attention, row_mlp, row_shared   row-parallel (`TensorParallel.row_weight`): o_proj,
+                    down_proj, a shared expert's down_proj
     fp8             an FP8 linear: its parts' weights, then their weight scales, then their
                     input scales ("tensor"), fused by `fuse_fp8`
+    fp8_row_attention, fp8_row_mlp, fp8_row_shared   a block-FP8 row-parallel linear (weight,
+                    block scales): pieces of `TensorParallel.fp8_row_weight` where
+                    `fp8_pieces`, else one FP8 linear
 
-Every kind but fp8 first keeps this rank's rows of its sources (`LayoutEntry.shard`); FP8
-models run at tp 1 (lockstep/parallel/sharding.py), so FP8 kinds never shard.
+Every kind first keeps this rank's rows of its sources (`LayoutEntry.shard`; FP8 scales with
+their weights' rows: `shard_fp8`). Only block-FP8 models shard (lockstep/parallel/sharding.py,
+`fp8_block_problem`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ def prepare_common(entry: LayoutEntry, parts: list[torch.Tensor], context: Prepa
     kind, spec, device = entry.kind, context.spec, context.device
     if kind == "fp8":
         assert spec.fp8 is not None
+        parts = shard_fp8(context.parallel.plan, entry.shard, spec.fp8.scheme, parts)
         return fuse_fp8(spec.fp8.scheme, parts, context.ops, device, entry.sources)
+    if kind.startswith("fp8_row_"):
+        assert spec.fp8 is not None
+        if not fp8_pieces(context):
+            return fuse_fp8(spec.fp8.scheme, parts, context.ops, device, entry.sources)
+        weight, scale = (p.to(device) for p in parts)
+        return context.parallel.fp8_row_weight(weight, scale.float(), kind.removeprefix("fp8_row_"))
     parts = shard(context.parallel.plan, entry.shard, parts)
     if kind in ("norm", "bias"):
         return torch.cat(parts).to(device=device, dtype=torch.float32)
@@ -47,7 +59,7 @@ def prepare_common(entry: LayoutEntry, parts: list[torch.Tensor], context: Prepa
         return torch.cat(parts).to(device=device, dtype=torch.float32) + 1.0
     if kind == "embed":
         return concatenated(parts, context)
-    if kind in ("row_attention", "row_mlp"):
+    if kind in ("row_attention", "row_mlp", "row_shared"):
         return context.parallel.row_weight(concatenated(parts, context), kind.removeprefix("row_"))
     if kind == "linear":
         return fused_linear(parts, context)
@@ -98,14 +110,58 @@ def fuse_fp8(
 
 def shard(plan: ShardPlan, rule: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's rows of an entry's sources, by the entry's shard `rule` (`LayoutEntry`)."""
-    if rule not in SHARDS:
-        raise ValueError(f"shard={rule!r} is invalid: expected one of {SHARDS}")
     if plan.tp == 1 or rule == "whole":
         return parts
-    if rule == "heads":
+    return [p[lo:hi] for p, (lo, hi) in zip(parts, _row_ranges(plan, rule, len(parts)),
+                                            strict=True)]  # fmt: skip
+
+
+def _row_ranges(plan: ShardPlan, rule: str, count: int) -> list[tuple[int, int]]:
+    """The rows [lo, hi) this rank keeps of each of an entry's `count` sources."""
+    if rule not in SHARDS:
+        raise ValueError(f"shard={rule!r} is invalid: expected one of {SHARDS}")
+    if rule == "heads":  # q | k | v
         d = plan.spec.head_dim
         (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
-        q, k, v = parts
-        return [q[h0 * d : h1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
-    lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[rule]
-    return [p[lo:hi] for p in parts]
+        return [(h0 * d, h1 * d), (k0 * d, k1 * d), (k0 * d, k1 * d)]
+    if rule == "shared":
+        lo, hi = plan.shared_columns
+    else:
+        lo, hi = {"intermediate": plan.intermediate, "vocab": plan.vocab_rows()}[rule]
+    return [(lo, hi)] * count
+
+
+def shard_fp8(
+    plan: ShardPlan, rule: str, scheme: str, parts: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`shard` of an "fp8" entry's parts (weights, weight scales[, input scales]): each
+    weight's rows, each block scale's rows of 128-row blocks (`fp8_block_problem` has checked
+    that every cut falls on a block edge), each per-row scale's rows; input scales whole."""
+    count = len(parts) // (3 if scheme == "tensor" else 2)
+    if plan.tp == 1 or rule == "whole":
+        return parts
+    weights, scales, rest = parts[:count], parts[count : 2 * count], parts[2 * count :]
+    ranges = _row_ranges(plan, rule, count)
+    if scheme == "block":
+        scales = [
+            s[lo // BLOCK : -(-hi // BLOCK)] for s, (lo, hi) in zip(scales, ranges, strict=True)
+        ]
+    elif scheme == "channel":
+        scales = [s[lo:hi] for s, (lo, hi) in zip(scales, ranges, strict=True)]
+    return [w[lo:hi] for w, (lo, hi) in zip(weights, ranges, strict=True)] + scales + rest
+
+
+def fp8_pieces(context: PrepareContext) -> bool:
+    """Whether a block-FP8 row-parallel linear (or stacked experts) is cut into reduction
+    pieces, each an FP8 linear of its own: at tp > 1, and at TP 1 under the chunked reduction
+    for a model that shards at all (so that TP 1 gives the bits of the other degrees); on the
+    CPU only, whose FP8 linear returns unrounded float32 partials (tp > 1 with FP8 on CUDA is
+    refused: lockstep/engine/engine.py)."""
+    from lockstep.parallel.sharding import supported_degrees
+
+    parallel = context.parallel
+    if context.device.type != "cpu" or context.spec.fp8 is None:
+        return False
+    if parallel.plan.tp > 1:
+        return True
+    return parallel.reduction == "chunked" and len(supported_degrees(context.spec)) > 1

@@ -1,0 +1,127 @@
+"""Block-FP8 models under tensor and expert parallelism on the CPU (gloo): the block scales are
+cut with their weights, and every degree gives TP 1's bits (lockstep/parallel/sharding.py,
+`fp8_block_problem`; lockstep/models/blocks/prepare.py, `shard_fp8`, `fp8_pieces`).
+
+* A block-FP8 DeepSeek-V3 folder, quantized as DeepSeek-V3's release is (every MLA
+  projection, dense MLP, shared and routed expert), with widths whose reduction chunks and
+  rank boundaries fall on 128 edges: TP 2 and EP 2 give TP 1's chunked bits, logits and KV,
+  and the property suite holds at TP 2. Control: TP 1's default reduction differs.
+* A block-FP8 Qwen3-MoE folder likewise at TP 2.
+* Refused in one line with the arithmetic: a degree whose shard would split a scale block
+  (heads of 64 columns in o_proj's chunks; experts of width 160, chunks of 20 columns), and
+  FP8 schemes other than block at tp > 1.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from lockstep import LLM
+from lockstep.errors import ConfigError
+from tests.support.invariance_harness import compute, mismatches, random_plan, reference
+from tests.support.tiny_fp8 import write_fp8_folder
+
+# Widths whose 8 reduction chunks and 2-rank boundaries fall on 128-wide scale blocks.
+ALIGNED = {
+    "deepseek_v3": dict(v_head_dim=128, intermediate_size=1024, moe_intermediate_size=1024),
+    "qwen3_moe": dict(head_dim=128, intermediate_size=1024, moe_intermediate_size=1024),
+}
+
+
+def _llm(folder: Path, tp: int, **options) -> LLM:
+    return LLM(str(folder), device="cpu", dtype="float32", tp=tp, kv_tokens=1024, **options)
+
+
+def _folder(tmp_path_factory: pytest.TempPathFactory, family: str, **shape) -> Path:
+    folder = tmp_path_factory.mktemp(f"fp8_{family}")
+    write_fp8_folder(folder, "fp8-block", family=family, **shape)
+    return folder
+
+
+def _sequences(count: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300) for _ in range(rng.randint(1, max_len))] for _ in range(count)]
+
+
+def _differing(engine, other, sequences) -> list[int]:
+    return [
+        i
+        for i, tokens in enumerate(sequences)
+        if mismatches(reference(engine, tokens), reference(other, tokens))
+    ]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory):
+    folder = _folder(tmp_path_factory, "deepseek_v3", **ALIGNED["deepseek_v3"])
+    llms = {}
+    try:
+        llms[1] = _llm(folder, 1, tp_reduction="chunked")
+        llms["default"] = _llm(folder, 1)
+        llms[2] = _llm(folder, 2)
+        llms["ep2"] = _llm(folder, 2, ep=2)
+        yield {name: llm.engine for name, llm in llms.items()}
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+
+def test_fp8_deepseek_v3_at_tp_2_and_ep_2_gives_the_bits_of_tp_1(deepseek) -> None:
+    spec = deepseek[2].decoder.spec
+    assert spec.fp8 is not None and spec.fp8.scheme == "block" and spec.mla is not None
+    assert spec.is_fp8_linear("model.layers.1.mlp.experts.0.down_proj")
+    sequences = _sequences(3, 40, seed=8)
+    for degree in (2, "ep2"):
+        assert _differing(deepseek[1], deepseek[degree], sequences) == [], degree
+    assert _differing(deepseek[1], deepseek["default"], sequences), "the control agreed"
+
+
+def test_fp8_deepseek_v3_position_invariance_at_tp_2(deepseek) -> None:
+    engine, single = deepseek[2], deepseek[1]
+    for seed in range(5):
+        rng = random.Random(200 + seed)
+        n = rng.randint(1, 40)
+        tokens = [rng.randrange(300) for _ in range(n)]
+        plan = random_plan(rng, n, max_mates=3)
+        got = compute(engine, tokens, plan, rng)
+        problems = mismatches(reference(engine, tokens), got)
+        problems += mismatches(reference(single, tokens), got)
+        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
+        engine.check_integrity()
+
+
+def test_fp8_qwen3_moe_at_tp_2_gives_the_bits_of_tp_1(tmp_path_factory) -> None:
+    folder = _folder(tmp_path_factory, "qwen3_moe", **ALIGNED["qwen3_moe"])
+    single, two = _llm(folder, 1, tp_reduction="chunked"), _llm(folder, 2)
+    try:
+        assert _differing(single.engine, two.engine, _sequences(3, 40, seed=9)) == []
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "family", "shape", "needle"),
+    [
+        ("fp8-block", "qwen3_moe", {"head_dim": 64},
+         "a shard would split an FP8 scale block: o_proj's input (256) would be cut at 64, "
+         "not a multiple of 128; degrees that work: 1"),
+        ("fp8-block", "qwen3_moe", {"head_dim": 128, "intermediate_size": 1024},
+         "a shard would split an FP8 scale block: the expert width (160) would be cut at 20, "
+         "not a multiple of 128; degrees that work: 1"),
+        ("compressed-tensors", "qwen3", {},
+         "channel-scaled FP8 models run at tp=1 only (block-FP8 ones shard); degrees that "
+         "work: 1"),
+    ],
+)  # fmt: skip
+def test_fp8_degrees_that_split_a_block_are_refused_in_one_line(
+    tmp_path: Path, fmt: str, family: str, shape: dict, needle: str
+) -> None:
+    write_fp8_folder(tmp_path, fmt, family=family, **shape)
+    with pytest.raises(ConfigError) as info:
+        _llm(tmp_path, 2)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"tp=2 is invalid for {tmp_path.name}") and message.endswith(needle)
