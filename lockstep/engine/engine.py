@@ -38,7 +38,12 @@ from lockstep.engine.cuda_graphs import (
     graph_batch_buckets,
     graph_context_buckets,
 )
-from lockstep.engine.drafters import TOKENIZER_PROBE, DraftModelDrafter, make_drafter
+from lockstep.engine.drafters import (
+    TOKENIZER_PROBE,
+    DraftModelDrafter,
+    MtpDrafter,
+    make_drafter,
+)
 from lockstep.engine.grammar import GrammarCompiler
 from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
@@ -52,6 +57,7 @@ from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
 from lockstep.models.linear_attention import LinearState, LinearStatePool
+from lockstep.models.mtp import MtpModel
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
@@ -228,7 +234,11 @@ class Engine:
             speculator=self.speculator,
         )
         graphs = None
-        if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
+        keep_hidden = isinstance(self.speculator and self.speculator.drafter, MtpDrafter)
+        if config.use_cuda_graphs and keep_hidden:
+            # The MTP layer drafts from the target's hidden rows, which the graphs do not give.
+            logger.warning("CUDA graphs are not used with speculative='mtp'")
+        elif config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
             logger.warning("CUDA graphs are not used for hybrid models on the %s backend",
                            self.decoder.ops.name)  # fmt: skip
         elif config.use_cuda_graphs:
@@ -237,7 +247,7 @@ class Engine:
                 max_context=self.max_model_len, state_pool=self.state_pool,
                 spare_kv_slot=self.pool.spare_slot,
             )  # fmt: skip
-        self.runner = ModelRunner(self.decoder, self.pool, graphs)
+        self.runner = ModelRunner(self.decoder, self.pool, graphs, keep_hidden=keep_hidden)
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         # Structured outputs: llguidance's view of the tokenizer, built on first use.
         self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size)
@@ -346,10 +356,25 @@ class Engine:
             )
         if config.speculative == "draft":
             return Speculator(DraftModelDrafter(self._draft_engine()), config.num_draft_tokens)
+        if config.speculative == "mtp":
+            return Speculator(MtpDrafter(self._mtp_model()), config.num_draft_tokens)
         drafter = make_drafter(
             config.speculative, config.prompt_lookup_min, config.prompt_lookup_max
         )
         return Speculator(drafter, config.num_draft_tokens)
+
+    def _mtp_model(self) -> MtpModel:
+        """The model's own multi-token-prediction layer, beside the target's weights (same
+        backend, dtype and device; EngineConfig refuses it at tp > 1). Refused for a model
+        without MTP weights (`ModelLoadError` says why)."""
+        decoder = self.decoder
+        assert isinstance(decoder, Decoder)
+        try:
+            return MtpModel.load(self.loaded, decoder.ops, decoder.dtype, decoder.device)
+        except ModelLoadError as exc:
+            raise ConfigError(
+                f"speculative='mtp' is invalid for {self.model_name}: {exc}"
+            ) from None
 
     def _draft_engine(self) -> Engine:
         """The engine of `draft_model`, on this engine's device: greedy, one request at a
@@ -586,6 +611,9 @@ class Engine:
                 continue
             top = launched.top_logprobs(row, request.params.logprobs or 0)
             outputs.append(self._advance(request, TokenLogprob(token, lp, top)))
+            if launched.hidden is not None:  # MTP drafting: the row that chose this token
+                request.last_hidden = launched.hidden[row].clone()
+                request.last_hidden_at = request.num_tokens
             if runs is not None:
                 runs.kept(request, outputs[-1].finished)
         # Before anything caches a prefix: rejected drafts' slots go back to the pool.

@@ -96,6 +96,9 @@ class LaunchedStep:
     logprobs: torch.Tensor  # [R, vocab] float32, on the device
     sampling: list[tuple[Request, int]]
     tokens: torch.Tensor | None = None
+    # The final-normed hidden rows [R, hidden] behind `logprobs` (a runner that keeps them:
+    # MTP drafting), else None.
+    hidden: torch.Tensor | None = None
     # Launched without its token choice (`ModelRunner.sample` makes it): the sampling rows'
     # logits and logprobs, and how each row chooses.
     deferred: tuple[torch.Tensor, torch.Tensor, list[RowSampling]] | None = None
@@ -140,16 +143,24 @@ class LaunchedStep:
 
 class ModelRunner:
     """Launches steps eagerly, or pure decode steps from CUDA graphs when `graphs` is given
-    (same bits: see lockstep/engine/cuda_graphs.py)."""
+    (same bits: see lockstep/engine/cuda_graphs.py). `keep_hidden`: every step also keeps
+    the final-normed hidden rows of its logits rows (`LaunchedStep.hidden`, for MTP drafting);
+    such a runner runs eagerly (the graphs give logits only)."""
 
     def __init__(
-        self, decoder: Decoder, kv: KVStorage, graphs: DecodeGraphRunner | None = None
+        self,
+        decoder: Decoder,
+        kv: KVStorage,
+        graphs: DecodeGraphRunner | None = None,
+        keep_hidden: bool = False,
     ) -> None:
+        assert not (graphs and keep_hidden), "decode graphs give no hidden rows"
         self.decoder = decoder
         self.ops = decoder.ops
         self.kv = kv
         self.graphs = graphs
         self.device = decoder.device
+        self.keep_hidden = keep_hidden
 
     def launch(
         self,
@@ -164,7 +175,7 @@ class ModelRunner:
         `sample` makes the choice once the host has them. No host wait, the eager CUDA path's
         patch indices aside."""
         source = after.token_source() if after is not None else None
-        logits, layout = self.forward(plan, source)
+        logits, layout, hidden = self.forward(plan, source)
         logprobs = self.ops.log_softmax(logits)
         sampling = [
             (part.chunk.request, row)
@@ -172,7 +183,7 @@ class ModelRunner:
             if part.sample_row is not None
             for row in (part.sample_row, *part.draft_rows)
         ]
-        step = LaunchedStep(layout, logprobs, sampling)
+        step = LaunchedStep(layout, logprobs, sampling, hidden=hidden)
         if not sampling:
             return step
         # A verify chunk's rows choose the tokens of positions num_tokens, num_tokens + 1, ...
@@ -284,13 +295,14 @@ class ModelRunner:
 
     def forward(
         self, plan: list[ScheduledChunk], source: TokenSource | None = None
-    ) -> tuple[torch.Tensor, list[ChunkLogits]]:
-        """Enqueue one forward pass; returns float32 logits [R, vocab] (on the model's device)
-        and which rows belong to which chunk."""
+    ) -> tuple[torch.Tensor, list[ChunkLogits], torch.Tensor | None]:
+        """Enqueue one forward pass; returns float32 logits [R, vocab] (on the model's device),
+        which rows belong to which chunk, and the final-normed hidden rows behind the logits
+        where the runner keeps them (else None)."""
         batch, layout, patches = self.build(plan, source)
         if self.graphs is not None and self.graphs.can_run(batch):
             patch = (patches, source.tokens) if patches and source is not None else None
-            return self.graphs.run(batch, patch), layout
+            return self.graphs.run(batch, patch), layout, None
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         if patches and source is not None:
@@ -301,4 +313,8 @@ class ModelRunner:
                 torch.tensor(rows, dtype=torch.int64, device=dev),
                 source.tokens.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
             )
-        return self.decoder.forward(batch, self.kv), layout
+        if self.keep_hidden:
+            # Decoder.forward is exactly these two calls: the logits keep their bits.
+            hidden = self.decoder.hidden_states(batch, self.kv)
+            return self.decoder.head_logits(hidden), layout, hidden
+        return self.decoder.forward(batch, self.kv), layout, None

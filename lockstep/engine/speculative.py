@@ -63,7 +63,14 @@ class Speculator:
         limit = min(limit, self.num_draft_tokens, left)
         if limit < 1:
             return ()
-        return tuple(self.drafter.propose(request.all_ids, limit)[:limit])
+        if getattr(self.drafter, "needs_hidden", False):
+            # The row that chose the last token, or none (then no guess).
+            fresh = request.last_hidden_at == request.num_tokens
+            hidden = request.last_hidden if fresh else None
+            drafted = self.drafter.propose(request.all_ids, limit, hidden=hidden)  # type: ignore[call-arg]
+        else:
+            drafted = self.drafter.propose(request.all_ids, limit)
+        return tuple(drafted[:limit])
 
     def start_verify(self, drafts: dict[int, tuple[int, ...]]) -> VerifyRuns:
         """The bookkeeping of one completed step whose verify chunks had `drafts` (keyed by
