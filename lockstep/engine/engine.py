@@ -159,7 +159,7 @@ class Engine:
         if layout is not None:
             self.state_pool = LinearStatePool(layout, config.resolved_max_running)
         # Before the pool is sized: a draft model's engine takes its memory first.
-        self.speculator = self._speculator(layout is not None)
+        self.speculator = self._speculator()
         # Device memory allocated before the caches: the weights (and hybrid models' working
         # states): the base of `memory_bound`.
         self.allocated_before_pool = (
@@ -341,19 +341,11 @@ class Engine:
         slots = torch.tensor(request.slots.ids[:n], dtype=torch.int64, device=store.device)
         return routed_store.sglang_layout(self.decoder.spec, store.index_select(0, slots))
 
-    def _speculator(self, hybrid: bool) -> Speculator | None:
+    def _speculator(self) -> Speculator | None:
         """The speculative decoding the config asks for (docs/speculative.md), or None."""
         config = self.config
         if config.speculative is None:
             return None
-        if hybrid:
-            # A verify chunk advances the linear-attention state past drafts that may be
-            # rejected, and that state cannot be rolled back the way KV slots are given back.
-            raise ConfigError(
-                f"speculative={config.speculative!r} is invalid for {self.model_name}: its "
-                "linear-attention layers cannot undo rejected drafts; expected no speculative "
-                "option for hybrid models"
-            )
         if config.speculative == "draft":
             return Speculator(DraftModelDrafter(self._draft_engine()), config.num_draft_tokens)
         if config.speculative == "mtp":

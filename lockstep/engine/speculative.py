@@ -61,6 +61,11 @@ class Speculator:
             return ()
         left = request.params.max_tokens - len(request.output_ids) - 1
         limit = min(limit, self.num_draft_tokens, left)
+        if request.linear_state is not None:
+            # A hybrid model's verify chunk (1 + drafts rows) stays inside one chunk of the
+            # linear-attention rule, so that rejected rows can be cut (lockstep/models/
+            # linear_attention.py, LinearState.end_verify).
+            limit = min(limit, request.linear_state.verify_room() - 1)
         if limit < 1:
             return ()
         if getattr(self.drafter, "needs_hidden", False):
