@@ -789,6 +789,7 @@ class Engine:
             "spec_accepted_tokens_total": counters.accepted if counters else 0,
             "spec_verify_chunks_total": counters.verify_chunks if counters else 0,
             "spec_acceptance_rate": counters.acceptance_rate if counters else 0.0,
+            "spec_boundary_limited_total": counters.boundary_limited if counters else 0,
         }
 
     # ----------------------------------------------------------------- tensor parallelism

@@ -30,11 +30,13 @@ from lockstep.engine.request import Request
 
 @dataclass
 class SpeculationCounters:
-    """Since start: draft tokens proposed and kept, and verify chunks computed."""
+    """Since start: draft tokens proposed and kept, verify chunks computed, and proposals a
+    linear-attention chunk boundary shortened (hybrid models)."""
 
     drafted: int = 0
     accepted: int = 0
     verify_chunks: int = 0
+    boundary_limited: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,7 +67,10 @@ class Speculator:
             # A hybrid model's verify chunk (1 + drafts rows) stays inside one chunk of the
             # linear-attention rule, so that rejected rows can be cut (lockstep/models/
             # linear_attention.py, LinearState.end_verify).
-            limit = min(limit, request.linear_state.verify_room() - 1)
+            room = request.linear_state.verify_room() - 1
+            if room < limit:
+                self.counters.boundary_limited += 1
+                limit = room
         if limit < 1:
             return ()
         if getattr(self.drafter, "needs_hidden", False):

@@ -108,6 +108,7 @@ def test_hybrid_speculation_batched_with_preemption_equals_plain_alone(
     assert any(r[4] > 0 for r in together.values()), "no prefix was reused"
     counters = spec.speculator.counters
     assert max(widest) == 4 and counters.drafted > 0
+    assert stats["spec_boundary_limited_total"] == counters.boundary_limited > 0, stats
     if drafter == "partly-right":  # drafts kept and rejected: states rolled back mid-run
         assert 0 < counters.accepted < counters.drafted, counters
     finals = [requests[rid][0] + together[rid][0] for rid in requests]
