@@ -182,3 +182,72 @@ def test_qwen35_mtp_speculation_equals_plain(qwen35_mtp: Path, kernel: str) -> N
     _assert_pool_free(spec)
     for rid in requests:
         assert together[rid][:4] == alone[rid][:4], f"{rid} differs with MTP speculation"
+
+
+def test_qwen35_mtp_head_drafts_what_transformers_layers_do(qwen35_mtp: Path) -> None:
+    """transformers' Qwen3.5 full-attention decoder layer (float64) as the MTP head (the
+    norms `mtp.pre_fc_norm_*` and `mtp.norm` stored as w - 1, `mtp.fc` over [embed; hidden],
+    the model's LM head), from the same hidden row and token: the same greedy drafts as
+    Lockstep's MTP layer."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qw
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(qwen35_mtp, dtype=torch.float64)
+    config = model.config
+    config._attn_implementation = "eager"
+    own = {k: v.double() for k, v in load_file(str(qwen35_mtp / "mtp.safetensors")).items()}
+    full = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    layer = qw.Qwen3_5DecoderLayer(config, layer_idx=full).double().eval()
+    layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in own.items()
+                           if k.startswith("mtp.layers.0.")})  # fmt: skip
+    eps = config.rms_norm_eps
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (1.0 + w) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def reference(hidden: torch.Tensor, token: int, limit: int) -> list[int]:
+        rows, drafted = [], []
+        for j in range(limit):
+            e = model.model.embed_tokens(torch.tensor([token]))
+            both = torch.cat([norm(e, own["mtp.pre_fc_norm_embedding.weight"]),
+                              norm(hidden, own["mtp.pre_fc_norm_hidden.weight"])], -1)  # fmt: skip
+            rows.append(both @ own["mtp.fc.weight"].T)
+            window = torch.cat(rows)[None]
+            positions = torch.arange(j + 1)[None]
+            mask = torch.full((j + 1, j + 1), float("-inf"), dtype=torch.float64).triu(1)
+            rotary = model.model.rotary_emb(window, positions[None].expand(3, 1, -1))
+            out = layer(window, position_embeddings=rotary, attention_mask=mask[None, None],
+                        position_ids=positions)  # fmt: skip
+            hidden = out[0, -1:]
+            token = int(model.lm_head(norm(hidden, own["mtp.norm.weight"])).argmax())
+            drafted.append(token)
+        return drafted
+
+    mtp = _engine(str(qwen35_mtp), speculative="mtp").speculator.drafter.model  # type: ignore[union-attr]
+    rng = random.Random(1)
+    for _ in range(6):
+        prompt = torch.tensor([[rng.randrange(config.vocab_size) for _ in range(12)]])
+        with torch.no_grad():
+            hidden = model.model(prompt).last_hidden_state[0, -1:]
+            token = int(model.lm_head(hidden).argmax())
+            want = reference(hidden, token, 4)
+        assert mtp.draft(hidden[0].float(), token, 4) == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_hybrid_mtp_heads_draft_and_equal_plain(tmp_path: Path, family: str) -> None:
+    """The hybrid MoE families' MTP heads (a sparse layer: routed and shared experts), from
+    tiny transformers folders: they load, draft, and the outputs are plain decode's."""
+    save_tiny(family, tmp_path)
+    add_mtp_layer(tmp_path)
+    plain = _engine(str(tmp_path))
+    requests = _requests(8, plain.decoder.spec.vocab_size, 4, 16)
+    want = _run(plain, requests)
+    spec = _engine(str(tmp_path), speculative="mtp")
+    assert spec.speculator.drafter.model.decoder.spec.is_sparse(0)  # type: ignore[union-attr]
+    got = _run(spec, requests)
+    assert spec.speculator.counters.drafted > 0
+    for rid in requests:
+        assert got[rid][:4] == want[rid][:4], rid
