@@ -18,6 +18,7 @@ run there, exactly as plain decode would have ended.
 KV: the chunk wrote k + 1 entries. Those of kept positions (s .. s+m-1 for m kept tokens) hold
 the real tokens' bits; the rest are given back to the pool (`Scheduler.discard_unverified`)
 before anything caches the request's prefix, so the radix cache never holds a rejected token.
+A hybrid model's linear state is cut back to position s+m there too (`LinearState.end_verify`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ class Speculator:
         """Draft tokens to verify after `request`'s last token: at most `limit` (the step's
         rows and free KV slots the scheduler can spare), `num_draft_tokens`, and one less than
         the tokens max_tokens still allows (a verify yields at most drafts + 1 tokens; so the
-        last position computed stays below max_model_len, as add_request checks). No drafts
-        for a request whose logits are processed: penalties, grammars and min_tokens read the
-        tokens before each position, which a draft row would need before they are known."""
+        last position computed stays below max_model_len, as add_request checks); on a hybrid
+        model, few enough that the verify chunk ends before the next linear-attention chunk
+        boundary. No drafts for a request whose logits are processed: penalties, grammars and
+        min_tokens read the tokens before each position, which a draft row would need before
+        they are known. A drafter that `needs_hidden` (MTP) gets the target's hidden row that
+        chose the last token, or None where the engine holds none for it."""
         if request.params.processes_logits or request.pending:
             return ()
         left = request.params.max_tokens - len(request.output_ids) - 1
