@@ -77,7 +77,7 @@ _HELP = {
     "gdn_kernel": "hybrid models: the gated delta rule row after row (recurrent) or in whole "
     "chunk tiles on tensor cores (chunked; other bits, same contract)",
     "speculative": "exact speculative decoding (same outputs): ngram drafts by prompt lookup, "
-    "draft by --draft-model (default: off; docs/speculative.md)",
+    "mtp by the model's own multi-token-prediction layer, draft by --draft-model (default: off; docs/speculative.md)",
     "draft_model": "--speculative draft: a small model of the same tokenizer that drafts (a "
     "model argument as --model takes)",
     "num_draft_tokens": "most draft tokens one verify step checks per request",

@@ -33,8 +33,9 @@ KV_DTYPES = ("auto", "fp8_e4m3")
 # cores (lockstep/ops/triton/chunked_delta.py; on the CPU its torch form). Different bits.
 GDN_KERNELS = ("recurrent", "chunked")
 # Drafters of exact speculative decoding (docs/speculative.md): "ngram" is prompt lookup,
-# "draft" a small model of the same tokenizer (`draft_model`).
-SPECULATIVE_METHODS = ("ngram", "draft")
+# "draft" a small model of the same tokenizer (`draft_model`), "mtp" the model's own
+# multi-token-prediction layer.
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,11 @@ class EngineConfig:
                 f"overlap_decode=True is invalid with speculative={self.speculative!r}: a "
                 "draft needs the tokens before it on the host; expected overlap_decode false or "
                 "null"
+            )
+        if self.speculative == "mtp" and self.tp > 1:
+            raise ConfigError(
+                f"speculative='mtp' is invalid with tp={self.tp}: the MTP layer runs unsharded; "
+                "expected tp=1, or speculative 'ngram' or 'draft'"
             )
 
     def _check_tp(self) -> None:

@@ -26,7 +26,12 @@ from lockstep.check.client import APIS
 from lockstep.check.compare import FAIL
 from lockstep.check.report import render_table, write_json, write_plot
 from lockstep.check.runner import CheckReport, CheckSetupError, run_checks
-from lockstep.check.scenarios import SCENARIOS, SPECULATIVE_SERVE_ARGS, ScenarioSettings
+from lockstep.check.scenarios import (
+    CHECK_DRAFTERS,
+    SCENARIOS,
+    ScenarioSettings,
+    speculative_serve_args,
+)
 from lockstep.check.serve import LockstepServer, ServeError
 
 EXAMPLES = """\
@@ -185,6 +190,13 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
         "--serve-timeout-s", type=float, default=600.0, help="wait this long for /health"
     )
     engine.add_argument(
+        "--speculative-drafter",
+        choices=CHECK_DRAFTERS,
+        default="ngram",
+        help="the speculative scenario's second server drafts with this: prompt lookup, or "
+        "the model's own multi-token-prediction layer (default: ngram)",
+    )
+    engine.add_argument(
         "--port", type=_port, help="the port the server listens on (default: a free one)"
     )
     p.set_defaults(func=run_check_command)
@@ -325,9 +337,10 @@ def _check_served(
             again = dataclasses.replace(
                 settings, speculative_save=None, speculative_against=settings.speculative_save
             )
-            flags = " ".join(SPECULATIVE_SERVE_ARGS)
+            extra = speculative_serve_args(args.speculative_drafter)
+            flags = " ".join(extra)
             after = _second_server(
-                args, err, report, "speculative", again, SPECULATIVE_SERVE_ARGS, check,
+                args, err, report, "speculative", again, extra, check,
                 f"starting a second server with {flags} for the speculative scenario",
                 f"compared with a second server started with {flags}",
             )  # fmt: skip

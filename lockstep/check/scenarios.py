@@ -412,8 +412,8 @@ def speculative_requests(max_tokens: int) -> list[dict[str, Any]]:
 async def scenario_speculative(ctx: ScenarioContext, result: ScenarioResult) -> None:
     """A server with speculative decoding against the same server without it: the same
     tokens and logprobs on copy-inviting probes. `lockstep check --serve` runs the probes on
-    the server as configured, then on a second one started with `--speculative ngram`
-    (SPECULATIVE_SERVE_ARGS), and compares. The probes go one at a time, so that the two
+    the server as configured, then on a second one started with `--speculative ngram` (or
+    the drafter `--speculative-drafter` names: `speculative_serve_args`), and compares. The probes go one at a time, so that the two
     servers compute them beside the same batch-mates (none) and only speculation differs:
     fast mode then fails this scenario because of speculation alone (the engine's own tests
     cover speculation beside batch-mates)."""
@@ -550,5 +550,13 @@ SCENARIOS: dict[str, Scenario] = {
     "speculative": scenario_speculative,
     "long": scenario_long,
 }
-# What the speculative scenario's second server adds to the first one's arguments.
-SPECULATIVE_SERVE_ARGS = ("--speculative", "ngram", "--num-draft-tokens", "4")
+# The drafters the speculative scenario's second server may use (`--speculative-drafter`):
+# prompt lookup, or the model's own multi-token-prediction layer (a model that ships one).
+CHECK_DRAFTERS = ("ngram", "mtp")
+
+
+def speculative_serve_args(drafter: str = "ngram") -> tuple[str, ...]:
+    """What the speculative scenario's second server adds to the first one's arguments."""
+    if drafter not in CHECK_DRAFTERS:
+        raise ValueError(f"drafter {drafter!r}: expected one of {CHECK_DRAFTERS}")
+    return ("--speculative", drafter, "--num-draft-tokens", "4")

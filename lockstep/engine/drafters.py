@@ -11,8 +11,9 @@ its own bits: a wrong guess costs a rejected row, nothing else.
 prompt and output and proposes what followed them there. `DraftModelDrafter` runs a small
 model of the same tokenizer in an engine of its own, greedily, from the whole context; that
 engine's prefix cache keeps what it computed for the sequence, so each proposal computes only
-the tokens added since the last one and its own drafts. MTP layers would implement the same
-method.
+the tokens added since the last one and its own drafts. `MtpDrafter` runs the model's own
+multi-token-prediction layer (lockstep/models/mtp.py) from the target's hidden row that chose
+the last token: a drafter that `needs_hidden` gets that row as `propose(..., hidden=row)`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     from lockstep.engine.engine import Engine
+    from lockstep.models.mtp import MtpModel
 
 # A text whose token ids a draft model's tokenizer must give as the target's does.
 TOKENIZER_PROBE = "Lockstep drafts 123 tokens: naïve café, <tag>, x = y + 1;\n"
@@ -103,6 +107,29 @@ class DraftModelDrafter:
             for out in engine.step():
                 drafted += out.new_token_ids
         return drafted
+
+
+class MtpDrafter:
+    """The model's multi-token-prediction layer drafts greedily from the target's final-normed
+    hidden row that chose the last token (`hidden`) and that token; without such a row (a
+    request whose last token came from a step before a preemption, say) it has no guess.
+
+    Costs, per verify step and request: `limit` forwards of one row through the MTP layer
+    (one decoder layer, the projection over 2 * hidden and the LM head), on the target's
+    device and host thread, before the target's step; the engine keeps one hidden row per
+    running request. Its attention sees only its own drafts (lockstep/models/mtp.py)."""
+
+    needs_hidden = True
+
+    def __init__(self, model: MtpModel) -> None:
+        self.model = model
+
+    def propose(
+        self, tokens: Sequence[int], limit: int, hidden: torch.Tensor | None = None
+    ) -> list[int]:
+        if hidden is None or limit < 1 or not tokens:
+            return []
+        return self.model.draft(hidden, tokens[-1], limit)
 
 
 def make_drafter(method: str, min_n: int, max_n: int) -> Drafter:

@@ -38,7 +38,12 @@ from lockstep.engine.cuda_graphs import (
     graph_batch_buckets,
     graph_context_buckets,
 )
-from lockstep.engine.drafters import TOKENIZER_PROBE, DraftModelDrafter, make_drafter
+from lockstep.engine.drafters import (
+    TOKENIZER_PROBE,
+    DraftModelDrafter,
+    MtpDrafter,
+    make_drafter,
+)
 from lockstep.engine.grammar import GrammarCompiler
 from lockstep.engine.model_runner import ChunkLogits, LaunchedStep, ModelRunner, StepShape
 from lockstep.engine.outputs import StepOutput, TokenLogprob
@@ -52,6 +57,7 @@ from lockstep.engine.text_output import TextOutput
 from lockstep.errors import ConfigError, ModelLoadError, RequestError, UnreadableWeights
 from lockstep.models.decoder import Decoder
 from lockstep.models.linear_attention import LinearState, LinearStatePool
+from lockstep.models.mtp import MtpModel
 from lockstep.models.resolver import resolve_model
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import get_ops
@@ -186,7 +192,7 @@ class Engine:
         if layout is not None:
             self.state_pool = LinearStatePool(layout, config.resolved_max_running)
         # Before the pool is sized: a draft model's engine takes its memory first.
-        self.speculator = self._speculator(layout is not None)
+        self.speculator = self._speculator()
         # Device memory allocated before the caches: the weights (and hybrid models' working
         # states): the base of `memory_bound`.
         self.allocated_before_pool = (
@@ -262,7 +268,11 @@ class Engine:
             speculator=self.speculator,
         )
         graphs = None
-        if config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
+        keep_hidden = isinstance(self.speculator and self.speculator.drafter, MtpDrafter)
+        if config.use_cuda_graphs and keep_hidden:
+            # The MTP layer drafts from the target's hidden rows, which the graphs do not give.
+            logger.warning("CUDA graphs are not used with speculative='mtp'")
+        elif config.use_cuda_graphs and self.state_pool is not None and not hybrid_graphs:
             logger.warning("CUDA graphs are not used for hybrid models on the %s backend",
                            self.decoder.ops.name)  # fmt: skip
         elif config.use_cuda_graphs:
@@ -276,10 +286,12 @@ class Engine:
             piecewise = piecewise_graphs.PiecewiseGraphRunner(
                 self.decoder, self.pool, self._piecewise_tokens()
             )
-        elif config.use_piecewise_cuda_graphs:
+        elif config.use_piecewise_cuda_graphs and not keep_hidden:
             logger.info("steps with prompt rows run eagerly (no piecewise CUDA graphs: %s)",
                         piecewise_graphs.supports(self.decoder))  # fmt: skip
-        self.runner = ModelRunner(self.decoder, self.pool, graphs, piecewise)
+        self.runner = ModelRunner(
+            self.decoder, self.pool, graphs, piecewise, keep_hidden=keep_hidden
+        )
         warm_up_sampler(self.device, spec.vocab_size)  # its kernels ready before any request
         # Structured outputs: llguidance's view of the tokenizer, built on first use.
         self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size)
@@ -373,25 +385,32 @@ class Engine:
         slots = torch.tensor(request.slots.ids[:n], dtype=torch.int64, device=store.device)
         return routed_store.sglang_layout(self.decoder.spec, store.index_select(0, slots))
 
-    def _speculator(self, hybrid: bool) -> Speculator | None:
+    def _speculator(self) -> Speculator | None:
         """The speculative decoding the config asks for (docs/speculative.md), or None."""
         config = self.config
         if config.speculative is None:
             return None
-        if hybrid:
-            # A verify chunk advances the linear-attention state past drafts that may be
-            # rejected, and that state cannot be rolled back the way KV slots are given back.
-            raise ConfigError(
-                f"speculative={config.speculative!r} is invalid for {self.model_name}: its "
-                "linear-attention layers cannot undo rejected drafts; expected no speculative "
-                "option for hybrid models"
-            )
         if config.speculative == "draft":
             return Speculator(DraftModelDrafter(self._draft_engine()), config.num_draft_tokens)
+        if config.speculative == "mtp":
+            return Speculator(MtpDrafter(self._mtp_model()), config.num_draft_tokens)
         drafter = make_drafter(
             config.speculative, config.prompt_lookup_min, config.prompt_lookup_max
         )
         return Speculator(drafter, config.num_draft_tokens)
+
+    def _mtp_model(self) -> MtpModel:
+        """The model's own multi-token-prediction layer, beside the target's weights (same
+        backend, dtype and device; EngineConfig refuses it at tp > 1). Refused for a model
+        without MTP weights (`ModelLoadError` says why)."""
+        decoder = self.decoder
+        assert isinstance(decoder, Decoder)
+        try:
+            return MtpModel.load(self.loaded, decoder.ops, decoder.dtype, decoder.device)
+        except ModelLoadError as exc:
+            raise ConfigError(
+                f"speculative='mtp' is invalid for {self.model_name}: {exc}"
+            ) from None
 
     def _draft_engine(self) -> Engine:
         """The engine of `draft_model`, on this engine's device: greedy, one request at a
@@ -654,6 +673,9 @@ class Engine:
                 continue
             top = launched.top_logprobs(row, request.params.logprobs or 0)
             outputs.append(self._advance(request, TokenLogprob(token, lp, top)))
+            if launched.hidden is not None:  # MTP drafting: the row that chose this token
+                request.last_hidden = launched.hidden[row].clone()
+                request.last_hidden_at = request.num_tokens
             if runs is not None:
                 runs.kept(request, outputs[-1].finished)
         # Before anything caches a prefix: rejected drafts' slots go back to the pool.
@@ -837,6 +859,7 @@ class Engine:
             "spec_accepted_tokens_total": counters.accepted if counters else 0,
             "spec_verify_chunks_total": counters.verify_chunks if counters else 0,
             "spec_acceptance_rate": counters.acceptance_rate if counters else 0.0,
+            "spec_boundary_limited_total": counters.boundary_limited if counters else 0,
         }
 
     # ----------------------------------------------------------------- tensor parallelism
@@ -920,9 +943,13 @@ class Engine:
         )  # fmt: skip
 
     def _runs_piecewise(self) -> bool:
-        """Whether steps with prompt rows replay piecewise CUDA graphs."""
-        return self.config.use_piecewise_cuda_graphs and (
-            piecewise_graphs.supports(self.decoder) is None
+        """Whether steps with prompt rows replay piecewise CUDA graphs (not with MTP drafting,
+        which needs the hidden rows the graphs do not give)."""
+        config = self.config
+        return (
+            config.use_piecewise_cuda_graphs
+            and config.speculative != "mtp"
+            and piecewise_graphs.supports(self.decoder) is None
         )
 
     def _mixed_step_cost(self) -> float:

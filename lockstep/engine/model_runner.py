@@ -97,6 +97,9 @@ class LaunchedStep:
     logprobs: torch.Tensor  # [R, vocab] float32, on the device
     sampling: list[tuple[Request, int]]
     tokens: torch.Tensor | None = None
+    # The final-normed hidden rows [R, hidden] behind `logprobs` (a runner that keeps them:
+    # MTP drafting), else None.
+    hidden: torch.Tensor | None = None
     # Launched without its token choice (`ModelRunner.sample` makes it): the sampling rows'
     # logits and logprobs, and how each row chooses.
     deferred: tuple[torch.Tensor, torch.Tensor, list[RowSampling]] | None = None
@@ -143,7 +146,9 @@ class ModelRunner:
     """Launches steps eagerly, pure decode steps from CUDA graphs when `graphs` is given
     (same bits: see lockstep/engine/cuda_graphs.py), and steps with prompt rows from graph
     pieces around eager attention when `piecewise` is given
-    (lockstep/engine/piecewise_graphs.py)."""
+    (lockstep/engine/piecewise_graphs.py). `keep_hidden`: every step also keeps the
+    final-normed hidden rows of its logits rows (`LaunchedStep.hidden`, for MTP drafting);
+    such a runner runs eagerly (the graphs give logits only)."""
 
     def __init__(
         self,
@@ -151,13 +156,16 @@ class ModelRunner:
         kv: KVStorage,
         graphs: DecodeGraphRunner | None = None,
         piecewise: PiecewiseGraphRunner | None = None,
+        keep_hidden: bool = False,
     ) -> None:
+        assert not ((graphs or piecewise) and keep_hidden), "graphs give no hidden rows"
         self.decoder = decoder
         self.ops = decoder.ops
         self.kv = kv
         self.graphs = graphs
         self.piecewise = piecewise
         self.device = decoder.device
+        self.keep_hidden = keep_hidden
 
     def launch(
         self,
@@ -172,7 +180,7 @@ class ModelRunner:
         `sample` makes the choice once the host has them. No host wait, the eager CUDA path's
         patch indices aside."""
         source = after.token_source() if after is not None and after.sampling else None
-        logits, layout = self.forward(plan, source)
+        logits, layout, hidden = self.forward(plan, source)
         logprobs = self.ops.log_softmax(logits)
         sampling = [
             (part.chunk.request, row)
@@ -180,7 +188,7 @@ class ModelRunner:
             if part.sample_row is not None
             for row in (part.sample_row, *part.draft_rows)
         ]
-        step = LaunchedStep(layout, logprobs, sampling)
+        step = LaunchedStep(layout, logprobs, sampling, hidden=hidden)
         if not sampling:
             return step
         # A verify chunk's rows choose the tokens of positions num_tokens, num_tokens + 1, ...
@@ -292,15 +300,16 @@ class ModelRunner:
 
     def forward(
         self, plan: list[ScheduledChunk], source: TokenSource | None = None
-    ) -> tuple[torch.Tensor, list[ChunkLogits]]:
-        """Enqueue one forward pass; returns float32 logits [R, vocab] (on the model's device)
-        and which rows belong to which chunk."""
+    ) -> tuple[torch.Tensor, list[ChunkLogits], torch.Tensor | None]:
+        """Enqueue one forward pass; returns float32 logits [R, vocab] (on the model's device),
+        which rows belong to which chunk, and the final-normed hidden rows behind the logits
+        where the runner keeps them (else None)."""
         batch, layout, patches = self.build(plan, source)
         patch = (patches, source.tokens) if patches and source is not None else None
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, patch), layout
+            return self.graphs.run(batch, patch), layout, None
         if self.piecewise is not None and self.piecewise.can_run(batch):
-            return self.piecewise.run(batch, patch), layout
+            return self.piecewise.run(batch, patch), layout, None
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         if patches and source is not None:
@@ -311,4 +320,8 @@ class ModelRunner:
                 torch.tensor(rows, dtype=torch.int64, device=dev),
                 source.tokens.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
             )
-        return self.decoder.forward(batch, self.kv), layout
+        if self.keep_hidden:
+            # Decoder.forward is exactly these two calls: the logits keep their bits.
+            hidden = self.decoder.hidden_states(batch, self.kv)
+            return self.decoder.head_logits(hidden), layout, hidden
+        return self.decoder.forward(batch, self.kv), layout, None

@@ -118,6 +118,11 @@ class Request:
     prompt_token_set: list[int] = field(default_factory=list)  # for repetition_penalty
     # Hybrid models: the LinearState at num_computed while running (None otherwise).
     linear_state: Any = None
+    # MTP drafting (lockstep/engine/drafters.py): the target's final-normed hidden row that
+    # chose the last token, and the token count when it did (a row for an older last token
+    # is never used).
+    last_hidden: Any = None
+    last_hidden_at: int = -1
 
     @property
     def all_ids(self) -> list[int]:

@@ -223,6 +223,8 @@ class Scheduler:
                 continue
             start = request.num_computed
             plan.append(ScheduledChunk(request, start, start + n, draft))
+            if draft and request.linear_state is not None:
+                request.linear_state.begin_verify()  # rolled back in discard_unverified
             owed += n
             budget -= n
             if logprob_rows is not None:
@@ -401,8 +403,9 @@ class Scheduler:
     def discard_unverified(self, request: Request) -> None:
         """After a verify chunk: give back the slots of positions past the kept tokens, whose
         KV was computed from rejected drafts (or after the request's last token), and count
-        only the kept positions as computed. Runs before anything caches the request's
-        prefix, so the radix cache never holds a rejected token."""
+        only the kept positions as computed; a hybrid model's linear state becomes the state
+        after the kept positions (`LinearState.end_verify`). Runs before anything caches the
+        request's prefix, so the radix cache never holds a rejected token."""
         keep = request.num_tokens - 1  # the last token's KV is computed by the next step
         assert request.pending == 0 and keep >= request.prefix_len, request.request_id
         extra = request.slots.ids[keep:]
@@ -410,6 +413,8 @@ class Scheduler:
             self.pool.free(torch.tensor(extra, dtype=torch.int64))
             request.slots.truncate(keep)
         request.num_computed = keep
+        if request.linear_state is not None:
+            request.linear_state.end_verify(keep)
 
     def cache_prefix(self, request: Request) -> None:
         """Hand the request's computed KV, and the logprobs it knows for those positions, to

@@ -18,6 +18,7 @@ run there, exactly as plain decode would have ended.
 KV: the chunk wrote k + 1 entries. Those of kept positions (s .. s+m-1 for m kept tokens) hold
 the real tokens' bits; the rest are given back to the pool (`Scheduler.discard_unverified`)
 before anything caches the request's prefix, so the radix cache never holds a rejected token.
+A hybrid model's linear state is cut back to position s+m there too (`LinearState.end_verify`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from lockstep.engine.request import Request
 
 @dataclass
 class SpeculationCounters:
-    """Since start: draft tokens proposed and kept, and verify chunks computed."""
+    """Since start: draft tokens proposed and kept, verify chunks computed, and proposals a
+    linear-attention chunk boundary shortened (hybrid models)."""
 
     drafted: int = 0
     accepted: int = 0
     verify_chunks: int = 0
+    boundary_limited: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,16 +57,34 @@ class Speculator:
         """Draft tokens to verify after `request`'s last token: at most `limit` (the step's
         rows and free KV slots the scheduler can spare), `num_draft_tokens`, and one less than
         the tokens max_tokens still allows (a verify yields at most drafts + 1 tokens; so the
-        last position computed stays below max_model_len, as add_request checks). No drafts
-        for a request whose logits are processed: penalties, grammars and min_tokens read the
-        tokens before each position, which a draft row would need before they are known."""
+        last position computed stays below max_model_len, as add_request checks); on a hybrid
+        model, few enough that the verify chunk ends before the next linear-attention chunk
+        boundary. No drafts for a request whose logits are processed: penalties, grammars and
+        min_tokens read the tokens before each position, which a draft row would need before
+        they are known. A drafter that `needs_hidden` (MTP) gets the target's hidden row that
+        chose the last token, or None where the engine holds none for it."""
         if request.params.processes_logits or request.pending:
             return ()
         left = request.params.max_tokens - len(request.output_ids) - 1
         limit = min(limit, self.num_draft_tokens, left)
+        if request.linear_state is not None:
+            # A hybrid model's verify chunk (1 + drafts rows) stays inside one chunk of the
+            # linear-attention rule, so that rejected rows can be cut (lockstep/models/
+            # linear_attention.py, LinearState.end_verify).
+            room = request.linear_state.verify_room() - 1
+            if room < limit:
+                self.counters.boundary_limited += 1
+                limit = room
         if limit < 1:
             return ()
-        return tuple(self.drafter.propose(request.all_ids, limit)[:limit])
+        if getattr(self.drafter, "needs_hidden", False):
+            # The row that chose the last token, or none (then no guess).
+            fresh = request.last_hidden_at == request.num_tokens
+            hidden = request.last_hidden if fresh else None
+            drafted = self.drafter.propose(request.all_ids, limit, hidden=hidden)  # type: ignore[call-arg]
+        else:
+            drafted = self.drafter.propose(request.all_ids, limit)
+        return tuple(drafted[:limit])
 
     def start_verify(self, drafts: dict[int, tuple[int, ...]]) -> VerifyRuns:
         """The bookkeeping of one completed step whose verify chunks had `drafts` (keyed by

@@ -64,8 +64,15 @@ class SafetensorsWeights:
     canonical names (an FP8 format's scale names and shapes made canonical)."""
 
     def __init__(
-        self, folder: Path, spec: ModelSpec, family: Family, fmt: Fp8Format | None = None
+        self,
+        folder: Path,
+        spec: ModelSpec,
+        family: Family,
+        fmt: Fp8Format | None = None,
+        mtp: bool = False,
     ) -> None:
+        """`mtp`: read a model's multi-token-prediction layer (lockstep/models/mtp.py; `family`
+        names its tensors), which is past the last decoder layer, instead of skipping it."""
         self._fmt = fmt
         index = folder / _INDEX_FILE
         if index.exists():
@@ -101,7 +108,7 @@ class SafetensorsWeights:
                 if fmt is not None and key.endswith(KV_SCALE_SUFFIXES):
                     kv_scales.append(key)  # the FP8 KV cache's scale is 1.0 (fp8_formats.py)
                     continue
-                if _beyond_last_layer(key, spec):
+                if not mtp and _beyond_last_layer(key, spec):
                     # DeepSeek's multi-token-prediction layers, FP8 or not (their eh_proj and
                     # shared_head are no decoder projection): skipped before any FP8 check.
                     extra_layers.append(key)

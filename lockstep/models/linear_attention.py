@@ -22,6 +22,14 @@ the bits of a prefill. The boundaries a step crosses that the radix cache will k
 a state of its own) are captured as `LinearSnapshot`s, which the cache keeps beside the
 full-attention layers' KV; a prefix hit resumes from the last snapshot at or below the matched
 length and recomputes the rest.
+
+Speculative verify steps (docs/speculative.md) compute rows past the tokens that will be kept;
+the state must end as if only the kept ones had been computed. The scheduler keeps a verify
+chunk inside one chunk of the rule, never reaching its end boundary, so the boundary state is
+untouched by it and the kept rows are exactly the first open rows it wrote (each a function of
+the rows before it). `LinearState.begin_verify` keeps the windows before the step and each
+layer's convolution inputs of the step; `end_verify(p)` then rebuilds the window at p from
+them and clears the open rows past p: the bits decode would have left.
 """
 
 from __future__ import annotations
@@ -157,6 +165,17 @@ class LinearStatePool:
 
 
 @dataclass
+class VerifyRows:
+    """What `LinearState.end_verify` needs: the position and the windows [L, K-1, conv_dim]
+    before the verify step, and by linear layer the step's convolution inputs [n, conv_dim]
+    (float32), filled by `gated_deltanet`."""
+
+    start: int
+    conv: torch.Tensor
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class LinearState:
     """One sequence's working state at `position` (the next position to compute): windows
     [L, K-1, conv_dim], the boundary state of the chunk holding `position` [L, Hv, Dk, Dv]
@@ -182,6 +201,7 @@ class LinearState:
     pool: LinearStatePool | None = None
     slot: int = -1
     keep: dict[int, LinearSnapshot] | None = None
+    verify: VerifyRows | None = None  # set between begin_verify and end_verify
 
     @classmethod
     def resume(
@@ -269,6 +289,40 @@ class LinearState:
             snap.recurrent.copy_(self.recurrent)
             self.captured[p] = snap
 
+    def begin_verify(self) -> None:
+        """The next step is a verify chunk whose last rows may be rejected: keep what
+        `end_verify` needs. The caller keeps the chunk off the rule's chunk boundaries: it
+        must end before the boundary after `position` (`verify_room`)."""
+        self.verify = VerifyRows(self.position, self.conv.clone())
+
+    def verify_room(self) -> int:
+        """The most rows a verify chunk from `position` may have: it must end (its next
+        position) before the next chunk boundary, so that the boundary state stays that of
+        the chunk `position` is in and `end_verify` can cut its open rows."""
+        return self.layout.chunk - 1 - self.position % self.layout.chunk
+
+    def end_verify(self, position: int) -> None:
+        """After the verify step begun by `begin_verify`: make this the state after
+        `position` tokens (between the step's start and end): the window of the rows before
+        `position`, and no open rows from `position` on."""
+        verify = self.verify
+        assert verify is not None, "end_verify without begin_verify"
+        self.verify = None
+        k1 = self.layout.conv_kernel - 1
+        kept = position - verify.start
+        assert 0 <= kept <= self.position - verify.start, (position, verify.start, self.position)
+        assert position // self.layout.chunk == verify.start // self.layout.chunk
+        if position == self.position:
+            return
+        assert len(verify.rows) == self.layout.num_layers, "a linear layer kept no rows"
+        for layer, rows in verify.rows.items():
+            seq_rows = torch.cat([verify.conv[layer], rows])  # the window, then the step's rows
+            self.conv[layer].copy_(seq_rows[kept : kept + k1])
+        open_from = position % self.layout.chunk
+        for t in (self.open_k, self.open_gamma, self.open_u, self.open_beta):
+            t[:, open_from:].zero_()  # past the open rows: zero, as a fresh state's
+        self.position = position
+
     def take_captured(self) -> dict[int, LinearSnapshot]:
         """Hand over the captured snapshots (the caller keeps or drops them)."""
         taken, self.captured = self.captured, {}
@@ -328,6 +382,12 @@ def gated_deltanet(
     mixed, z, b, a = proj.split([lay.conv_dim, vd, hv, hv], dim=1)
     g, beta = ops.gdn_gates(a.contiguous(), b.contiguous(), w.a_log, w.dt_bias)
     states = batch.linear_states
+    if states is not None and any(s.verify is not None for s in states):
+        # Verify chunks (LinearState.begin_verify): keep their convolution inputs.
+        cu = batch.meta.cu_q.tolist() if rows is None else [0, *itertools.accumulate(rows)]
+        for seq, state in enumerate(states):
+            if state.verify is not None:
+                state.verify.rows[layer] = mixed[cu[seq] : cu[seq + 1]].to(torch.float32, copy=True)
     if pooled is not None:
         assert isinstance(ops, PooledLinearAttentionOps) and pool is not None
         act = ops.causal_conv_silu_pooled(mixed, pool.conv[:, layer], w.conv, pooled)

@@ -506,6 +506,13 @@ class LatentAttentionOps(Protocol):
         (a model of those widths is refused at load with it), or None where it can."""
         ...
 
+    def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """MLA's absorbed projections, heads as groups, in one op: x [T, G, K] (K contiguous;
+        a strided view is fine) and weight [G, N, K] give [T, G, N] whose row (t, g) is
+        `linear(x[t, g], weight[g])` bit for bit (this backend's linear: the same K order,
+        for every T and G); rows are never mixed between groups."""
+        ...
+
     def latent_attention(
         self, q: Tensor, cache: Tensor, meta: AttentionMeta, scale: float, value_dim: int
     ) -> Tensor:
@@ -564,6 +571,15 @@ class IndexCopyKVWrite:
             return
         k_cache.index_copy_(0, index, k.to(k_cache.dtype))
         v_cache.index_copy_(0, index, v.to(v_cache.dtype))
+
+
+class GroupedLinearByGroups:
+    """`LatentAttentionOps.grouped_linear` as one `linear` per group: the contract's bits by
+    construction, for backends where a launch costs nothing worth fusing (the CPU)."""
+
+    def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        linear = self.linear  # type: ignore[attr-defined]
+        return torch.stack([linear(x[:, g].contiguous(), weight[g]) for g in range(x.shape[1])], 1)
 
 
 class ComposedAttentionInput:

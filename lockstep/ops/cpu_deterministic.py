@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops import chunked_delta
-from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
+from lockstep.ops.base import (
+    AttentionMeta,
+    ComposedAttentionInput,
+    GroupedLinearByGroups,
+    IndexCopyKVWrite,
+    LayerKV,
+)
 from lockstep.ops.cpu_build import load_extension
 from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear
 from lockstep.ops.moe import (
@@ -38,7 +44,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttentionInput):
+class CpuDeterministicOps(
+    DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttentionInput, GroupedLinearByGroups
+):
     """`Ops` backed by `csrc/lockstep_cpu.cpp`. FP8 linears: the dequantized weight and
     activation through the same `linear` (`DequantizedFp8Linear`); an FP8 KV cache is read
     through `fp32_key_values`.

@@ -98,6 +98,11 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     def partial_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return matmul.matmul(x, weight, out_dtype=torch.float32)
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One launch for every head (`matmul.grouped_matmul`: each group's rows are the
+        bits `linear` gives it)."""
+        return matmul.grouped_matmul(x, weight)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
 

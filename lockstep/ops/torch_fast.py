@@ -57,6 +57,10 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
     def latent_width_refusal(self, latent: int, rope: int) -> str | None:
         return None  # any widths
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One batched matmul over the groups (fast mode: any kernel torch picks)."""
+        return torch.einsum("tgk,gnk->tgn", x, weight.to(x.dtype))
+
     def latent_attention(
         self,
         q: torch.Tensor,

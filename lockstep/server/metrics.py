@@ -116,6 +116,10 @@ class _EngineStatsCollector(Collector):
                 "Verify chunks computed (one per speculating request per step)",
                 "spec_verify_chunks_total",
             ),
+            "lockstep_spec_boundary_limited": (
+                "Draft proposals shortened to stay inside a linear-attention chunk (hybrid models)",
+                "spec_boundary_limited_total",
+            ),
             "lockstep_linear_snapshots_not_kept": (
                 "Chunk boundaries not kept for want of a free snapshot slot (hybrid models)",
                 "state_snapshots_not_kept",

@@ -198,6 +198,13 @@ class DifferentiableOps:
     def latent_width_refusal(self, latent: int, rope: int) -> str | None:
         return self.base.latent_width_refusal(latent, rope)
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One differentiable `linear` per group: the base's `grouped_linear` bits (its
+        contract: each group's rows are its `linear`'s)."""
+        return torch.stack(
+            [self.linear(x[:, g].contiguous(), weight[g]) for g in range(x.shape[1])], 1
+        )
+
     def latent_attention(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMeta, scale: float,
         value_dim: int,

@@ -160,3 +160,53 @@ def test_ngram_speedup_on_copy_prompts() -> None:
     doc["device"] = torch.cuda.get_device_name()
     print("SPECULATIVE_GPU " + json.dumps(doc))
     assert doc["identical"]
+
+
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
+def test_hybrid_speculation_with_cuda_graphs_equals_plain_decode(kernel: str) -> None:
+    """Tiny Qwen3.5 on the pooled Triton Gated DeltaNet kernels, CUDA graphs on: verify
+    chunks whose drafts are right up to a moving point (every count of kept drafts, so
+    `LinearState.end_verify` cuts the pooled state back mid-chunk), beside batch-mates and
+    past chunk boundaries: every output equals plain decode's."""
+    from tests.contract.test_speculative_hybrid import (
+        _check_verify_chunks_stay_in_one_rule_chunk,
+        _PartlyRightDrafter,
+        _requests,
+    )
+
+    options = {"gdn_kernel": kernel, "max_model_len": 512, "kv_tokens": 8192}
+    plain = _engine("random:tiny-qwen3.5", **options)
+    vocab = plain.decoder.spec.vocab_size
+    requests = _requests(11, vocab, 24, 80)
+    want = _run(plain, requests)
+    spec = _engine("random:tiny-qwen3.5", speculative="ngram", prompt_lookup_min=1, **options)
+    spec.speculator.drafter = _PartlyRightDrafter(
+        [requests[r][0] + want[r][0] for r in requests], vocab, wrong=False
+    )
+    widest = _check_verify_chunks_stay_in_one_rule_chunk(spec)
+    got = _run(spec, requests)
+    counters = spec.speculator.counters
+    assert max(widest) == 4 and 0 < counters.accepted < counters.drafted, counters
+    assert counters.boundary_limited > 0, counters
+    for rid in requests:
+        assert got[rid] == want[rid], rid
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_mtp_speculation_on_cuda_equals_plain_decode(tmp_path: Path, family: str) -> None:
+    """A tiny folder with an MTP layer (tests/support/tiny_hf.py) on CUDA, bfloat16: the MTP
+    layer drafts (decode steps then run eagerly: the runner keeps hidden rows), and every
+    output equals the plain engine's, which replays CUDA graphs."""
+    from tests.contract.test_speculative_hybrid import _requests
+    from tests.support.tiny_hf import add_mtp_layer, save_tiny
+
+    save_tiny(family, tmp_path)
+    add_mtp_layer(tmp_path)
+    plain = _engine(str(tmp_path), max_model_len=256, kv_tokens=8192)
+    requests = _requests(12, plain.decoder.spec.vocab_size, 16, 48)
+    want = _run(plain, requests)
+    spec = _engine(str(tmp_path), max_model_len=256, kv_tokens=8192, speculative="mtp")
+    got = _run(spec, requests)
+    assert spec.speculator.counters.drafted > 0
+    for rid in requests:
+        assert got[rid] == want[rid], rid

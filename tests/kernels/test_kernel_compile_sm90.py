@@ -125,6 +125,26 @@ def _chunked_delta(kernel: str) -> tuple[str, dict, dict]:
     return f"chunked_delta.{kernel}", types, constexprs
 
 
+# (M, N, K) of the grouped matmul cases: DeepSeek's W_UK at decode, W_UV at batch 256.
+GROUPED_MATMULS = {"grouped matmul w_uk m=1": (1, 512, 128),
+                   "grouped matmul w_uv m=256": (256, 128, 512)}  # fmt: skip
+
+
+def _grouped_matmul(m: int, n: int, k: int) -> tuple[str, dict, dict]:
+    """MLA's absorbed projections in one launch (`matmul.grouped_matmul`), bf16, with the
+    table's config for (m, n, k): DeepSeek's W_UK (n 512, k 128) and W_UV (n 128, k 512)."""
+    from lockstep.ops.triton.matmul import pick_config
+
+    cfg = pick_config(m, n, k)
+    types = {"x": "*bf16", "w": "*bf16", "y": "*bf16"}
+    types |= dict.fromkeys(("M", "N", "K", "SPLIT_LEN", "NUM_SPLITS", "sxm", "sxg", "swn", "swg",
+                            "sym", "syg"), "i32")  # fmt: skip
+    return "matmul._grouped_matmul_kernel", types, {
+        "EVEN_K": k % cfg.bk == 0, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
+        "GROUP_M": cfg.group_m, "PDL": True,
+    }  # fmt: skip
+
+
 def _widened_dot() -> tuple[str, dict, dict]:
     """The layout control: a dot over e4m3 values widened by a plain conversion."""
     return "widened_dot", {"q": "*bf16", "k": "*fp8e4nv", "out": "*fp32"}, {}
@@ -169,6 +189,7 @@ CASES = {
     "chunked delta rule state and output": _chunked_delta("_gdn_chunk_state_kernel"),
     "chunked delta rule open rows": _chunked_delta("_gdn_open_rows_kernel"),
     "fp8 grouped moe gate_up": _fp8_grouped_moe(),
+    **{name: _grouped_matmul(*mnk) for name, mnk in GROUPED_MATMULS.items()},
     "negative control": _two_ways(),
 }
 _STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh", "sc")
@@ -207,6 +228,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         fp8_moe,
         gated_delta,
         latent_attention,
+        matmul,
         moe,
     )
 
@@ -230,7 +252,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
 
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
-               "latent_attention": latent_attention, "moe": moe}  # fmt: skip
+               "latent_attention": latent_attention, "matmul": matmul, "moe": moe}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
@@ -241,6 +263,9 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         options, aligned = {}, {}
         if name.startswith("latent"):
             options = _latent_options(name.rpartition(" ")[2] if name in CASES else "fold")
+        if name in GROUPED_MATMULS:  # the table config's warps and stages
+            cfg = matmul.pick_config(*GROUPED_MATMULS[name])
+            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if name in LAYOUTS:  # as the engine launches them: decode tiles on num_warps_split
             # warps, contraction off (attention._launch_opts), pointers and strides
             # 16-divisible (Triton specializes them so at launch)

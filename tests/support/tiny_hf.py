@@ -191,6 +191,56 @@ def save_tiny(family: str, folder: Path, seed: int | None = None, **config_overr
     return model
 
 
+def add_mtp_layer(folder: Path, seed: int = 0) -> None:
+    """Give a tiny DeepSeek-V3 or Qwen3.5 folder written by `save_tiny` a multi-token-prediction
+    layer, as the released checkpoints ship it and transformers does not save it: a file
+    `mtp.safetensors` beside the model's, under the checkpoints' names (DeepSeek-V3:
+    `model.layers.{num_hidden_layers}.*` with enorm, hnorm, eh_proj and shared_head; Qwen3.5:
+    `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`, `mtp.layers.0.*`), its decoder layer a perturbed
+    copy of the model's last full-attention layer, and the config key that declares it."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen)
+
+    deepseek = config["model_type"] == "deepseek_v3"
+    if deepseek:
+        source, prefix = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+        one = 1.0  # norms stored as w
+        own = {
+            prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+            prefix + "shared_head.head.weight": randn(config["vocab_size"], h) / h**0.5,
+            prefix + "shared_head.norm.weight": one + 0.2 * randn(h),
+            prefix + "enorm.weight": one + 0.2 * randn(h),
+            prefix + "hnorm.weight": one + 0.2 * randn(h),
+            prefix + "eh_proj.weight": randn(h, 2 * h) / (2 * h) ** 0.5,
+        }
+        config["num_nextn_predict_layers"] = 1
+    else:
+        full = [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"]
+        source, prefix = f"model.layers.{full[-1]}.", "mtp.layers.0."
+        own = {  # norms stored as w - 1
+            "mtp.fc.weight": randn(h, 2 * h) / (2 * h) ** 0.5,
+            "mtp.pre_fc_norm_embedding.weight": 0.2 * randn(h),
+            "mtp.pre_fc_norm_hidden.weight": 0.2 * randn(h),
+            "mtp.norm.weight": 0.2 * randn(h),
+        }
+        config["mtp_num_hidden_layers"] = 1
+    for name, tensor in state.items():
+        if name.startswith(source):
+            own[prefix + name.removeprefix(source)] = tensor + 0.05 * randn(*tensor.shape) * (
+                tensor.std() if tensor.numel() > 1 else 1.0
+            )
+    save_file({k: v.contiguous() for k, v in own.items()}, str(folder / "mtp.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def write_hub_cache(
     cache: Path, repo_id: str, folder: Path, commit: str, ref: str = "main"
 ) -> Path:

@@ -240,10 +240,12 @@ class LatentAttention:
         q = q.reshape(t, heads, -1)
         nope = q.shape[2] - rope_dim
         q_pe = mla_ops.rope(q[:, :, nope:].contiguous(), batch.positions, w.cos, w.sin)
-        q_lat = [linear(ops, q[:, h, :nope].contiguous(), w.w_uk[h]) for h in range(heads)]
-        query = torch.cat([torch.stack(q_lat, dim=1), q_pe.to(q_lat[0].dtype)], dim=2)
+        # W_UK and W_UV, heads as groups: one op each (`LatentAttentionOps.grouped_linear`,
+        # every head's rows the bits of its own linear).
+        q_lat = mla_ops.grouped_linear(q[:, :, :nope], w.w_uk)
+        query = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=2)
         o = mla_ops.latent_attention(query.contiguous(), cache, batch.meta, w.scale, rank)
-        out = torch.cat([linear(ops, o[:, h].contiguous(), w.w_uv[h]) for h in range(heads)], 1)
+        out = mla_ops.grouped_linear(o, w.w_uv).reshape(t, heads * w.w_uv.shape[1])
         if isinstance(w.o, RowParallelWeight):
             return step.parallel.row_linear(out, w.o, "attention")
         return linear(ops, out, w.o)

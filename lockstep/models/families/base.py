@@ -50,7 +50,11 @@ class Family:
     mapping (`spec(config, where)`, `where` naming the file for errors), the checkpoint
     tensor name -> canonical name mapping (None: not served) and, for a checkpoint tensor
     that fuses canonical ones, their rows (`parts(name, spec)`, after `tensor_name`; the
-    loader reads each part as a slice of the stored rows, so no value changes)."""
+    loader reads each part as a slice of the stored rows, so no value changes).
+    `mtp_tensor_name(key, num_layers)`: for a family whose checkpoints ship
+    multi-token-prediction layers, each checkpoint tensor's name in the MTP drafter's model
+    (lockstep/models/mtp.py: a one-layer decoder's canonical names, and `mtp.enorm`,
+    `mtp.hnorm`, `mtp.eh_proj`), None for the rest; `mtp_example` names one such tensor."""
 
     name: str
     model_types: tuple[str, ...]
@@ -58,6 +62,8 @@ class Family:
     spec: Callable[[dict[str, Any], str], ModelSpec]
     tensor_name: Callable[[str], str | None] = same_name
     parts: Callable[[str, ModelSpec], Parts] = whole
+    mtp_tensor_name: Callable[[str, int], str | None] | None = None
+    mtp_example: str = ""
 
 
 def rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:

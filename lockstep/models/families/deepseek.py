@@ -13,8 +13,10 @@ Every family adds `n_shared_experts` ungated shared experts (one SwiGLU of their
 Refused in one line: DeepSeek-V3.2's sparse attention (`index_topk`, `DeepseekV32`), a
 `moe_layer_freq` other than 1, a partial rotary factor, widths the CPU latent-attention
 kernel cannot take (multiples of 16), and the keys every family refuses (families/base.py).
-The multi-token-prediction layers (`num_nextn_predict_layers`, tensors
-`model.layers.{num_hidden_layers}.*`) are not run; the folder loader skips their tensors.
+The multi-token-prediction layer (`num_nextn_predict_layers`, tensors
+`model.layers.{num_hidden_layers}.*`) is not part of the served model (the folder loader skips
+its tensors); DeepSeek-V3's drafts with `speculative="mtp"` (`mtp_tensor_name`,
+lockstep/models/mtp.py).
 """
 
 from __future__ import annotations
@@ -149,8 +151,8 @@ def deepseek_spec(
     except ValueError as exc:
         raise ModelLoadError(f"{where}: inconsistent model shape: {exc}") from None
     if config.get("num_nextn_predict_layers"):
-        logger.info("%s: the %d multi-token-prediction layer(s) are not run", where,
-                    config["num_nextn_predict_layers"])  # fmt: skip
+        logger.info("%s: the %d multi-token-prediction layer(s) run only as a drafter "
+                    "(speculative='mtp')", where, config["num_nextn_predict_layers"])  # fmt: skip
     # RoPE rotates qk_rope_head_dim dims; the cache keeps one latent "head" per token.
     plain = {**config, "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
              "head_dim": mla.qk_rope_head_dim, "num_key_value_heads": 1}  # fmt: skip
@@ -169,3 +171,26 @@ def first_k_dense(config: dict[str, Any]) -> tuple[int, ...]:
     """The sparse layers of a DeepSeek config: every layer from first_k_dense_replace on."""
     layers = int(config["num_hidden_layers"])
     return tuple(range(int(config.get("first_k_dense_replace") or 0), layers))
+
+
+# The MTP layer's own tensors (after "model.layers.{num_hidden_layers}.") and their names in
+# the MTP drafter's model (lockstep/models/mtp.py); its copy of the embedding is the model's.
+_MTP_OWN = {
+    "enorm.weight": "mtp.enorm.weight", "hnorm.weight": "mtp.hnorm.weight",
+    "eh_proj.weight": "mtp.eh_proj.weight", "shared_head.norm.weight": "model.norm.weight",
+    "shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": None,
+}  # fmt: skip
+MTP_EXAMPLE = "model.layers.{num_hidden_layers}.eh_proj.weight"
+
+
+def mtp_tensor_name(key: str, num_layers: int) -> str | None:
+    """A checkpoint tensor's name in the MTP drafter's model (families/base.py, `Family`): the
+    first MTP layer (`model.layers.{num_layers}.*`) as layer 0, its shared head as the LM head
+    and final norm, and the model's embedding; None for everything else."""
+    if key == "model.embed_tokens.weight":
+        return key
+    prefix = f"model.layers.{num_layers}."
+    if not key.startswith(prefix):
+        return None
+    leaf = key[len(prefix) :]
+    return _MTP_OWN[leaf] if leaf in _MTP_OWN else "model.layers.0." + leaf

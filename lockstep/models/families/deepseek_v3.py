@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from lockstep.models.families.base import Family
-from lockstep.models.families.deepseek import deepseek_spec, first_k_dense, tensor_name
+from lockstep.models.families.deepseek import (
+    MTP_EXAMPLE,
+    deepseek_spec,
+    first_k_dense,
+    mtp_tensor_name,
+    tensor_name,
+)
 from lockstep.models.spec import ModelSpec
 
 
@@ -21,4 +27,5 @@ def spec(config: dict[str, Any], where: str) -> ModelSpec:
 # deepseek_v32 / DeepseekV32ForCausalLM are claimed only to be refused with the reason
 # (families/deepseek.py: its sparse attention), not as an unknown model type.
 FAMILY = Family("deepseek_v3", ("deepseek_v3", "kimi_k2", "deepseek_v32"),
-                ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"), spec, tensor_name)  # fmt: skip
+                ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"), spec, tensor_name,
+                mtp_tensor_name=mtp_tensor_name, mtp_example=MTP_EXAMPLE)  # fmt: skip

@@ -4,7 +4,8 @@ checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5, its `text_conf
 
 A multimodal checkpoint stores the text model as `model.language_model.*` (read as `model.*`);
 its vision tower (`model.visual.*`: text only is served) and multi-token-prediction head
-(`mtp.*`, which transformers does not load either) are left out. Its multimodal RoPE
+(`mtp.*`, which transformers does not load either) are left out of the served model; the MTP
+head drafts with `speculative="mtp"` (`mtp_tensor_name`, lockstep/models/mtp.py). Its multimodal RoPE
 (`mrope_section`) gives text tokens the same position on all three axes, which is plain RoPE
 on the rotated dims: text-only serving needs nothing more.
 """
@@ -74,10 +75,34 @@ def tensor_name(key: str) -> str | None:
     return key
 
 
+# The MTP head's own tensors and their names in the MTP drafter's model (lockstep/models/
+# mtp.py); its layer is `mtp.layers.0.*`, its embedding and LM head the model's.
+_MTP_OWN = {
+    "mtp.fc.weight": "mtp.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "mtp.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "mtp.hnorm.weight",
+    "mtp.norm.weight": "model.norm.weight",
+}
+MTP_EXAMPLE = "mtp.fc.weight"
+
+
+def mtp_tensor_name(key: str, num_layers: int) -> str | None:
+    """A checkpoint tensor's name in the MTP drafter's model (families/base.py, `Family`), for
+    Qwen3.5, Qwen3.5-MoE and Qwen3-Next alike; None for the rest."""
+    if key in _MTP_OWN:
+        return _MTP_OWN[key]
+    if key.startswith("mtp.layers.0."):
+        return "model.layers.0." + key.removeprefix("mtp.layers.0.")
+    name = tensor_name(key)
+    return name if name in ("model.embed_tokens.weight", "lm_head.weight") else None
+
+
 FAMILY = Family(
     "qwen3_5",
     ("qwen3_5_text", "qwen3_5"),
     ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     spec,
     tensor_name,
+    mtp_tensor_name=mtp_tensor_name,
+    mtp_example=MTP_EXAMPLE,
 )

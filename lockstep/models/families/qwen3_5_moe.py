@@ -46,4 +46,6 @@ FAMILY = Family(
     ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     spec,
     qwen3_5.tensor_name,
+    mtp_tensor_name=qwen3_5.mtp_tensor_name,
+    mtp_example=qwen3_5.MTP_EXAMPLE,
 )

@@ -3,8 +3,8 @@ DeltaNet layers, gated full attention every few layers with partial rotary embed
 stored as w - 1) with Qwen3-MoE's sparse layers (`decoder_sparse_step`, `mlp_only_layers`,
 `norm_topk_prob`: lockstep/models/moe.py) plus a sigmoid-gated shared expert, and Gated
 DeltaNet input projections stored grouped by key head (`in_proj_qkvz`, `in_proj_ba`:
-blocks/gated_deltanet.py). Its multi-token-prediction head (`mtp.*`) is not served, as
-transformers does not load it.
+blocks/gated_deltanet.py). Its multi-token-prediction head (`mtp.*`) is not part of the
+served model (transformers does not load it either); it drafts with `speculative="mtp"`.
 """
 
 from __future__ import annotations
@@ -27,4 +27,5 @@ def tensor_name(key: str) -> str | None:
     return None if key.startswith("mtp.") else key
 
 
-FAMILY = Family("qwen3_next", ("qwen3_next",), ("Qwen3NextForCausalLM",), spec, tensor_name)
+FAMILY = Family("qwen3_next", ("qwen3_next",), ("Qwen3NextForCausalLM",), spec, tensor_name,
+                mtp_tensor_name=qwen3_5.mtp_tensor_name, mtp_example=qwen3_5.MTP_EXAMPLE)  # fmt: skip

@@ -242,6 +242,26 @@ def _matmul_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
+def _grouped_matmul_kernel(
+    x, w, y, M, N, K, SPLIT_LEN, NUM_SPLITS, sxm, sxg, swn, swg, sym, syg,
+    EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """y[:, g] = x[:, g] @ w[g].T for group g = program_id(1): `_matmul_kernel`'s one-program
+    path (pointer loads) on the group's base pointers, so each group's tile computes what the
+    dense kernel computes for it (same splits, same K blocks, same fold)."""
+    wait_for_inputs(PDL)
+    g = tl.program_id(1).to(tl.int64)
+    xg, wg, yg = x + g * sxg, w + g * swg, y + g * syg
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    total = tl.zeros([BM, BN], tl.float32)
+    for split in tl.range(0, NUM_SPLITS, flatten=True):
+        total = total + _split_sum(xg, wg, pid_m, pid_n, split, M, N, K, SPLIT_LEN, sxm, swn,
+                                   False, EVEN_K, BM, BN, BK)  # fmt: skip
+    _epilogue(total, yg, yg, pid_m, pid_n, M, N, sym, False, BM, BN)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _matmul_persistent_kernel(
     x_desc, w_desc, y_desc, bias, M, N, K, SPLIT_LEN, NUM_SPLITS, NUM_SMS,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -361,5 +381,47 @@ def matmul(
         y.stride(0), HAS_BIAS=has_bias, EVEN_K=k % cfg.bk == 0, TMA=tma,
         SPLIT_PROGRAMS=split_programs, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
         **opts,
+    )  # fmt: skip
+    return y
+
+
+def grouped_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: MatmulConfig | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Per group g: x[:, g] [M, K] @ w[g].T ([N, K]) -> y[:, g], for x [M, G, K] (K contiguous,
+    any row and group strides: a view of a wider tensor is read in place) and w [G, N, K];
+    y [M, G, N] contiguous, in out_dtype (default x's). One launch for every group (MLA's
+    absorbed projections, heads as groups: lockstep/models/blocks/mla.py). Each group gets
+    the tile config and the splits `matmul` picks for (M, N, K), and its tiles compute the
+    same K blocks in the same order as `matmul(x[:, g], w[g])`: the same bits (pointer loads
+    here; `matmul`'s TMA loads give the same bits, tests/kernels/test_ops_triton.py). Rows are
+    never mixed between groups. `config`: tests only."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"grouped_matmul wants x [M, G, K] and w [G, N, K]; got "
+                         f"{tuple(x.shape)}, {tuple(w.shape)}")  # fmt: skip
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"grouped_matmul dtypes x={x.dtype} w={w.dtype}: expected equal "
+                         "bf16/fp16/fp32")  # fmt: skip
+    if x.stride(2) != 1 or w.stride(2) != 1:
+        raise ValueError("grouped_matmul wants the K axis contiguous in x and w")
+    m, groups, k = x.shape
+    n = w.shape[1]
+    if k == 0:
+        raise ValueError("grouped_matmul over an empty K axis")
+    y = torch.empty((m, groups, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or groups == 0:
+        return y
+    cfg = config or pick_config(m, n, k)
+    split_len = split_length(k, split_count(k))
+    num_splits = triton.cdiv(k, split_len)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **pdl_launch(x.device, m)}
+    _grouped_matmul_kernel[(tiles, groups)](
+        x, w, y, m, n, k, split_len, num_splits, x.stride(0), x.stride(1), w.stride(1),
+        w.stride(0), y.stride(0), y.stride(1), EVEN_K=k % cfg.bk == 0, BM=cfg.bm, BN=cfg.bn,
+        BK=cfg.bk, GROUP_M=cfg.group_m, **opts,
     )  # fmt: skip
     return y

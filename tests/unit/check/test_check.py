@@ -562,6 +562,33 @@ def test_lockstep_speculative_scenario_compares_two_servers(tmp_path: Path, mode
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_speculative_scenario_with_mtp_drafts_on_deepseek_and_hybrid_models(
+    tmp_path: Path, family: str
+) -> None:
+    """The speculative scenario with MTP drafting: a tiny DeepSeek-V3 or Qwen3.5 (hybrid)
+    folder (transformers' own, given a multi-token-prediction layer) served as is and by a
+    second server started with `--speculative mtp`: the same outputs, and the second server
+    drafted. (Prompt lookup finds nothing to copy in a random model's output.)"""
+    drafter = "mtp"
+    from tests.support.tiny_hf import add_mtp_layer, save_tiny
+
+    folder = tmp_path / family
+    folder.mkdir()
+    save_tiny(family, folder, vocab_size=8192)  # the check draws token ids up to 8000
+    add_mtp_layer(folder)
+    out = tmp_path / "out.json"
+    argv = ["--serve", *E2E, "--model", str(folder), "--scenarios", "speculative",
+            "--speculative-drafter", drafter, *HANG_GUARD]  # fmt: skip
+    code = run_cli([*argv, "--json", str(out)])
+    result = by_name(json.loads(out.read_text()))["speculative"]
+    assert any(f"--speculative {drafter}" in n for n in result["notes"]), result
+    kept = next(n for n in result["notes"] if n.startswith("the second server kept"))
+    assert int(kept.split()[-2]) > 0, result  # "... kept A of D drafts": D drafts verified
+    assert code == 0 and result["status"] == PASS and result["positions_compared"] > 0, result
+
+
+@pytest.mark.slow
 def test_lockstep_without_prefix_cache(
     lockstep_full_run: tuple[int, dict, Path, int], tmp_path: Path
 ) -> None:
