@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lockstep.ops import chunked_delta
 from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.cpu_build import load_extension
-from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear
+from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear, dequantize_kv
 from lockstep.ops.moe import (
     MoeLayer,
     Routing,
@@ -41,7 +41,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttentionInput):
     """`Ops` backed by `csrc/lockstep_cpu.cpp`. FP8 linears: the dequantized weight and
     activation through the same `linear` (`DequantizedFp8Linear`); an FP8 KV cache is read
-    through `fp32_key_values`.
+    through `fp32_key_values` at the layer's scales.
 
     `simd` picks the kernel path ("auto", "avx512", "avx2", "scalar"); all give the same bits,
     which the tests check. `key_block` exists so tests can show that changing the attention
@@ -135,9 +135,9 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         if k_cache.dtype == E4M3:
-            k_cache, v_cache, meta = fp32_key_values(k_cache, v_cache, meta)
+            k_cache, v_cache, meta = fp32_key_values(kv, meta)
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"KV cache dtype {k_cache.dtype} is invalid: expected fp32, bf16 or float8_e4m3fn"
@@ -172,7 +172,7 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         absolute positions, the same score and softmax sequence as `attention`. An FP8 cache
         is widened exactly first, as for `attention`."""
         if cache.dtype == E4M3:
-            cache, _, meta = fp32_key_values(cache, cache, meta)
+            cache, _, meta = fp32_key_values(LayerKV(cache, cache), meta)
         if cache.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"KV cache dtype {cache.dtype} is invalid: expected fp32, bf16 or float8_e4m3fn"
@@ -281,14 +281,17 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
 
 
 def fp32_key_values(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta
+    kv: LayerKV, meta: AttentionMeta
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-    """An FP8 cache's keys and values of this step's sequences, widened exactly to fp32 (the
-    cache's scale is 1.0: `lockstep.ops.fp8`, "FP8 KV cache") into compact caches, and the metadata over
-    them: sequence b's key j moves to row cu_kv[b] + j. The attention arithmetic is the fp32
-    cache's, so a row's bits depend only on the stored e4m3 values."""
+    """An FP8 cache's keys and values of this step's sequences, widened to fp32 at the
+    layer's scales (`lockstep.ops.fp8.dequantize_kv`: one product per element, exact at scale
+    1.0) into compact caches, and the metadata over them: sequence b's key j moves to row
+    cu_kv[b] + j. The attention arithmetic is the fp32 cache's, so a row's bits depend only
+    on the stored e4m3 values and the layer's scales."""
     slots = meta.slot_table.to(torch.int64)
     compact = dataclasses.replace(
         meta, slot_table=torch.arange(slots.numel(), dtype=torch.int32, device=slots.device)
     )
-    return k_cache[slots].to(torch.float32), v_cache[slots].to(torch.float32), compact
+    k = dequantize_kv(kv.k[slots], kv.k_scale)
+    v = dequantize_kv(kv.v[slots], kv.v_scale)
+    return k, v, compact

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
-from lockstep.ops.fp8 import DequantizedFp8Linear
+from lockstep.ops.fp8 import DequantizedFp8Linear, widened
 from lockstep.ops.moe import MoeLayer, write_routed_experts
 from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
@@ -45,7 +45,7 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
         cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()
@@ -54,9 +54,10 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
             kv_len = start + n
             slots = meta.slot_table[cu_kv[b] : cu_kv[b] + kv_len].long()
             # [H, L, D]; GQA by repeating each kv head for its group of query heads.
-            # An FP8 cache widens exactly (its scale is 1.0).
-            k = k_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
-            v = v_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
+            # An FP8 cache widens at its scales (`lockstep.ops.fp8.dequantize_kv`).
+            k = widened(k_cache[slots], kv.k_scale, q.dtype).transpose(0, 1)
+            v = widened(v_cache[slots], kv.v_scale, q.dtype).transpose(0, 1)
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
             qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
             rows = torch.arange(start, kv_len).unsqueeze(1)
             keys = torch.arange(kv_len).unsqueeze(0)

@@ -95,7 +95,7 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         q = q.to(f64)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
@@ -105,8 +105,10 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
                 pos = q_start[b] + i
                 first = 0 if window is None else max(0, pos - window + 1)
                 slots = meta.slot_table[cu_kv[b] + first : cu_kv[b] + pos + 1].long()
-                k = k_cache[slots].to(f64).repeat_interleave(group, 1)  # [L, Hq, D]
-                v = v_cache[slots].to(f64).repeat_interleave(group, 1)
+                # An FP8 cache's values are exact in float64, and so are their products with
+                # the layer's fp32 scales (4 + 24 significant bits).
+                k = (k_cache[slots].to(f64) * kv.k_scale).repeat_interleave(group, 1)
+                v = (v_cache[slots].to(f64) * kv.v_scale).repeat_interleave(group, 1)
                 row = cu_q[b] + i
                 scores = torch.einsum("hd,lhd->hl", q[row], k) * scale
                 weights = torch.softmax(scores, dim=-1)

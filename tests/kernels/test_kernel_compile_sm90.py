@@ -28,7 +28,8 @@ CACHES = ("*bf16", "*fp8e4nv")
 def _attention_input(cache: str) -> tuple[str, dict, dict]:
     types = dict.fromkeys(("qkv", "q_out", "q_norm", "k_norm"), "*bf16")
     types |= {"k_cache": cache, "v_cache": cache, "positions": "*i64", "slots": "*i64",
-              "cos": "*fp32", "sin": "*fp32", "eps": "fp32", "HQ": "i32", "HKV": "i32"}  # fmt: skip
+              "cos": "*fp32", "sin": "*fp32", "eps": "fp32", "k_scale": "fp32", "v_scale": "fp32",
+              "HQ": "i32", "HKV": "i32"}  # fmt: skip
     types |= dict.fromkeys(("sqkv", "sqt", "sqh", "skc", "skh", "svc", "svh", "sc"), "i64")
     return "attention_input._attention_input_kernel", types, {"HALF": 64, "HAS_NORM": True,
                                                               "PDL": True}  # fmt: skip

@@ -17,6 +17,7 @@ unquantized (a config's ignore list).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +100,26 @@ def _quant_config(fmt: str, skip: list[str]) -> dict[str, Any]:
 
 
 def write_fp8_folder(
-    folder: Path, fmt: str, skip: tuple[str, ...] = (), family: str = "qwen3", **overrides: Any
+    folder: Path,
+    fmt: str,
+    skip: tuple[str, ...] = (),
+    family: str = "qwen3",
+    edit: Callable[[Any], None] | None = None,
+    **overrides: Any,
 ) -> Any:
     """Write a tiny Qwen3 (or, family "qwen3_moe", a tiny Qwen3-MoE: MOE_SHAPE; "deepseek_v3",
     a tiny DeepSeek-V3: DEEPSEEK_SHAPE, `fmt` "fp8-block" only) quantized in format `fmt`
-    (FORMATS) to `folder`; `skip`: module names left unquantized; `overrides`: config keys
-    over the family's shape. Every projection is quantized, each expert's too (transformers
-    saves them one tensor per expert, the published layout); routers and norms stay as they
-    are. Returns the float32 transformers model it was made from."""
+    (FORMATS) to `folder`; `skip`: module names left unquantized; `edit`: changes the random
+    model's weights in place before it is saved again by `save_pretrained` and quantized;
+    `overrides`: config keys over the family's shape. Every projection is quantized, each
+    expert's too (transformers saves them one tensor per expert, the published layout);
+    routers and norms stay as they are. Returns the float32 transformers model it was made
+    from."""
     model = save_tiny(family, folder, **{**_SHAPES[family], **overrides})
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+        model.save_pretrained(folder)
     scheme = SCHEME[fmt]
     files = sorted(folder.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
@@ -127,7 +139,7 @@ def write_fp8_folder(
                 value = value.to(torch.bfloat16)  # as llm-compressor stores them
             out[f"{module}.{leaf}"] = value.contiguous()
         if fmt == "modelopt" and module.endswith(("k_proj", "v_proj")):
-            out[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)  # KV scales: not used
+            out[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)  # KV scales of 1.0
     save_file(out, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     unconverted = list(skip)
