@@ -386,7 +386,7 @@ def _fp8_variants() -> dict[str, Preset]:
         for suffix, scheme in variants.items():
             spec = dataclasses.replace(preset.spec, fp8=Fp8Spec(scheme))
             out[base + suffix] = Preset(spec, preset.add_bos)
-    # Mixture of experts: block-FP8 only (Qwen3-30B-A3B-FP8's format), router unquantized;
+    # Mixture of experts: block-FP8 (Qwen3-30B-A3B-FP8's format), router unquantized;
     # the DeepSeeks as DeepSeek-V3's own release: MLA projections too (kv_b_proj dequantized
     # at load), the correction bias unquantized.
     for base in ("tiny-qwen3-moe", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"):

@@ -425,12 +425,6 @@ class ModelSpec:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.kv_cache_scales is not None:
             self._check_kv_cache_scales(self.kv_cache_scales)
-        if self.fp8 is not None and self.moe is not None and self.fp8.scheme != "block":
-            raise ValueError(
-                f"FP8 scheme {self.fp8.scheme!r} with mixture of experts: FP8 experts are "
-                "supported in the block scheme only (quant_method fp8, weight_block_size "
-                "[128, 128])"
-            )
 
     def _check_kv_cache_scales(self, scales: KvCacheScales) -> None:
         if self.mla is not None:

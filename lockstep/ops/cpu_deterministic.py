@@ -22,6 +22,7 @@ from lockstep.ops.moe import (
     Routing,
     combine_in_rank_order,
     experts_grouped,
+    fp8_swiglu_expert,
     route_deepseek,
     write_routed_experts,
 )
@@ -249,8 +250,8 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
         self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Router logits by `linear`, routing by the C++ `moe_route` (its formula is in the
-        kernel's header), each expert's rows through `linear` (FP8 experts: `fp8_expert_linear`,
-        the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
+        kernel's header), each expert's rows through `linear` (FP8 experts: `fp8_expert_linear`
+        at the layer's scheme, the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
         fp32 combine."""
         x = _f32(x)
         logits = self.linear(x, layer.router)
@@ -261,8 +262,10 @@ class CpuDeterministicOps(DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttent
                 logits, layer.top_k, layer.renormalize, self._simd
             )
         write_routed_experts(routed_experts, experts)
-        linear = self.fp8_expert_linear if layer.fp8 else self.linear
-        slots = experts_grouped(x, experts, layer, linear, self.silu_mul)
+        expert = (
+            fp8_swiglu_expert(layer, self.fp8_expert_linear, self.silu_mul) if layer.fp8 else None
+        )
+        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul, expert)
         return combine_in_rank_order(slots, weights)
 
     def route_deepseek(self, logits: torch.Tensor, layer: MoeLayer) -> Routing:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.fp8 import DequantizedFp8Linear, widened
-from lockstep.ops.moe import MoeLayer, write_routed_experts
+from lockstep.ops.moe import MoeLayer, fp8_swiglu_expert, swiglu_expert, write_routed_experts
 from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
 
@@ -76,11 +76,18 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         are index_add_-ed into the output in expert order."""
         experts, weights = stock_routing(self.linear(x, layer.router), layer)
         write_routed_experts(routed_experts, experts)
-        linear = self.fp8_expert_linear if layer.fp8 else self.linear
+
+        def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        if layer.fp8:
+            expert = fp8_swiglu_expert(layer, self.fp8_expert_linear, silu_mul)
+        else:
+            expert = swiglu_expert(layer, self.linear, silu_mul)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in experts.unique().tolist():
             token, rank = torch.where(experts == e)
-            gate, up = linear(x[token], layer.gate_up[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, layer.down[e])
+            y = expert(x[token], e)
             out.index_add_(0, token, y * weights[token, rank, None])
         return out

@@ -390,9 +390,16 @@ class DequantizedFp8Linear:
         out = self.linear(xhat, weight.weight, bias)  # type: ignore[attr-defined]
         return out.reshape(*lead, weight.out_features)
 
-    def fp8_expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One block-FP8 expert's GEMM (lockstep/ops/moe.py, "FP8 experts"): x [M, K] and the
-        expert's prepared weight [N, K'] (its `Fp8Weight.weight` parts, stacked): the
-        arithmetic of `fp8_linear`, so a row equals the dense FP8 linear's row."""
-        xhat = dequantized_activation(x, "block", None)
+    def fp8_expert_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scheme: str = "block",
+        input_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One FP8 expert's GEMM (lockstep/ops/moe.py, "FP8 experts"): x [M, K] and the
+        expert's prepared weight [N, K'] (its `Fp8Weight.weight` parts, stacked) at `scheme`
+        (with the static `input_scale` for "tensor"): the arithmetic of `fp8_linear`, so a
+        row equals the dense FP8 linear's row."""
+        xhat = dequantized_activation(x, scheme, input_scale)
         return self.linear(xhat, weight)  # type: ignore[attr-defined]

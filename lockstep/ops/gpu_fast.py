@@ -89,14 +89,15 @@ class GpuFastOps(TorchRowOps):
         write_routed_experts(routed_experts, experts)
         silu_mul = self.silu_mul
         if layer.fp8:
-            # Block-FP8 experts: every expert dequantized to x's dtype at each call, and the
+            # FP8 experts: every expert dequantized to x's dtype at each call, and the
             # activations quantized and dequantized (`lockstep.ops.fp8`) before each GEMM: the
             # negative control, not a speed yardstick for FP8 experts.
+            scheme, down_in = layer.fp8_scheme, layer.down_input_scale
+            x = fp8.dequantized_activation(x, scheme, layer.gate_up_input_scale).to(x.dtype)
             layer = dequantized_experts(layer, x.dtype)
-            x = fp8.dequantized_activation(x, "block", None).to(x.dtype)
 
             def silu_mul(g: torch.Tensor) -> torch.Tensor:
-                return fp8.dequantized_activation(self.silu_mul(g), "block", None).to(g.dtype)
+                return fp8.dequantized_activation(self.silu_mul(g), scheme, down_in).to(g.dtype)
 
         if grouped_mm_runs(x, layer):
             slots = experts_grouped_mm(x, experts, layer, silu_mul)

@@ -138,15 +138,18 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         return (slots * weights[:, :, None]).sum(dim=1)
 
     def _fp8_expert(self, layer: MoeLayer) -> ExpertFn:
-        """A block-FP8 expert by `fp8_linear_reference`, each checkpoint part (gate, up, down)
-        with its own block scales."""
+        """An FP8 expert by `fp8_linear_reference` at the layer's scheme, each checkpoint part
+        (gate, up, down) with its own scales and the projection's static input scale."""
         assert layer.gate_up_scale is not None and layer.down_scale is not None
         gate_up_scale, down_scale = layer.gate_up_scale, layer.down_scale
+        scheme, up_in, down_in = layer.fp8_scheme, layer.gate_up_input_scale, layer.down_input_scale
 
         def run(rows: torch.Tensor, e: int) -> torch.Tensor:
             parts = expert_parts(layer.gate_up[e], gate_up_scale[e], 2)
-            gate_up = torch.cat([fp8_linear_reference(rows, w, s, "block") for w, s in parts], 1)
+            gate_up = torch.cat(
+                [fp8_linear_reference(rows, w, s, scheme, up_in) for w, s in parts], 1
+            )
             ((w, s),) = expert_parts(layer.down[e], down_scale[e], 1)
-            return fp8_linear_reference(self.silu_mul(gate_up), w, s, "block")
+            return fp8_linear_reference(self.silu_mul(gate_up), w, s, scheme, down_in)
 
         return run

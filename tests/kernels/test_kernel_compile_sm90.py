@@ -137,16 +137,17 @@ def _two_ways() -> tuple[str, dict, dict]:
     return "two_ways", {"a": "*bf16", "b": "*fp8e4nv", "n": "i32"}, {}
 
 
-def _fp8_grouped_moe() -> tuple[str, dict, dict]:
+def _fp8_grouped_moe(row_block: int = 128) -> tuple[str, dict, dict]:
     """The grouped FP8 MoE GEMM as `moe_fp8` launches its gate_up: gathered e4m3 rows, gate
-    and up in one program, SiLU in the epilogue, Qwen3-30B-A3B's top 8 of 128 experts."""
+    and up in one program, SiLU in the epilogue, Qwen3-30B-A3B's top 8 of 128 experts;
+    `row_block` 128 for block scales, 1 for per-row ones (per-channel and per-tensor)."""
     types = {"a": "*fp8e4nv", "a_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp32",
              "out": "*bf16", "order": "*i64", "offsets": "*i64"}  # fmt: skip
-    types |= dict.fromkeys(("N", "K", "E", "M_TILES", "UP_ROWS", "sa", "s_as", "swe", "swn",
-                            "s_wse", "s_wsn", "so"), "i32")  # fmt: skip
+    types |= dict.fromkeys(("N", "K", "E", "M_TILES", "UP_ROWS", "sa", "s_as", "s_ask", "swe",
+                            "swn", "s_wse", "s_wsn", "s_wsk", "so"), "i32")  # fmt: skip
     return "fp8_moe._grouped_fp8_kernel", types, {
         "GATHER": True, "SCATTER": False, "SILU": True, "TOP_K": 8, "EVEN_K": True,
-        "E_PAD": 128, "BM": 64, "BN": 64, "BK": 128, "PDL": True,
+        "E_PAD": 128, "BM": 64, "BN": 64, "BK": 128, "ROW_BLOCK": row_block, "PDL": True,
     }  # fmt: skip
 
 
@@ -170,6 +171,7 @@ CASES = {
     "chunked delta rule state and output": _chunked_delta("_gdn_chunk_state_kernel"),
     "chunked delta rule open rows": _chunked_delta("_gdn_open_rows_kernel"),
     "fp8 grouped moe gate_up": _fp8_grouped_moe(),
+    "fp8 grouped moe gate_up per-row scales": _fp8_grouped_moe(1),
     "negative control": _two_ways(),
 }
 _STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh", "sc")
