@@ -48,7 +48,7 @@ and stored per layer, after "model.layers.{i}.self_attn.", as
 each a scalar ([] or [1]) of any float dtype. Refused, each in one line: a dynamic KV cache
 scheme (its scale would be taken over the batch in flight, so a token's K/V would depend on
 its batch-mates), any other KV algorithm, bit width or strategy (per-head scales included), a
-declared scheme without scale tensors, a layer missing its k or v scale, and a scale that is
+declared scheme without scale tensors, an asymmetric scheme, a layer missing its k or v scale, and a scale that is
 not finite and > 0.
 """
 
@@ -234,4 +234,7 @@ def kv_cache_declared(config: dict[str, Any], where: str) -> bool:
     if scheme.get("strategy", "tensor") != "tensor":
         raise _refuse(where, "kv_cache_scheme.strategy", scheme.get("strategy"),
                       "supported: tensor (one static scale per layer)")  # fmt: skip
+    if scheme.get("symmetric", True) is not True:
+        raise _refuse(where, "kv_cache_scheme.symmetric", scheme.get("symmetric"),
+                      "supported: true (no zero points)")  # fmt: skip
     return True

@@ -131,6 +131,9 @@ KV = "model/layers/1/self_attn/"
         ({KV + "k_scale": torch.ones(2)}, {}, ["k_scale", "[2]", "one float scale per layer"]),
         ({KV + "k_scale": torch.tensor([-1.0])}, {}, ["k_scale = -1.0", "finite and > 0"]),
         ({KV + "kv_scale": torch.tensor(1.0)}, {}, ["both a kv_scale and a k_scale"]),
+        ({}, {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                  "dynamic": False, "symmetric": False}},
+         ["kv_cache_scheme.symmetric=False", "no zero points"]),
     ],
 )  # fmt: skip
 def test_bad_kv_scales_are_one_clear_error(
@@ -177,3 +180,17 @@ def test_kv_scales_on_latent_attention_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="multi-head latent attention") as info:
         resolve_model(str(tmp_path))
     assert "\n" not in str(info.value)
+
+
+def test_kv_scale_names_of_every_format() -> None:
+    from lockstep.models.fp8_formats import kv_scale_name
+
+    at = "model.layers.3.self_attn."
+    want = {"k_proj.k_scale": "k", "v_proj.v_scale": "v", "k_scale": "k", "v_scale": "v",
+            "k_proj.output_scale": "k", "v_proj.output_scale": "v", "kv_scale": "kv"}  # fmt: skip
+    assert {leaf: kv_scale_name(at + leaf) for leaf in want} == {
+        leaf: (3, role) for leaf, role in want.items()
+    }
+    for other in (at + "q_proj.input_scale", at + "k_proj.weight_scale", "lm_head.k_scale",
+                  "model.layers.x.self_attn.k_scale", at + "o_proj.output_scale"):  # fmt: skip
+        assert kv_scale_name(other) is None, other

@@ -12,6 +12,8 @@ calibration prompt, / 448 (times a margin), run through the float model. Then th
   modelopt             self_attn.k_proj.k_scale, v_proj.v_scale; kv_cache_quant_algo FP8
   modelopt-file        the same, with the quantization in hf_quant_config.json only
   compressed-tensors   self_attn.k_scale, v_scale; kv_cache_scheme (tensor, static)
+  compressed-tensors-output   the same with older compressed-tensors' names,
+                       self_attn.k_proj.output_scale, v_proj.output_scale
   fp8-block            self_attn.k_scale, v_scale beside Qwen-style block FP8 weights
   fp8-block-kv_scale   self_attn.kv_scale, one scale for K and V (the larger of the two)
 """
@@ -29,10 +31,11 @@ from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
 from tests.support.tiny_fp8 import edit_tensors, float64_reference, write_fp8_folder
 
-KV_FORMATS = ("modelopt", "modelopt-file", "compressed-tensors", "fp8-block",
-              "fp8-block-kv_scale")  # fmt: skip
+KV_FORMATS = ("modelopt", "modelopt-file", "compressed-tensors", "compressed-tensors-output",
+              "fp8-block", "fp8-block-kv_scale")  # fmt: skip
 WEIGHTS = {"modelopt": "modelopt", "modelopt-file": "modelopt",
-           "compressed-tensors": "compressed-tensors", "fp8-block": "fp8-block",
+           "compressed-tensors": "compressed-tensors",
+           "compressed-tensors-output": "compressed-tensors", "fp8-block": "fp8-block",
            "fp8-block-kv_scale": "fp8-block"}  # fmt: skip
 BOOST = 256.0
 MARGIN = 1.25  # headroom over the calibration prompt's largest value
@@ -117,6 +120,9 @@ def write_kv_scaled_folder(folder: Path, kv_format: str) -> tuple[Any, dict]:
             tensors[at + "o_proj/input_scale"] = torch.tensor(8.0 * BOOST / 448.0)
         elif kv_format == "fp8-block-kv_scale":
             tensors[at + "kv_scale"] = torch.tensor(k)
+        elif kv_format == "compressed-tensors-output":
+            tensors[at + "k_proj/output_scale"] = torch.tensor([k])
+            tensors[at + "v_proj/output_scale"] = torch.tensor([v])
         else:  # compressed-tensors stores [1] tensors
             tensors[at + "k_scale"] = torch.tensor([k])
             tensors[at + "v_scale"] = torch.tensor([v])
