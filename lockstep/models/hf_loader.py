@@ -106,14 +106,19 @@ class SafetensorsWeights:
                     continue  # a buffer derived from rope_theta, saved by old checkpoints
                 if key == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: transformers ignores the copy and uses the embedding
-                kv_scale = kv_scale_name(key) if fmt is not None else None
-                if kv_scale is not None:
-                    self.kv_scales[kv_scale] = (path, key)  # not a weight: `kv_cache_scales`
-                    continue
                 if _beyond_last_layer(key, spec):
                     # DeepSeek's multi-token-prediction layers, FP8 or not (their eh_proj and
                     # shared_head are no decoder projection): skipped before any FP8 check.
                     extra_layers.append(key)
+                    continue
+                kv_scale = kv_scale_name(key) if fmt is not None else None
+                if kv_scale is not None:
+                    if kv_scale in self.kv_scales:
+                        raise ModelLoadError(
+                            f"{folder}: tensors {self.kv_scales[kv_scale][1]} and {key} are "
+                            "both the same layer's KV cache scale; expected one"
+                        )
+                    self.kv_scales[kv_scale] = (path, key)  # not a weight: `kv_cache_scales`
                     continue
                 if key in fp8:
                     self._check_fp8_weight(folder, key)

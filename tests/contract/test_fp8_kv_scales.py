@@ -131,6 +131,8 @@ KV = "model/layers/1/self_attn/"
         ({KV + "k_scale": torch.ones(2)}, {}, ["k_scale", "[2]", "one float scale per layer"]),
         ({KV + "k_scale": torch.tensor([-1.0])}, {}, ["k_scale = -1.0", "finite and > 0"]),
         ({KV + "kv_scale": torch.tensor(1.0)}, {}, ["both a kv_scale and a k_scale"]),
+        ({KV + "k_proj/k_scale": torch.tensor(1.0)}, {},
+         ["self_attn.k_proj.k_scale", "self_attn.k_scale", "both the same layer's"]),
         ({}, {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                   "dynamic": False, "symmetric": False}},
          ["kv_cache_scheme.symmetric=False", "no zero points"]),
