@@ -110,7 +110,7 @@ def test_kv_scaled_folder_any_schedule_matches_cold_prefill(scaled_folder: Path)
 
 def test_negative_control_fast_mode_breaks_the_scaled_cache_suite(scaled_folder: Path) -> None:
     engine = _engine(str(scaled_folder), mode="fast", kv_dtype="fp8_e4m3")
-    assert _batch_invariance_failures(engine) > 0
+    assert _batch_invariance_failures(engine, stop_at_first=True) > 0
 
 
 KV = "model/layers/1/self_attn/"
