@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,18 @@ def test_kv_scale_names_of_every_format() -> None:
     for other in (at + "q_proj.input_scale", at + "k_proj.weight_scale", "lm_head.k_scale",
                   "model.layers.x.self_attn.k_scale", at + "o_proj.output_scale"):  # fmt: skip
         assert kv_scale_name(other) is None, other
+
+
+def test_cli_refuses_a_dynamic_kv_cache_scheme_in_one_line(scaled_folder: Path, tmp_path: Path):
+    folder = shutil.copytree(scaled_folder, tmp_path / "dynamic")
+    set_quantization_config(folder, kv_cache_scheme={"num_bits": 8, "type": "float",
+                                                     "strategy": "tensor", "dynamic": True})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "lockstep", "generate", "hi", "--model", str(folder),
+         "--kv-dtype", "fp8_e4m3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "kv_cache_scheme.dynamic=True" in lines[0], out.stderr
