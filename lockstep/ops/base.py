@@ -462,8 +462,8 @@ class MoeOps(Protocol):
         the lower id), softmax weights (renormalized over the k if asked), the k expert
         outputs combined in ascending rank in fp32, no capacity limit. A deterministic
         backend computes every token from its own row alone: the contract is in
-        `lockstep.ops.moe`. Block-FP8 experts (`layer.fp8`): each expert GEMM is the
-        backend's FP8 linear arithmetic ("FP8 experts" there).
+        `lockstep.ops.moe`. FP8 experts (`layer.fp8`, in `layer.fp8_scheme`): each expert
+        GEMM is the backend's FP8 linear arithmetic ("FP8 experts" there).
 
         `routed_experts`: an integer tensor [T, top_k] the op overwrites with each token's
         experts in rank order (the ids it routed by; routing replay, lockstep/ops/moe.py

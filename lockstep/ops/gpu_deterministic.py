@@ -244,7 +244,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
         combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
         experts' weights read. DeepSeek layers (`layer.deepseek`) route by `route_deepseek`.
-        Block-FP8 experts: the same pipeline with grouped FP8 GEMMs
+        FP8 experts (any scheme): the same pipeline with grouped FP8 GEMMs
         (`lockstep/ops/triton/fp8_moe.py`)."""
         if layer.fp8:
             return moe_fp8(x, layer, routed_experts=routed_experts)
