@@ -168,6 +168,15 @@ def test_fp8_moe_presets() -> None:
     assert big.fp8 == Fp8Spec("block") and big.moe == PRESETS["qwen3-30b-a3b"].spec.moe
 
 
+@pytest.mark.parametrize(("suffix", "scheme"), [("-static", "tensor"), ("-channel", "channel")])
+def test_row_scaled_fp8_moe_presets_keep_the_contract(suffix: str, scheme: str) -> None:
+    engine = _engine(f"random:tiny-qwen3-moe-fp8{suffix}", kv_dtype="fp8_e4m3")
+    sparse = [layer.mlp.layer for layer in engine.decoder.layers if hasattr(layer.mlp, "layer")]
+    assert sparse and all(moe.fp8 and moe.fp8_scheme == scheme for moe in sparse)
+    for seed in range(2):
+        _check_case(engine, seed, max_len=48, max_mates=3)
+
+
 # ---- per-tensor (ModelOpt, static activations) and per-channel (compressed-tensors,
 # dynamic per-token activations) FP8 experts -------------------------------------------------
 
