@@ -118,3 +118,25 @@ def test_row_scaled_fp8_moe_random_schedules_match_cold_prefill(moe_folder, kv_d
 
 def test_negative_control_fast_mode_breaks_row_scaled_fp8_moe(moe_folder) -> None:
     assert _failures(_engine(str(moe_folder), mode="fast"), 10, wide_mates=True)
+
+
+@pytest.fixture(scope="module", params=["-fp8-static", "-fp8-channel"])
+def small_30b_row_scaled(request):
+    """`random:qwen3-30b-a3b-fp8-static` / `-fp8-channel` cut to 2 sparse layers: the real
+    expert shapes (128 experts of 768 on hidden 2048, top 8) in each new scheme."""
+    from lockstep.models.presets import PRESETS
+
+    name = "qwen3-30b-a3b-2l" + request.param
+    full = PRESETS["qwen3-30b-a3b" + request.param]
+    moe = dataclasses.replace(full.spec.moe, sparse_layers=(0, 1))
+    PRESETS[name] = dataclasses.replace(
+        full, spec=dataclasses.replace(full.spec, num_layers=2, moe=moe)
+    )
+    yield "random:" + name
+    del PRESETS[name]
+
+
+def test_row_scaled_fp8_moe_at_30b_shapes_matches_cold_prefill(small_30b_row_scaled) -> None:
+    engine = _engine(small_30b_row_scaled, kv_dtype="fp8_e4m3", max_model_len=4096)
+    failures = _failures(engine, CASES)
+    assert not failures, "; ".join(failures)
