@@ -27,9 +27,29 @@ batch-mates, which no deterministic mode can serve. Use per-token (compressed-te
 FP8_DYNAMIC), block-wise, or static scales instead.
 
 Which linears are FP8 is read from the files: a projection whose weight is stored as
-float8_e4m3fn is quantized, the others (a config's ignore list) are not. Checkpoint k/v cache
-scales (`k_scale`, `v_scale`, `kv_scale`) are not used: the FP8 KV cache has scale 1.0
-(lockstep/ops/fp8.py, "FP8 KV cache").
+float8_e4m3fn is quantized, the others (a config's ignore list) are not.
+
+KV cache scales (lockstep/ops/fp8.py, "FP8 KV cache"): static, one k and one v scale per
+attention layer, used when the cache is FP8 (`--kv-dtype fp8_e4m3`). Declared by
+
+  modelopt            kv_cache_quant_algo "FP8" (beside quant_algo; in config.json's
+                      quantization_config or hf_quant_config.json's "quantization")
+  compressed-tensors  kv_cache_scheme {num_bits 8, type float, strategy tensor, dynamic false}
+  fp8                 no field: the tensors, where a folder has them (Qwen's and DeepSeek's
+                      own FP8 releases have none, and run at scale 1.0)
+
+and stored per layer, after "model.layers.{i}.self_attn.", as
+
+  k_proj.k_scale, v_proj.v_scale         modelopt
+  k_scale, v_scale                       compressed-tensors (and vLLM-style fp8 exports)
+  k_proj.output_scale, v_proj.output_scale   older compressed-tensors
+  kv_scale                               one scale for both (AutoFP8-style fp8 exports)
+
+each a scalar ([] or [1]) of any float dtype. Refused, each in one line: a dynamic KV cache
+scheme (its scale would be taken over the batch in flight, so a token's K/V would depend on
+its batch-mates), any other KV algorithm, bit width or strategy (per-head scales included), a
+declared scheme without scale tensors, an asymmetric scheme, a layer missing its k or v scale, and a scale that is
+not finite and > 0.
 """
 
 from __future__ import annotations
@@ -53,7 +73,19 @@ SUPPORTED = (
     "(channel weights + dynamic token activations, tensor weights + static tensor activations, "
     "or 128x128 block weights + dynamic 128-group activations)"
 )
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+DYNAMIC_KV = (
+    "dynamic KV cache scales are taken over the batch in flight, so a token's cached K/V "
+    "would depend on its batch-mates; Lockstep serves static per-layer KV scales "
+    "(kv_cache_scheme dynamic false, or ModelOpt kv_cache_quant_algo FP8)"
+)
+# After "model.layers.{i}.self_attn.": the file's name of a layer's K/V cache scale, and which
+# scale it is ("kv": one scale for both).
+KV_SCALE_NAMES = {
+    "k_proj.k_scale": "k", "v_proj.v_scale": "v",
+    "k_scale": "k", "v_scale": "v",
+    "k_proj.output_scale": "k", "v_proj.output_scale": "v",
+    "kv_scale": "kv",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -163,3 +195,46 @@ def _compressed_tensors(quant: dict[str, Any], where: str) -> Fp8Format:
                           inputs.get("group_size"), "supported: 128")  # fmt: skip
         return Fp8Format("block", "compressed-tensors")
     raise _refuse(where, "config_groups.*", f"weights {w} / activations {a} dynamic {dynamic}")
+
+
+def kv_scale_name(key: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") where tensor `key` is a layer's KV cache scale in one of the
+    formats' names (module docstring), else None."""
+    head, sep, leaf = key.partition(".self_attn.")
+    if not sep or leaf not in KV_SCALE_NAMES or not head.startswith("model.layers."):
+        return None
+    index = head.removeprefix("model.layers.")
+    return (int(index), KV_SCALE_NAMES[leaf]) if index.isdigit() else None
+
+
+def kv_cache_declared(config: dict[str, Any], where: str) -> bool:
+    """Whether the quantization config declares a static FP8 KV cache (module docstring);
+    refuses a dynamic or unsupported KV cache scheme with a `ModelLoadError` naming the field."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return False
+    inner = quant.get("quantization", quant)
+    algo = inner.get("kv_cache_quant_algo") if isinstance(inner, dict) else None
+    if algo is not None:
+        if algo != "FP8":
+            raise _refuse(where, "kv_cache_quant_algo", algo,
+                          "supported ModelOpt kv_cache_quant_algo: FP8")  # fmt: skip
+        return True
+    scheme = quant.get("kv_cache_scheme")
+    if scheme is None:
+        return False
+    if not isinstance(scheme, dict):
+        raise _refuse(where, "kv_cache_scheme", scheme, "expected an object")
+    if scheme.get("dynamic"):
+        raise _refuse(where, "kv_cache_scheme.dynamic", scheme.get("dynamic"), DYNAMIC_KV)
+    got = (scheme.get("num_bits"), scheme.get("type"))
+    if got != (8, "float"):
+        raise _refuse(where, "kv_cache_scheme", f"num_bits {got[0]} type {got[1]}",
+                      "supported: 8-bit float")  # fmt: skip
+    if scheme.get("strategy", "tensor") != "tensor":
+        raise _refuse(where, "kv_cache_scheme.strategy", scheme.get("strategy"),
+                      "supported: tensor (one static scale per layer)")  # fmt: skip
+    if scheme.get("symmetric", True) is not True:
+        raise _refuse(where, "kv_cache_scheme.symmetric", scheme.get("symmetric"),
+                      "supported: true (no zero points)")  # fmt: skip
+    return True

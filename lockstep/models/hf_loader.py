@@ -5,8 +5,8 @@ become canonical (spec.py) is each family's (lockstep/models/families); this mod
 files. The loader lists exactly what the files hold, so the decoder's strict load sees any
 tensor this loader does not understand. The only tensors left out, each for a stated reason,
 are old checkpoints' rotary inv_freq buffers, an lm_head.weight stored beside tied embeddings,
-FP8 checkpoints' k/v cache scales, and what a family says it does not serve (Qwen3.5's vision
-tower).
+FP8 checkpoints' k/v cache scales (read into the spec instead: `ModelSpec.kv_cache_scales`),
+and what a family says it does not serve (Qwen3.5's vision tower).
 
 FP8 checkpoints (a `quantization_config`): the formats, their refusals and their tensor names
 are in fp8_formats.py; which projections are FP8 is read from the stored dtypes. DeepSeek's
@@ -29,10 +29,16 @@ from safetensors import safe_open
 from lockstep.errors import ModelLoadError
 from lockstep.models.families import Family, family_of
 from lockstep.models.families.base import Parts
-from lockstep.models.fp8_formats import KV_SCALE_SUFFIXES, Fp8Format, fp8_format
+from lockstep.models.fp8_formats import (
+    Fp8Format,
+    fp8_format,
+    kv_cache_declared,
+    kv_scale_name,
+)
 from lockstep.models.spec import (
     QUANTIZABLE,
     Fp8Spec,
+    KvCacheScales,
     ModelSpec,
 )
 from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
@@ -40,6 +46,7 @@ from lockstep.models.tokenizer import Tokenizer, chat_stop_token_ids
 logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
+_MODELOPT_FILE = "hf_quant_config.json"
 # Read as float32 whatever the model dtype: norms, and Gated DeltaNet's decay parameters and
 # convolution (small, and kept in float32 by the decoder).
 _KEPT_FLOAT32 = ("norm.weight", ".A_log", ".dt_bias", ".conv1d.weight")
@@ -88,7 +95,8 @@ class SafetensorsWeights:
         # canonical name -> (file, key in file, its rows of that tensor; None: all of them)
         self._where: dict[str, tuple[Path, str, slice | None]] = {}
         self.fp8_modules: set[str] = set()  # linears whose weight is stored as e4m3
-        kv_scales: list[str] = []
+        # A layer's KV cache scales: (layer, "k" | "v" | "kv") -> (file, key in file).
+        self.kv_scales: dict[tuple[int, str], tuple[Path, str]] = {}
         extra_layers: list[str] = []
         for file_name in files:
             path = folder / file_name
@@ -105,13 +113,19 @@ class SafetensorsWeights:
                     continue  # a buffer derived from rope_theta, saved by old checkpoints
                 if key == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: transformers ignores the copy and uses the embedding
-                if fmt is not None and key.endswith(KV_SCALE_SUFFIXES):
-                    kv_scales.append(key)  # the FP8 KV cache's scale is 1.0 (fp8_formats.py)
-                    continue
                 if not mtp and _beyond_last_layer(key, spec):
                     # DeepSeek's multi-token-prediction layers, FP8 or not (their eh_proj and
                     # shared_head are no decoder projection): skipped before any FP8 check.
                     extra_layers.append(key)
+                    continue
+                kv_scale = kv_scale_name(key) if fmt is not None else None
+                if kv_scale is not None:
+                    if kv_scale in self.kv_scales:
+                        raise ModelLoadError(
+                            f"{folder}: tensors {self.kv_scales[kv_scale][1]} and {key} are "
+                            "both the same layer's KV cache scale; expected one"
+                        )
+                    self.kv_scales[kv_scale] = (path, key)  # not a weight: `kv_cache_scales`
                     continue
                 if key in fp8:
                     self._check_fp8_weight(folder, key)
@@ -129,11 +143,6 @@ class SafetensorsWeights:
                 "%s: %d tensors of layers past the last decoder layer (e.g. %s, DeepSeek's "
                 "multi-token prediction) are not loaded", folder, len(extra_layers),
                 extra_layers[0],
-            )  # fmt: skip
-        if kv_scales:
-            logger.warning(
-                "%s: %d k/v cache scales (e.g. %s) are not used: the FP8 KV cache has scale 1.0",
-                folder, len(kv_scales), kv_scales[0],
             )  # fmt: skip
 
     def _check_fp8_weight(self, folder: Path, key: str) -> None:
@@ -280,12 +289,74 @@ def load_hf_folder(folder: Path) -> tuple[ModelSpec, Tokenizer, SafetensorsWeigh
         )
     config = _read_json(config_path)
     spec, family = hf_spec(config, folder)
-    fmt = fp8_format(config, f"{folder}/config.json")
+    quant_where = f"{folder}/config.json"
+    modelopt = folder / _MODELOPT_FILE
+    if "quantization_config" not in config and modelopt.exists():
+        # ModelOpt exports may state their quantization in this file only.
+        config = {**config, "quantization_config": _read_json(modelopt)}
+        quant_where = str(modelopt)
+    fmt = fp8_format(config, quant_where)
+    kv_declared = kv_cache_declared(config, quant_where)
     tokenizer = hf_tokenizer(folder, config)
     weights = SafetensorsWeights(folder, spec, family, fmt)
     if fmt is not None:
         spec = _fp8_spec(spec, fmt, weights, folder)
+        scales = _kv_cache_scales(spec, weights, kv_declared, folder)
+        if scales is not None:
+            try:
+                spec = dataclasses.replace(spec, kv_cache_scales=scales)
+            except ValueError as exc:
+                raise ModelLoadError(f"{folder}: {exc}") from None
     return spec, tokenizer, weights
+
+
+def _kv_cache_scales(
+    spec: ModelSpec, weights: SafetensorsWeights, declared: bool, folder: Path
+) -> KvCacheScales | None:
+    """The folder's static KV cache scales (fp8_formats.py), one k and one v per attention
+    layer, or None where it has none (the FP8 cache then has scale 1.0). Each missing or
+    malformed scale is named in one line."""
+    found = weights.kv_scales
+    if not found:
+        if declared:
+            raise ModelLoadError(
+                f"{folder}: the quantization config declares an FP8 KV cache but no tensor "
+                "holds its scales (e.g. model.layers.0.self_attn.k_scale)"
+            )
+        return None
+    values: dict[tuple[int, str], float] = {}
+    for (layer, role), (path, key) in sorted(found.items()):
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            tensor = handle.get_tensor(key)
+        if tensor.numel() != 1 or not tensor.is_floating_point():
+            raise ModelLoadError(
+                f"{folder}: KV cache scale {key} has dtype {tensor.dtype} shape "
+                f"{list(tensor.shape)}; supported: one float scale per layer ([] or [1])"
+            )
+        value = float(tensor.to(torch.float32).reshape(()))
+        if not 0.0 < value < float("inf"):
+            raise ModelLoadError(f"{folder}: KV cache scale {key} = {value!r} is invalid: "
+                                 "expected finite and > 0")  # fmt: skip
+        values[layer, role] = value
+    k, v = [], []
+    for layer in spec.kv_layers:
+        pair = [values.get((layer, r), values.get((layer, "kv"))) for r in "kv"]
+        if (layer, "kv") in values and ((layer, "k") in values or (layer, "v") in values):
+            raise ModelLoadError(f"{folder}: layer {layer} has both a kv_scale and a k_scale or "
+                                 "v_scale; expected one or the other")  # fmt: skip
+        for role, value in zip("kv", pair, strict=True):
+            if value is None:
+                raise ModelLoadError(
+                    f"{folder}: layer {layer}'s KV cache {role}_scale is missing (other layers "
+                    "have KV cache scales; each attention layer needs its k and v scales)"
+                )
+        k.append(pair[0])
+        v.append(pair[1])
+    stray = sorted({layer for layer, _ in values} - set(spec.kv_layers))
+    if stray:
+        raise ModelLoadError(f"{folder}: KV cache scales for layer {stray[0]}, which has no "
+                             "K/V cache")  # fmt: skip
+    return KvCacheScales(tuple(k), tuple(v))
 
 
 def _fp8_spec(

@@ -386,20 +386,19 @@ PRESETS: dict[str, Preset] = {
 
 
 def _fp8_variants() -> dict[str, Preset]:
-    """FP8 twins of the Qwen3 presets: "-fp8" block-wise (Qwen's own FP8 release format),
-    "-fp8-static" per-tensor static (ModelOpt), "-fp8-channel" per-channel (compressed-tensors
-    FP8_DYNAMIC); of the Qwen3-MoE presets, "-fp8" (block-wise experts and attention)."""
+    """FP8 twins of the Qwen3 and Qwen3-MoE presets: "-fp8" block-wise (Qwen's own FP8 release
+    format), "-fp8-static" per-tensor static (ModelOpt), "-fp8-channel" per-channel
+    (compressed-tensors FP8_DYNAMIC), experts and attention alike."""
     variants = {"-fp8": "block", "-fp8-static": "tensor", "-fp8-channel": "channel"}
     out = {}
-    for base in ("tiny-qwen3", "qwen3-0.6b", "qwen3-8b"):
+    for base in ("tiny-qwen3", "qwen3-0.6b", "qwen3-8b", "tiny-qwen3-moe", "qwen3-30b-a3b"):
         preset = PRESETS[base]
         for suffix, scheme in variants.items():
             spec = dataclasses.replace(preset.spec, fp8=Fp8Spec(scheme))
             out[base + suffix] = Preset(spec, preset.add_bos)
-    # Mixture of experts: block-FP8 only (Qwen3-30B-A3B-FP8's format), router unquantized;
-    # the DeepSeeks as DeepSeek-V3's own release: MLA projections too (kv_b_proj dequantized
-    # at load), the correction bias unquantized.
-    for base in ("tiny-qwen3-moe", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"):
+    # Routers stay unquantized (`QUANTIZABLE`). The DeepSeeks as DeepSeek-V3's own release:
+    # MLA projections too (kv_b_proj dequantized at load), the correction bias unquantized.
+    for base in ("deepseek-v2-lite", "deepseek-v3"):
         preset = PRESETS[base]
         out[base + "-fp8"] = Preset(
             dataclasses.replace(preset.spec, fp8=Fp8Spec("block")), preset.add_bos

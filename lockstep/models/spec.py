@@ -242,6 +242,24 @@ class Fp8Spec:
 
 
 @dataclass(frozen=True)
+class KvCacheScales:
+    """A checkpoint's static FP8 KV cache scales (lockstep/ops/fp8.py, "FP8 KV cache"), one
+    pair per K/V layer in `ModelSpec.kv_layers` order: K is stored as e4m3_sat(k / k[i]) and
+    read as k[i] times the stored value, V likewise. Each is an fp32 value (as a float),
+    finite and > 0. Used with an FP8 cache only; a cache of the model dtype ignores them."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.v):
+            raise ValueError(f"{len(self.k)} k scales but {len(self.v)} v scales")
+        bad = [s for s in (*self.k, *self.v) if not (0.0 < s < float("inf"))]
+        if bad:
+            raise ValueError(f"KV cache scale {bad[0]!r} is invalid: expected finite and > 0")
+
+
+@dataclass(frozen=True)
 class LinearAttentionSpec:
     """The Gated DeltaNet layers of a hybrid model (docs/design.md, "Linear attention").
 
@@ -359,6 +377,7 @@ class ModelSpec:
     # q_proj (Qwen3.5's and the hybrid MoE families' attention layers).
     output_gate: bool = False
     longrope: LongRopeScaling | None = field(default=None)  # Phi-3's RoPE scaling
+    kv_cache_scales: KvCacheScales | None = field(default=None)  # a checkpoint's, FP8 cache
 
     def __post_init__(self) -> None:
         if self.longrope is not None and len(self.longrope.short_factor) != self.rotary_dim // 2:
@@ -404,12 +423,18 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.fp8 is not None and self.moe is not None and self.fp8.scheme != "block":
+        if self.kv_cache_scales is not None:
+            self._check_kv_cache_scales(self.kv_cache_scales)
+
+    def _check_kv_cache_scales(self, scales: KvCacheScales) -> None:
+        if self.mla is not None:
             raise ValueError(
-                f"FP8 scheme {self.fp8.scheme!r} with mixture of experts: FP8 experts are "
-                "supported in the block scheme only (quant_method fp8, weight_block_size "
-                "[128, 128])"
+                "KV cache scales with multi-head latent attention are not supported: the FP8 "
+                "latent cache has scale 1.0 (checkpoint k_scale/v_scale apply to K/V caches)"
             )
+        if len(scales.k) != len(self.kv_layers):
+            raise ValueError(f"{len(scales.k)} KV cache scale pairs for {len(self.kv_layers)} "
+                             "attention layers")  # fmt: skip
 
     def is_fp8_linear(self, module: str) -> bool:
         """Whether the linear `module` ("model.layers.3.self_attn.q_proj") is stored in FP8."""

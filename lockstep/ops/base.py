@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lockstep.ops.fp8 import E4M3, Fp8Weight, e4m3_sat
+from lockstep.ops.fp8 import E4M3, Fp8Weight, e4m3_sat, quantize_kv
 
 if TYPE_CHECKING:
     from lockstep.ops.moe import MoeLayer, Routing
@@ -73,10 +73,14 @@ class AttentionMeta:
 
 
 class LayerKV(NamedTuple):
-    """One layer's K and V caches, [S, Hkv, D] each (rows are KV slots)."""
+    """One layer's K and V caches, [S, Hkv, D] each (rows are KV slots), and the static scales
+    of an FP8 cache (`lockstep.ops.fp8`, "FP8 KV cache": k is stored as e4m3_sat(k / k_scale)
+    and read as k_scale times the stored value); 1.0, and unused, for any other cache."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -203,7 +207,9 @@ class PagedAttentionOps(Protocol):
         """From the fused projection rows qkv [T, (Hq + 2 Hkv) D] (q | k | v; Hq =
         layer.num_heads, Hkv and D those of the caches kv [S, Hkv, D]): per-head RMSNorm of q
         and k where the model has one (Qwen3), RoPE at `positions`, k and v written to the
-        caches at `slots`; returns q [T, Hq, D]. Every value is computed per token."""
+        caches at `slots` (an FP8 cache: as e4m3 at kv.k_scale and kv.v_scale,
+        `lockstep.ops.fp8.quantize_kv`); returns q [T, Hq, D]. Every value is computed per
+        token."""
         ...
 
     def attention(
@@ -219,7 +225,9 @@ class PagedAttentionOps(Protocol):
         chunk; workspace never grows with the context length. `window` (sliding-window
         layers): the row at position p sees keys p - window + 1 .. p only; key blocks wholly
         outside a row's window are skipped or are exact identities on its softmax state, so
-        its bits still depend on its own keys alone."""
+        its bits still depend on its own keys alone. An FP8 cache's keys and values are read
+        at kv.k_scale and kv.v_scale, the same way on every path (`lockstep.ops.fp8`, "FP8
+        KV cache")."""
         ...
 
 
@@ -454,8 +462,8 @@ class MoeOps(Protocol):
         the lower id), softmax weights (renormalized over the k if asked), the k expert
         outputs combined in ascending rank in fp32, no capacity limit. A deterministic
         backend computes every token from its own row alone: the contract is in
-        `lockstep.ops.moe`. Block-FP8 experts (`layer.fp8`): each expert GEMM is the
-        backend's FP8 linear arithmetic ("FP8 experts" there).
+        `lockstep.ops.moe`. FP8 experts (`layer.fp8`, in `layer.fp8_scheme`): each expert
+        GEMM is the backend's FP8 linear arithmetic ("FP8 experts" there).
 
         `routed_experts`: an integer tensor [T, top_k] the op overwrites with each token's
         experts in rank order (the ids it routed by; routing replay, lockstep/ops/moe.py
@@ -543,7 +551,7 @@ class Ops(
 class IndexCopyKVWrite:
     """`write_kv` (for `ComposedAttentionInput`) as an exact torch copy (index_copy_): k, v
     [T, Hkv, D] into caches [S, Hkv, D] at rows `slots` [T], rounded to the cache's dtype
-    (float8_e4m3fn: saturating round-to-nearest-even at scale 1.0, `lockstep.ops.fp8`); and
+    (float8_e4m3fn: `lockstep.ops.fp8.quantize_kv` at the layer's scales); and
     `write_latent` (`LatentAttentionOps`), the same copy of one latent row per token."""
 
     def write_latent(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -561,13 +569,14 @@ class IndexCopyKVWrite:
         k: torch.Tensor,
         v: torch.Tensor,
         slots: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         index = slots.to(torch.int64)
         if k_cache.dtype == E4M3:  # no index_copy_ for fp8: copy the bytes
-            for cache, new in ((k_cache, k), (v_cache, v)):
-                cache.view(torch.uint8).index_copy_(
-                    0, index, e4m3_sat(new.float()).view(torch.uint8)
-                )
+            for cache, new, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+                stored = quantize_kv(new, scale)
+                cache.view(torch.uint8).index_copy_(0, index, stored.view(torch.uint8))
             return
         k_cache.index_copy_(0, index, k.to(k_cache.dtype))
         v_cache.index_copy_(0, index, v.to(v_cache.dtype))
@@ -586,8 +595,9 @@ class ComposedAttentionInput:
     """`Ops.attention_input` composed from the backend's own `rms_norm` and two more ops it
     must have: `rope(x [T, H, D], positions [T], cos, sin)`, neox-style rotary embedding
     (rotate_half) from float32 tables [max_position, D/2] indexed by absolute position, in x's
-    dtype; and `write_kv(k_cache, v_cache, k, v, slots)`, an exact copy of k, v [T, Hkv, D]
-    into the caches [S, Hkv, D] at rows `slots` [T]. (The GPU deterministic backend fuses all
+    dtype; and `write_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale)`, an exact copy of
+    k, v [T, Hkv, D] into the caches [S, Hkv, D] at rows `slots` [T] (an FP8 cache's values
+    divided by its scales first). (The GPU deterministic backend fuses all
     of it into one kernel and has neither.)"""
 
     def attention_input(
@@ -603,7 +613,7 @@ class ComposedAttentionInput:
             k = self.rms_norm(k.reshape(-1, d), layer.k_norm, layer.eps).reshape(t, hkv, d)
         q = self._rotate(q, positions, layer)
         k = self._rotate(k, positions, layer)
-        self.write_kv(kv.k, kv.v, k, v, slots)
+        self.write_kv(kv.k, kv.v, k, v, slots, kv.k_scale, kv.v_scale)
         return q
 
     def _rotate(self, x: Tensor, positions: Tensor, layer: AttentionInput) -> Tensor:

@@ -22,12 +22,13 @@ from lockstep.ops.base import (
     LayerKV,
 )
 from lockstep.ops.cpu_build import load_extension
-from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear
+from lockstep.ops.fp8 import E4M3, DequantizedFp8Linear, dequantize_kv
 from lockstep.ops.moe import (
     MoeLayer,
     Routing,
     combine_in_rank_order,
     experts_grouped,
+    fp8_swiglu_expert,
     route_deepseek,
     write_routed_experts,
 )
@@ -49,7 +50,7 @@ class CpuDeterministicOps(
 ):
     """`Ops` backed by `csrc/lockstep_cpu.cpp`. FP8 linears: the dequantized weight and
     activation through the same `linear` (`DequantizedFp8Linear`); an FP8 KV cache is read
-    through `fp32_key_values`.
+    through `fp32_key_values` at the layer's scales.
 
     `simd` picks the kernel path ("auto", "avx512", "avx2", "scalar"); all give the same bits,
     which the tests check. `key_block` exists so tests can show that changing the attention
@@ -143,9 +144,9 @@ class CpuDeterministicOps(
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         if k_cache.dtype == E4M3:
-            k_cache, v_cache, meta = fp32_key_values(k_cache, v_cache, meta)
+            k_cache, v_cache, meta = fp32_key_values(kv, meta)
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"KV cache dtype {k_cache.dtype} is invalid: expected fp32, bf16 or float8_e4m3fn"
@@ -180,7 +181,7 @@ class CpuDeterministicOps(
         absolute positions, the same score and softmax sequence as `attention`. An FP8 cache
         is widened exactly first, as for `attention`."""
         if cache.dtype == E4M3:
-            cache, _, meta = fp32_key_values(cache, cache, meta)
+            cache, _, meta = fp32_key_values(LayerKV(cache, cache), meta)
         if cache.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"KV cache dtype {cache.dtype} is invalid: expected fp32, bf16 or float8_e4m3fn"
@@ -257,14 +258,16 @@ class CpuDeterministicOps(
         self, x: torch.Tensor, layer: MoeLayer, routed_experts: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Router logits by `linear`, routing by the C++ `moe_route` (its formula is in the
-        kernel's header), each expert's rows through `linear` (FP8 experts: `fp8_expert_linear`,
-        the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
+        kernel's header), each expert's rows through `linear` (FP8 experts: `fp8_expert_linear`
+        at the layer's scheme, the dense FP8 linear's arithmetic) and `silu_mul` once per step, then the rank-order
         fp32 combine."""
         x = _f32(x)
         experts, weights = self.moe_route(x, layer)
         write_routed_experts(routed_experts, experts)
-        linear = self.fp8_expert_linear if layer.fp8 else self.linear
-        slots = experts_grouped(x, experts, layer, linear, self.silu_mul)
+        expert = (
+            fp8_swiglu_expert(layer, self.fp8_expert_linear, self.silu_mul) if layer.fp8 else None
+        )
+        slots = experts_grouped(x, experts, layer, self.linear, self.silu_mul, expert)
         return combine_in_rank_order(slots, weights)
 
     def moe_route(self, x: torch.Tensor, layer: MoeLayer) -> Routing:
@@ -291,14 +294,17 @@ class CpuDeterministicOps(
 
 
 def fp32_key_values(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta
+    kv: LayerKV, meta: AttentionMeta
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-    """An FP8 cache's keys and values of this step's sequences, widened exactly to fp32 (the
-    cache's scale is 1.0: `lockstep.ops.fp8`, "FP8 KV cache") into compact caches, and the metadata over
-    them: sequence b's key j moves to row cu_kv[b] + j. The attention arithmetic is the fp32
-    cache's, so a row's bits depend only on the stored e4m3 values."""
+    """An FP8 cache's keys and values of this step's sequences, widened to fp32 at the
+    layer's scales (`lockstep.ops.fp8.dequantize_kv`: one product per element, exact at scale
+    1.0) into compact caches, and the metadata over them: sequence b's key j moves to row
+    cu_kv[b] + j. The attention arithmetic is the fp32 cache's, so a row's bits depend only
+    on the stored e4m3 values and the layer's scales."""
     slots = meta.slot_table.to(torch.int64)
     compact = dataclasses.replace(
         meta, slot_table=torch.arange(slots.numel(), dtype=torch.int32, device=slots.device)
     )
-    return k_cache[slots].to(torch.float32), v_cache[slots].to(torch.float32), compact
+    k = dequantize_kv(kv.k[slots], kv.k_scale)
+    v = dequantize_kv(kv.v[slots], kv.v_scale)
+    return k, v, compact

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops.base import AttentionMeta, LayerKV
-from lockstep.ops.fp8 import DequantizedFp8Linear
-from lockstep.ops.moe import MoeLayer, write_routed_experts
+from lockstep.ops.fp8 import DequantizedFp8Linear, widened
+from lockstep.ops.moe import MoeLayer, fp8_swiglu_expert, swiglu_expert, write_routed_experts
 from lockstep.ops.torch_fast import TorchRowOps, stock_routing
 
 
@@ -45,7 +45,7 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
         cu_q, q_start, cu_kv = meta.cu_q.tolist(), meta.q_start.tolist(), meta.cu_kv.tolist()
@@ -54,9 +54,10 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
             kv_len = start + n
             slots = meta.slot_table[cu_kv[b] : cu_kv[b] + kv_len].long()
             # [H, L, D]; GQA by repeating each kv head for its group of query heads.
-            # An FP8 cache widens exactly (its scale is 1.0).
-            k = k_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
-            v = v_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, 0)
+            # An FP8 cache widens at its scales (`lockstep.ops.fp8.dequantize_kv`).
+            k = widened(k_cache[slots], kv.k_scale, q.dtype).transpose(0, 1)
+            v = widened(v_cache[slots], kv.v_scale, q.dtype).transpose(0, 1)
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
             qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
             rows = torch.arange(start, kv_len).unsqueeze(1)
             keys = torch.arange(kv_len).unsqueeze(0)
@@ -75,11 +76,18 @@ class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
         are index_add_-ed into the output in expert order."""
         experts, weights = stock_routing(self.linear(x, layer.router), layer)
         write_routed_experts(routed_experts, experts)
-        linear = self.fp8_expert_linear if layer.fp8 else self.linear
+
+        def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        if layer.fp8:
+            expert = fp8_swiglu_expert(layer, self.fp8_expert_linear, silu_mul)
+        else:
+            expert = swiglu_expert(layer, self.linear, silu_mul)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in experts.unique().tolist():
             token, rank = torch.where(experts == e)
-            gate, up = linear(x[token], layer.gate_up[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, layer.down[e])
+            y = expert(x[token], e)
             out.index_add_(0, token, y * weights[token, rank, None])
         return out

@@ -69,11 +69,28 @@ call, or anything but the row's own values:
 
 FP8 KV cache (`--kv-dtype fp8_e4m3`)
 -------------------------------------
-K and V are stored as e4m3 with scale 1.0: each value is written once, as e4m3_sat(v) of its
-fp32 value (the value the bf16/fp32 cache would hold, widened), when its token's K/V are
-written to the pool, and read back as fp32(e4m3) (exact). A prefix-cache hit therefore reads
-exactly what the cold prefill wrote. Post-RMSNorm/RoPE keys and values of the supported models
-lie well inside +-448; larger values saturate. Checkpoint k/v scales are not used.
+Each attention layer has two static fp32 scales, s_k and s_v: the checkpoint's `k_scale` and
+`v_scale` (or one `kv_scale` for both; lockstep/models/fp8_formats.py names the formats), 1.0
+where the checkpoint has none. A K or V value is written once, when its token's K/V are
+written to the pool, as
+
+    kq = e4m3_sat(k / s_k)    (k the fp32 value a bf16/fp32 cache would hold, widened; one
+                               correctly rounded fp32 division, as for static activations)
+
+and the attention reads the key s_k * kq and the value s_v * vq. A prefix-cache hit therefore
+reads exactly what the cold prefill wrote, and every path (prefill, chunks, decode) reads it
+through the same formula. With s = 1.0 the division and the product are exact: e4m3_sat(k)
+and fp32(kq). Values beyond 448 * s saturate. How each backend reads (the rounding):
+
+  * CPU and torch backends (`dequantize_kv`): fp32(kq) * s, one fp32 multiplication per
+    element, then the attention of an fp32 cache holding those values.
+  * GPU deterministic (Triton): s_k folded into the score scale (scores q . kq times
+    softmax_scale * s_k), the output of the attention over vq times s_v in fp32, then one
+    cast to the activation dtype; the same on every path, since every path is one kernel
+    family called with the same scales.
+
+A scale is a property of the layer, never of the batch: a checkpoint's dynamic KV scales
+(computed from the data in flight) are refused at load (`fp8_formats.py`).
 
 Backends agree with the reference within the precision of fp32 accumulation (CPU, fp32
 activations: logits within 1e-5 of the float64 reference in tests/unit/models/test_fp8_models.py); Xq is
@@ -167,6 +184,33 @@ def check_fp8_weight(
 def e4m3_sat(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> e4m3, saturating round-to-nearest-even."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """K or V values as the FP8 cache stores them ("FP8 KV cache"): e4m3_sat(fp32(x) / scale),
+    one correctly rounded fp32 division per element (a tensor divisor: PyTorch's CUDA
+    kernels divide by a Python number as a multiplication by its reciprocal)."""
+    x = x.to(torch.float32)
+    if scale == 1.0:
+        return e4m3_sat(x)  # x / 1.0 is x
+    return e4m3_sat(x / torch.full_like(x, scale))
+
+
+def dequantize_kv(q: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The value an FP8 cache entry stands for, as the CPU and torch backends read it:
+    fp32(q) * scale, one fp32 multiplication per element (exact for scale 1.0)."""
+    x = q.to(torch.float32)
+    if scale == 1.0:
+        return x
+    return x * torch.full_like(x, scale)
+
+
+def widened(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows in `dtype` for the torch attention of the fast and reference backends: an
+    FP8 cache's as `dequantize_kv` at its scale, then cast; any other cache's cast."""
+    if rows.dtype == E4M3:
+        return dequantize_kv(rows, scale).to(dtype)
+    return rows.to(dtype)
 
 
 def activation_group(scheme: str, k: int) -> int:
@@ -346,9 +390,16 @@ class DequantizedFp8Linear:
         out = self.linear(xhat, weight.weight, bias)  # type: ignore[attr-defined]
         return out.reshape(*lead, weight.out_features)
 
-    def fp8_expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One block-FP8 expert's GEMM (lockstep/ops/moe.py, "FP8 experts"): x [M, K] and the
-        expert's prepared weight [N, K'] (its `Fp8Weight.weight` parts, stacked): the
-        arithmetic of `fp8_linear`, so a row equals the dense FP8 linear's row."""
-        xhat = dequantized_activation(x, "block", None)
+    def fp8_expert_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scheme: str = "block",
+        input_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One FP8 expert's GEMM (lockstep/ops/moe.py, "FP8 experts"): x [M, K] and the
+        expert's prepared weight [N, K'] (its `Fp8Weight.weight` parts, stacked) at `scheme`
+        (with the static `input_scale` for "tensor"): the arithmetic of `fp8_linear`, so a
+        row equals the dense FP8 linear's row."""
+        xhat = dequantized_activation(x, scheme, input_scale)
         return self.linear(xhat, weight)  # type: ignore[attr-defined]

@@ -152,10 +152,15 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
-        return paged_attention(
-            q, k_cache, v_cache, meta, scale, self.attention_config, window=window
-        )
+        """The paged attention kernel (`lockstep/ops/triton/attention.py`). An FP8 cache's
+        scales (`lockstep.ops.fp8`, "FP8 KV cache"): k_scale joins the score scale, and the
+        float32 output is multiplied by v_scale before its one cast, on every path alike."""
+        if kv.v_scale == 1.0:
+            return paged_attention(q, kv.k, kv.v, meta, scale * kv.k_scale,
+                                   self.attention_config, window=window)  # fmt: skip
+        out = paged_attention(q, kv.k, kv.v, meta, scale * kv.k_scale, self.attention_config,
+                              out_dtype=torch.float32, window=window)  # fmt: skip
+        return (out * torch.full_like(out, kv.v_scale)).to(q.dtype)
 
     def latent_attention(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMeta, scale: float,
@@ -244,7 +249,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         expert on the device, the grouped gate_up (+ SiLU) and down GEMMs and the rank-order
         combine (`lockstep/ops/triton/moe.py`): no host synchronization, only the chosen
         experts' weights read. DeepSeek layers (`layer.deepseek`) route by `route_deepseek`.
-        Block-FP8 experts: the same pipeline with grouped FP8 GEMMs
+        FP8 experts (any scheme): the same pipeline with grouped FP8 GEMMs
         (`lockstep/ops/triton/fp8_moe.py`)."""
         if layer.fp8:
             return moe_fp8(x, layer, routed_experts=routed_experts)

@@ -89,14 +89,15 @@ class GpuFastOps(TorchRowOps):
         write_routed_experts(routed_experts, experts)
         silu_mul = self.silu_mul
         if layer.fp8:
-            # Block-FP8 experts: every expert dequantized to x's dtype at each call, and the
+            # FP8 experts: every expert dequantized to x's dtype at each call, and the
             # activations quantized and dequantized (`lockstep.ops.fp8`) before each GEMM: the
             # negative control, not a speed yardstick for FP8 experts.
+            scheme, down_in = layer.fp8_scheme, layer.down_input_scale
+            x = fp8.dequantized_activation(x, scheme, layer.gate_up_input_scale).to(x.dtype)
             layer = dequantized_experts(layer, x.dtype)
-            x = fp8.dequantized_activation(x, "block", None).to(x.dtype)
 
             def silu_mul(g: torch.Tensor) -> torch.Tensor:
-                return fp8.dequantized_activation(self.silu_mul(g), "block", None).to(g.dtype)
+                return fp8.dequantized_activation(self.silu_mul(g), scheme, down_in).to(g.dtype)
 
         if grouped_mm_runs(x, layer):
             slots = experts_grouped_mm(x, experts, layer, silu_mul)
@@ -116,11 +117,10 @@ class GpuFastOps(TorchRowOps):
         chunk through its own call with a causal mask offset by its cached prefix (and the
         sliding window's lower bound). A pure decode step (meta.max_q == 1) never syncs with
         the host, so CUDA graphs can hold it."""
-        k_cache, v_cache = kv
         out = torch.empty_like(q)
         if meta.max_q == 1 and q.shape[0] == meta.num_seqs:
             rows = torch.arange(meta.num_seqs, device=q.device)
-            self._decode(out, q, k_cache, v_cache, meta, scale, rows, meta.cu_kv[:-1],
+            self._decode(out, q, kv, meta, scale, rows, meta.cu_kv[:-1],
                          meta.kv_len, meta.max_kv, window)  # fmt: skip
             return out
         cu_q = meta.cu_q.tolist()
@@ -131,7 +131,7 @@ class GpuFastOps(TorchRowOps):
         if decode:
             dev = q.device
             self._decode(
-                out, q, k_cache, v_cache, meta, scale,
+                out, q, kv, meta, scale,
                 torch.tensor([cu_q[b] for b in decode], device=dev),
                 torch.tensor([cu_kv[b] for b in decode], device=dev),
                 torch.tensor([kv_len[b] for b in decode], device=dev),
@@ -143,9 +143,9 @@ class GpuFastOps(TorchRowOps):
             if b in dec or hi == lo:
                 continue
             slots = meta.slot_table[cu_kv[b] : cu_kv[b + 1]].long()
-            # An FP8 cache widens exactly to q's dtype (its scale is 1.0).
-            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]
-            v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            # An FP8 cache widens at its scales (`lockstep.ops.fp8.dequantize_kv`).
+            k = fp8.widened(kv.k[slots], kv.k_scale, q.dtype).transpose(0, 1)[None]
+            v = fp8.widened(kv.v[slots], kv.v_scale, q.dtype).transpose(0, 1)[None]
             qb = q[lo:hi].transpose(0, 1)[None]
             if q_start[b] == 0 and window is None:
                 o = F.scaled_dot_product_attention(
@@ -167,8 +167,7 @@ class GpuFastOps(TorchRowOps):
     def _decode(
         out: torch.Tensor,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMeta,
         scale: float,
         rows: torch.Tensor,
@@ -186,8 +185,8 @@ class GpuFastOps(TorchRowOps):
             valid &= j[None, :] >= lens.long()[:, None] - window
         idx = torch.where(valid, starts.long()[:, None] + j[None, :], 0)
         slots = meta.slot_table.long()[idx]  # [Bd, L]
-        k = k_cache[slots].to(q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
-        v = v_cache[slots].to(q.dtype).permute(0, 2, 1, 3)
+        k = fp8.widened(kv.k[slots], kv.k_scale, q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
+        v = fp8.widened(kv.v[slots], kv.v_scale, q.dtype).permute(0, 2, 1, 3)
         qb = q[rows][:, :, None, :]  # [Bd, Hq, 1, D]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

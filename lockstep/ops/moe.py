@@ -47,15 +47,28 @@ forward computed, not a second routing; the copy reads that tensor and writes on
 buffer, so the output's bits are the same with or without it. It is a device copy with no
 host synchronization, so a captured CUDA graph replays it into the same buffer.
 
-FP8 experts (block-FP8 checkpoints, lockstep/ops/fp8.py scheme "block"): `gate_up_scale`
-fp32 [E, 2 * ceil(I/128), ceil(H/128)] (gate's block scales, then up's: each part keeps the
-scales its checkpoint tensor had, so a partial last block of I is honoured) and `down_scale`
-fp32 [E, ceil(H/128), ceil(I/128)] sit beside gate_up and down, which hold each expert's
-part weights as the backend's `prepare_fp8_linear` gives them (`Fp8Weight.weight`: e4m3 on
-the GPU, the dequantized fp32 weight with padded K on the CPU), stacked. A slot's expert
-GEMM is the backend's FP8 linear (activation quantized per token and 128-column group, scales
-per 128-wide K block), so its row equals the dense FP8 linear's row over the same weights;
-steps 1-3 and 5 are unchanged (the router is never quantized).
+FP8 experts (lockstep/ops/fp8.py's schemes, `MoeLayer.fp8_scheme`): `gate_up_scale` and
+`down_scale` sit beside gate_up and down, which hold each expert's part weights as the
+backend's `prepare_fp8_linear` gives them (`Fp8Weight.weight`: e4m3 on the GPU, the
+dequantized fp32 weight with padded K on the CPU), stacked. The scales:
+
+  "block"    fp32 [E, 2 * ceil(I/128), ceil(H/128)] (gate's block scales, then up's: each
+             part keeps the scales its checkpoint tensor had, so a partial last block of I is
+             honoured) and [E, ceil(H/128), ceil(I/128)]; activations per token and 128
+             columns (Qwen3-30B-A3B-FP8, DeepSeek-V3).
+  "channel"  fp32 [E, 2I] and [E, H], one scale per weight row; activations dynamic, one
+             scale per token (compressed-tensors FP8_DYNAMIC).
+  "tensor"   fp32 [E, 2I] and [E, H], each part's scalar repeated over its rows; activations
+             static: `gate_up_input_scale` and `down_input_scale`, one fp32 scale per layer
+             and projection, the largest of the experts' checkpoint input scales (ModelOpt
+             FP8). One scale for every expert, as a fused dense projection takes the largest
+             of its parts' (docs/models.md): the activation is quantized once, whichever
+             experts a token chose, and the grouped GEMM reads one quantized copy of x.
+
+A slot's expert GEMM is the backend's FP8 linear at that scheme (`fp8_swiglu_expert`), so its
+row equals the dense FP8 linear's row over the same weights and scales; every activation
+scale is row-local or static, never taken over the batch. Steps 1-3 and 5 are unchanged (the
+router is never quantized).
 """
 
 from __future__ import annotations
@@ -67,7 +80,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lockstep.ops.fp8 import BLOCK, Fp8Weight
+from lockstep.ops.fp8 import BLOCK, SCHEMES, Fp8Weight
 
 Linear = Callable[[Tensor, Tensor], Tensor]
 SiluMul = Callable[[Tensor], Tensor]
@@ -97,13 +110,23 @@ class MoeLayer:
     down: Tensor  # [E, H, I']: down[e] is expert e's prepared down weight
     top_k: int
     renormalize: bool
-    gate_up_scale: Tensor | None = None  # FP8 experts: fp32 [E, 2 * ceil(I/128), ceil(H/128)]
-    down_scale: Tensor | None = None  # FP8 experts: fp32 [E, ceil(H/128), ceil(I/128)]
+    gate_up_scale: Tensor | None = None  # FP8 experts: per `fp8_scheme` (module docstring)
+    down_scale: Tensor | None = None
     deepseek: DeepseekRouting | None = None  # DeepSeek routing (steps 2'-3'); None: 2-3
+    fp8_scheme: str = "block"  # FP8 experts only (module docstring)
+    gate_up_input_scale: Tensor | None = None  # "tensor" FP8 experts: fp32 0-d, static
+    down_input_scale: Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.gate_up_scale is None) != (self.down_scale is None):
             raise ValueError("FP8 experts need both gate_up_scale and down_scale, or neither")
+        if self.fp8_scheme not in SCHEMES:
+            raise ValueError(f"FP8 experts' scheme {self.fp8_scheme!r} is invalid: expected "
+                             f"one of {SCHEMES}")  # fmt: skip
+        static = self.gate_up_input_scale is not None and self.down_input_scale is not None
+        if self.fp8 and (self.fp8_scheme == "tensor") != static:
+            need = "need" if self.fp8_scheme == "tensor" else "take no"
+            raise ValueError(f"{self.fp8_scheme!r} FP8 experts {need} static input scales")
 
     @property
     def num_experts(self) -> int:
@@ -111,7 +134,7 @@ class MoeLayer:
 
     @property
     def fp8(self) -> bool:
-        """Whether the experts are block-FP8 (module docstring, "FP8 experts")."""
+        """Whether the experts are FP8 (module docstring, "FP8 experts")."""
         return self.gate_up_scale is not None
 
 
@@ -119,45 +142,80 @@ class MoeLayer:
 class Fp8Experts:
     """One stacked FP8 expert projection as the decoder prepares it (`prepare_fp8_experts`):
     weight [E, N, K'] (the backend's `Fp8Weight.weight` of each expert, parts concatenated by
-    rows) and fp32 block scales [E, SB, KB] (the parts' scales concatenated by rows)."""
+    rows), fp32 scales (the parts' scales concatenated by rows: "block" [E, SB, KB], else
+    [E, N]), the scheme and, for "tensor", the static input scale (fp32 0-d)."""
 
     weight: Tensor
     scale: Tensor
+    scheme: str = "block"
+    input_scale: Tensor | None = None
 
     def tensors(self) -> list[Tensor]:
         """Every tensor it holds (for in-place weight updates)."""
-        return [self.weight, self.scale]
+        rest = [] if self.input_scale is None else [self.input_scale]
+        return [self.weight, self.scale, *rest]
 
 
 PrepareFp8 = Callable[[str, Tensor, Tensor, "Tensor | None"], Fp8Weight]
+Fp8ExpertLinear = Callable[[Tensor, Tensor, str, "Tensor | None"], Tensor]
 
 
 def prepare_fp8_experts(
-    prepare: PrepareFp8, weights: list[Tensor], scales: list[Tensor], experts: int
-) -> Fp8Experts:
-    """Stack block-FP8 expert weights: `weights` and `scales` list the experts' part tensors
-    expert-major (gate, up per expert for gate_up; down), e4m3 [N_p, K] and fp32
-    [ceil(N_p/128), ceil(K/128)]. Each part goes through the backend's `prepare_fp8_linear`
-    ("block", so every backend checks it as it checks a dense FP8 linear) and the parts of an
-    expert are concatenated by rows: the weight rows of a part keep the scale rows of their
-    checkpoint tensor."""
+    prepare: PrepareFp8, weights: list[Tensor], scales: list[Tensor], experts: int,
+    scheme: str = "block", input_scales: list[Tensor] | None = None,
+) -> Fp8Experts:  # fmt: skip
+    """Stack FP8 expert weights: `weights`, `scales` (and for "tensor" `input_scales`) list
+    the experts' part tensors expert-major (gate, up per expert for gate_up; down) in
+    canonical form (spec.py): e4m3 [N_p, K], and fp32 [ceil(N_p/128), ceil(K/128)] ("block"),
+    [N_p] ("channel") or a scalar ("tensor", repeated over the part's rows). "tensor" takes
+    the largest of the input scales (module docstring). Each part goes through the backend's
+    `prepare_fp8_linear`, so every backend checks it as it checks a dense FP8 linear, and
+    the parts of an expert are concatenated by rows: a part's weight rows keep its scale
+    rows."""
+    input_scale = None
+    if scheme == "tensor":
+        if not input_scales:
+            raise ValueError("'tensor' FP8 experts need their static input scales")
+        input_scale = torch.stack([s.reshape(()).float() for s in input_scales]).amax()
     parts = len(weights) // experts
     stacked_w, stacked_s = [], []
     for e in range(experts):
-        mine = range(e * parts, (e + 1) * parts)
-        prepared = [prepare("block", weights[i], scales[i], None) for i in mine]
+        prepared = []
+        for i in range(e * parts, (e + 1) * parts):
+            scale = scales[i]
+            if scheme == "tensor":
+                scale = scale.reshape(1).expand(weights[i].shape[0]).contiguous()
+            prepared.append(prepare(scheme, weights[i], scale, input_scale))
         stacked_w.append(torch.cat([p.weight for p in prepared], dim=0))
         stacked_s.append(torch.cat([p.weight_scale for p in prepared], dim=0))
-    return Fp8Experts(torch.stack(stacked_w).contiguous(), torch.stack(stacked_s).contiguous())
+    weight, scale = torch.stack(stacked_w).contiguous(), torch.stack(stacked_s).contiguous()
+    return Fp8Experts(weight, scale, scheme, input_scale)
+
+
+def fp8_swiglu_expert(
+    layer: MoeLayer, expert_linear: Fp8ExpertLinear, silu_mul: SiluMul
+) -> ExpertFn:
+    """An FP8 expert e on rows [M, H] (module docstring, "FP8 experts"): the backend's FP8
+    expert linear at the layer's scheme, gate | up with its input scale, `silu_mul`, then down
+    with its own."""
+    scheme, up_in, down_in = layer.fp8_scheme, layer.gate_up_input_scale, layer.down_input_scale
+
+    def run(rows: Tensor, e: int) -> Tensor:
+        h = silu_mul(expert_linear(rows, layer.gate_up[e], scheme, up_in))
+        return expert_linear(h, layer.down[e], scheme, down_in)
+
+    return run
 
 
 def dequantized_experts(layer: MoeLayer, dtype: torch.dtype) -> MoeLayer:
-    """A block-FP8 layer whose experts hold e4m3 weights, with every expert dequantized
-    (fp32(Wq) * sw, `lockstep.ops.fp8.dequantize_weight`, each part with its own block
-    scales) and cast to `dtype`: the stock backends' experts."""
+    """An FP8 layer whose experts hold e4m3 weights, with every expert dequantized
+    (fp32(Wq) * sw, `lockstep.ops.fp8.dequantize_weight`, each part with its own scales) and
+    cast to `dtype`: the stock backends' experts."""
     assert layer.gate_up_scale is not None and layer.down_scale is not None
 
     def widen(weight: Tensor, scale: Tensor, parts: int) -> Tensor:
+        if layer.fp8_scheme != "block":  # one scale per weight row
+            return (weight.to(torch.float32) * scale[:, :, None]).to(dtype)
         out = []
         for w, s in expert_parts_stacked(weight, scale, parts):
             e, n, k = w.shape
@@ -171,16 +229,16 @@ def dequantized_experts(layer: MoeLayer, dtype: torch.dtype) -> MoeLayer:
 
 
 def expert_parts_stacked(weight: Tensor, scale: Tensor, parts: int) -> list[tuple[Tensor, Tensor]]:
-    """`expert_parts` for every expert at once: [E, N, K] and [E, SB, KB] -> the parts'
-    [E, N/parts, K] and [E, SB/parts, KB]."""
+    """`expert_parts` for every expert at once: [E, N, K] and [E, SB, KB] (or per-row [E, N])
+    -> the parts' [E, N/parts, K] and [E, SB/parts, KB] (or [E, N/parts])."""
     n, sb = weight.shape[1] // parts, scale.shape[1] // parts
     return [(weight[:, i * n : (i + 1) * n], scale[:, i * sb : (i + 1) * sb]) for i in range(parts)]
 
 
 def expert_parts(weight: Tensor, scale: Tensor, parts: int) -> list[tuple[Tensor, Tensor]]:
-    """One expert's stacked weight [N, K] and block scales [SB, KB] (`Fp8Experts`, slice e)
-    split back into its `parts` checkpoint tensors (gate | up: 2; down: 1), each with its own
-    block scales."""
+    """One expert's stacked weight [N, K] and scales ([SB, KB] block, [N] per row; `Fp8Experts`,
+    slice e) split back into its `parts` checkpoint tensors (gate | up: 2; down: 1), each with
+    its own scales."""
     return [(w[0], s[0]) for w, s in expert_parts_stacked(weight[None], scale[None], parts)]
 
 

@@ -96,7 +96,7 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         q = q.to(f64)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
@@ -106,8 +106,10 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
                 pos = q_start[b] + i
                 first = 0 if window is None else max(0, pos - window + 1)
                 slots = meta.slot_table[cu_kv[b] + first : cu_kv[b] + pos + 1].long()
-                k = k_cache[slots].to(f64).repeat_interleave(group, 1)  # [L, Hq, D]
-                v = v_cache[slots].to(f64).repeat_interleave(group, 1)
+                # An FP8 cache's values are exact in float64, and so are their products with
+                # the layer's fp32 scales (4 + 24 significant bits).
+                k = (k_cache[slots].to(f64) * kv.k_scale).repeat_interleave(group, 1)
+                v = (v_cache[slots].to(f64) * kv.v_scale).repeat_interleave(group, 1)
                 row = cu_q[b] + i
                 scores = torch.einsum("hd,lhd->hl", q[row], k) * scale
                 weights = torch.softmax(scores, dim=-1)
@@ -143,15 +145,18 @@ class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
         return Routing(experts, weights)
 
     def _fp8_expert(self, layer: MoeLayer) -> ExpertFn:
-        """A block-FP8 expert by `fp8_linear_reference`, each checkpoint part (gate, up, down)
-        with its own block scales."""
+        """An FP8 expert by `fp8_linear_reference` at the layer's scheme, each checkpoint part
+        (gate, up, down) with its own scales and the projection's static input scale."""
         assert layer.gate_up_scale is not None and layer.down_scale is not None
         gate_up_scale, down_scale = layer.gate_up_scale, layer.down_scale
+        scheme, up_in, down_in = layer.fp8_scheme, layer.gate_up_input_scale, layer.down_input_scale
 
         def run(rows: torch.Tensor, e: int) -> torch.Tensor:
             parts = expert_parts(layer.gate_up[e], gate_up_scale[e], 2)
-            gate_up = torch.cat([fp8_linear_reference(rows, w, s, "block") for w, s in parts], 1)
+            gate_up = torch.cat(
+                [fp8_linear_reference(rows, w, s, scheme, up_in) for w, s in parts], 1
+            )
             ((w, s),) = expert_parts(layer.down[e], down_scale[e], 1)
-            return fp8_linear_reference(self.silu_mul(gate_up), w, s, "block")
+            return fp8_linear_reference(self.silu_mul(gate_up), w, s, scheme, down_in)
 
         return run

@@ -160,14 +160,112 @@ def test_a_tokens_fp8_moe_row_ignores_its_batch_mates() -> None:
     torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_moe_preset_and_refusals() -> None:
+def test_fp8_moe_presets() -> None:
     spec = PRESETS["tiny-qwen3-moe-fp8"].spec
     assert spec.is_fp8_linear("model.layers.0.mlp.experts.3.down_proj")
     assert not spec.is_fp8_linear("model.layers.0.mlp.gate")
     big = PRESETS["qwen3-30b-a3b-fp8"].spec
     assert big.fp8 == Fp8Spec("block") and big.moe == PRESETS["qwen3-30b-a3b"].spec.moe
-    with pytest.raises(ValueError, match="FP8 experts are supported in the block scheme only"):
-        dataclasses.replace(spec, fp8=Fp8Spec("channel"))
+
+
+@pytest.mark.parametrize(("suffix", "scheme"), [("-static", "tensor"), ("-channel", "channel")])
+def test_row_scaled_fp8_moe_presets_keep_the_contract(suffix: str, scheme: str) -> None:
+    engine = _engine(f"random:tiny-qwen3-moe-fp8{suffix}", kv_dtype="fp8_e4m3")
+    sparse = [layer.mlp.layer for layer in engine.decoder.layers if hasattr(layer.mlp, "layer")]
+    assert sparse and all(moe.fp8 and moe.fp8_scheme == scheme for moe in sparse)
+    for seed in range(2):
+        _check_case(engine, seed, max_len=48, max_mates=3)
+
+
+# ---- per-tensor (ModelOpt, static activations) and per-channel (compressed-tensors,
+# dynamic per-token activations) FP8 experts -------------------------------------------------
+
+ROW_FORMATS = ("modelopt", "compressed-tensors")
+
+
+@pytest.fixture(scope="module", params=ROW_FORMATS)
+def row_folder(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, str]:
+    path = tmp_path_factory.mktemp(f"fp8-moe-{request.param}")
+    model = write_fp8_folder(path, request.param, family="qwen3_moe")
+    return path, model, request.param
+
+
+def test_row_scaled_fp8_moe_folder_matches_float64_reference(row_folder) -> None:
+    """The experts load in their checkpoint's scheme (one scale per weight row; per tensor
+    with the layer's largest input scale, tests/support/tiny_fp8.py) and the logits are the
+    float64 emulation's."""
+    path, model, fmt = row_folder
+    loaded = resolve_model(str(path))
+    decoder = Decoder.load(loaded, get_ops("cpu", "deterministic"), torch.float32, "cpu")
+    moe = decoder.layers[0].mlp.layer
+    assert (
+        moe.fp8 and moe.fp8_scheme == {"modelopt": "tensor", "compressed-tensors": "channel"}[fmt]
+    )
+    assert tuple(moe.gate_up_scale.shape) == (8, 320) and tuple(moe.down_scale.shape) == (8, 192)
+    assert (moe.gate_up_input_scale is not None) == (fmt == "modelopt")
+    got = decoder.logits_for_sequence(TOKENS).double()
+    model.config._experts_implementation = "eager"
+    with torch.no_grad():
+        plain = model.to(torch.float64)(torch.tensor([TOKENS])).logits[0]
+        want = float64_reference(model, path, fmt)(torch.tensor([TOKENS])).logits[0]
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (got - plain).abs().max().item() > 1e-3  # the control, as above
+
+
+def test_row_scaled_fp8_moe_folder_any_schedule_matches_cold_prefill(row_folder) -> None:
+    """The property suite over the FP8 KV cache (batch-mates, radix hits, chunks, decode)."""
+    engine = _engine(str(row_folder[0]), kv_dtype="fp8_e4m3")
+    for seed in range(3):
+        _check_case(engine, seed, max_len=64, max_mates=3)
+
+
+def test_negative_control_fast_mode_breaks_row_scaled_fp8_moe(row_folder) -> None:
+    engine = _engine(str(row_folder[0]), mode="fast")
+    assert _batch_invariance_failures(engine, stop_at_first=True) > 0
+
+
+@pytest.mark.parametrize("scheme", ["channel", "tensor"])
+def test_row_scaled_expert_gemm_row_equals_the_dense_fp8_linear_row(scheme: str) -> None:
+    """A per-channel or per-tensor expert's gate | up and down rows are the dense FP8
+    linear's bits at the same weights, scales and (per tensor) static input scale, and a
+    token's MoE row ignores its batch-mates."""
+    ops = CpuDeterministicOps()
+    g = torch.Generator().manual_seed(9)
+    h, inter, experts = 192, 160, 4
+    shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    q = {(e, p): quantize_weight(torch.randn(*shape, generator=g) / shape[1] ** 0.5, scheme,
+                                 input_amax=2.0 + e)
+         for e in range(experts) for p, shape in shapes.items()}  # fmt: skip
+
+    def stacked(names: tuple[str, ...]):
+        keys = [(e, p) for e in range(experts) for p in names]
+        scales = [q[k][1][:1].reshape(()) if scheme == "tensor" else q[k][1] for k in keys]
+        ins = [q[k][2] for k in keys] if scheme == "tensor" else None
+        return prepare_fp8_experts(ops.prepare_fp8_linear, [q[k][0] for k in keys], scales,
+                                   experts, scheme, ins)  # fmt: skip
+
+    gate_up, down = stacked(("gate", "up")), stacked(("down",))
+    router = ops.prepare_linear_weight(torch.randn(experts, h, generator=g) / h**0.5)
+    layer = MoeLayer(router, gate_up.weight, down.weight, 2, True, gate_up.scale, down.scale,
+                     None, scheme, gate_up.input_scale, down.input_scale)  # fmt: skip
+    x = torch.randn(9, h, generator=torch.Generator().manual_seed(10))
+    for e in range(experts):
+        dense = ops.prepare_fp8_linear(
+            scheme, torch.cat([q[e, "gate"][0], q[e, "up"][0]]),
+            torch.cat([q[e, "gate"][1], q[e, "up"][1]]), gate_up.input_scale,
+        )  # fmt: skip
+        want = ops.fp8_linear(x, dense)
+        got = ops.fp8_expert_linear(x, layer.gate_up[e], scheme, layer.gate_up_input_scale)
+        assert torch.equal(got, want)
+    together = ops.moe(x, layer)
+    assert all(torch.equal(together[i], ops.moe(x[i : i + 1], layer)[0]) for i in range(9))
+    reference = get_ops("cpu", "reference")
+    ref_layer = dataclasses.replace(layer, router=router.double(),
+                                    gate_up=torch.stack([torch.cat([q[e, "gate"][0], q[e, "up"][0]])
+                                                         for e in range(experts)]),
+                                    down=torch.stack([q[e, "down"][0] for e in range(experts)]))  # fmt: skip
+    want = reference.moe(x, ref_layer)
+    torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_moe_with_one_unquantized_expert_is_refused(folder, tmp_path: Path) -> None:

@@ -139,3 +139,94 @@ def test_negative_control_the_stock_loop_changes_with_the_batch(weights) -> None
     together = fast.moe(x, stock_layer)
     assert any(not torch.equal(together[i], fast.moe(x[i : i + 1], stock_layer)[0])
                for i in range(x.shape[0]))  # fmt: skip
+
+
+# ---- per-channel (dynamic per-token activations) and per-tensor (static) FP8 experts -------
+
+ROW_SCHEMES = ("channel", "tensor")
+
+
+def quantized_rows(seed: int, scheme: str) -> dict:
+    """(expert, part) -> (e4m3 weight, scale: [N] per channel, a scalar per tensor, input
+    scale or None) and "router"; per-tensor input scales differ by expert and part, as
+    calibration gives them."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"gate": (INTER, H), "up": (INTER, H), "down": (H, INTER)}
+    out: dict = {"router": torch.randn(E, H, generator=g) / H**0.5}
+    for e in range(E):
+        for i, (part, shape) in enumerate(shapes.items()):
+            w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+            q, s, ins = spec.quantize_weight(w, scheme, input_amax=3.0 + e + i)
+            out[e, part] = (q, s[0].reshape(()) if scheme == "tensor" else s, ins)
+    return out
+
+
+def row_layer_for(ops, q: dict, scheme: str) -> MoeLayer:
+    """The layer as `Decoder.load` prepares it for `ops` (`prepare_fp8_experts`)."""
+    dev = "cpu" if isinstance(ops, (ReferenceOps, CpuFastOps)) else DEV
+
+    def stacked(parts: tuple[str, ...]):
+        names = [(e, p) for e in range(E) for p in parts]
+        w = [q[n][0].to(dev) for n in names]
+        s = [q[n][1].to(dev) for n in names]
+        ins = [q[n][2].to(dev) for n in names] if scheme == "tensor" else None
+        return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E, scheme, ins)
+
+    gate_up, down = stacked(("gate", "up")), stacked(("down",))
+    router = q["router"].to(dev, torch.float64 if isinstance(ops, ReferenceOps) else DTYPE)
+    return MoeLayer(ops.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K,
+                    True, gate_up.scale, down.scale, None, scheme, gate_up.input_scale,
+                    down.input_scale)  # fmt: skip
+
+
+def _row_composition(x: torch.Tensor, layer: MoeLayer, q: dict, scheme: str,
+                     up_in: torch.Tensor | None, down_in: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """The unfused path at `scheme`: each part through the dense FP8 GEMM (the given static
+    input scales for "tensor"), `silu_mul`, down, the rank-order combine."""
+    routing = gm.route(gm.router_logits(x, layer), TOP_K, True)
+    slots = torch.empty(x.shape[0], TOP_K, H, dtype=x.dtype, device=x.device)
+
+    def dense(rows: torch.Tensor, e: int, part: str, ins: torch.Tensor | None) -> torch.Tensor:
+        w, s, _ = q[e, part]
+        if scheme == "tensor":
+            s = s.reshape(1).expand(w.shape[0]).contiguous()
+        return fp8_linear(rows, w.to(x.device), s.to(x.device), scheme, ins)
+
+    for t, row in enumerate(routing.experts.tolist()):
+        for r, e in enumerate(row):
+            xt = x[t : t + 1]
+            h = activation.silu_mul(torch.cat([dense(xt, e, p, up_in) for p in ("gate", "up")], 1))
+            slots[t, r] = dense(h, e, "down", down_in)[0]
+    return combine_in_rank_order(slots, routing.weights).to(x.dtype)
+
+
+@pytest.mark.parametrize("scheme", ROW_SCHEMES)
+def test_row_scaled_fp8_moe_equals_the_dense_composition_and_the_reference(scheme: str) -> None:
+    """Per-channel and per-tensor experts: every slot equals the dense FP8 GEMMs' composition
+    bit for bit (per tensor: at the layer's largest input scale), under both tile configs;
+    the layer is the float64 reference's within fp32 rounding. Control: per tensor, the
+    composition at expert 0's own input scales differs (the equality sees the scale)."""
+    q = quantized_rows(5, scheme)
+    layer = row_layer_for(GpuDeterministicOps(), q, scheme)
+    x = tokens(5, 6)
+    up_in, down_in = layer.gate_up_input_scale, layer.down_input_scale
+    want = _row_composition(x, layer, q, scheme, up_in, down_in)
+    for cfg in (NARROW, WIDE):
+        assert torch.equal(fm.moe_fp8(x, layer, cfg, cfg), want), cfg
+    reference = ReferenceOps().moe(x.cpu().double(), row_layer_for(ReferenceOps(), q, scheme))
+    tol = 3e-2 if GPU else 1e-5
+    torch.testing.assert_close(want.cpu().double(), reference, rtol=tol, atol=tol)
+    if scheme == "tensor":
+        own = (q[0, "gate"][2].to(DEV), q[0, "down"][2].to(DEV))
+        assert not torch.equal(_row_composition(x, layer, q, scheme, *own), want)
+
+
+@pytest.mark.parametrize("scheme", ROW_SCHEMES)
+def test_row_scaled_fp8_moe_token_ignores_its_batch_mates(scheme: str) -> None:
+    layer = row_layer_for(GpuDeterministicOps(), quantized_rows(7, scheme), scheme)
+    x = tokens(12, 8)
+    x[5], x[9] = x[0], x[0]
+    together = fm.moe_fp8(x, layer, NARROW, NARROW)
+    assert torch.equal(fm.moe_fp8(x, layer, WIDE, WIDE), together)
+    for i in (0, 5, 11):
+        assert torch.equal(together[i], fm.moe_fp8(x[i : i + 1], layer, WIDE, WIDE)[0]), i

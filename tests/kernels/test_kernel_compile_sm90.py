@@ -28,7 +28,8 @@ CACHES = ("*bf16", "*fp8e4nv")
 def _attention_input(cache: str) -> tuple[str, dict, dict]:
     types = dict.fromkeys(("qkv", "q_out", "q_norm", "k_norm"), "*bf16")
     types |= {"k_cache": cache, "v_cache": cache, "positions": "*i64", "slots": "*i64",
-              "cos": "*fp32", "sin": "*fp32", "eps": "fp32", "HQ": "i32", "HKV": "i32"}  # fmt: skip
+              "cos": "*fp32", "sin": "*fp32", "eps": "fp32", "k_scale": "fp32", "v_scale": "fp32",
+              "HQ": "i32", "HKV": "i32"}  # fmt: skip
     types |= dict.fromkeys(("sqkv", "sqt", "sqh", "skc", "skh", "svc", "svh", "sc"), "i64")
     return "attention_input._attention_input_kernel", types, {"HALF": 64, "HAS_NORM": True,
                                                               "PDL": True}  # fmt: skip
@@ -156,16 +157,17 @@ def _two_ways() -> tuple[str, dict, dict]:
     return "two_ways", {"a": "*bf16", "b": "*fp8e4nv", "n": "i32"}, {}
 
 
-def _fp8_grouped_moe() -> tuple[str, dict, dict]:
+def _fp8_grouped_moe(row_block: int = 128) -> tuple[str, dict, dict]:
     """The grouped FP8 MoE GEMM as `moe_fp8` launches its gate_up: gathered e4m3 rows, gate
-    and up in one program, SiLU in the epilogue, Qwen3-30B-A3B's top 8 of 128 experts."""
+    and up in one program, SiLU in the epilogue, Qwen3-30B-A3B's top 8 of 128 experts;
+    `row_block` 128 for block scales, 1 for per-row ones (per-channel and per-tensor)."""
     types = {"a": "*fp8e4nv", "a_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp32",
              "out": "*bf16", "order": "*i64", "offsets": "*i64"}  # fmt: skip
-    types |= dict.fromkeys(("N", "K", "E", "M_TILES", "UP_ROWS", "sa", "s_as", "swe", "swn",
-                            "s_wse", "s_wsn", "so"), "i32")  # fmt: skip
+    types |= dict.fromkeys(("N", "K", "E", "M_TILES", "UP_ROWS", "sa", "s_as", "s_ask", "swe",
+                            "swn", "s_wse", "s_wsn", "s_wsk", "so"), "i32")  # fmt: skip
     return "fp8_moe._grouped_fp8_kernel", types, {
         "GATHER": True, "SCATTER": False, "SILU": True, "TOP_K": 8, "EVEN_K": True,
-        "E_PAD": 128, "BM": 64, "BN": 64, "BK": 128, "PDL": True,
+        "E_PAD": 128, "BM": 64, "BN": 64, "BK": 128, "ROW_BLOCK": row_block, "PDL": True,
     }  # fmt: skip
 
 
@@ -190,6 +192,7 @@ CASES = {
     "chunked delta rule open rows": _chunked_delta("_gdn_open_rows_kernel"),
     "fp8 grouped moe gate_up": _fp8_grouped_moe(),
     **{name: _grouped_matmul(*mnk) for name, mnk in GROUPED_MATMULS.items()},
+    "fp8 grouped moe gate_up per-row scales": _fp8_grouped_moe(1),
     "negative control": _two_ways(),
 }
 _STRIDES = ("sqt", "sqh", "skc", "skh", "sot", "soh", "sc")

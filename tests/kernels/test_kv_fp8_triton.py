@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from lockstep.ops.base import AttentionInput, LayerKV, build_attention_meta  # noqa: E402
-from lockstep.ops.fp8 import E4M3, e4m3_sat  # noqa: E402
+from lockstep.ops.fp8 import E4M3, dequantize_kv, e4m3_sat, quantize_kv  # noqa: E402
 from lockstep.ops.gpu_deterministic import GpuDeterministicOps  # noqa: E402
 from lockstep.ops.triton.attention import (  # noqa: E402
     DEFAULT_CONFIG,
@@ -131,3 +131,65 @@ def test_decode_rows_over_several_splits_equal_the_prefill_tiles(dtype: torch.dt
     assert torch.equal(prefill, run(k8.to(dtype), v8.to(dtype), "prefill"))
     for path in ("fold", "split"):
         assert torch.equal(run(k8, v8, path), prefill), path
+
+
+def test_attention_input_writes_the_cache_value_over_the_layers_scale(dtype: torch.dtype) -> None:
+    """With a checkpoint's KV scales the kernel writes `quantize_kv(value, scale)` bit for bit
+    (one correctly rounded division, then e4m3), so a value of 1000 at scale 4 is stored as
+    250's e4m3 and not clipped; the torch write path (`write_kv`, partial rotary models)
+    writes the same bytes."""
+    ops = GpuDeterministicOps()
+    t, hq = 5, HKV * GROUP
+    qkv = _randn(t, (hq + 2 * HKV) * HD, seed=11, dtype=dtype, scale=300.0)
+    qkv[0, -HD:] = 1000.0
+    ang = torch.arange(16, dtype=torch.float64)[:, None] * torch.linspace(0, 1, HD // 2)[None]
+    layer = AttentionInput(hq, None, None, 1e-6, ang.cos().float().to(DEV),
+                           ang.sin().float().to(DEV))  # fmt: skip
+    pos = torch.tensor([3, 0, 15, 7, 1], device=DEV)
+    slots = torch.tensor([4, 1, 0, 6, 2], device=DEV)
+    k_scale, v_scale = 2.75, 3.0 / 7.0 * 10  # fp32-rounded below; one inexact division
+
+    def caches(cache_dtype: torch.dtype, ks: float = 1.0, vs: float = 1.0) -> LayerKV:
+        return LayerKV(torch.zeros(8, HKV, HD, dtype=cache_dtype, device=DEV),
+                       torch.zeros(8, HKV, HD, dtype=cache_dtype, device=DEV), ks, vs)  # fmt: skip
+
+    v_scale = float(torch.tensor(v_scale, dtype=torch.float32))
+    wide, fp8 = caches(dtype), caches(E4M3, k_scale, v_scale)
+    ops.attention_input(qkv, layer, pos, slots, wide)
+    ops.attention_input(qkv, layer, pos, slots, fp8)
+    for got, want, s in ((fp8.k, wide.k, k_scale), (fp8.v, wide.v, v_scale)):
+        assert torch.equal(got.view(torch.uint8), quantize_kv(want, s).view(torch.uint8))
+        torch_path = torch.zeros_like(got)
+        ops.write_kv(torch_path, torch_path, want[slots], want[slots], slots, s, s)
+        assert torch.equal(torch_path[slots].view(torch.uint8), got[slots].view(torch.uint8))
+    assert fp8.v.float().abs().max().item() * v_scale > 448.0  # beyond 448 * 1.0, kept
+    assert not torch.equal(fp8.v.view(torch.uint8), quantize_kv(wide.v).view(torch.uint8))
+
+
+def test_scaled_fp8_cache_gives_one_set_of_bits_for_every_chunk(dtype: torch.dtype) -> None:
+    """`GpuDeterministicOps.attention` over a cache with k/v scales: extends and decode rows
+    (decode tiles) equal the full prefill's rows (prefill tiles), and the result is the
+    attention over the dequantized cache (fp32(q) * scale) within the kernel's rounding;
+    ignoring the scales (the control) is far from it."""
+    n, total = 70, 90
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(12)).tolist()
+    slots = perm[:n]
+    k8 = e4m3_sat(_randn(total, HKV, HD, seed=13, dtype=dtype).float() * 8)
+    v8 = e4m3_sat(_randn(total, HKV, HD, seed=14, dtype=dtype).float() * 8)
+    q = _randn(n, HKV * GROUP, HD, seed=15, dtype=dtype)
+    ks, vs = 0.0625, 37.5
+    ops = GpuDeterministicOps(attention_config=CFG)
+
+    def run(kv: LayerKV, start: int, count: int) -> torch.Tensor:
+        meta = build_attention_meta([count], [start], [slots]).to(DEV)
+        return ops.attention(q[start : start + count], kv, meta, HD**-0.5)
+
+    full = run(LayerKV(k8, v8, ks, vs), 0, n)
+    for start, count in ((0, 1), (17, 1), (33, 20), (69, 1)):
+        assert torch.equal(run(LayerKV(k8, v8, ks, vs), start, count),
+                           full[start : start + count])  # fmt: skip
+    want = run(LayerKV(dequantize_kv(k8, ks).to(dtype), dequantize_kv(v8, vs).to(dtype)), 0, n)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(full.float(), want.float(), rtol=tol, atol=tol * vs)
+    unscaled = run(LayerKV(k8, v8), 0, n).float()
+    assert (unscaled - want.float()).abs().max().item() > 10 * tol * vs

@@ -4,8 +4,9 @@ with its projections replaced by FP8 emulations written here, not with lockstep'
 
 The model is a tiny random Qwen3 (tests/support/tiny_hf.py) with hidden size 192, so the 128-wide K
 blocks of q/k/v and gate/up end in a partial block, and every fused part has a multiple of 128
-rows; or a tiny Qwen3-MoE of the same width whose experts (block-FP8 only, as
-Qwen3-30B-A3B-FP8) are quantized one checkpoint tensor each; or a tiny DeepSeek-V3
+rows; or a tiny Qwen3-MoE of the same width whose experts are quantized one checkpoint tensor
+each (in any format: block-wise as Qwen3-30B-A3B-FP8; per-tensor experts with input scales
+that differ by expert, `_expert_input_factor`); or a tiny DeepSeek-V3
 (DEEPSEEK_SHAPE) quantized as DeepSeek-V3's own release is: every MLA projection (kv_b_proj
 included), dense MLP, shared expert and routed expert block-wise, routers, the correction bias,
 norms, embeddings and LM head not. Its projections are quantized here the way each format's
@@ -17,6 +18,7 @@ unquantized (a config's ignore list).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +101,26 @@ def _quant_config(fmt: str, skip: list[str]) -> dict[str, Any]:
 
 
 def write_fp8_folder(
-    folder: Path, fmt: str, skip: tuple[str, ...] = (), family: str = "qwen3", **overrides: Any
+    folder: Path,
+    fmt: str,
+    skip: tuple[str, ...] = (),
+    family: str = "qwen3",
+    edit: Callable[[Any], None] | None = None,
+    **overrides: Any,
 ) -> Any:
     """Write a tiny Qwen3 (or, family "qwen3_moe", a tiny Qwen3-MoE: MOE_SHAPE; "deepseek_v3",
     a tiny DeepSeek-V3: DEEPSEEK_SHAPE, `fmt` "fp8-block" only) quantized in format `fmt`
-    (FORMATS) to `folder`; `skip`: module names left unquantized; `overrides`: config keys
-    over the family's shape. Every projection is quantized, each expert's too (transformers
-    saves them one tensor per expert, the published layout); routers and norms stay as they
-    are. Returns the float32 transformers model it was made from."""
+    (FORMATS) to `folder`; `skip`: module names left unquantized; `edit`: changes the random
+    model's weights in place before it is saved again by `save_pretrained` and quantized;
+    `overrides`: config keys over the family's shape. Every projection is quantized, each
+    expert's too (transformers saves them one tensor per expert, the published layout);
+    routers and norms stay as they are. Returns the float32 transformers model it was made
+    from."""
     model = save_tiny(family, folder, **{**_SHAPES[family], **overrides})
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+        model.save_pretrained(folder)
     scheme = SCHEME[fmt]
     files = sorted(folder.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
@@ -125,9 +138,11 @@ def write_fp8_folder(
                 leaf = "weight_scale_inv"
             if fmt == "compressed-tensors" and leaf == "weight_scale":
                 value = value.to(torch.bfloat16)  # as llm-compressor stores them
+            if leaf == "input_scale" and ".experts." in module:
+                value = value * _expert_input_factor(module)
             out[f"{module}.{leaf}"] = value.contiguous()
         if fmt == "modelopt" and module.endswith(("k_proj", "v_proj")):
-            out[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)  # KV scales: not used
+            out[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)  # KV scales of 1.0
     save_file(out, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     unconverted = list(skip)
@@ -137,6 +152,15 @@ def write_fp8_folder(
     config["quantization_config"] = _quant_config(fmt, unconverted)
     (folder / "config.json").write_text(json.dumps(config))
     return model
+
+
+def _expert_input_factor(module: str) -> float:
+    """Per-expert static input scales differ, as calibration gives them (ModelOpt MoE
+    folders): expert e's gate and up take 1 + e/4 and 1 + e/8 times the base scale, down
+    1 + e/16, so the layer's largest (what Lockstep quantizes with) is one expert's."""
+    e = int(module.split(".experts.")[1].split(".")[0])
+    part = module.rsplit(".", 1)[-1]
+    return 1.0 + e / {"gate_proj": 4, "up_proj": 8, "down_proj": 16}[part]
 
 
 def set_quantization_config(folder: Path, **changes: Any) -> None:
@@ -249,11 +273,19 @@ def float64_reference(model: Any, folder: Path, fmt: str, skip: tuple[str, ...] 
     for name, module in list(model.named_modules()):
         if not name.endswith(".mlp.experts"):
             continue
+        inputs = {}  # per-tensor experts: one static scale per projection, the layer's largest
+        if fmt == "modelopt":
+            for proj, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+                inputs[proj] = torch.stack([tensors[f"{name}.{e}.{p}.input_scale"]
+                                            for e in range(module.num_experts)
+                                            for p in parts]).amax()  # fmt: skip
         experts = [
             {
                 p: Fp8Emulation(SCHEME[fmt], {
                     "weight": tensors[f"{name}.{e}.{p}.weight"],
                     "weight_scale": tensors[f"{name}.{e}.{p}.{scale_key}"],
+                    **({"input_scale": inputs["down" if p == "down_proj" else "gate_up"]}
+                       if inputs else {}),
                 })
                 for p in ("gate_proj", "up_proj", "down_proj")
             }

@@ -14,6 +14,8 @@ Prepared: one fused qkv linear (rows q | k | v, then the gate rows when gated), 
 bias, the norms (float32, plus one where the family stores w - 1) and o, row-parallel.
 New K/V are written to the cache before attention (`Ops.attention_input`), so prefix keys and
 new keys are read from one layout; a row's output depends only on keys 0..p of its sequence.
+An FP8 cache is written and read at the checkpoint's static per-layer k/v scales
+(`ModelSpec.kv_cache_scales`; lockstep/ops/fp8.py, "FP8 KV cache").
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from lockstep.ops.base import (
     LayerKV,
     PagedAttentionOps,
 )
-from lockstep.ops.fp8 import Fp8Weight
+from lockstep.ops.fp8 import E4M3, Fp8Weight
 from lockstep.parallel.layers import RowParallelWeight
 
 if TYPE_CHECKING:
@@ -54,8 +56,9 @@ if TYPE_CHECKING:
 @dataclass
 class AttentionWeights:
     """One attention layer, prepared: `qkv` rows q | k | v (| gate), `o` row-parallel (or FP8),
-    the per-layer inputs of `Ops.attention_input`, the layer's index among the K/V layers and
-    the number of gate rows at the end of qkv (0 without an output gate)."""
+    the per-layer inputs of `Ops.attention_input`, the layer's index among the K/V layers, the
+    number of gate rows at the end of qkv (0 without an output gate) and the checkpoint's
+    static (k, v) scales of an FP8 cache (1.0, 1.0 without them)."""
 
     qkv: Linear
     qkv_bias: torch.Tensor | None
@@ -66,6 +69,7 @@ class AttentionWeights:
     kv_index: int
     gate_rows: int
     scale: float
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,7 @@ class Attention:
             kv_index=context.cache_index,
             gate_rows=local_heads * spec.head_dim if self.output_gate else 0,
             scale=spec.attention_scale or 1.0 / math.sqrt(spec.head_dim),
+            kv_scales=kv_cache_scales(spec, context.cache_index),
         )  # fmt: skip
 
     def forward(self, ops: Ops, x: torch.Tensor, w: AttentionWeights, step: Step) -> torch.Tensor:
@@ -171,7 +176,10 @@ class Attention:
         if w.gate_rows:
             gate = qkv[:, -w.gate_rows :].contiguous()
             qkv = qkv[:, : -w.gate_rows].contiguous()
-        layer_kv = LayerKV(step.kv.k_cache(w.kv_index), step.kv.v_cache(w.kv_index))
+        k_cache, v_cache = step.kv.k_cache(w.kv_index), step.kv.v_cache(w.kv_index)
+        # The scales belong to an FP8 cache; a cache of the model dtype holds values as they are.
+        scales = w.kv_scales if k_cache.dtype == E4M3 else (1.0, 1.0)
+        layer_kv = LayerKV(k_cache, v_cache, *scales)
         q = ops.attention_input(qkv, w.attention_input, batch.positions, batch.out_slots, layer_kv)
         o = ops.attention(q, layer_kv, batch.meta, w.scale, self.window)
         o = o.reshape(batch.num_tokens, -1)
@@ -180,3 +188,12 @@ class Attention:
         if isinstance(w.o, Fp8Weight):
             return linear(ops, o, w.o)
         return step.parallel.row_linear(o, w.o, "attention")
+
+
+def kv_cache_scales(spec: ModelSpec, cache_index: int) -> tuple[float, float]:
+    """The (k, v) FP8 cache scales of the `cache_index`-th K/V layer: the checkpoint's
+    (`ModelSpec.kv_cache_scales`), or (1.0, 1.0) without them."""
+    scales = spec.kv_cache_scales
+    if scales is None:
+        return (1.0, 1.0)
+    return (scales.k[cache_index], scales.v[cache_index])

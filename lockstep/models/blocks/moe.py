@@ -24,15 +24,16 @@ shared(x). DeepSeek routing (sigmoid scores, the correction bias, expert groups,
 scaling factor: lockstep/ops/moe.py) runs inside `Ops.moe` from `MoeLayer.deepseek`. Every
 step is row-local, so the contract below holds unchanged.
 
-In a block-FP8 model (`ModelSpec.fp8`, scheme "block") every expert projection is e4m3 with
-its `weight_scale` [ceil(N/128), ceil(K/128)] beside it (spec.py), as Qwen3-30B-A3B-FP8
-and DeepSeek-V3 store them (DeepSeek's shared experts too, as FP8 linears); the router and
-the correction bias stay unquantized (Qwen's checkpoints list `mlp.gate` in
+In an FP8 model (`ModelSpec.fp8`) every expert projection is e4m3 with its scales beside it
+in the model's scheme (spec.py): block-wise as Qwen3-30B-A3B-FP8 and DeepSeek-V3 store them
+(DeepSeek's shared experts too, as FP8 linears), per channel with dynamic per-token
+activations (compressed-tensors), or per tensor with static input scales (ModelOpt). The
+router and the correction bias stay unquantized (Qwen's checkpoints list `mlp.gate` in
 `modules_to_not_convert`; an FP8 router is refused at load).
 
 Prepared: the router as a linear, the shared expert's gate | up and gate row as linears, its
 down row-parallel (as the dense MLP's), the experts stacked into gate_up [E, 2I, K'] and down
-[E, H, I'] (lockstep/ops/moe.py, "Weights"), FP8 experts with their stacked block scales
+[E, H, I'] (lockstep/ops/moe.py, "Weights"), FP8 experts with their stacked scales
 (`Fp8Experts`, "FP8 experts" there). A token's output is a function of its own row (the
 contract is in lockstep/ops/moe.py).
 
@@ -189,20 +190,24 @@ class MoeMlp:
     ) -> Any:
         """Common kinds (blocks/prepare.py), and: "experts" (expert-major sources, the same
         number per expert: each expert's rows concatenated, then stacked and prepared by
-        `prepare_expert_weights`) and "fp8_experts" (block-FP8 experts: the expert-major
-        weights, then their block scales, `prepare_fp8_experts`)."""
+        `prepare_expert_weights`) and "fp8_experts" (FP8 experts: the expert-major weights,
+        then their scales, then ("tensor") their input scales, `prepare_fp8_experts`)."""
         moe, device = context.spec.moe, context.device
         if entry.kind not in ("experts", "fp8_experts"):
             return prepare_common(entry, parts, context)
         assert moe is not None
         ops = context.ops
         if entry.kind == "fp8_experts":
-            half = len(parts) // 2
-            weights = [w.to(device) for w in parts[:half]]
-            scales = [s.to(device=device, dtype=torch.float32) for s in parts[half:]]
+            assert context.spec.fp8 is not None
+            scheme = context.spec.fp8.scheme
+            n = len(parts) // (3 if scheme == "tensor" else 2)
+            weights = [w.to(device) for w in parts[:n]]
+            scales = [s.to(device=device, dtype=torch.float32) for s in parts[n:]]
             if fp8_pieces(context) and sharded_experts(context.parallel):
-                return sharded_fp8_experts(context.parallel, entry.target, weights, scales)
-            return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales, moe.num_experts)
+                # Block-FP8 only: the other schemes run at tp 1 (lockstep/engine/engine.py).
+                return sharded_fp8_experts(context.parallel, entry.target, weights, scales[:n])
+            return prepare_fp8_experts(ops.prepare_fp8_linear, weights, scales[:n],
+                                       moe.num_experts, scheme, scales[n:] or None)  # fmt: skip
         parallel, experts = context.parallel, moe.num_experts
         if sharded_experts(parallel):
             if entry.target.endswith("experts_down"):
@@ -226,7 +231,8 @@ class MoeMlp:
                                        moe.topk_groups, moe.group_score, moe.routed_scaling)  # fmt: skip
         if isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts):
             layer = MoeLayer(router, gate_up.weight, down.weight, moe.top_k, moe.renormalize,
-                             gate_up.scale, down.scale, deepseek)  # fmt: skip
+                             gate_up.scale, down.scale, deepseek, gate_up.scheme,
+                             gate_up.input_scale, down.input_scale)  # fmt: skip
         elif isinstance(down, RowParallelWeight):  # sharded: `down` holds the pieces
             # Block-FP8 experts: the layer holds their prepared weights (sharded_moe runs
             # them through the FP8 expert linear).
@@ -275,7 +281,8 @@ class MoeMlp:
 
 def _experts_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEntry:
     """One stacked expert projection over `modules` (expert-major): "experts" (weights) when
-    none is FP8, "fp8_experts" (weights, then their block scales) when all are. Experts of one
+    none is FP8, "fp8_experts" (weights, then their scales, then "tensor" input scales) when
+    all are. Experts of one
     layer share one grouped GEMM, so a mix of FP8 and unquantized experts is refused."""
     fp8 = [spec.is_fp8_linear(m) for m in modules]
     if not any(fp8):
@@ -285,5 +292,8 @@ def _experts_entry(spec: ModelSpec, target: str, modules: list[str]) -> LayoutEn
             f"{modules[fp8.index(False)]} is not FP8 but {modules[fp8.index(True)]} is: the "
             "experts of a layer run as one grouped GEMM and must share one format"
         )
-    sources = [m + ".weight" for m in modules] + [m + ".weight_scale" for m in modules]
-    return LayoutEntry(target, "fp8_experts", sources)  # block scheme only (spec.py)
+    assert spec.fp8 is not None
+    suffixes = [".weight", ".weight_scale"] + (
+        [".input_scale"] if spec.fp8.scheme == "tensor" else []
+    )
+    return LayoutEntry(target, "fp8_experts", [m + s for s in suffixes for m in modules])

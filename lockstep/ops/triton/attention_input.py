@@ -4,8 +4,8 @@ q and k (Qwen3), RoPE, q to its own tensor, k and v into the paged caches.
 One program per (token, head), so every value depends on its own token's row only. The steps
 are those of the composed path (`lockstep.ops.base.ComposedAttentionInput`): head RMSNorm,
 rounded to the activation dtype, then RoPE `x1*c - x2*s`, `x2*c + x1*s` from float32 tables,
-then exact copies into the caches; the per-head sum of squares is reduced as two half-head
-sums (fixed by head_dim alone). One launch per layer instead of five (two head norms, two
+then exact copies into the caches (an FP8 cache: divided by the layer's scale, then rounded);
+the per-head sum of squares is reduced as two half-head sums (fixed by head_dim alone). One launch per layer instead of five (two head norms, two
 RoPEs, one cache write): at small decode steps each launch costs more than its work.
 """
 
@@ -23,7 +23,7 @@ from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
 @triton.jit
 def _attention_input_kernel(
     qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, q_norm, k_norm,
-    sqkv, sqt, sqh, skc, skh, svc, svh, sc, eps, HQ, HKV,
+    sqkv, sqt, sqh, skc, skh, svc, svh, sc, eps, k_scale, v_scale, HQ, HKV,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
@@ -38,8 +38,8 @@ def _attention_input_kernel(
     writes = (dd * 0 + slot) >= 0  # broadcast: the interpreter wants a tensor mask
     if head >= HQ + HKV:  # v: an exact copy (to an FP8 cache: `_to_cache`)
         v_dst = v_cache + slot * svc + (head - HQ - HKV) * svh
-        tl.store(v_dst + dd, _to_cache(x1, v_cache), mask=writes)
-        tl.store(v_dst + HALF + dd, _to_cache(x2, v_cache), mask=writes)
+        tl.store(v_dst + dd, _to_cache(x1, v_cache, v_scale), mask=writes)
+        tl.store(v_dst + HALF + dd, _to_cache(x2, v_cache, v_scale), mask=writes)
     else:
         y1 = x1.to(tl.float32)
         y2 = x2.to(tl.float32)
@@ -65,22 +65,23 @@ def _attention_input_kernel(
             tl.store(q_dst + HALF + dd, o2)
         else:
             k_dst = k_cache + slot * skc + (head - HQ) * skh
-            tl.store(k_dst + dd, _to_cache(o1, k_cache), mask=writes)
-            tl.store(k_dst + HALF + dd, _to_cache(o2, k_cache), mask=writes)
+            tl.store(k_dst + dd, _to_cache(o1, k_cache, k_scale), mask=writes)
+            tl.store(k_dst + HALF + dd, _to_cache(o2, k_cache, k_scale), mask=writes)
 
 
 @triton.jit
-def _to_cache(x, cache):
+def _to_cache(x, cache, scale):
     """x in the cache's element type: unchanged for a cache of x's dtype; for an FP8 cache
-    (scale 1.0) `lockstep.ops.fp8.e4m3_sat` of x widened to fp32: rounded to the nearest e4m3
-    value, ties to even, and saturated at +-448. The rounding is spelled out in fp32 so that
+    `lockstep.ops.fp8.quantize_kv`: x widened to fp32, divided by the layer's scale
+    (`div_rn`, correctly rounded as torch's division; exact for 1.0), rounded to the nearest
+    e4m3 value, ties to even, and saturated at +-448. The rounding is spelled out in fp32 so that
     every Triton backend gives it (the interpreter's own fp8 conversion does not round to
     nearest even): with ulp the e4m3 spacing at |x| (2^(e-3) for |x| in [2^e, 2^(e+1)), e >=
     -6; 2^-9 below), (|x| + ulp*2^23) - ulp*2^23 is |x| rounded to a multiple of ulp, ties to
     even, by fp32 addition; the result is exact in e4m3, so the final conversion is exact."""
     if cache.dtype.element_ty == x.dtype:
         return x
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    bits = tl.div_rn(x.to(tl.float32), scale).to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # unbiased, e4m3's normal floor
     magic = ((exponent - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)
     mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
@@ -93,7 +94,7 @@ def attention_input(
     qkv: Tensor, layer: AttentionInput, positions: Tensor, slots: Tensor, kv: LayerKV
 ) -> Tensor:
     """See `lockstep.ops.base.Ops.attention_input`."""
-    k_cache, v_cache = kv
+    k_cache, v_cache = kv.k, kv.v
     num_heads, q_norm, k_norm = layer.num_heads, layer.q_norm, layer.k_norm
     eps, cos, sin = layer.eps, layer.cos, layer.sin
     if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
@@ -139,7 +140,8 @@ def attention_input(
             qkv, q, k_cache, v_cache, positions, slots, cos, sin,
             q_norm if has_norm else qkv, k_norm if has_norm else qkv,
             qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), cos.stride(0), float(eps), hq, hkv,
+            v_cache.stride(0), v_cache.stride(1), cos.stride(0), float(eps),
+            float(kv.k_scale), float(kv.v_scale), hq, hkv,
             HALF=half, HAS_NORM=has_norm, num_warps=1, **pdl_launch(qkv.device, t),
         )  # fmt: skip
     return q
