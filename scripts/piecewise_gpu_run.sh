@@ -26,13 +26,16 @@ for _ in range(150):
         urllib.request.urlopen("http://127.0.0.1:8000/health"); break
     except Exception: time.sleep(2)'
 }
+stats() {  # the server's step counts (warm-up included): launched ahead as offline?
+    python3 -c 'import json, urllib.request
+d = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v1/engine"))["stats"]
+print("stats", json.dumps({k: d[k] for k in ("num_steps", "steps_launched_ahead", "num_preemptions")}))'
+}
 stream() {
     timeout 150 python3 -m lockstep bench serve --api completions --max-concurrency 64 \
         --num-prompts 256 --input-len 512 --output-len 256 --warmup 64 --no-progress \
         --output "$OUT/stream_$1.json" 2>&1 | grep -E "wall time|TTFT|ITL|TPOT"
-    python3 -c 'import json, urllib.request
-d = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v1/engine"))["stats"]
-print("stats", json.dumps({k: d[k] for k in ("num_steps", "steps_launched_ahead", "num_preemptions")}))'
+    stats
 }
 for what in "$@"; do
     date -u
@@ -48,6 +51,7 @@ for what in "$@"; do
         timeout 150 python3 -m lockstep bench serve --api generate --no-stream --logprobs \
             --num-prompts 256 --input-len 1024 --output-len 1024 --warmup 64 --no-progress \
             --output "$OUT/generate.json" 2>&1 | grep -E "wall time|E2E"
+        stats
         kill $SERVER; wait $SERVER
         continue ;;
     default) opts=() ;;

@@ -27,19 +27,32 @@ class OutputText:
 
     def fill(self, output: StepOutput) -> bool:
         """Set `output.new_text`, and end the request there when a stop string completes;
-        returns True when that ended a request the engine still runs (abort it)."""
+        returns True when that ended a request the engine still runs (abort it). An output
+        may carry several tokens (held_outputs.py merges a request's outputs): they are
+        pushed one by one, as their own outputs would have been, `hides_token` and `finished`
+        applying to the last; a stop string cuts the output after the token completing it."""
         if not output.new_token_ids:  # an abort's closing output: what was held back
             output.new_text = self._text.push(None, final=True).text
             return False
-        (token,) = output.new_token_ids  # the engine appends one token per output
-        delta = self._text.push(
-            None if output.hides_token else token,
-            final=output.finished,
-            check_stops=output.completion_tokens >= self._min_tokens,
-        )
-        output.new_text = delta.text
+        tokens = output.new_token_ids
+        last = len(tokens) - 1
+        texts = []
+        for i, token in enumerate(tokens):
+            delta = self._text.push(
+                None if output.hides_token and i == last else token,
+                final=output.finished and i == last,
+                check_stops=output.completion_tokens - (last - i) >= self._min_tokens,
+            )
+            texts.append(delta.text)
+            if delta.stop_string is not None:
+                break
+        output.new_text = "".join(texts)
         if delta.stop_string is None:
             return False
+        if i < last:  # the tokens after the stop reach no one
+            del output.new_token_ids[i + 1 :], output.new_token_logprobs[i + 1 :]
+            if output.new_logprobs is not None:
+                del output.new_logprobs[i + 1 :]
         engine_runs_on = not output.finished
         output.finished = True
         output.finish_reason = "stop"
