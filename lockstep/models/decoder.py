@@ -2,7 +2,7 @@
 norm, MLP), the mixer and MLP being blocks (lockstep/models/blocks) named by the spec's
 `layer_plans`: attention and its variants or Gated DeltaNet; a SwiGLU MLP or routed experts.
 All arithmetic goes through an `Ops` backend (lockstep.ops), so the same model code runs the
-deterministic CPU kernels, the Triton kernels, the fast yardstick and the float64 reference.
+deterministic CPU kernels, the Triton kernels, the stock-torch reference mode and the float64 oracle.
 
 Weights are loaded strictly: every tensor the loader yields must be expected and every expected
 tensor must arrive, else `ModelLoadError`. Each block prepares its own tensors (its `layout`

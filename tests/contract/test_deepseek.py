@@ -8,7 +8,7 @@ ungated shared experts, dense first layers. Then the position-invariance contrac
 shared property harness (tests/support/invariance_harness.py): random schedules with
 batch-mates and radix hits, hits of every length across the CPU kernel's 32-key block with
 short uncached tails, every chunk size, decode versus teacher-forced scoring, preemption, a
-bf16 cache; fast mode (stock SDPA and transformers' routing) must fail the same checks.
+bf16 cache; reference mode (stock SDPA and transformers' routing) must fail the same checks.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_a_backend_without_latent_attention_is_refused_at_load(folders) -> None:
     names the capability in one line."""
     loaded = resolve_model(str(folders["deepseek_v3"][0]))
     with pytest.raises(ModelLoadError) as err:
-        Decoder.load(loaded, get_ops("cpu", "reference"), torch.float64, "cpu")
+        Decoder.load(loaded, get_ops("cpu", "float64"), torch.float64, "cpu")
     assert "\n" not in str(err.value) and "LatentAttentionOps" in str(err.value)
 
 
@@ -303,10 +303,10 @@ def test_other_families_keep_the_contract(folders, family: str) -> None:
         assert not problems, f"{family} n={n} {plan.describe()}: " + "; ".join(problems)
 
 
-def test_negative_control_fast_mode_breaks_the_contract(folders) -> None:
-    """The same harness in fast mode (oneDNN GEMMs, SDPA over the latent rows, transformers'
+def test_negative_control_reference_mode_breaks_the_contract(folders) -> None:
+    """The same harness in reference mode (oneDNN GEMMs, SDPA over the latent rows, transformers'
     routing) finds differences: it is not blind."""
-    engine = _engine(str(folders["deepseek_v3"][0]), mode="fast")
+    engine = _engine(str(folders["deepseek_v3"][0]), mode="reference")
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)
@@ -326,11 +326,11 @@ def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
 def test_negative_control_stock_latent_attention_alone_breaks_the_contract(folders) -> None:
     """Everything deterministic but the latent attention, which is the stock SDPA
     formulation: the harness finds differences, so it sees the MLA kernel's part."""
-    from lockstep.ops.cpu_fast import CpuFastOps
+    from lockstep.ops.cpu_stock import CpuStockOps
 
     engine = _engine(str(folders["deepseek_v3"][0]))
     ops = engine.decoder.ops
-    ops.latent_attention = CpuFastOps.latent_attention.__get__(ops)  # type: ignore[method-assign]
+    ops.latent_attention = CpuStockOps.latent_attention.__get__(ops)  # type: ignore[method-assign]
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)

@@ -1,7 +1,7 @@
 """What every family must show, one row per tiny folder written by transformers
 (tests/support/tiny_hf.py): logits and greedy generation within 1e-4 of transformers in
 float32; the position-invariance contract (any schedule of batch-mates, radix hits and chunks
-gives a cold prefill's bits, decode gives scoring's); and the negative control, fast mode
+gives a cold prefill's bits, decode gives scoring's); and the negative control, reference mode
 failing the same suite. A row with a sliding window also shows the window is what matches:
 the same weights served without it miss transformers past the window.
 
@@ -122,13 +122,13 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+@pytest.mark.parametrize("mode", ["deterministic", "reference"])
 def test_matches_transformers_prefill_and_generation(served, written, mode: str) -> None:
     """Logits of a 40-token prefill (five windows) and greedy token-by-token generation from
     a 25-token prompt agree with transformers within 1e-4 in float32, in both modes."""
     row, model, engine = served
-    if mode == "fast":
-        engine = _engine(written(row)[0], mode="fast")
+    if mode == "reference":
+        engine = _engine(written(row)[0], mode="reference")
     assert engine.decoder.spec.window(0) == row.window
     tokens = _tokens(3, 40)
     with torch.no_grad():
@@ -200,10 +200,10 @@ def test_generation_logprobs_equal_scoring(served) -> None:
     engine.check_integrity()
 
 
-def test_negative_control_fast_mode_breaks_the_contract(served, written) -> None:
-    """The same harness on fast mode (oneDNN GEMMs, SDPA) finds differences: it is not blind."""
+def test_negative_control_reference_mode_breaks_the_contract(served, written) -> None:
+    """The same harness on reference mode (oneDNN GEMMs, SDPA) finds differences: it is not blind."""
     row = served[0]
-    engine = _engine(written(row)[0], mode="fast")
+    engine = _engine(written(row)[0], mode="reference")
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)

@@ -2,7 +2,7 @@
 layer, scaled embeddings, per-layer-type RoPE (lockstep/models/families/gemma3.py).
 
 What every family shows (transformers within 1e-4 in both modes, the window control, random
-schedules, decode versus scoring, fast mode failing, `lockstep check --serve`) is Gemma 3's
+schedules, decode versus scoring, reference mode failing, `lockstep check --serve`) is Gemma 3's
 row of tests/contract/test_family_conformance.py. Here, what only Gemma 3 has, on a tiny
 Gemma3ForCausalLM saved by transformers (its window of 8 keys shorter than every prompt):
 the multimodal layouts, logit soft-capping, its refusals, and the contract where the window

@@ -7,7 +7,7 @@ experts plus a sigmoid-gated shared expert, Qwen3-Next's grouped projections and
 shared property harness (tests/support/invariance_harness.py, as tests/contract/test_hybrid.py uses it): random
 schedules with batch-mates, prefix hits of every length 1..3C with short uncached tails, every
 chunk size, decode versus teacher-forced scoring, preemption. The negative controls run the
-same checks in fast mode and require them to fail.
+same checks in reference mode and require them to fail.
 """
 
 from __future__ import annotations
@@ -113,13 +113,13 @@ def test_matches_transformers_prefill_and_generation(hf_folder) -> None:
         assert abs(lp - float(step[token])) < 1e-4
 
 
-def test_fast_mode_matches_transformers(hf_folder) -> None:
+def test_reference_mode_matches_transformers(hf_folder) -> None:
     """The yardstick computes the same model (so its failures below are about scheduling)."""
     _, folder, model = hf_folder
     tokens = [random.Random(4).randrange(300) for _ in range(70)]
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0]
-    got = _engine(str(folder), mode="fast").decoder.logits_for_sequence(tokens)
+    got = _engine(str(folder), mode="reference").decoder.logits_for_sequence(tokens)
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
 
 
@@ -319,10 +319,10 @@ def test_lockstep_check_serve_passes_every_scenario(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_negative_control_fast_mode_breaks_the_contract(family: str) -> None:
-    """The same schedules as above in fast mode: some position differs from the cold
+def test_negative_control_reference_mode_breaks_the_contract(family: str) -> None:
+    """The same schedules as above in reference mode: some position differs from the cold
     prefill, and decode differs from scoring somewhere."""
-    engine = _engine(PRESET[family], mode="fast")
+    engine = _engine(PRESET[family], mode="reference")
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)
@@ -330,7 +330,7 @@ def test_negative_control_fast_mode_breaks_the_contract(family: str) -> None:
         tokens = [rng.randrange(VOCAB) for _ in range(n)]
         plan = random_plan(rng, n, max_mates=2)
         failures += bool(mismatches(reference(engine, tokens), compute(engine, tokens, plan, rng)))
-    assert failures > 0, "fast mode passed every schedule: the check is blind"
+    assert failures > 0, "reference mode passed every schedule: the check is blind"
 
     llm = _llm(engine)
     rng = random.Random(2)
@@ -342,4 +342,4 @@ def test_negative_control_fast_mode_breaks_the_contract(family: str) -> None:
         score.logprobs[len(out.prompt_token_ids) :] != out.logprobs
         for out, score in zip(outs, scores, strict=True)
     )
-    assert differs > 0, "fast mode agreed with scoring everywhere: the comparison is blind"
+    assert differs > 0, "reference mode agreed with scoring everywhere: the comparison is blind"
