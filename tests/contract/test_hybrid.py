@@ -162,7 +162,7 @@ def test_unsupported_layer_type_is_refused_in_one_line(tmp_path: Path, hf_folder
 
 
 def test_backend_without_linear_attention_is_refused() -> None:
-    """The reference backend has no gated delta rule: a hybrid model is refused in one line
+    """The float64 oracle has no gated delta rule: a hybrid model is refused in one line
     naming the block and the missing capability; a backend with it loads (control)."""
     from lockstep.models.decoder import Decoder
     from lockstep.models.resolver import resolve_model
@@ -172,7 +172,7 @@ def test_backend_without_linear_attention_is_refused() -> None:
         Decoder.load(resolve_model(HYBRID), get_ops("cpu", "float64"), torch.float32, "cpu")
     message = str(err.value)
     assert "\n" not in message
-    assert "reference backend cannot run" in message and "GatedDeltaNet" in message
+    assert "float64 backend cannot run" in message and "GatedDeltaNet" in message
     assert "LinearAttentionOps" in message
     ops = get_ops("cpu", "deterministic")
     assert Decoder.load(resolve_model(HYBRID), ops, torch.float32, "cpu").spec.hybrid
