@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.errors import ConfigError
-from lockstep.models.hub import is_hub_id
-from lockstep.models.spec import LINEAR_ATTENTION_CHUNK
+from lockstep.model_arguments import is_hub_id
+from lockstep.numerics import LINEAR_ATTENTION_CHUNK
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from typing import Any, Protocol
 
 from lockstep.engine.outputs import StepOutput
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.server.engine_loop import EngineInfo
 from lockstep.server.engine_wire import (
     Abort,
     AddRequests,
     Call,
     Command,
     Continue,
+    EngineInfo,
     Event,
     Fatal,
     Finish,

@@ -38,7 +38,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from lockstep.errors import LockstepError, RequestError
@@ -48,6 +47,7 @@ from lockstep.server.engine_wire import (
     Call,
     Command,
     Continue,
+    EngineInfo,
     Event,
     Fatal,
     Finish,
@@ -109,52 +109,6 @@ ENGINE_CALLS: dict[str, Callable[..., Any]] = {
     "update_weights_from_tensor": lambda e, *a: _weight_receiver().update_from_safetensors(e, *a),
     "update_weight_version": _set_weight_version,
 }
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the front end reads about the engine once, at start-up."""
-
-    model_name: str
-    tokenizer: Any
-    max_model_len: int
-    config: Any  # the EngineConfig
-    kv_slots: int  # the KV pool's slots: a sequence never holds more
-    fingerprint: dict[str, Any]  # Engine.fingerprint() at start
-    model_type: str | None  # the model family (SGLang's /model_info)
-    model_vocab_size: int  # the logits' width (structured outputs' masks)
-    tokenizer_path: str | None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
-    detokenizes: bool  # outputs carry text (False: the front end makes it, output_text.py)
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
-        from lockstep.models.tokenizer import Tokenizer
-        from lockstep.models.tokenizer_folder import tokenizer_folder
-        from lockstep.ops.cpu_build import cache_root
-
-        decoder = getattr(engine, "decoder", None)
-        loaded = getattr(engine, "loaded", None)
-        tokenizer_path = None
-        if loaded is not None and isinstance(engine.tokenizer, Tokenizer):
-            # The model's own folder, or one written into Lockstep's cache for a GGUF file or
-            # preset (what SGLang's routers load).
-            tokenizer_path = tokenizer_folder(
-                engine.tokenizer, loaded.source, engine.max_model_len, cache_root()
-            )
-        return cls(
-            model_name=engine.model_name,
-            tokenizer=engine.tokenizer,
-            max_model_len=engine.max_model_len,
-            config=engine.config,
-            kv_slots=engine.pool.num_slots,
-            fingerprint=engine.fingerprint(),
-            model_type=None if decoder is None else decoder.spec.family,
-            model_vocab_size=engine.tokenizer.vocab_size
-            if decoder is None
-            else decoder.spec.vocab_size,
-            tokenizer_path=tokenizer_path,
-            detokenizes=getattr(engine, "detokenize", True),
-        )
 
 
 class EngineLoop:

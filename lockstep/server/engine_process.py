@@ -32,10 +32,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lockstep.errors import LockstepError
-from lockstep.server.engine_loop import EngineInfo, EngineLoop
+from lockstep.server.engine_loop import EngineLoop
 from lockstep.server.engine_wire import (
     AddRequests,
     Command,
+    EngineInfo,
     Event,
     Fatal,
     Outputs,

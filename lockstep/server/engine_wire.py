@@ -34,7 +34,6 @@ from lockstep.engine.outputs import StepOutput, TokenLogprob
 
 if TYPE_CHECKING:  # the engine's types, never imported at run time by the HTTP process
     from lockstep.engine.sampling_params import SamplingParams
-    from lockstep.server.engine_loop import EngineInfo
 
 
 class WireMismatch(RuntimeError):
@@ -181,6 +180,52 @@ Event = Outputs | Reply | StepFailed | Fatal
 
 
 # -- start-up (engine process -> parent, once) --------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo(WireMessage):
+    """What the front end reads about the engine once, at start-up (`Ready` carries it)."""
+
+    model_name: str
+    tokenizer: Any
+    max_model_len: int
+    config: Any  # the EngineConfig
+    kv_slots: int  # the KV pool's slots: a sequence never holds more
+    fingerprint: dict[str, Any]  # Engine.fingerprint() at start
+    model_type: str | None  # the model family (SGLang's /model_info)
+    model_vocab_size: int  # the logits' width (structured outputs' masks)
+    tokenizer_path: str | None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
+    detokenizes: bool  # outputs carry text (False: the front end makes it, output_text.py)
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineInfo:
+        from lockstep.models.tokenizer import Tokenizer
+        from lockstep.models.tokenizer_folder import tokenizer_folder
+        from lockstep.ops.cpu_build import cache_root
+
+        decoder = getattr(engine, "decoder", None)
+        loaded = getattr(engine, "loaded", None)
+        tokenizer_path = None
+        if loaded is not None and isinstance(engine.tokenizer, Tokenizer):
+            # The model's own folder, or one written into Lockstep's cache for a GGUF file or
+            # preset (what SGLang's routers load).
+            tokenizer_path = tokenizer_folder(
+                engine.tokenizer, loaded.source, engine.max_model_len, cache_root()
+            )
+        return cls(
+            model_name=engine.model_name,
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            config=engine.config,
+            kv_slots=engine.pool.num_slots,
+            fingerprint=engine.fingerprint(),
+            model_type=None if decoder is None else decoder.spec.family,
+            model_vocab_size=engine.tokenizer.vocab_size
+            if decoder is None
+            else decoder.spec.vocab_size,
+            tokenizer_path=tokenizer_path,
+            detokenizes=getattr(engine, "detokenize", True),
+        )
 
 
 @dataclass(frozen=True)

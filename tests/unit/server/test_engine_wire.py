@@ -18,7 +18,6 @@ from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.errors import RequestError
 from lockstep.server import engine_wire as wire
-from lockstep.server.engine_loop import EngineInfo
 
 
 def _step_output(i: int, *, full: bool) -> StepOutput:
@@ -44,8 +43,8 @@ def _step_output(i: int, *, full: bool) -> StepOutput:
     )
 
 
-def _info() -> EngineInfo:
-    return EngineInfo(
+def _info() -> wire.EngineInfo:
+    return wire.EngineInfo(
         model_name="random:tiny", tokenizer=None, max_model_len=64, config=None, kv_slots=128,
         fingerprint={"weight_version": "default"}, model_type="qwen3", model_vocab_size=256,
         tokenizer_path=None, detokenizes=False,
@@ -70,6 +69,7 @@ EXAMPLES: list[wire.WireMessage] = [
     wire.StepFailed("RuntimeError: boom", ["r1"]),
     wire.Fatal("the engine process died"),
     wire.Ready(_info()),
+    _info(),
     wire.StartFailed("model=nope is invalid", 2),
     wire.PackedOutputs(wire.STEP_OUTPUT_FIELDS, [], None, 0),
 ]
