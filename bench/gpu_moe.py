@@ -4,18 +4,18 @@
 
 Layer (128 experts, top 8, hidden 2048, expert width 768, bf16, random weights): at T tokens
 in {1, 8, 32, 256, 2048, 8192}, `GpuDeterministicOps.moe` (routing kernel, device grouping,
-grouped GEMMs, combine) against `GpuFastOps.moe` (torch's grouped GEMM) and, up to T 32, the
+grouped GEMMs, combine) against `GpuStockOps.moe` (torch's grouped GEMM) and, up to T 32, the
 dense every-expert path, all timed as CUDA-graph replays after a clean L2; the floor is the
 bytes the layer must read (router, the distinct experts the tokens chose, x and out) at the
 measured copy rate. With --sweep, candidate tile configs of each grouped GEMM per T bucket.
 
 Decode: `random:qwen3-30b-a3b` through the engine (CUDA graphs, greedy, batch 1, 512-token
-prompt, 64 timed steps), deterministic and fast, against the batch-1 floor: the bytes one
+prompt, 64 timed steps), deterministic and reference (stock torch), against the batch-1 floor: the bytes one
 token must read at the mean context (`decode_floor`), at the measured copy rate.
 
 --fp8: the same with block-FP8 experts (`lockstep/ops/triton/fp8_moe.py`; every expert part
 quantized in 128x128 blocks, the router bf16) and `random:qwen3-30b-a3b-fp8`; the floors
-count one byte per FP8 weight (block scales, under 0.03% of the bytes, left out). Fast mode
+count one byte per FP8 weight (block scales, under 0.03% of the bytes, left out). Reference mode
 dequantizes every expert at each call there: a control, not a yardstick. --sweep is for the
 bf16 layer only.
 
@@ -38,7 +38,7 @@ from bench.gpu_kernels import copy_bandwidth, graph_ms
 from lockstep.models.spec import ModelSpec
 from lockstep.ops import fp8
 from lockstep.ops.gpu_deterministic import GpuDeterministicOps
-from lockstep.ops.gpu_fast import GpuFastOps, grouped_mm_runs
+from lockstep.ops.gpu_stock import GpuStockOps, grouped_mm_runs
 from lockstep.ops.moe import MoeLayer, experts_dense, prepare_expert_weights, prepare_fp8_experts
 from lockstep.ops.triton import moe as gm
 
@@ -134,7 +134,7 @@ def _try_graph_ms(fn, log) -> float | None:
 
 def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
     """bandwidth: TB/s."""
-    det, fast = GpuDeterministicOps(), GpuFastOps()
+    det, stock = GpuDeterministicOps(), GpuStockOps()
     rows = []
     for t in TS:
         x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
@@ -147,8 +147,8 @@ def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
             "distinct_experts": distinct,
             "floor_ms": floor_bytes / bandwidth / 1e9,
             "det_ms": graph_ms(lambda x=x: det.moe(x, layer)),
-            "fast_ms": _try_graph_ms(lambda x=x: fast.moe(x, layer), log),
-            "fast_impl": "dequantized every call" if layer.fp8
+            "stock_ms": _try_graph_ms(lambda x=x: stock.moe(x, layer), log),
+            "stock_impl": "dequantized every call" if layer.fp8
             else "torch._grouped_mm" if grouped_mm_runs(x, layer) else "every expert",
         }  # fmt: skip
         if t <= DENSE_MAX_T and not layer.fp8:
@@ -160,8 +160,8 @@ def run_layer(layer: MoeLayer, bandwidth: float, log) -> list[dict]:
             row["dense_every_expert_ms"] = graph_ms(dense)
         row["tflops_det"] = 2 * t * TOP_K * 3 * INTER * H / row["det_ms"] / 1e9
         rows.append(row)
-        log(f"T {t:>5}  experts {distinct:>3}  det {row['det_ms']:.4f} ms  fast "
-            f"{row['fast_ms'] or float('nan'):.4f} ms ({row['fast_impl']})  "
+        log(f"T {t:>5}  experts {distinct:>3}  det {row['det_ms']:.4f} ms  stock "
+            f"{row['stock_ms'] or float('nan'):.4f} ms ({row['stock_impl']})  "
             f"floor {row['floor_ms']:.4f} ms  "
             f"{row.get('dense_every_expert_ms', float('nan')):.4f} ms every-expert  "
             f"{row['tflops_det']:.1f} TFLOP/s")  # fmt: skip
@@ -229,7 +229,7 @@ def run_decode(bandwidth: float, log, model: str = MODEL) -> list[dict]:
     """bandwidth: TB/s."""
 
     rows = []
-    for mode in ("deterministic", "fast"):
+    for mode in ("deterministic", "reference"):
         try:
             rows.append(_decode_mode(mode, bandwidth, log, model))
         except Exception as exc:  # report the other mode anyway

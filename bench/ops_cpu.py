@@ -21,7 +21,7 @@ import torch
 
 from lockstep.ops.base import AttentionMeta, LayerKV, Ops, build_attention_meta
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-from lockstep.ops.cpu_fast import CpuFastOps
+from lockstep.ops.cpu_stock import CpuStockOps
 
 # SmolLM2-135M
 HIDDEN, INTER, LAYERS, HQ, HKV, HEAD_DIM, VOCAB = 576, 1536, 30, 9, 3, 64, 49152
@@ -194,7 +194,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    ops: dict[str, Ops] = {"det": CpuDeterministicOps(), "fast": CpuFastOps()}
+    ops: dict[str, Ops] = {"det": CpuDeterministicOps(), "stock": CpuStockOps()}
 
     linears = bench_linears(ops, args.repeats)
     print(
@@ -204,12 +204,12 @@ def main() -> None:
     for r in linears:
         print(
             f"{r['op']:16s} {r['wdtype']:8s} {r['M']:5d} {r['det_ms']:9.3f} {r['det_GBps']:9.1f}"
-            f" {r['det_GFLOPs']:9.1f} {r['fast_ms']:9.3f} {r['fast_GFLOPs']:10.1f}"
+            f" {r['det_GFLOPs']:9.1f} {r['stock_ms']:9.3f} {r['stock_GFLOPs']:10.1f}"
         )
     attention = bench_attention(ops, args.repeats)
     print(f"\n{'op':32s} {'cache':9s} {'det ms':>9s} {'torch ms':>9s}")
     for r in attention:
-        print(f"{r['op']:32s} {r['cache']:9s} {r['det_ms']:9.3f} {r['fast_ms']:9.3f}")
+        print(f"{r['op']:32s} {r['cache']:9s} {r['det_ms']:9.3f} {r['stock_ms']:9.3f}")
     model = [] if args.skip_model else bench_model(ops, args.repeats)
     if model:
         print(f"\n{'step':26s} {'w':9s} {'backend':8s} {'ms/step':>9s} {'tok/s':>9s}")

@@ -18,6 +18,7 @@ from lockstep.config import (
     DTYPES,
     GDN_KERNELS,
     KV_DTYPES,
+    MODE_ALIASES,
     MODES,
     SPECULATIVE_METHODS,
     TP_REDUCTIONS,
@@ -28,7 +29,8 @@ _HELP = {
     "model": "Hugging Face hub id (org/name, read from the HF cache or downloaded), GGUF file, "
     "Hugging Face folder or random:PRESET (default: the embedded SmolLM2-135M-Instruct)",
     "revision": "branch, tag or commit of a hub id (default: main)",
-    "mode": "deterministic (default) or fast (plain torch/cuBLAS; the yardstick)",
+    "mode": "deterministic (default) or reference (stock PyTorch/cuBLAS: the negative control "
+    "that shows determinism tests can fail, not a speed target; 'fast' is its old name)",
     "device": "auto, cpu or cuda",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16",
     "kv_dtype": "KV cache element type: auto (the model dtype) or fp8_e4m3 (one byte per value, "
@@ -65,7 +67,7 @@ _HELP = {
     "ep": "expert parallelism: 1, or --tp to spread a mixture-of-experts model's experts "
     "over the tensor-parallel ranks (each computes its experts whole; same bits as --tp 1)",
     "tp_reduction": "how row-parallel partial sums are added: chunked (default in deterministic "
-    "mode: same bits at every degree), ranks, all_reduce (default in fast mode)",
+    "mode: same bits at every degree), ranks, all_reduce (default in reference mode)",
     "linear_snapshots": "hybrid models: radix snapshots of the linear-attention state to "
     "keep, a pool allocated at start (default: 4 per running request, at most half the memory "
     "the caches get; 0: none)",
@@ -87,7 +89,7 @@ _HELP = {
     "(same outputs; hides host work on a GPU; default: on for CUDA, off on the CPU)",
 }
 _CHOICES = {
-    "mode": MODES,
+    "mode": MODES + tuple(MODE_ALIASES),
     "device": DEVICES,
     "dtype": DTYPES,
     "kv_dtype": KV_DTYPES,

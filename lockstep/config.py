@@ -13,14 +13,23 @@ properties (`resolved_max_running`, `use_overlap_decode`, ...): `DEVICE_DEFAULTS
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from lockstep.errors import ConfigError
-from lockstep.models.hub import is_hub_id
-from lockstep.models.spec import LINEAR_ATTENTION_CHUNK
+from lockstep.model_arguments import is_hub_id
+from lockstep.numerics import LINEAR_ATTENTION_CHUNK
 
-MODES = ("deterministic", "fast")
+logger = logging.getLogger(__name__)
+
+# "deterministic" runs the engine's invariant kernels; "reference" runs stock PyTorch (cuBLAS,
+# SDPA, oneDNN), the negative control that shows a determinism test can fail. Reference mode
+# is not a speed target: on the GPU it decodes slower than deterministic mode (docs/results.md).
+MODES = ("deterministic", "reference")
+# Old names still accepted by `canonical_mode` (the CLI's --mode, `LLM(mode=...)`,
+# `EngineConfig.from_options`), each with a one-line deprecation warning.
+MODE_ALIASES = {"fast": "reference"}
 TP_REDUCTIONS = ("chunked", "ranks", "all_reduce")  # lockstep.parallel.layers
 MAX_TP = 8  # lockstep.parallel.sharding.CHUNKS
 DEVICES = ("auto", "cpu", "cuda")
@@ -115,7 +124,7 @@ class EngineConfig:
     # attention and the dense MLPs stay tensor-parallel. The same bits as tp=1 either way.
     ep: int = 1
     # How row-parallel partial sums are added; None: "chunked" in deterministic mode (the
-    # same bits at every degree, TP 1 included), "all_reduce" in fast mode.
+    # same bits at every degree, TP 1 included), "all_reduce" in reference mode.
     tp_reduction: str | None = None
     # Hybrid models: the radix snapshots' pool, in snapshots (a snapshot: every linear layer's
     # state after a chunk boundary); None: 4 per running request, at most half the memory
@@ -147,6 +156,12 @@ class EngineConfig:
                 f"revision={self.revision!r} is invalid with model={self.model!r}: a revision"
                 " names a version of a Hugging Face hub id (model='org/name')"
             )
+        if self.mode in MODE_ALIASES:
+            raise ConfigError(
+                f"mode={self.mode!r} is invalid: it is the old name of "
+                f"{MODE_ALIASES[self.mode]!r}; EngineConfig.from_options and --mode still take "
+                f"it, EngineConfig itself takes one of {', '.join(MODES)}"
+            )
         _choice("mode", self.mode, MODES)
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
@@ -155,7 +170,7 @@ class EngineConfig:
         if self.gdn_kernel == "chunked" and self.mode != "deterministic":
             raise ConfigError(
                 f"gdn_kernel='chunked' is invalid with mode={self.mode!r}: expected "
-                "mode='deterministic' (fast mode runs the stock torch form)"
+                "mode='deterministic' (reference mode runs the stock torch form)"
             )
         if self.kv_tokens is not None:
             _positive_int("kv_tokens", self.kv_tokens)
@@ -312,6 +327,8 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown engine option {unknown[0]!r}: accepted options are {', '.join(sorted(known))}"
             )
+        if "mode" in options:
+            options = dict(options, mode=canonical_mode(options["mode"]))
         return cls(**options)
 
     @property
@@ -408,6 +425,19 @@ class EngineConfig:
         if self.overlap_decode is not None:
             return self.overlap_decode
         return self.resolved_device == "cuda" and self.tp == 1 and self.speculative is None
+
+
+def canonical_mode(mode: str) -> str:
+    """`mode` under its current name: an old name (`MODE_ALIASES`) is translated with a
+    one-line deprecation warning; any other value is returned as given, for the caller's own
+    validation to judge."""
+    if mode in MODE_ALIASES:
+        logger.warning(
+            "mode=%r is deprecated: it is now named %r (the stock-PyTorch negative control)",
+            mode, MODE_ALIASES[mode],
+        )  # fmt: skip
+        return MODE_ALIASES[mode]
+    return mode
 
 
 def _choice(name: str, value: object, accepted: tuple[str, ...]) -> None:

@@ -1,5 +1,5 @@
 """Hybrid (Qwen3.5) models on a GPU: the position-invariance property, its negative control,
-and rough timings, deterministic against fast in one run.
+and rough timings, deterministic against reference in one run.
 
     python scripts/hybrid_gpu_check.py --model random:qwen3.5-9b --cases 8
 
@@ -9,7 +9,7 @@ For each mode: random cases through the invariance harness (prefix hits resuming
 boundaries, random chunkings with one-token decode steps, batch-mates), prefix hits of every
 length 1..3C with 1-40 token tails, and decode logprobs against teacher-forced scoring; every
 position's logits, K/V, final linear state and boundary snapshots compared bitwise with one
-cold prefill. The deterministic mode must have no failure, the fast mode some. Then the time
+cold prefill. The deterministic mode must have no failure, the reference mode some. Then the time
 of a cold prefill and of decode steps at batch 1 and 64. A table, then one JSON document on
 the last line. Needs no server dependencies.
 """
@@ -116,7 +116,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report: dict = {"model": args.model, "device": name, "torch": torch.__version__,
                     "dtype": args.dtype}  # fmt: skip
-    for mode in ("deterministic", "fast"):
+    for mode in ("deterministic", "reference"):
         engine = Engine(EngineConfig(model=args.model, mode=mode, device=args.device,
                                      dtype=args.dtype, kv_tokens=16384, max_running=64))  # fmt: skip
         llm = LLM.__new__(LLM)
@@ -132,10 +132,10 @@ def main() -> None:
         del engine, llm
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    det, fast = report["deterministic"], report["fast"]
+    det, reference = report["deterministic"], report["reference"]
     report["passed"] = (
         det["random_failures"] == det["prefix_failures"] == det["decode_vs_scoring_differs"] == 0
-        and fast["random_failures"] + fast["prefix_failures"] > 0
+        and reference["random_failures"] + reference["prefix_failures"] > 0
     )
     print(json.dumps(report))
 

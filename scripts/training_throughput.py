@@ -13,7 +13,7 @@ from the first op to the last gradient (CUDA synchronized); the median over `--s
 transformers as a [batch, seq-len] tensor (every sequence of one length: no padding), in the
 same dtype, with its default attention (SDPA). Before timing, the module's logprobs of the
 same sequences are compared bit for bit with `LLM.score` on the same device and dtype
-(`--mode fast` runs the module on the fast backend: the control, whose bits differ).
+(`--mode reference` runs the module on the stock backend: the control, whose bits differ).
 
 A table, then one JSON document on the last line.
 """
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--mode",
         default="deterministic",
-        choices=["deterministic", "fast"],
-        help="the training module's backend (fast: the bitwise control)",
+        choices=["deterministic", "reference"],
+        help="the training module's backend (reference: stock torch, the bitwise control)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
-"""`lockstep bench decode` (prefill/decode throughput, deterministic vs fast), `lockstep
-bench throughput` (offline end-to-end throughput of a whole workload, with a bitwise spot
-check) and `lockstep bench serve` (a load client against a running server)."""
+"""`lockstep bench decode` (prefill/decode throughput, deterministic vs the stock-PyTorch
+reference mode), `lockstep bench throughput` (offline end-to-end throughput of a whole
+workload, with a bitwise spot check) and `lockstep bench serve` (a load client against a
+running server)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (table, then one JSON line)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     decode = kinds.add_parser("decode", help="prefill and decode throughput through the engine")
-    decode.add_argument("--modes", default="deterministic,fast",
-                        help="comma-separated modes to compare")  # fmt: skip
+    decode.add_argument("--modes", default="deterministic,reference",
+                        help="comma-separated modes to compare (reference: stock PyTorch, the "
+                        "negative control, not a speed target)")  # fmt: skip
     decode.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     decode.add_argument("--prompt-len", type=int, default=128,
                         help="prompt tokens per sequence (default 128)")  # fmt: skip

@@ -3,8 +3,8 @@
 For each mode and batch size it starts one engine, runs `batch` requests of `prompt_len`
 random-token prompts with `gen_len` tokens (ignore_eos; greedy unless `sampling` sets a
 temperature, optionally with top-k / top-p, each request then seeded by its index), and reports
-prefill tokens/s, decode tokens/s (aggregate and per request) and the deterministic/fast
-ratio. A human table first, then ONE JSON document on the last line.
+prefill tokens/s, decode tokens/s (aggregate and per request) and the deterministic/reference
+ratio (`RATIO_MEANING`). A human table first, then ONE JSON document on the last line.
 """
 
 from __future__ import annotations
@@ -19,9 +19,20 @@ from typing import Any
 
 import torch
 
+from lockstep.config import canonical_mode
 from lockstep.engine.engine import Engine
 from lockstep.engine.sampling_params import SamplingParams
 from lockstep.errors import ConfigError
+
+# What the deterministic / reference ratio is, printed beside it and kept in the JSON: the
+# reference mode is stock PyTorch, the negative control of the determinism tests, and not a
+# speed target; the ratio is therefore not what determinism costs.
+RATIO_MEANING = (
+    "deterministic / reference = deterministic decode tok/s over reference decode tok/s. "
+    "Reference mode is stock PyTorch (cuBLAS/oneDNN, SDPA), the negative control that shows "
+    "determinism tests can fail; it is not a speed target, and the ratio is not the cost of "
+    "determinism (above 1: deterministic mode decodes faster than stock PyTorch)"
+)
 
 
 @dataclass
@@ -134,6 +145,7 @@ def bench_modes(
 
     results: list[DecodeResult] = []
     overlap = None
+    modes = [canonical_mode(m) for m in modes]
     for mode in modes:
         opts = dict(options, mode=mode, max_running=max(max(batches), 1))
         given = EngineConfig.from_options(**dict(opts, max_running=None))  # device defaults
@@ -165,10 +177,12 @@ def bench_modes(
     ratios = {}
     by = {(r.mode, r.batch): r for r in results}
     for b in batches:
-        det, fast = by.get(("deterministic", b)), by.get(("fast", b))
-        if det and fast:
-            ratios[str(b)] = det.decode_tok_s / fast.decode_tok_s
-            print(f"batch {b}: deterministic / fast decode throughput = {ratios[str(b)]:.3f}")
+        det, ref = by.get(("deterministic", b)), by.get(("reference", b))
+        if det and ref:
+            ratios[str(b)] = det.decode_tok_s / ref.decode_tok_s
+            print(f"batch {b}: deterministic / reference decode throughput = {ratios[str(b)]:.3f}")
+    if ratios:
+        print(RATIO_MEANING)
     return {
         "benchmark": "decode",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -179,7 +193,8 @@ def bench_modes(
         "options": {k: v for k, v in options.items() if v is not None}
         | {"overlap_decode": overlap, "sampling": sampling or {"temperature": 0.0}},
         "results": [asdict(r) for r in results],
-        "det_over_fast_decode": ratios,
+        "det_over_reference_decode": ratios,
+        "det_over_reference_meaning": RATIO_MEANING,
     }
 
 

@@ -33,12 +33,13 @@ from lockstep.check.scenarios import (
     speculative_serve_args,
 )
 from lockstep.check.serve import LockstepServer, ServeError
+from lockstep.config import MODE_ALIASES, MODES, canonical_mode
 
 EXAMPLES = """\
 examples:
   lockstep check --serve                                  # start Lockstep on a free port
   lockstep check --serve --port 8123                      # ... on this port
-  lockstep check --serve --mode fast --scenarios batch    # expect a FAIL: fast mode
+  lockstep check --serve --mode reference --scenarios batch   # expect a FAIL: stock torch
   lockstep check --serve --scenarios speculative          # a second server speculates
   lockstep check --url http://127.0.0.1:8000 --json out.json --plot deltas.png
   lockstep check --url http://gpu-box:8000/v1 --model Qwen/Qwen3-8B --atol 1e-6
@@ -165,8 +166,9 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
     engine = p.add_argument_group("engine options (with --serve, passed to lockstep serve)")
     engine.add_argument(
         "--mode",
-        choices=("deterministic", "fast"),
-        help="the server's mode (default: deterministic)",
+        choices=MODES + tuple(MODE_ALIASES),
+        help="the server's mode (default: deterministic); reference (stock PyTorch) is the "
+        "negative control that must FAIL the invariance scenarios ('fast' is its old name)",
     )
     engine.add_argument(
         "--kv-tokens", type=_positive_int, help="the server's KV pool in tokens (default: its own)"
@@ -221,7 +223,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag, value in (
         ("--model", args.model),
-        ("--mode", args.mode),
+        ("--mode", args.mode and canonical_mode(args.mode)),
         ("--kv-tokens", args.kv_tokens),
         ("--max-model-len", args.max_model_len),
         ("--device", args.device),

@@ -415,7 +415,7 @@ async def scenario_speculative(ctx: ScenarioContext, result: ScenarioResult) -> 
     the server as configured, then on a second one started with `--speculative ngram` (or
     the drafter `--speculative-drafter` names: `speculative_serve_args`), and compares. The probes go one at a time, so that the two
     servers compute them beside the same batch-mates (none) and only speculation differs:
-    fast mode then fails this scenario because of speculation alone (the engine's own tests
+    reference mode then fails this scenario because of speculation alone (the engine's own tests
     cover speculation beside batch-mates)."""
     save, against = ctx.settings.speculative_save, ctx.settings.speculative_against
     if save is None and against is None:

@@ -28,7 +28,7 @@ HEADROOM_BYTES covers what the estimate leaves out: the caching allocator's frag
 library workspaces outside torch. Each item above is an upper bound of what a step really
 allocates (tests/gpu/test_gpu_memory.py measures the peak over whole workloads against weights
 + pool + reservation). The estimate does not depend on the mode, so both modes get the same
-pool; the fast mode (the yardstick) also gathers a decode step's keys and values into copies
+pool; the reference mode (stock torch) also gathers a decode step's keys and values into copies
 of [batch, kv heads, context bucket, head dim] per layer, inside its CUDA graphs too, which
 only the headroom holds: at a large batch times context give it a lower kv_memory_fraction.
 

@@ -2,7 +2,7 @@
 norm, MLP), the mixer and MLP being blocks (lockstep/models/blocks) named by the spec's
 `layer_plans`: attention and its variants or Gated DeltaNet; a SwiGLU MLP or routed experts.
 All arithmetic goes through an `Ops` backend (lockstep.ops), so the same model code runs the
-deterministic CPU kernels, the Triton kernels, the fast yardstick and the float64 reference.
+deterministic CPU kernels, the Triton kernels, the stock-torch reference mode and the float64 oracle.
 
 Weights are loaded strictly: every tensor the loader yields must be expected and every expected
 tensor must arrive, else `ModelLoadError`. Each block prepares its own tensors (its `layout`
@@ -55,6 +55,8 @@ from lockstep.models.blocks.base import (
     StepHook,
 )
 from lockstep.models.blocks.prepare import prepare_common
+from lockstep.models.families import family_named
+from lockstep.models.families.base import Parts
 from lockstep.models.forward_batch import ForwardBatch
 from lockstep.models.linear_attention import LinearLayout, LinearState
 from lockstep.models.moe import split_fused_experts
@@ -205,12 +207,15 @@ class Decoder:
         intact. `lm_head.weight` of a model with tied embeddings is ignored (a trainer's
         `state_dict()` lists it; the embedding is the head). transformers' fused expert
         tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, what its MoE models'
-        `state_dict()` holds) are taken as the per-expert tensors they contain."""
+        `state_dict()` holds) are taken as the per-expert tensors they contain, and a family's
+        fused projections (Phi-3's `qkv_proj` and `gate_up_proj`) as the rows its
+        `Family.parts` names, as the loader reads them from a checkpoint."""
         spec = self.spec
         if spec.tie_word_embeddings:
             weights = ((n, t) for n, t in weights if n != "lm_head.weight")
         if spec.moe is not None:
             weights = split_fused_experts(weights)
+        weights = _fused_parts(weights, family_named(spec.family).parts, spec)
         cpu = torch.device("cpu")
         got = _collect(((n, t.detach()) for n, t in weights), spec, source, self.dtype, cpu)
         context = PrepareContext(spec, self.parallel, self.dtype, self.device)
@@ -459,6 +464,18 @@ def _stored_dtype(spec: ModelSpec, name: str, dtype: torch.dtype) -> torch.dtype
     if name.endswith(".weight") and spec.is_fp8_linear(name.removesuffix(".weight")):
         return E4M3
     return dtype
+
+
+def _fused_parts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    parts: Callable[[str, ModelSpec], Parts],
+    spec: ModelSpec,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` with each fused tensor replaced by the canonical tensors it holds (views of
+    its rows, `Family.parts`); every other (name, tensor) passes unchanged."""
+    for name, tensor in weights:
+        for part, rows in parts(name, spec):
+            yield part, tensor if rows is None else tensor[rows]
 
 
 def _collect(

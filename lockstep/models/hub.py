@@ -7,7 +7,8 @@ gated repos), and from the cache alone under `HF_HUB_OFFLINE=1`. Only the files 
 loader reads are fetched. Every failure is one `ModelLoadError` line that names the id, the
 revision and the cache it looked in.
 
-A GGUF file of a hub repo is named `org/name/F.gguf` (`hub_gguf_file`): that one file is
+A GGUF file of a hub repo is named `org/name/F.gguf` (`lockstep.model_arguments`, which also
+tells a hub id from a path): that one file is
 resolved the same way. A repo of GGUF files named without one is refused with the files it
 holds.
 
@@ -18,7 +19,6 @@ A `--model` that exists on disk is always a path; only a missing path of the for
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,30 +35,6 @@ FOLDER_FILES = [
     "*.safetensors",
     "*.safetensors.index.json",
 ]
-
-# The hub's own rule for ids: an owner and a name of letters, digits, '-', '_' and '.'.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-_HUB_GGUF = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)/([\w.-]+\.gguf)", re.IGNORECASE)
-
-
-def is_hub_id(model: str) -> bool:
-    """Whether `model` is to be read as a hub id: of the form org/name and not a local path
-    (nor a missing GGUF file's path, which is reported as a missing file)."""
-    return (
-        bool(_HUB_ID.fullmatch(model))
-        and ".." not in model
-        and not model.lower().endswith(".gguf")
-        and not Path(model).exists()
-    )
-
-
-def hub_gguf_file(model: str) -> tuple[str, str] | None:
-    """(repo id, file name) where `model` names a GGUF file of a hub repo, `org/name/F.gguf`
-    (and no local path); else None."""
-    match = _HUB_GGUF.fullmatch(model)
-    if match is None or ".." in model or Path(model).exists():
-        return None
-    return match.group(1), match.group(2)
 
 
 def describe(repo_id: str, revision: str | None) -> str:

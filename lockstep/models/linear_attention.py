@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lockstep.models.spec import LINEAR_ATTENTION_CHUNK, ModelSpec
+from lockstep.models.spec import ModelSpec
+from lockstep.numerics import LINEAR_ATTENTION_CHUNK
 from lockstep.ops.base import (
     ChunkedLinearAttentionOps,
     PooledChunkedLinearAttentionOps,
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
     from lockstep.ops.base import Ops
 
-CHUNK = LINEAR_ATTENTION_CHUNK  # rows per chunk: part of the numerics (spec.py)
+CHUNK = LINEAR_ATTENTION_CHUNK  # rows per chunk: part of the numerics (lockstep/numerics.py)
 
 
 @dataclass(frozen=True)

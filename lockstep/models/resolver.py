@@ -23,16 +23,10 @@ from typing import Protocol
 import torch
 
 from lockstep.errors import ModelLoadError
+from lockstep.model_arguments import hub_gguf_file, is_hub_id
 from lockstep.models.blocks import expected_weight_names
 from lockstep.models.hf_loader import load_hf_folder
-from lockstep.models.hub import (
-    describe,
-    gguf_files,
-    hub_file,
-    hub_gguf_file,
-    hub_snapshot,
-    is_hub_id,
-)
+from lockstep.models.hub import describe, gguf_files, hub_file, hub_snapshot
 from lockstep.models.presets import PRESETS, load_preset
 from lockstep.models.spec import ModelSpec
 from lockstep.models.tokenizer import Tokenizer

@@ -52,10 +52,6 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # How a checkpoint stores its RMSNorm weights: as w ("plain") or as w - 1 ("offset": the
 # hybrid families and Gemma 3, whose norms compute x * (1 + w)).
 NORM_STYLES = ("plain", "offset")
-# Rows per chunk of the gated delta rule (linear_attention.CHUNK). Part of the numerics:
-# changing it changes the bits. Here, in a module without torch, because EngineConfig checks
-# snapshot intervals against it in the HTTP process too.
-LINEAR_ATTENTION_CHUNK = 32
 
 
 @dataclass(frozen=True)

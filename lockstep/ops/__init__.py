@@ -8,26 +8,30 @@ __all__ = ["AttentionMeta", "Ops", "build_attention_meta", "get_ops"]
 
 
 def get_ops(device: str, mode: str) -> Ops:
-    """Return the backend for `device` ("cpu" | "cuda") and `mode` ("deterministic" | "fast"),
-    or "reference" (float64, tests only)."""
-    if mode == "reference":
-        from lockstep.ops.reference import ReferenceOps
+    """Return the backend for `device` ("cpu" | "cuda") and `mode`: "deterministic" (the
+    engine's invariant kernels), "reference" (stock torch, the negative control), or "float64"
+    (the float64 oracle, tests only). Modes arrive here already canonical (`fast`, the old
+    name of "reference", is resolved by `lockstep.config.canonical_mode`)."""
+    if mode == "float64":
+        from lockstep.ops.float64 import Float64Ops
 
-        return ReferenceOps()
+        return Float64Ops()
+    if mode not in ("deterministic", "reference"):
+        raise ValueError(f"mode={mode!r} is invalid: expected deterministic, reference or float64")
     if device == "cpu":
         if mode == "deterministic":
             from lockstep.ops.cpu_deterministic import CpuDeterministicOps
 
             return CpuDeterministicOps()
-        from lockstep.ops.cpu_fast import CpuFastOps
+        from lockstep.ops.cpu_stock import CpuStockOps
 
-        return CpuFastOps()
+        return CpuStockOps()
     if device == "cuda":
         if mode == "deterministic":
             from lockstep.ops.gpu_deterministic import GpuDeterministicOps
 
             return GpuDeterministicOps()
-        from lockstep.ops.gpu_fast import GpuFastOps
+        from lockstep.ops.gpu_stock import GpuStockOps
 
-        return GpuFastOps()
+        return GpuStockOps()
     raise ValueError(f"device={device!r} is invalid: expected cpu or cuda")

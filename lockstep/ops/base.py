@@ -2,10 +2,11 @@
 
 Backends (see `lockstep.ops.get_ops`):
   * `cpu_deterministic` - C++ kernels, position invariant by construction (default on CPU);
-  * `cpu_fast`          - plain torch ops (F.linear, SDPA), the yardstick and negative control;
+  * `cpu_stock`         - plain torch ops (F.linear, SDPA): `--mode reference`, the negative
+                          control;
   * `gpu_deterministic` - Triton kernels (default on CUDA);
-  * `gpu_fast`          - cuBLAS and torch SDPA;
-  * `reference`         - float64 torch, for tests only.
+  * `gpu_stock`         - cuBLAS and torch SDPA: `--mode reference` on CUDA;
+  * `float64`           - float64 torch, the oracle, for tests only.
 
 The contract every deterministic backend keeps (docs/design.md):
 each output row is computed by the same sequence of floating-point operations whatever the
@@ -297,7 +298,7 @@ class LinearAttentionOps(Protocol):
         and open rows of `LinearState` in place (chunk C = open_k.shape[0]). Returns the
         outputs [n, Hv, Dv] and (position, state [Hv, Dk, Dv]) at chunk boundaries crossed.
         A deterministic backend computes each row by the per-row formula of the CPU kernel
-        (`gdn_rule`) and returns every boundary; a fast one may return fewer."""
+        (`gdn_rule`) and returns every boundary; a stock one may return fewer."""
         ...
 
 

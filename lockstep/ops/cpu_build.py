@@ -112,7 +112,7 @@ def cache_dir() -> Path:
 def _unwritable(path: Path, exc: OSError) -> KernelBuildError:
     return KernelBuildError(
         f"Lockstep's kernel cache {path} is not writable ({exc.strerror or exc}): set "
-        "LOCKSTEP_CACHE_DIR to a writable folder with a few MB free, or run with --mode fast"
+        "LOCKSTEP_CACHE_DIR to a writable folder with a few MB free, or run with --mode reference"
     )
 
 
@@ -239,7 +239,7 @@ def load_extension() -> ModuleType:
             raise KernelBuildError(
                 f"the deterministic CPU backend needs a C++ compiler: {compiler!r} was not found "
                 "on PATH (install g++ >= 9, e.g. `apt-get install g++`, or set CXX); "
-                "`--mode fast` runs without one"
+                "`--mode reference` runs without one"
             )
         if shutil.which("ninja") is None:
             raise KernelBuildError(

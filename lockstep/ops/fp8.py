@@ -64,7 +64,7 @@ call, or anything but the row's own values:
     product accumulated in fp32 (tensor cores), times (sx * sw) in fp32, added to one fp32
     accumulator; then + bias (fp32) and one cast to the output dtype. K tiles are the 128-wide
     scale blocks; a partial last block is zero-masked; tile configs chosen by M only.
-  * GPU fast: `torch._scaled_mm` ("tensor": per-tensor scales; "channel": row-wise), or the
+  * GPU stock (`--mode reference`): `torch._scaled_mm` ("tensor": per-tensor scales; "channel": row-wise), or the
     dequantized matmul for "block": the yardstick, not M-invariant.
 
 FP8 KV cache (`--kv-dtype fp8_e4m3`)
@@ -355,7 +355,7 @@ def fp8_linear(
         from lockstep.ops.triton.fp8_gemm import fp8_linear as kernel
     except ImportError as exc:
         raise NotImplementedError(
-            f"the deterministic GPU FP8 GEMM is not available ({exc}); use --mode fast for FP8 "
+            f"the deterministic GPU FP8 GEMM is not available ({exc}); use --mode reference for FP8 "
             "models on the GPU"
         ) from None
     return kernel(x, weight, weight_scale, scheme, input_scale=input_scale, bias=bias)

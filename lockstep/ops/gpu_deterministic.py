@@ -61,7 +61,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         if _IMPORT_ERROR is not None:
             raise RuntimeError(
                 f"the gpu_deterministic backend needs triton ({_IMPORT_ERROR}); install the "
-                "'gpu' extra or use mode=fast"
+                "'gpu' extra or use mode=reference"
             )
         self.attention_config = attention_config or DEFAULT_CONFIG
         self.latent_config = latent_config or DEFAULT_LATENT_CONFIG

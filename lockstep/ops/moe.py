@@ -334,7 +334,7 @@ def stock_route_deepseek(
 ) -> Routing:
     """DeepSeek routing as transformers writes it (DeepseekV3TopkRouter, DeepseekV2TopkRouter):
     torch's sigmoid or softmax, `torch.topk` for groups and experts (whose order among equal
-    values is unspecified), a torch sum for the renormalization. The fast backends' routing."""
+    values is unspecified), a torch sum for the renormalization. The stock backends' routing."""
     logits = logits.float()
     scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if r.correction_bias is None else scores + r.correction_bias.float()

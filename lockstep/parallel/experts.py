@@ -24,7 +24,7 @@ Who computes what (lockstep/parallel/sharding.py, `ShardPlan.experts`, `expert_c
                       nothing is added across ranks
 
 Either way y_s is the same expression as at TP 1, so the output is. Other reductions (the
-negative controls and fast mode, lockstep/parallel/layers.py): under tensor parallelism as the
+negative controls and reference mode, lockstep/parallel/layers.py): under tensor parallelism as the
 dense MLP's; under expert parallelism "ranks" has the owner run one linear over the whole
 width (TP 1's default arithmetic) and "all_reduce" has each rank combine its own slots and the
 library's SUM add the ranks' combinations, the usual expert-parallel combine, whose order of

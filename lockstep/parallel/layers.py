@@ -10,8 +10,8 @@ Reductions of a row-parallel linear (`REDUCTIONS`):
                 to the rank that adds them, whose sums are then all-gathered (many rows)
     ranks       one partial per rank, all-gathered, added in rank order: the same bits at one
                 degree, different between degrees; at TP 1 the plain unchunked linear
-    all_reduce  one partial per rank summed by the library's all-reduce (the yardstick and
-                negative control; fast mode's default); at TP 1 the plain unchunked linear
+    all_reduce  one partial per rank summed by the library's all-reduce (the negative
+                control; reference mode's default); at TP 1 the plain unchunked linear
 
 The vocabulary-parallel embedding and LM head move values, never add them: a token's
 embedding row is taken from the rank that holds it, the logits are concatenated.

@@ -2,14 +2,14 @@
 on the HTTP process's event loop. The engine itself runs behind an `EngineLink`: in a process
 of its own (engine_process.py, what `lockstep serve` uses) or on a thread of this process
 (engine_loop.EngineThread, for tests serving a fake engine). Both take the commands and give
-the events that engine_loop.py lists:
+the events of engine_wire.py:
 
     handler (event loop)                 engine loop (engine process or thread)
     --------------------                 --------------------------------------
-    RequestGroup.add ----- "add" ------> engine.add_request   (RequestError comes back)
-    RequestGroup.abort --- "abort" ----> engine.abort_request (slots freed at once)
-    AsyncEngine.stats() -- "call" -----> ENGINE_CALLS["stats"](engine), flush_cache, ...
-    group.queue <-- _on_event <-- "outputs" -- engine.step()
+    RequestGroup.add ----- AddRequests --> engine.add_request   (RequestError comes back)
+    RequestGroup.abort --- Abort --------> engine.abort_request (slots freed at once)
+    AsyncEngine.stats() -- Call ---------> ENGINE_CALLS["stats"](engine), flush_cache, ...
+    group.queue <-- _on_event <-- Outputs -- engine.step()
 
 Which HTTP request an engine request belongs to is known here only: outputs of a request
 whose group has left (aborted) are dropped on arrival. When the engine sends token ids only
@@ -27,7 +27,23 @@ from typing import Any, Protocol
 
 from lockstep.engine.outputs import StepOutput
 from lockstep.engine.sampling_params import SamplingParams
-from lockstep.server.engine_loop import Command, EngineInfo, Event
+from lockstep.server.engine_wire import (
+    Abort,
+    AddRequests,
+    Call,
+    Command,
+    Continue,
+    EngineInfo,
+    Event,
+    Fatal,
+    Finish,
+    Outputs,
+    Pause,
+    ReleaseMemory,
+    Reply,
+    ResumeMemory,
+    StepFailed,
+)
 from lockstep.server.metrics import ServerMetrics
 from lockstep.server.output_text import OutputText
 
@@ -146,7 +162,7 @@ class AsyncEngine:
         ids = list(self._routes)
         self._fail_all(EngineFailure(reason, unavailable=True))
         if ids:
-            self.link.send(("abort", ids))
+            self.link.send(Abort(ids))
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns()}"
@@ -174,9 +190,9 @@ class AsyncEngine:
 
     # -- named engine calls ----------------------------------------------------------------
 
-    async def _call(self, command: str, *args: Any) -> Any:
-        """Send a command that is answered with a reply, and return its value (or raise its
-        error)."""
+    async def _call(self, command: type[Command], *args: Any) -> Any:
+        """Send `command(call_id, *args)`, one of the commands answered with a `Reply`, and
+        return its value (or raise its error)."""
         if not self.alive:
             raise EngineFailure(self.failure or "the engine is not running", unavailable=True)
         assert self._loop is not None
@@ -184,23 +200,23 @@ class AsyncEngine:
         future = self._loop.create_future()
         self._replies[call_id] = future
         try:
-            self.link.send((command, call_id, *args))
+            self.link.send(command(call_id, *args))
             return await future
         finally:
             self._replies.pop(call_id, None)
 
     async def stats(self) -> dict[str, Any]:
-        return await self._call("call", "stats", ())
+        return await self._call(Call, "stats", ())
 
     async def snapshot(self) -> dict[str, Any]:
         """The engine's stats, fingerprint and config, read in one command turn."""
-        return await self._call("call", "snapshot", ())
+        return await self._call(Call, "snapshot", ())
 
     async def flush_cache(self) -> int:
-        return await self._call("call", "flush_cache", ())
+        return await self._call(Call, "flush_cache", ())
 
     async def update_weights_from_disk(self, path: str, version: str | None) -> None:
-        self.fingerprint = await self._call("call", "update_weights_from_disk", (path, version))
+        self.fingerprint = await self._call(Call, "update_weights_from_disk", (path, version))
 
     async def add_requests(
         self,
@@ -217,36 +233,36 @@ class AsyncEngine:
             text = None if tokenizer is None else OutputText(tokenizer, prompt, params)
             self._routes[request_id] = (group, index, text)
         try:
-            await self._call("add", requests, namespace, stream)
+            await self._call(AddRequests, requests, namespace, stream)
         except BaseException:
             for request_id, _, _ in requests:
                 self._routes.pop(request_id, None)
             raise
 
     async def pause_generation(self, mode: str) -> int:
-        """Stop the engine's steps (engine_loop.py, "pause"); returns how many requests it
+        """Stop the engine's steps (engine_loop.py, `Pause`); returns how many requests it
         ended ("abort"), retracted ("retract") or holds ("in_place")."""
-        count = await self._call("pause", mode)
+        count = await self._call(Pause, mode)
         self.generation_paused = mode
         return count
 
     async def continue_generation(self) -> None:
-        await self._call("continue")
+        await self._call(Continue)
         self.generation_paused = None
 
     async def release_memory(self, tags: list[str] | None) -> list[str]:
-        """Free the KV pool's and/or the weights' memory (engine_loop.py, "release"); returns
+        """Free the KV pool's and/or the weights' memory (engine_loop.py, `ReleaseMemory`); returns
         the tags now released."""
-        self.memory_released = await self._call("release", tags)
+        self.memory_released = await self._call(ReleaseMemory, tags)
         return self.memory_released
 
     async def resume_memory(self, tags: list[str] | None) -> list[str]:
-        self.memory_released = await self._call("resume", tags)
+        self.memory_released = await self._call(ResumeMemory, tags)
         return self.memory_released
 
     async def engine_call(self, name: str, *args: Any) -> Any:
         """A named engine call (engine_loop.ENGINE_CALLS) and its value."""
-        return await self._call("call", name, args)
+        return await self._call(Call, name, args)
 
     async def quiesce_for_weights(self, abort_all: bool) -> None:
         """Make the engine ready for new weights, SGLang's way: `abort_all` ends every
@@ -266,14 +282,14 @@ class AsyncEngine:
         (finish reason "abort", the text and counts so far), queued behind the outputs it
         already produced, so its handler answers with what was generated (SGLang's
         `/abort_request`). Fire and forget, like `abort`."""
-        self.link.send(("finish", request_ids))
+        self.link.send(Finish(request_ids))
 
     def abort(self, request_ids: list[str]) -> None:
         """Fire and forget: the engine frees the requests' KV slots at its next command turn."""
         for request_id in request_ids:
             self._routes.pop(request_id, None)
         if request_ids:
-            self.link.send(("abort", request_ids))
+            self.link.send(Abort(request_ids))
 
     # -- admission pause (weight updates) --------------------------------------------------
 
@@ -291,34 +307,33 @@ class AsyncEngine:
     # -- events ----------------------------------------------------------------------------
 
     def _on_event(self, event: Event) -> None:
-        kind = event[0]
-        if kind == "outputs":
-            _, outputs, step_seconds, new_tokens = event
-            if step_seconds is not None:
-                self.metrics.observe_step(step_seconds, new_tokens)
-            self._dispatch(outputs)
-        elif kind == "reply":
-            _, call_id, value, error = event
-            future = self._replies.get(call_id)
-            if future is None or future.done():
-                return  # its caller was cancelled
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
-        elif kind == "step_failed":
-            _, message, request_ids = event
-            self.last_failure = message
-            failure = EngineFailure(f"engine step failed: {message}")
-            for request_id in request_ids:
-                route = self._routes.pop(request_id, None)
-                if route is not None:
-                    route[0].queue.put_nowait((route[1], failure))
-        elif kind == "fatal":
-            if self.failure is None:
-                logger.error("%s", event[1])
-            self.failure = event[1]
-            self._fail_all(EngineFailure(event[1], unavailable=True))
+        match event:
+            case Outputs(outputs, step_seconds, new_tokens):
+                if step_seconds is not None:
+                    self.metrics.observe_step(step_seconds, new_tokens)
+                self._dispatch(outputs)
+            case Reply(call_id, value, error):
+                future = self._replies.get(call_id)
+                if future is None or future.done():
+                    return  # its caller was cancelled
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(value)
+            case StepFailed(message, request_ids):
+                self.last_failure = message
+                failure = EngineFailure(f"engine step failed: {message}")
+                for request_id in request_ids:
+                    route = self._routes.pop(request_id, None)
+                    if route is not None:
+                        route[0].queue.put_nowait((route[1], failure))
+            case Fatal(message):
+                if self.failure is None:
+                    logger.error("%s", message)
+                self.failure = message
+                self._fail_all(EngineFailure(message, unavailable=True))
+            case _:
+                raise TypeError(f"unknown engine event {event!r}")
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         routes = self._routes
@@ -334,7 +349,7 @@ class AsyncEngine:
                 del routes[output.request_id]
             group.queue.put_nowait((index, output))
         if stopped:
-            self.link.send(("abort", stopped))
+            self.link.send(Abort(stopped))
 
     def _fail_all(self, failure: EngineFailure) -> None:
         for group, index, _ in self._routes.values():

@@ -4,24 +4,23 @@ and reports what happened as events. The same loop runs in the engine process
 (`EngineThread`, for tests that serve a fake engine); the front end (async_engine.py) sees
 the same commands and events either way.
 
-Commands (front end -> loop), plain tuples of ids, numbers, strings and small objects:
+Commands (front end -> loop) and events (loop -> front end) are the frozen dataclasses of
+engine_wire.py:
 
-    ("add", call_id, [(request_id, prompt_ids, params), ...], namespace, stream)   all or none
-    ("abort", [request_id, ...])              free the requests' slots, no further output
-    ("finish", [request_id, ...] | None)      abort, each with its closing output (None: all)
-    ("call", call_id, name, args)             a named engine call (`ENGINE_CALLS`)
-    ("pause", call_id, mode)                  stop stepping: "abort" | "retract" | "in_place"
-    ("continue", call_id)                     step again
-    ("release", call_id, tags | None)         free the KV pool and/or the weights' memory
-    ("resume", call_id, tags | None)          take it again (memory_occupation.py)
-    ("stop",)                                 abort whatever runs and end the loop
+    AddRequests(call_id, [(request_id, prompt_ids, params), ...], namespace, stream)   all or none
+    Abort([request_id, ...])                  free the requests' slots, no further output
+    Finish([request_id, ...] | None)          abort, each with its closing output (None: all)
+    Call(call_id, name, args)                 a named engine call (`ENGINE_CALLS`)
+    Pause(call_id, mode)                      stop stepping: "abort" | "retract" | "in_place"
+    Continue(call_id)                         step again
+    ReleaseMemory(call_id, tags | None)       free the KV pool and/or the weights' memory
+    ResumeMemory(call_id, tags | None)        take it again (memory_occupation.py)
+    Stop()                                    abort whatever runs and end the loop
 
-Events (loop -> front end):
-
-    ("outputs", [StepOutput, ...], step_seconds | None, new_tokens)
-    ("reply", call_id, value, error)          error: None or the exception the call raised
-    ("step_failed", message, [request_id, ...])   a step raised; those requests were aborted
-    ("fatal", message)                        the engine cannot compute another step
+    Outputs([StepOutput, ...], step_seconds | None, new_tokens)
+    Reply(call_id, value, error)              error: None or the exception the call raised
+    StepFailed(message, [request_id, ...])    a step raised; those requests were aborted
+    Fatal(message)                            the engine cannot compute another step
 
 While requests are unfinished the loop steps continuously, taking new commands between steps;
 when idle it sleeps on a condition variable. A command therefore waits at most one step.
@@ -39,15 +38,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from lockstep.errors import LockstepError, RequestError
+from lockstep.server.engine_wire import (
+    Abort,
+    AddRequests,
+    Call,
+    Command,
+    Continue,
+    EngineInfo,
+    Event,
+    Fatal,
+    Finish,
+    Outputs,
+    Pause,
+    ReleaseMemory,
+    Reply,
+    ResumeMemory,
+    StepFailed,
+    Stop,
+)
 
 logger = logging.getLogger(__name__)
-
-Event = tuple
-Command = tuple
 
 
 def _snapshot(engine: Any) -> dict[str, Any]:
@@ -98,52 +111,6 @@ ENGINE_CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the front end reads about the engine once, at start-up."""
-
-    model_name: str
-    tokenizer: Any
-    max_model_len: int
-    config: Any  # the EngineConfig
-    kv_slots: int  # the KV pool's slots: a sequence never holds more
-    fingerprint: dict[str, Any]  # Engine.fingerprint() at start
-    model_type: str | None  # the model family (SGLang's /model_info)
-    model_vocab_size: int  # the logits' width (structured outputs' masks)
-    tokenizer_path: str | None  # a Hugging Face tokenizer folder (tokenizer_folder.py)
-    detokenizes: bool  # outputs carry text (False: the front end makes it, output_text.py)
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
-        from lockstep.models.tokenizer import Tokenizer
-        from lockstep.models.tokenizer_folder import tokenizer_folder
-        from lockstep.ops.cpu_build import cache_root
-
-        decoder = getattr(engine, "decoder", None)
-        loaded = getattr(engine, "loaded", None)
-        tokenizer_path = None
-        if loaded is not None and isinstance(engine.tokenizer, Tokenizer):
-            # The model's own folder, or one written into Lockstep's cache for a GGUF file or
-            # preset (what SGLang's routers load).
-            tokenizer_path = tokenizer_folder(
-                engine.tokenizer, loaded.source, engine.max_model_len, cache_root()
-            )
-        return cls(
-            model_name=engine.model_name,
-            tokenizer=engine.tokenizer,
-            max_model_len=engine.max_model_len,
-            config=engine.config,
-            kv_slots=engine.pool.num_slots,
-            fingerprint=engine.fingerprint(),
-            model_type=None if decoder is None else decoder.spec.family,
-            model_vocab_size=engine.tokenizer.vocab_size
-            if decoder is None
-            else decoder.spec.vocab_size,
-            tokenizer_path=tokenizer_path,
-            detokenizes=getattr(engine, "detokenize", True),
-        )
-
-
 class EngineLoop:
     """Runs `engine` and its commands on the calling thread (`run`); `post` is callable from
     any thread. `emit(event)` is called on the loop's thread and must not block for long."""
@@ -160,7 +127,7 @@ class EngineLoop:
     def post(self, command: Command) -> None:
         with self._wakeup:
             self._commands.append(command)
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 self._stopping = True
             self._wakeup.notify()
 
@@ -175,7 +142,7 @@ class EngineLoop:
                 commands = list(self._commands)
                 self._commands.clear()
             for command in commands:
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     self._abort_all()
                     return
                 self._run_command(command)
@@ -196,44 +163,42 @@ class EngineLoop:
             # A bug, not a client mistake: fail what is in flight, keep serving.
             logger.exception("engine step failed")
             message = f"{type(exc).__name__}: {exc}"
-            self._emit(("step_failed", message, self._abort_all()))
+            self._emit(StepFailed(message, self._abort_all()))
             return
         took = time.perf_counter() - started
-        self._emit(("outputs", outputs, took, sum(len(o.new_token_ids) for o in outputs)))
+        self._emit(Outputs(outputs, took, sum(len(o.new_token_ids) for o in outputs)))
 
     def _run_command(self, command: Command) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, call_id, requests, namespace, stream = command
-            self._reply(call_id, lambda: self._add(requests, namespace, stream))
-        elif kind == "abort":
-            for request_id in command[1]:
-                self._abort(request_id)
-        elif kind == "finish":
-            ids = list(self.engine.requests) if command[1] is None else command[1]
-            closing = [out for out in map(self._abort, ids) if out is not None]
-            if closing:
-                self._emit(("outputs", closing, None, 0))
-        elif kind == "call":
-            _, call_id, name, args = command
-            if name in _WEIGHT_UPDATES and self._memory is not None:
-                if "weights" in self._memory.released:
-                    error = RequestError("the weights are released: resume them first"
-                                         " (/resume_memory_occupation)")  # fmt: skip
-                    self._emit(("reply", call_id, None, error))
-                    return
-            self._reply(call_id, lambda: ENGINE_CALLS[name](self.engine, *args))
-        elif kind in ("release", "resume"):
-            _, call_id, tags = command
-            self._reply(call_id, lambda: self._occupation(kind, tags))
-        elif kind == "pause":
-            _, call_id, mode = command
-            self._reply(call_id, lambda: self._pause(mode))
-        elif kind == "continue":
-            self.paused = None
-            self._emit(("reply", command[1], None, None))
-        else:
-            raise ValueError(f"unknown engine command {kind!r}")
+        match command:
+            case AddRequests(call_id, requests, namespace, stream):
+                self._reply(call_id, lambda: self._add(requests, namespace, stream))
+            case Abort(request_ids):
+                for request_id in request_ids:
+                    self._abort(request_id)
+            case Finish(request_ids):
+                ids = list(self.engine.requests) if request_ids is None else request_ids
+                closing = [out for out in map(self._abort, ids) if out is not None]
+                if closing:
+                    self._emit(Outputs(closing, None, 0))
+            case Call(call_id, name, args):
+                if name in _WEIGHT_UPDATES and self._memory is not None:
+                    if "weights" in self._memory.released:
+                        error = RequestError("the weights are released: resume them first"
+                                             " (/resume_memory_occupation)")  # fmt: skip
+                        self._emit(Reply(call_id, None, error))
+                        return
+                self._reply(call_id, lambda: ENGINE_CALLS[name](self.engine, *args))
+            case ReleaseMemory(call_id, tags):
+                self._reply(call_id, lambda: self._occupation("release", tags))
+            case ResumeMemory(call_id, tags):
+                self._reply(call_id, lambda: self._occupation("resume", tags))
+            case Pause(call_id, mode):
+                self._reply(call_id, lambda: self._pause(mode))
+            case Continue(call_id):
+                self.paused = None
+                self._emit(Reply(call_id, None, None))
+            case _:
+                raise ValueError(f"unknown engine command {command!r}")
 
     def _occupation(self, kind: str, tags: list[str] | None) -> list[str]:
         """Release or resume memory; returns the tags released afterwards."""
@@ -257,11 +222,11 @@ class EngineLoop:
         self.paused = mode
         done = self.engine.complete_launched_step()
         if done:
-            self._emit(("outputs", done, None, sum(len(o.new_token_ids) for o in done)))
+            self._emit(Outputs(done, None, sum(len(o.new_token_ids) for o in done)))
         if mode == "abort":
             closing = [out for out in map(self._abort, list(self.engine.requests)) if out]
             if closing:
-                self._emit(("outputs", closing, None, 0))
+                self._emit(Outputs(closing, None, 0))
             return len(closing)
         if mode == "retract":
             return self.engine.retract_running()
@@ -271,14 +236,14 @@ class EngineLoop:
         try:
             value = fn()
         except LockstepError as exc:  # the user's mistake or the model's: said as is
-            self._emit(("reply", call_id, None, exc))
+            self._emit(Reply(call_id, None, exc))
         except Exception as exc:
             logger.exception("engine call failed")
             # Re-raised on the front end, perhaps in another process: a plain error that is
             # sure to cross.
-            self._emit(("reply", call_id, None, RuntimeError(f"{type(exc).__name__}: {exc}")))
+            self._emit(Reply(call_id, None, RuntimeError(f"{type(exc).__name__}: {exc}")))
         else:
-            self._emit(("reply", call_id, value, None))
+            self._emit(Reply(call_id, value, None))
 
     def _add(
         self, requests: list[tuple[str, list[int], Any]], namespace: str | None, stream: bool
@@ -326,7 +291,7 @@ class EngineThread:
         self._loop = EngineLoop(self.engine, deliver)
         on_failure = getattr(self.engine, "on_failure", None)
         if on_failure is not None:
-            on_failure(lambda message: deliver(("fatal", message)))
+            on_failure(lambda message: deliver(Fatal(message)))
         self._thread = threading.Thread(target=self._loop.run, name="lockstep-engine", daemon=True)
         self._thread.start()
 
@@ -336,6 +301,6 @@ class EngineThread:
 
     def close(self, timeout: float = 10.0) -> None:
         if self._loop is not None:
-            self._loop.post(("stop",))
+            self._loop.post(Stop())
         if self._thread is not None:
             self._thread.join(timeout)

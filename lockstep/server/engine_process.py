@@ -7,8 +7,9 @@ process's interpreter (its event loop, JSON, tokenization and rendering):
                                                  main thread: EngineLoop.run (Engine.step)
     event loop <-- reader thread <------pipe---- writer thread <- events (outputs per step)
 
-Messages are pickled tuples (engine_loop.py lists them); a step's outputs cross as tuples of
-ids and floats (`_outputs_to_wire`), never as code. The engine makes no text
+Messages are the frozen dataclasses of engine_wire.py, pickled; a step's outputs cross as
+`PackedOutputs` (tuples of ids and floats, checked field by field against `StepOutput` on
+arrival), never as code. The engine makes no text
 (`Engine(detokenize=False)`): the HTTP process detokenizes and looks for stop strings
 (output_text.py), off the step loop. Structured outputs' grammars are compiled by the reader
 thread as their requests arrive, so the step loop finds them compiled.
@@ -30,11 +31,23 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import numpy as np
-
-from lockstep.engine.outputs import StepOutput, TokenLogprob
 from lockstep.errors import LockstepError
-from lockstep.server.engine_loop import Command, EngineInfo, EngineLoop, Event
+from lockstep.server.engine_loop import EngineLoop
+from lockstep.server.engine_wire import (
+    AddRequests,
+    Command,
+    EngineInfo,
+    Event,
+    Fatal,
+    Outputs,
+    PackedOutputs,
+    Ready,
+    Reply,
+    StartFailed,
+    Stop,
+    pack_outputs,
+    unpack_outputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +114,12 @@ class EngineProcess:
                 "loading the model",
                 1,
             ) from None
-        if message[0] == "error":
+        if isinstance(message, StartFailed):
             self.process.join(STOP_TIMEOUT_S)
-            raise EngineStartError(message[1], message[2])
-        return message[1]
+            raise EngineStartError(message.message, message.exit_status)
+        if not isinstance(message, Ready):
+            raise TypeError(f"the engine process said {message!r} before it was ready")
+        return message.info
 
     def start(self, deliver: Callable[[Event], None]) -> None:
         """Deliver every event from now on (from a reader thread of this process)."""
@@ -128,7 +143,7 @@ class EngineProcess:
         """Stop the engine process (it aborts what still runs) and wait for it; killed if it
         does not exit within `timeout`. Idempotent."""
         self._closing = True
-        self.send(("stop",))
+        self.send(Stop())
         self.process.join(timeout)
         if self.process.is_alive():
             logger.error("the engine process did not stop within %g s: killed", timeout)
@@ -142,10 +157,10 @@ class EngineProcess:
                 event = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if event[0] == "outputs":
-                event = ("outputs", _outputs_from_wire(event[1]), *event[2:])
-            elif event[0] == "fatal":
-                self._fail(event[1])
+            if isinstance(event, PackedOutputs):
+                event = unpack_outputs(event)
+            elif isinstance(event, Fatal):
+                self._fail(event.message)
             deliver(event)
         if self._closing:
             return
@@ -155,7 +170,7 @@ class EngineProcess:
             f"({_status(self.process.exitcode)}): the server cannot continue"
         )
         self._fail(message)
-        deliver(("fatal", message))
+        deliver(Fatal(message))
 
     def _fail(self, message: str) -> None:
         if self.failure is not None:
@@ -206,16 +221,16 @@ def engine_process_main(config: Any, conn: Connection, log_level: str) -> None:
         engine = Engine(config, detokenize=False)
         info = EngineInfo.of(engine)
     except (LockstepError, TensorParallelError) as exc:
-        conn.send(("error", str(exc), 2))
+        conn.send(StartFailed(str(exc), 2))
         return
     except BaseException as exc:
         logger.exception("the engine failed to load")
-        conn.send(("error", f"the engine failed to load: {type(exc).__name__}: {exc}", 1))
+        conn.send(StartFailed(f"the engine failed to load: {type(exc).__name__}: {exc}", 1))
         return
     events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
     loop = EngineLoop(engine, events.put)
-    engine.on_failure(lambda message: events.put(("fatal", message)))
-    conn.send(("ready", info))
+    engine.on_failure(lambda message: events.put(Fatal(message)))
+    conn.send(Ready(info))
     writer = threading.Thread(target=_write, args=(conn, events, loop), daemon=True)
     writer.start()
     threading.Thread(target=_read_commands, args=(conn, loop, engine), daemon=True).start()
@@ -248,10 +263,10 @@ def _read_commands(conn: Connection, loop: EngineLoop, engine: Any) -> None:
         try:
             command = conn.recv()
         except (EOFError, OSError):  # the HTTP process is gone
-            loop.post(("stop",))
+            loop.post(Stop())
             return
-        if command[0] == "add":
-            _compile_grammars(engine, command[2])
+        if isinstance(command, AddRequests):
+            _compile_grammars(engine, command.requests)
         loop.post(command)
 
 
@@ -272,83 +287,13 @@ def _write(conn: Connection, events: queue.SimpleQueue, loop: EngineLoop) -> Non
         event = events.get()
         if event is None:
             return
-        if event[0] == "outputs":
-            event = ("outputs", _outputs_to_wire(event[1]), *event[2:])
+        wire = pack_outputs(event) if isinstance(event, Outputs) else event
         try:
-            conn.send(event)
+            conn.send(wire)
         except OSError:  # the HTTP process is gone
-            loop.post(("stop",))
+            loop.post(Stop())
             return
         except Exception as exc:  # a value that does not pickle: a bug, but never a hang
             logger.exception("an engine event could not be sent")
-            if event[0] == "reply":
-                conn.send(("reply", event[1], None, RuntimeError(f"{type(exc).__name__}: {exc}")))
-
-
-def _logprob_to_wire(lp: TokenLogprob | None) -> tuple | None:
-    return None if lp is None else (lp.token_id, lp.logprob, lp.top)
-
-
-def _logprob_from_wire(t: tuple | None) -> TokenLogprob | None:
-    return None if t is None else TokenLogprob(*t)
-
-
-def _outputs_to_wire(outputs: list[StepOutput]) -> list[tuple]:
-    return [
-        (
-            o.request_id,
-            o.new_token_ids,
-            o.new_text,
-            None if o.new_logprobs is None else [_logprob_to_wire(lp) for lp in o.new_logprobs],
-            o.finished,
-            o.finish_reason,
-            o.prompt_tokens,
-            o.cached_tokens,
-            o.completion_tokens,
-            o.seed,
-            None if o.prompt_logprobs is None else list(map(_logprob_to_wire, o.prompt_logprobs)),
-            o.stop_reason,
-            o.new_token_logprobs,
-            o.hides_token,
-            _routed_to_wire(o.routed_experts),
-        )
-        for o in outputs
-    ]
-
-
-def _routed_to_wire(routed: np.ndarray | None) -> tuple[bytes, tuple[int, ...]] | None:
-    """Routed experts cross as their int32 bytes and shape (data, never a pickled array)."""
-    return None if routed is None else (routed.astype("<i4").tobytes(), routed.shape)
-
-
-def _routed_from_wire(wire: tuple[bytes, tuple[int, ...]] | None) -> np.ndarray | None:
-    if wire is None:
-        return None
-    data, shape = wire
-    return np.frombuffer(data, dtype="<i4").reshape(shape).astype(np.int32)
-
-
-def _outputs_from_wire(wire: list[tuple]) -> list[StepOutput]:
-    outputs = []
-    for (rid, ids, text, lps, finished, reason, prompt_tokens, cached, completion, seed,
-         prompt_lps, stop_reason, token_lps, hides_token, routed) in wire:  # fmt: skip
-        outputs.append(
-            StepOutput(
-                rid,
-                ids,
-                text,
-                None if lps is None else [TokenLogprob(*t) for t in lps],
-                finished,
-                reason,
-                prompt_tokens,
-                cached,
-                completion,
-                seed,
-                None if prompt_lps is None else list(map(_logprob_from_wire, prompt_lps)),
-                stop_reason,
-                token_lps,
-                hides_token,
-                _routed_from_wire(routed),
-            )
-        )
-    return outputs
+            if isinstance(event, Reply):
+                conn.send(Reply(event.call_id, None, RuntimeError(f"{type(exc).__name__}: {exc}")))

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops
 from lockstep.ops.fp8 import Fp8Weight
 from lockstep.ops.moe import MoeLayer, Routing, prepare_expert_weights
-from lockstep.ops.torch_fast import stock_gated_delta_rule
+from lockstep.ops.torch_stock import stock_gated_delta_rule
 from lockstep.training import functions as fn
 from lockstep.training.attention_grad import BLOCK, blocked_attention_grads
 from lockstep.training.functions import PreparedAttention, Tensors, TwinBackward, wide

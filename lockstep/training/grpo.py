@@ -70,8 +70,9 @@ def run(
     size there to leave the trainer room); returns the reports, the trained module and
     the engine (which serves the trained weights). Each sampled token's rollout logprob is
     the sampler's, its training logprob the module's; k3 = exp(d) - d - 1 with d = rollout -
-    training logprob, ratio = exp(-d). `trainer_mode` "fast" recomputes on the fast backend
-    (a control: then the two policies differ in their last bits)."""
+    training logprob, ratio = exp(-d). `trainer_mode` "reference" recomputes on the stock-torch
+    backend (a control: then the two policies differ in their last bits; "fast" is its old
+    name)."""
     llm = LLM(model, device=device, dtype=dtype, kv_tokens=kv_tokens)
     trainer = LockstepForCausalLM.from_pretrained(
         model, device=device, dtype=getattr(torch, dtype), mode=trainer_mode

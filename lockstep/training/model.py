@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.cache.routed_experts import sglang_layout
+from lockstep.config import canonical_mode
 from lockstep.errors import ModelLoadError
 from lockstep.models.blocks.base import PrepareContext, Step
 from lockstep.models.decoder import Decoder, Layer, ScratchKV, activation_dtype, weight_layout
@@ -54,7 +55,7 @@ from lockstep.training import functions as fn
 from lockstep.training.differentiable_ops import DifferentiableOps
 from lockstep.training.token_logprobs import token_logprobs
 
-MODES = ("deterministic", "fast")
+MODES = ("deterministic", "reference")  # lockstep.config.MODES
 # Canonical tensors that are constants of the model, not weights to train: DeepSeek-V3's
 # routing correction bias (a buffer in transformers too; it moves only the expert choice,
 # which has no gradient).
@@ -163,6 +164,7 @@ class LockstepForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         spec = loaded.spec
+        mode = canonical_mode(mode)
         _refuse_unsupported(spec, loaded.source, dtype, mode)
         if tp_reduction not in REDUCTIONS:
             raise ValueError(
@@ -209,7 +211,8 @@ class LockstepForCausalLM(nn.Module):
         """Load what `--model` accepts (a Hugging Face folder or hub id, a GGUF file, a
         `random:` preset; None: the embedded default) through Lockstep's own resolver, with
         the tensors the engine would load for `dtype` on `device`. `mode`: the engine mode
-        whose bits the forward gives ("deterministic", or "fast" for comparisons)."""
+        whose bits the forward gives ("deterministic", or "reference", stock torch, for
+        comparisons; "fast", its old name, is taken with a deprecation warning)."""
         device = torch.device(device)
         loaded = resolve_model(model, random_seed=random_seed, revision=revision)
         return cls(loaded, dtype, device, mode, gradient_checkpointing, tp_reduction)

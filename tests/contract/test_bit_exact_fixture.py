@@ -1,7 +1,7 @@
 """Every supported family computes the bits recorded in tests/support/bit_exact_fixture.json (made by
 tests/support/bit_exact_fixture.py on the model code before its refactor into blocks and families):
 logits, K/V caches and next-token logprobs of one cold prefill, bit for bit. The controls show
-the comparison can fail: the fast backend and a one-bit change of one weight both move it.
+the comparison can fail: the stock backend and a one-bit change of one weight both move it.
 
 One child process computes every case and control (`record_pinned`: torch pinned to the CPU
 kernels the recording used), about 20 s on two cores."""
@@ -46,8 +46,8 @@ def test_bits_equal_the_recording(case: Case, computed: dict[str, Any]) -> None:
     assert got["kv_sha256"] == want["kv_sha256"]
 
 
-def test_fast_mode_differs_from_the_recording(computed: dict[str, Any]) -> None:
-    got, want = computed["controls"]["fast mode"], RECORDED["random:tiny-qwen3"]
+def test_reference_mode_differs_from_the_recording(computed: dict[str, Any]) -> None:
+    got, want = computed["controls"]["reference mode"], RECORDED["random:tiny-qwen3"]
     assert got["logits_sha256"] != want["logits_sha256"]
     assert got["logprobs"] != want["logprobs"]
 

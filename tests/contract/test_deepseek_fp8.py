@@ -9,7 +9,7 @@ experts in FP8 and kv_b_proj dequantized; its logprobs equal a float64 emulation
 arithmetic (transformers' model with each projection replaced by an emulation written in the
 test support, not with Lockstep's code) within 1e-5, which the unquantized model and the
 folder with swapped kv_b scales miss. It keeps the contract (random schedules equal one cold
-prefill, decode equals scoring) with a bf16 cache and an FP8 latent cache; fast mode fails the
+prefill, decode equals scoring) with a bf16 cache and an FP8 latent cache; reference mode fails the
 same checks. The multi-token-prediction layer's FP8 tensors are skipped; what cannot run is
 refused in one line.
 """
@@ -157,10 +157,10 @@ def test_any_schedule_matches_cold_prefill(
     engine.check_integrity()
 
 
-def test_negative_control_fast_mode_breaks_the_contract(folder) -> None:
-    """The same schedules in fast mode (dequantized oneDNN GEMMs, SDPA, transformers'
+def test_negative_control_reference_mode_breaks_the_contract(folder) -> None:
+    """The same schedules in reference mode (dequantized oneDNN GEMMs, SDPA, transformers'
     routing) differ from the cold prefill: the check is not blind."""
-    assert schedule_failures(_engine(folder[0], mode="fast"), 8, lengths=(8, 48), max_mates=3)
+    assert schedule_failures(_engine(folder[0], mode="reference"), 8, lengths=(8, 48), max_mates=3)
 
 
 def test_random_preset_runs_in_fp8() -> None:

@@ -90,10 +90,10 @@ def test_batched_with_eviction_and_preemption_equals_alone(model, gen, kv_tokens
     _assert_pool_free(engine)
 
 
-def test_negative_control_fast_mode_batched_differs() -> None:
-    """The same comparison in fast mode must find a difference (the test can fail)."""
+def test_negative_control_reference_mode_batched_differs() -> None:
+    """The same comparison in reference mode must find a difference (the test can fail)."""
     rng = random.Random(1)
-    engine = _engine(None, mode="fast", max_batch_tokens=512, chunk_size=256)
+    engine = _engine(None, mode="reference", max_batch_tokens=512, chunk_size=256)
     vocab = engine.decoder.spec.vocab_size
     prompts = _overlapping_prompts(rng, vocab, 16)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)

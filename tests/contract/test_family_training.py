@@ -2,7 +2,7 @@
 (tests/support/tiny_hf.py), each showing what training promises (docs/training.md):
 
   * the packed logprobs, in two packing orders, equal `LLM.score`'s bit for bit, and the
-    negative control: the same module on the fast backend misses them;
+    negative control: the same module on the stock backend misses them;
   * the gradient of a weighted logprob loss matches transformers' float32 autograd within
     1e-4 (relative, per tensor), and the control: one token changed moves it past the bound;
   * after an optimizer step, `LLM.update_weights(model.state_dict())` serves the trainer's
@@ -158,10 +158,10 @@ def test_family_trains_with_the_engine_bits(written, row: tuple[str, str, dict])
               chunk_size=16)  # fmt: skip
     scores = _scores(llm, sequences)
     model = LockstepForCausalLM.from_pretrained(str(folder))
-    fast = LockstepForCausalLM.from_pretrained(str(folder), mode="fast")
+    stock = LockstepForCausalLM.from_pretrained(str(folder), mode="reference")
     with torch.no_grad():
         assert _bitwise_equal(model(sequences[::-1]).per_sequence()[::-1], scores)
-        assert not _bitwise_equal(fast(sequences).per_sequence(), scores)  # the control
+        assert not _bitwise_equal(stock(sequences).per_sequence(), scores)  # the control
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
@@ -203,5 +203,7 @@ def test_bfloat16_packed_logprobs_are_llm_score_bits(written, name: str) -> None
     with torch.no_grad():
         model = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
         assert _bitwise_equal(model(sequences).per_sequence(), scores)
-        fast = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, mode="fast")
-        assert not _bitwise_equal(fast(sequences).per_sequence(), scores)  # the control
+        stock = LockstepForCausalLM.from_pretrained(
+            str(folder), dtype=torch.bfloat16, mode="reference"
+        )
+        assert not _bitwise_equal(stock(sequences).per_sequence(), scores)  # the control

@@ -1,7 +1,7 @@
 """The position-invariance property suite (test_position_invariance.py) on the FP8 presets,
 with the FP8 KV cache off and on (and the FP8 cache under unquantized weights): random schedules (prefix hits, chunkings, decode steps,
 batch-mates) and prefix hits of every length give the bits of one cold full prefill, logits
-and K/V entries. Negative controls: fast mode fails the property, and so does the
+and K/V entries. Negative controls: reference mode fails the property, and so does the
 deterministic backend with only its FP8 linear replaced by the stock one (the suite sees the
 FP8 arithmetic, not only attention's)."""
 
@@ -27,7 +27,7 @@ from lockstep.engine.engine import Engine
 from lockstep.errors import ConfigError
 from lockstep.models.presets import PRESETS
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-from lockstep.ops.cpu_fast import CpuFastOps
+from lockstep.ops.cpu_stock import CpuStockOps
 from lockstep.ops.fp8 import E4M3, Fp8Weight
 
 BLOCK, STATIC, CHANNEL = (f"random:tiny-qwen3-fp8{s}" for s in ("", "-static", "-channel"))
@@ -91,8 +91,8 @@ def test_kv_dtype_is_validated() -> None:
         EngineConfig(kv_dtype="int8")
 
 
-def test_negative_control_fast_mode_breaks_fp8_invariance() -> None:
-    assert _batch_invariance_failures(_engine(BLOCK, mode="fast", kv_dtype="fp8_e4m3")) > 0
+def test_negative_control_reference_mode_breaks_fp8_invariance() -> None:
+    assert _batch_invariance_failures(_engine(BLOCK, mode="reference", kv_dtype="fp8_e4m3")) > 0
 
 
 def test_negative_control_stock_fp8_linear_breaks_invariance() -> None:
@@ -104,7 +104,7 @@ def test_negative_control_stock_fp8_linear_breaks_invariance() -> None:
 
     class StockFp8(CpuDeterministicOps):
         def fp8_linear(self, x, weight, bias=None):
-            return CpuFastOps.fp8_linear(CpuFastOps(), x, weight, bias)
+            return CpuStockOps.fp8_linear(CpuStockOps(), x, weight, bias)
 
     engine = _engine(BLOCK, num_threads=2)
     engine.decoder.ops = StockFp8()

@@ -3,7 +3,7 @@ Qwen3-30B-A3B-FP8 is (tests/support/tiny_fp8.py) loads with its experts in FP8 a
 unquantized, gives the logits of an independent float64 reference of the quantized model,
 and keeps the contract (random schedules equal one cold prefill, with the bf16 and the FP8
 KV cache). A token's expert GEMM row is the dense FP8 linear's row, and its MoE output
-does not depend on its batch-mates. Negative controls: fast mode, and the deterministic
+does not depend on its batch-mates. Negative controls: reference mode, and the deterministic
 backend with only its MoE op replaced by the stock loop, fail the same checks."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lockstep.models.resolver import resolve_model  # noqa: E402
 from lockstep.models.spec import Fp8Spec  # noqa: E402
 from lockstep.ops import get_ops  # noqa: E402
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps  # noqa: E402
-from lockstep.ops.cpu_fast import CpuFastOps  # noqa: E402
+from lockstep.ops.cpu_stock import CpuStockOps  # noqa: E402
 from lockstep.ops.fp8 import quantize_weight  # noqa: E402
 from lockstep.ops.moe import MoeLayer, prepare_fp8_experts  # noqa: E402
 from tests.support.tiny_fp8 import edit_tensors, float64_reference, write_fp8_folder  # noqa: E402
@@ -85,8 +85,8 @@ def test_fp8_moe_folder_any_schedule_matches_cold_prefill(
         _check_case(engine, seed, max_len=64, max_mates=3)
 
 
-def test_negative_control_fast_mode_breaks_fp8_moe_invariance(folder) -> None:
-    assert _batch_invariance_failures(_engine(str(folder[0]), mode="fast")) > 0
+def test_negative_control_reference_mode_breaks_fp8_moe_invariance(folder) -> None:
+    assert _batch_invariance_failures(_engine(str(folder[0]), mode="reference")) > 0
 
 
 def test_negative_control_stock_fp8_moe_breaks_invariance(folder) -> None:
@@ -95,7 +95,7 @@ def test_negative_control_stock_fp8_moe_breaks_invariance(folder) -> None:
 
     class StockMoe(CpuDeterministicOps):
         def moe(self, x, layer):
-            return CpuFastOps.moe(CpuFastOps(), x, layer)
+            return CpuStockOps.moe(CpuStockOps(), x, layer)
 
     engine = _engine(str(folder[0]))
     engine.decoder.ops = StockMoe()
@@ -146,16 +146,16 @@ def test_expert_gemm_row_equals_the_dense_fp8_linear_row() -> None:
 def test_a_tokens_fp8_moe_row_ignores_its_batch_mates() -> None:
     """Each token's row of one call of 40 equals the token alone; the stock loop (the
     control) changes some row's bits with the batch."""
-    det, fast = CpuDeterministicOps(), CpuFastOps()
+    det, stock = CpuDeterministicOps(), CpuStockOps()
     x = torch.randn(40, 192, generator=torch.Generator().manual_seed(3))
     layer, _ = _fp8_layer(det, 4)
     together = det.moe(x, layer)
     assert all(torch.equal(together[i], det.moe(x[i : i + 1], layer)[0]) for i in range(40))
-    stock_layer, _ = _fp8_layer(fast, 4)
-    stock = fast.moe(x, stock_layer)
-    assert any(not torch.equal(stock[i], fast.moe(x[i : i + 1], stock_layer)[0])
+    stock_layer, _ = _fp8_layer(stock, 4)
+    stock = stock.moe(x, stock_layer)
+    assert any(not torch.equal(stock[i], stock.moe(x[i : i + 1], stock_layer)[0])
                for i in range(40))  # fmt: skip
-    reference = get_ops("cpu", "reference")
+    reference = get_ops("cpu", "float64")
     want = reference.moe(x, _fp8_layer(reference, 4)[0])
     torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -220,7 +220,7 @@ def test_row_scaled_fp8_moe_folder_any_schedule_matches_cold_prefill(row_folder)
 
 
 def test_negative_control_fast_mode_breaks_row_scaled_fp8_moe(row_folder) -> None:
-    engine = _engine(str(row_folder[0]), mode="fast")
+    engine = _engine(str(row_folder[0]), mode="reference")
     assert _batch_invariance_failures(engine, stop_at_first=True) > 0
 
 
@@ -259,7 +259,7 @@ def test_row_scaled_expert_gemm_row_equals_the_dense_fp8_linear_row(scheme: str)
         assert torch.equal(got, want)
     together = ops.moe(x, layer)
     assert all(torch.equal(together[i], ops.moe(x[i : i + 1], layer)[0]) for i in range(9))
-    reference = get_ops("cpu", "reference")
+    reference = get_ops("cpu", "float64")
     ref_layer = dataclasses.replace(layer, router=router.double(),
                                     gate_up=torch.stack([torch.cat([q[e, "gate"][0], q[e, "up"][0]])
                                                          for e in range(experts)]),
@@ -275,7 +275,7 @@ def test_fp8_moe_with_one_unquantized_expert_is_refused(folder, tmp_path: Path) 
     edit_tensors(path, **{e + "weight": torch.zeros(160, 192, dtype=torch.bfloat16),
                           e + "weight_scale_inv": None})  # fmt: skip
     with pytest.raises(ModelLoadError, match="experts.3.up_proj is not FP8"):
-        Decoder.load(resolve_model(str(path)), get_ops("cpu", "reference"), torch.float32, "cpu")
+        Decoder.load(resolve_model(str(path)), get_ops("cpu", "float64"), torch.float32, "cpu")
 
 
 def test_fp8_moe_weight_update_in_place_gives_the_new_models_bits() -> None:

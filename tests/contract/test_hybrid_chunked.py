@@ -3,7 +3,7 @@ lockstep/ops/chunked_delta.py, through the real engine and tiny Qwen3.5): random
 with batch-mates, radix resumes at and between chunk boundaries with tails of 1..40 tokens,
 every prefill chunk size, decode against rescoring, preemption: every position's logits, K/V,
 final linear state and snapshot bits equal one cold prefill. Against transformers within 1e-4.
-Negative controls: fast mode, and the chunked layers' rule replaced by chunks counted from each
+Negative controls: reference mode, and the chunked layers' rule replaced by chunks counted from each
 step's first row, fail the same checks."""
 
 from __future__ import annotations
@@ -51,17 +51,17 @@ def chunked() -> Engine:
     return _engine()
 
 
-def test_the_option_reaches_the_layers_and_is_refused_in_fast_mode(chunked: Engine) -> None:
+def test_the_option_reaches_the_layers_and_is_refused_in_reference_mode(chunked: Engine) -> None:
     """The engine's state layout runs the chunked rule, whose bits differ from the recurrent
-    kernel's (both the same math); fast mode with it is refused, naming the option."""
+    kernel's (both the same math); reference mode with it is refused, naming the option."""
     assert chunked.decoder.linear_layout.kernel == "chunked"
     tokens = [random.Random(1).randrange(VOCAB) for _ in range(2 * CHUNK + 5)]
     recurrent = _engine(gdn_kernel="recurrent")
     ours, theirs = reference(chunked, tokens).logits, reference(recurrent, tokens).logits
     assert not torch.equal(ours, theirs)
     assert (ours - theirs).abs().max() < 1e-4
-    with pytest.raises(ConfigError, match="gdn_kernel='chunked' is invalid with mode='fast'"):
-        EngineConfig(model=HYBRID, mode="fast", gdn_kernel="chunked")
+    with pytest.raises(ConfigError, match="gdn_kernel='chunked' is invalid with mode='reference'"):
+        EngineConfig(model=HYBRID, mode="reference", gdn_kernel="chunked")
     with pytest.raises(ConfigError, match="gdn_kernel='tiles' is invalid"):
         EngineConfig(model=HYBRID, gdn_kernel="tiles")
 
@@ -163,13 +163,13 @@ def _failures(engine: Engine) -> int:
     return failures
 
 
-def test_negative_control_fast_mode_and_chunk_relative_tiles_fail() -> None:
-    """Fast mode fails the property; so does the chunked engine with its rule's chunks
+def test_negative_control_reference_mode_and_chunk_relative_tiles_fail() -> None:
+    """Reference mode fails the property; so does the chunked engine with its rule's chunks
     counted from each step's first row (transformers' chunked form, which ignores the open
     rows): the suite sees where the chunks sit."""
-    assert _failures(_engine(mode="fast")) > 0
+    assert _failures(_engine(mode="reference")) > 0
     from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-    from lockstep.ops.torch_fast import stock_gated_delta_rule
+    from lockstep.ops.torch_stock import stock_gated_delta_rule
 
     class ChunkRelative(CpuDeterministicOps):
         def chunked_delta_rule(self, q, k, v, g, beta, state, open_k, open_v, open_g,

@@ -125,7 +125,7 @@ def test_tp_4_gives_the_bits_of_tp_1(engines, moe_folder: Path) -> None:
 
 def test_controls_other_reductions_and_combines_change_bits(engines, moe_folder: Path) -> None:
     """The chunked rule and the fixed combine are what make the degrees agree: TP 2 under
-    "ranks" or "all_reduce", TP 1's default one-call experts, fast mode at TP 2 and EP 2
+    "ranks" or "all_reduce", TP 1's default one-call experts, reference mode at TP 2 and EP 2
     under "ranks" or "all_reduce" each differ from TP 1. And the combine alone: at 2 ranks
     the library's SUM adds two partials as "ranks" does (TP 2 gives the same bits under
     both), so EP 2's two reductions differ only in how a token's four expert outputs are
@@ -135,7 +135,7 @@ def test_controls_other_reductions_and_combines_change_bits(engines, moe_folder:
         "tp=2 ranks": (2, {"tp_reduction": "ranks"}),
         "tp=2 all_reduce": (2, {"tp_reduction": "all_reduce"}),
         "tp=1 default": (1, {}),
-        "tp=2 fast": (2, {"mode": "fast"}),
+        "tp=2 reference": (2, {"mode": "reference"}),
         "ep=2 ranks": (2, {"ep": 2, "tp_reduction": "ranks"}),
         "ep=2 all_reduce": (2, {"ep": 2, "tp_reduction": "all_reduce"}),
     }

@@ -5,7 +5,7 @@ length, any partition into forward passes including one-token decode steps, rand
 in every pass at random row offsets) and compares every position's logits and K/V entries
 bitwise with one cold full prefill. Further tests cover decode versus teacher-forced scoring,
 prefix hits at every offset, and a restart in a second process. The negative control runs the
-same property in fast mode (plain torch, float32) and requires it to fail. The tiny
+same property in reference mode (plain torch, float32) and requires it to fail. The tiny
 mixture-of-experts preset runs the same suite, with a control in which only its MoE op is
 the stock one.
 
@@ -158,12 +158,12 @@ def test_generation_logprobs_equal_scoring_moe(moe: Engine) -> None:
     _generation_logprobs_equal_scoring(moe)
 
 
-def test_negative_control_fast_mode_decode_differs_from_scoring() -> None:
-    """The decode-vs-scoring comparison above can fail: in fast mode (float32 torch GEMM, whose
+def test_negative_control_reference_mode_decode_differs_from_scoring() -> None:
+    """The decode-vs-scoring comparison above can fail: in reference mode (float32 torch GEMM, whose
     rows change with M) one-token decode steps and a whole-text prefill disagree."""
     from lockstep.engine.llm import LLM
 
-    llm = LLM(None, mode="fast", device="cpu", dtype="float32", kv_tokens=4096)
+    llm = LLM(None, mode="reference", device="cpu", dtype="float32", kv_tokens=4096)
     prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -172,7 +172,7 @@ def test_negative_control_fast_mode_decode_differs_from_scoring() -> None:
         score.logprobs[len(out.prompt_token_ids) :] != out.logprobs
         for out, score in zip(outs, scores, strict=True)
     )
-    assert differs > 0, "fast mode agreed with scoring everywhere: the comparison is blind"
+    assert differs > 0, "reference mode agreed with scoring everywhere: the comparison is blind"
 
 
 _RESTART_SCRIPT = """
@@ -223,24 +223,24 @@ def _batch_invariance_failures(engine: Engine, stop_at_first: bool = False) -> i
     return failures
 
 
-def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
-    """The same property in fast mode (plain torch, float32) must fail: the suite can fail."""
-    failures = _batch_invariance_failures(_engine(None, mode="fast"))
-    assert failures > 0, "fast mode kept batch invariance on every case: the check is blind"
+def test_negative_control_reference_mode_breaks_batch_invariance() -> None:
+    """The same property in reference mode (plain torch, float32) must fail: the suite can fail."""
+    failures = _batch_invariance_failures(_engine(None, mode="reference"))
+    assert failures > 0, "reference mode kept batch invariance on every case: the check is blind"
 
 
-def test_negative_control_moe_fast_mode_and_stock_moe_break_batch_invariance() -> None:
-    """On the MoE preset the property fails in fast mode, and also when everything is
+def test_negative_control_moe_reference_mode_and_stock_moe_break_batch_invariance() -> None:
+    """On the MoE preset the property fails in reference mode, and also when everything is
     deterministic but the MoE op (transformers' loop of torch GEMMs over each expert's
     tokens): the suite sees the experts' arithmetic, not only attention's and the dense
     linears'."""
-    assert _batch_invariance_failures(_engine(MOE, mode="fast")) > 0
+    assert _batch_invariance_failures(_engine(MOE, mode="reference")) > 0
     from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-    from lockstep.ops.cpu_fast import CpuFastOps
+    from lockstep.ops.cpu_stock import CpuStockOps
 
     class StockMoe(CpuDeterministicOps):
         def moe(self, x, layer):
-            return CpuFastOps.moe(CpuFastOps(), x, layer)  # det weights: K is already 16-aligned
+            return CpuStockOps.moe(CpuStockOps(), x, layer)  # det weights: K is already 16-aligned
 
     engine = _engine(MOE)
     engine.decoder.ops = StockMoe()

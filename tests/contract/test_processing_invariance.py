@@ -1,7 +1,7 @@
 """The contract with logits processing: requests with penalties, logit_bias, min_tokens,
 bad_words and structured outputs, mixed with plain requests in random batches under random
 scheduler budgets, each get the tokens and logprobs they get alone. The negative control runs
-the same check in fast mode and requires a difference."""
+the same check in reference mode and requires a difference."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_processed_requests_in_random_batches_match_alone(seed: int) -> None:
     assert not problems, "differ when batched: " + "; ".join(problems)
 
 
-def test_negative_control_fast_mode_differs() -> None:
-    """The same check in fast mode (plain torch float32, whose rows change with the batch)
+def test_negative_control_reference_mode_differs() -> None:
+    """The same check in reference mode (plain torch float32, whose rows change with the batch)
     finds a request whose tokens or logprobs differ: the comparison is not blind."""
-    assert any(_mismatches(seed, "fast") for seed in range(4))
+    assert any(_mismatches(seed, "reference") for seed in range(4))

@@ -6,7 +6,7 @@ preemption; rejected drafts never reach the radix cache.
 Drafters: prompt lookup (the n-gram drafter the engine ships), and two controls built from the
 reference outputs: one that always proposes the true continuation (every draft is kept, so
 stop tokens and max_tokens must cut accepted runs exactly) and one that always proposes a
-wrong token (every draft is rejected). Negative control: fast mode, whose CPU matmuls are not
+wrong token (every draft is rejected). Negative control: reference mode, whose CPU matmuls are not
 invariant to the number of rows, gives other logprobs with speculation than without.
 """
 
@@ -263,11 +263,11 @@ def test_real_text_copy_with_stop_string_and_radix_hit() -> None:
     assert counters.acceptance_rate > 0.5, counters
 
 
-def test_negative_control_fast_mode_speculation_differs() -> None:
-    """Fast mode's CPU matmuls give a row other bits when the step has other rows: a verify
+def test_negative_control_reference_mode_speculation_differs() -> None:
+    """Reference mode's CPU matmuls give a row other bits when the step has other rows: a verify
     chunk of 5 rows does not reproduce one-row decode there, so the comparison above fails."""
     rng = random.Random(1)
-    plain = _engine(None, mode="fast")
+    plain = _engine(None, mode="reference")
     vocab = plain.decoder.spec.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(4)]
     requests = {
@@ -275,13 +275,13 @@ def test_negative_control_fast_mode_speculation_differs() -> None:
         for i, p in enumerate(prompts)
     }
     want = _run(plain, requests)
-    spec = _speculating(None, mode="fast")
+    spec = _speculating(None, mode="reference")
     spec.speculator.drafter = _ReferenceDrafter(
         [requests[r][0] + want[r][0] for r in requests], vocab, wrong=False
     )
     got = _run(spec, requests)
     assert spec.speculator.counters.accepted > 0
-    assert any(got[r][1] != want[r][1] for r in requests), "fast mode gave the same bits"
+    assert any(got[r][1] != want[r][1] for r in requests), "reference mode gave the same bits"
 
 
 def test_speculation_is_refused_where_it_cannot_be_exact() -> None:

@@ -9,7 +9,7 @@ of kept drafts is rolled back to), and with the model's own MTP head (a tiny Qwe
 written by transformers, given `mtp.*` tensors).
 
 Negative controls: a rollback that keeps the state's open rows but not its convolution window
-fails the comparison; and so does fast mode.
+fails the comparison; and so does reference mode.
 """
 
 from __future__ import annotations
@@ -146,17 +146,17 @@ def test_negative_control_a_rollback_that_keeps_the_window_differs(monkeypatch) 
 
 
 def test_negative_control_fast_mode_hybrid_speculation_differs() -> None:
-    plain = _engine(mode="fast")
+    plain = _engine(mode="reference")
     vocab = plain.decoder.spec.vocab_size
     requests = _requests(6, vocab, 4, 16)
     want = _run(plain, requests)
-    spec = _engine(mode="fast", speculative="ngram", prompt_lookup_min=1)
+    spec = _engine(mode="reference", speculative="ngram", prompt_lookup_min=1)
     spec.speculator.drafter = _ReferenceDrafter(
         [requests[r][0] + want[r][0] for r in requests], vocab, wrong=False
     )
     got = _run(spec, requests)
     assert spec.speculator.counters.accepted > 0
-    assert any(got[r][1] != want[r][1] for r in requests), "fast mode gave the same bits"
+    assert any(got[r][1] != want[r][1] for r in requests), "reference mode gave the same bits"
 
 
 @pytest.fixture(scope="module")

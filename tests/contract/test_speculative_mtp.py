@@ -6,7 +6,7 @@ greedy and seeded, beside batch-mates, from the prefix cache and through preempt
 
 The MTP layer itself is checked against transformers' own DeepSeek-V3 decoder layer run as
 DeepSeek's MTP module (enorm, hnorm, eh_proj over [embed; hidden], one layer, shared head):
-the same drafts. Negative control: fast mode's verify rows differ from its decode rows.
+the same drafts. Negative control: reference mode's verify rows differ from its decode rows.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_mtp_speculation_batched_with_preemption_equals_plain_alone(
 
 
 def test_negative_control_fast_mode_mtp_speculation_differs(folder: Path) -> None:
-    """Fast mode's CPU matmuls give a verify chunk's rows other bits than one-row decode: the
+    """Reference mode's CPU matmuls give a verify chunk's rows other bits than one-row decode: the
     comparison above fails there."""
     rng = random.Random(2)
     requests = {
@@ -149,11 +149,11 @@ def test_negative_control_fast_mode_mtp_speculation_differs(folder: Path) -> Non
                   SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1))
         for i in range(4)
     }  # fmt: skip
-    want = _run(_engine(str(folder), mode="fast"), requests)
-    spec = _engine(str(folder), mode="fast", speculative="mtp", num_draft_tokens=3)
+    want = _run(_engine(str(folder), mode="reference"), requests)
+    spec = _engine(str(folder), mode="reference", speculative="mtp", num_draft_tokens=3)
     got = _run(spec, requests)
     assert spec.speculator.counters.drafted > 0
-    assert any(got[r][1] != want[r][1] for r in requests), "fast mode gave the same bits"
+    assert any(got[r][1] != want[r][1] for r in requests), "reference mode gave the same bits"
 
 
 def test_mtp_is_refused_without_mtp_weights(folder: Path, tmp_path: Path) -> None:

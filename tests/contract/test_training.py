@@ -85,15 +85,15 @@ def test_packed_logprobs_are_llm_score_bits(
         for b, i in enumerate(order):
             expected = decoder.logits_for_sequence(sequences[i])
             assert torch.equal(out.logits[cu[b] : cu[b + 1]], expected)
-        # The control: the same module on the fast backend (torch GEMM and SDPA) is close
+        # The control: the same module on the stock backend (torch GEMM and SDPA) is close
         # but not bit-identical, so the equalities above could fail.
-        fast = LockstepForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], mode="fast")
-        fast_out = fast([sequences[i] for i in order], return_logits=True)
-    fast_lps = fast_out.per_sequence()
+        stock = LockstepForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], mode="reference")
+        stock_out = stock([sequences[i] for i in order], return_logits=True)
+    stock_lps = stock_out.per_sequence()
     expected_lps = [scores[i] for i in order]
-    assert not _bitwise_equal(fast_lps, expected_lps)
-    assert fast_out.logits is not None and not torch.equal(fast_out.logits, out.logits)
-    pairs = [(a, b) for a, b in zip(fast_lps, expected_lps, strict=True) if b.numel()]
+    assert not _bitwise_equal(stock_lps, expected_lps)
+    assert stock_out.logits is not None and not torch.equal(stock_out.logits, out.logits)
+    pairs = [(a, b) for a, b in zip(stock_lps, expected_lps, strict=True) if b.numel()]
     worst = max((a.double() - b).abs().max().item() for a, b in pairs)
     assert worst < (1e-3 if dtype == "float32" else 0.1)
 
@@ -331,10 +331,10 @@ def test_grpo_example_has_zero_k3_and_unit_ratios(folders: dict[str, Path], fami
     probe = _sequences(seed=5, lengths=[6, 9])
     with torch.no_grad():
         assert not torch.equal(trainer(probe).logprobs, start(probe).logprobs)
-    # The control: recomputed on the fast backend, the training policy is off by some bits.
-    (fast,), _, _ = run(folder, 1, group_size=2, prompts=one_prompt, max_tokens=6,
-                        reward=mean_code_point, trainer_mode="fast")  # fmt: skip
-    assert fast.k3_max > 0.0 and (fast.ratio_min, fast.ratio_max) != (1.0, 1.0)
+    # The control: recomputed on the stock backend, the training policy is off by some bits.
+    (stock,), _, _ = run(folder, 1, group_size=2, prompts=one_prompt, max_tokens=6,
+                        reward=mean_code_point, trainer_mode="reference")  # fmt: skip
+    assert stock.k3_max > 0.0 and (stock.ratio_min, stock.ratio_max) != (1.0, 1.0)
 
 
 def _readme_trainer_block() -> str:

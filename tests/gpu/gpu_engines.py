@@ -79,7 +79,7 @@ def check_graph_decode_equals_eager(engines: OneEngine) -> None:
 
 def check_one_request_among_64_batch_mates(llm, equal: bool = True) -> None:
     """One request decoded beside 64 batch-mates, then alone after a cache flush: the same
-    tokens and logprobs (`equal`), or not (the fast-mode control)."""
+    tokens and logprobs (`equal`), or not (the reference-mode control)."""
     prompts = random_prompts(65, seed=3)
     together = sampled(llm, prompts, 48)
     llm.engine.flush_cache()

@@ -1,7 +1,7 @@
 """DeepSeek-architecture models (MLA + DeepSeek MoE routing) on the GPU, CUDA graphs on: decode
 replayed from graphs (batch padding included) equals eager decode; one request among 64
 batch-mates equals the request alone; decode logprobs over 512+ generated tokens equal a
-teacher-forced rescoring (prefill); fast mode breaks batch invariance (the control).
+teacher-forced rescoring (prefill); reference mode breaks batch invariance (the control).
 `LOCKSTEP_GPU_DEEPSEEK_MODEL` picks the model (default random:deepseek-v2-lite, 31 GiB in
 bf16); one engine lives at a time. And the latent-attention kernel alone at DeepSeek-V2-Lite's
 and V3's head counts (16 and 128, W = 512 + 64) over contexts up to ~5k keys, so the split
@@ -58,8 +58,8 @@ def test_decode_over_512_tokens_equals_teacher_forced_scoring(graphed) -> None:
     check_decode_equals_teacher_forced_scoring(graphed)
 
 
-def test_negative_control_fast_mode_differs_among_batch_mates(engines) -> None:
-    check_one_request_among_64_batch_mates(engines.get(mode="fast"), equal=False)
+def test_negative_control_reference_mode_differs_among_batch_mates(engines) -> None:
+    check_one_request_among_64_batch_mates(engines.get(mode="reference"), equal=False)
 
 
 # ------------------------------------------------------------------- the kernel alone

@@ -5,7 +5,7 @@ kv_b_proj dequantized at load; the Triton FP8 GEMM and FP8 MoE kernels) and
 
   * what loads: e4m3 weights on the device, the absorbed kv_b in bf16, the router unquantized;
   * random schedules (batch-mates, chunks, prefix hits, decode steps) equal a cold prefill
-    bit for bit, with the bf16 and the FP8 latent cache; fast mode must fail the same check;
+    bit for bit, with the bf16 and the FP8 latent cache; reference mode must fail the same check;
   * sampled generations' logprobs equal scoring the generated text (decode vs rescoring),
     with CUDA graphs and eagerly.
 
@@ -73,9 +73,9 @@ def test_random_schedules_match_cold_prefill(model, kv_dtype: str) -> None:
     assert not failures, "; ".join(failures)
 
 
-def test_negative_control_fast_mode_fails_the_property(model) -> None:
-    failures = schedule_failures(_engine(model, mode="fast"), CASES, wide_mates=True)
-    assert failures, "fast mode matched every schedule: the property lost its teeth"
+def test_negative_control_reference_mode_fails_the_property(model) -> None:
+    failures = schedule_failures(_engine(model, mode="reference"), CASES, wide_mates=True)
+    assert failures, "reference mode matched every schedule: the property lost its teeth"
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])

@@ -2,7 +2,7 @@
 
 Runs only where CUDA is present (the GPU machine); CI has no GPU, where the same properties
 run on the CPU path (test_position_invariance.py) and the Triton kernels run under the
-interpreter (test_ops_triton.py). The negative control requires fast mode (cuBLAS, SDPA) to
+interpreter (test_ops_triton.py). The negative control requires reference mode (cuBLAS, SDPA) to
 break batch invariance on the same harness.
 """
 
@@ -147,8 +147,8 @@ def test_restart_in_a_second_process(engine) -> None:
     assert ours != perturbed, "the comparison did not see a changed input: it is blind"
 
 
-def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
-    engine = _engine("random:smollm2-135m", mode="fast")
+def test_negative_control_reference_mode_breaks_batch_invariance() -> None:
+    engine = _engine("random:smollm2-135m", mode="reference")
     failures = 0
     for seed in range(10):
         rng = random.Random(seed)

@@ -2,7 +2,7 @@
 (tests/support/tiny_fp8.py, tiny_fp8_kv.py) with the checkpoints' static KV cache scales and
 with per-channel and per-tensor FP8 experts, through the deterministic Triton backend: random
 schedules (batch-mates, prefix hits, chunks, decode steps, eager and CUDA-graph decode) give
-the bits of one cold prefill, the logits stay near the float64 emulation, and fast mode fails
+the bits of one cold prefill, the logits stay near the float64 emulation, and reference mode fails
 the property (the control). Runs only where CUDA is present; CI runs the same checks on the
 CPU (test_fp8_kv_scales.py, test_fp8_moe.py) and the kernels under the interpreter."""
 
@@ -94,8 +94,8 @@ def test_kv_scaled_cache_logits_are_near_the_float64_emulation(kv_folder) -> Non
 
 
 def test_negative_control_fast_mode_breaks_the_kv_scaled_suite(kv_folder) -> None:
-    engine = _engine(str(kv_folder[0]), mode="fast", kv_dtype="fp8_e4m3")
-    assert _failures(engine, 10, wide_mates=True), "fast mode matched every schedule"
+    engine = _engine(str(kv_folder[0]), mode="reference", kv_dtype="fp8_e4m3")
+    assert _failures(engine, 10, wide_mates=True), "reference mode matched every schedule"
 
 
 @pytest.fixture(scope="module", params=["modelopt", "compressed-tensors"])
@@ -117,7 +117,7 @@ def test_row_scaled_fp8_moe_random_schedules_match_cold_prefill(moe_folder, kv_d
 
 
 def test_negative_control_fast_mode_breaks_row_scaled_fp8_moe(moe_folder) -> None:
-    assert _failures(_engine(str(moe_folder), mode="fast"), 10, wide_mates=True)
+    assert _failures(_engine(str(moe_folder), mode="reference"), 10, wide_mates=True)
 
 
 @pytest.fixture(scope="module", params=["-fp8-static", "-fp8-channel"])

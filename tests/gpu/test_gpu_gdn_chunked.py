@@ -3,7 +3,7 @@ through the engine on the GPU, CUDA graphs on: graph decode equals eager decode;
 among 64 batch-mates equals it alone; 520 decoded tokens equal a teacher-forced rescoring;
 radix resumes at and between chunk boundaries equal a cold prefill; the chunked logits are
 near the recurrent kernel's (the same math) but not its bits (the option reaches the kernels);
-fast mode breaks batch invariance (the control). `LOCKSTEP_GPU_HYBRID_MODEL` picks the model
+reference mode breaks batch invariance (the control). `LOCKSTEP_GPU_HYBRID_MODEL` picks the model
 (default random:qwen3.5-9b). The kernels alone at the model's head sizes:
 tests/kernels/test_chunked_delta_triton.py, which runs on the GPU where CUDA is present."""
 
@@ -90,6 +90,6 @@ def test_chunked_is_near_the_recurrent_kernel_but_not_its_bits(engines) -> None:
     assert max(abs(a - b) for a, b in zip(chunked[1:], recurrent[1:], strict=True)) < 0.1
 
 
-def test_negative_control_fast_mode_differs_among_batch_mates(engines) -> None:
-    check_one_request_among_64_batch_mates(engines.get(mode="fast", gdn_kernel="recurrent"),
+def test_negative_control_reference_mode_differs_among_batch_mates(engines) -> None:
+    check_one_request_among_64_batch_mates(engines.get(mode="reference", gdn_kernel="recurrent"),
                                            equal=False)  # fmt: skip

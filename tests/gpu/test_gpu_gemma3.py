@@ -5,7 +5,7 @@ Runs only where CUDA is present; CI runs the same properties on a tiny Gemma 3 f
 CPU (test_gemma3.py) and the sliding-window attention kernels under the interpreter
 (test_ops_triton.py). Prompts cross the window (1,024), the key block (64) and the split (512),
 so tails of radix hits and decode steps straddle the window's edge on every path. The
-negative control requires fast mode (cuBLAS, SDPA) to break the same harness.
+negative control requires reference mode (cuBLAS, SDPA) to break the same harness.
 `LOCKSTEP_GPU_CASES` sets the number of random schedules (default 40).
 """
 
@@ -145,8 +145,8 @@ def test_cuda_graph_decode_equals_eager(engine) -> None:
     torch.cuda.empty_cache()
 
 
-def test_negative_control_fast_mode_breaks_batch_invariance() -> None:
-    engine = _engine(mode="fast", cuda_graphs=False)
+def test_negative_control_reference_mode_breaks_batch_invariance() -> None:
+    engine = _engine(mode="reference", cuda_graphs=False)
     failures = 0
     for seed in range(8):
         rng = random.Random(seed)

@@ -1,7 +1,7 @@
 """Hybrid (Gated DeltaNet) models on the GPU through the engine, CUDA graphs on: decode
 replayed from graphs (batch padding included) equals eager decode; one request among 64
 batch-mates equals the request alone; decode logprobs over 512+ generated tokens equal a
-teacher-forced rescoring (prefill); fast mode breaks batch invariance (the control).
+teacher-forced rescoring (prefill); reference mode breaks batch invariance (the control).
 `LOCKSTEP_GPU_HYBRID_MODEL` picks the model (default random:qwen3.5-9b). One engine lives at a
 time: two copies of random:qwen3.5-35b-a3b (65 GiB each) do not fit one H200."""
 
@@ -53,5 +53,5 @@ def test_decode_over_512_tokens_equals_teacher_forced_scoring(graphed) -> None:
     check_decode_equals_teacher_forced_scoring(graphed)
 
 
-def test_negative_control_fast_mode_differs_among_batch_mates(engines) -> None:
-    check_one_request_among_64_batch_mates(engines.get(mode="fast"), equal=False)
+def test_negative_control_reference_mode_differs_among_batch_mates(engines) -> None:
+    check_one_request_among_64_batch_mates(engines.get(mode="reference"), equal=False)

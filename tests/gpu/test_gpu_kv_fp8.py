@@ -4,7 +4,7 @@ value (float8_e4m3fn at scale 1.0, lockstep/ops/fp8.py), real model shapes, CUDA
 A request decoded among 64 batch-mates (mixed prefill and decode steps, graph replays of
 padded decode batches) gives the bits it gives alone; generation's logprobs equal a teacher-
 forced scoring of the same 2,000+ tokens (decode tiles against prefill tiles over one cache);
-graph replays equal eager steps. The negative control: fast mode (cuBLAS, SDPA) breaks the
+graph replays equal eager steps. The negative control: reference mode (cuBLAS, SDPA) breaks the
 first property on the same harness. Runs only where CUDA is present; CI runs the kernels'
 part under the interpreter (test_kv_fp8_triton.py) and checks the layout the decode tiles
 need by compiling for sm_90 (test_kernel_compile_sm90.py).
@@ -71,8 +71,8 @@ def test_decoded_among_64_batch_mates_equals_alone(model: str) -> None:
     torch.cuda.empty_cache()
 
 
-def test_negative_control_fast_mode_differs_among_batch_mates() -> None:
-    engine = _engine("random:qwen3-0.6b", mode="fast")
+def test_negative_control_reference_mode_differs_among_batch_mates() -> None:
+    engine = _engine("random:qwen3-0.6b", mode="reference")
     requests = _requests(engine, 65, seed=3)
     assert _differ_alone(engine, requests, ["r0", "r1", "r2", "r3", "r64"]) != []
     del engine

@@ -9,7 +9,7 @@ shapes (128 experts, top 8, hidden 2048, expert width 768), bf16:
     a K split chosen by the step's size (its negative control) changing them;
   * CUDA-graph replays with new routings equal to eager calls (offsets built on the device);
   * the property suite through the engine on `random:tiny-qwen3-moe` and a 2-layer model with
-    Qwen3-30B-A3B's shapes: random schedules equal a cold prefill (fast mode must fail),
+    Qwen3-30B-A3B's shapes: random schedules equal a cold prefill (reference mode must fail),
     whole generations with CUDA graphs equal eager ones, and generation equals scoring;
   * the same for block-FP8 experts (`lockstep/ops/triton/fp8_moe.py`; Qwen3-30B-A3B-FP8's
     format): the layer against the float64 reference, every table config the same bits, the
@@ -79,12 +79,12 @@ def ops():
 
 
 def test_moe_matches_a_float64_reference(ops, layer) -> None:
-    from lockstep.ops.reference import ReferenceOps
+    from lockstep.ops.float64 import Float64Ops
 
     reference = _layer(1, torch.float64)
     for t in (1, 5, 300):
         x = _tokens(t, 2 + t)
-        want = ReferenceOps().moe(x.double(), reference)
+        want = Float64Ops().moe(x.double(), reference)
         got = ops.moe(x, layer)
         assert got.dtype == torch.bfloat16 and got.shape == (t, H)
         err = float((got.double() - want).norm() / want.norm())
@@ -126,16 +126,16 @@ def test_fused_path_equals_the_dense_composition(ops, layer) -> None:
 
 
 def _stock_loop(layer):
-    """transformers-style: each expert's rows through cuBLAS (host-synced loop); the fast
+    """transformers-style: each expert's rows through cuBLAS (host-synced loop); the stock
     yardstick's accuracy reference."""
-    from lockstep.ops.gpu_fast import GpuFastOps
+    from lockstep.ops.gpu_stock import GpuStockOps
     from lockstep.ops.moe import combine_in_rank_order, experts_grouped, route_sorted
 
-    fast = GpuFastOps()
+    stock = GpuStockOps()
 
     def run(x: torch.Tensor) -> torch.Tensor:
         routing = route_sorted(F.linear(x, layer.router).float(), TOP_K, True)
-        slots = experts_grouped(x, routing.experts, layer, F.linear, fast.silu_mul)
+        slots = experts_grouped(x, routing.experts, layer, F.linear, stock.silu_mul)
         return combine_in_rank_order(slots, routing.weights).to(x.dtype)
 
     return run
@@ -173,7 +173,7 @@ def test_negative_control_a_load_dependent_split_changes_the_bits(layer) -> None
     in two (folded in order) when the step has at most 64 slots and whole above, as a
     split-K heuristic keyed by M would do. The load check must see it. (The stock loop over
     experts on cuBLAS is no control at these shapes: on the H200 it kept the probe's bits at
-    loads 1 to 40 of the interpreter test's tiny shapes; fast mode's control is the property
+    loads 1 to 40 of the interpreter test's tiny shapes; reference mode's control is the property
     suite below.)"""
     from lockstep.ops.triton import moe as gm
 
@@ -204,17 +204,17 @@ def test_cuda_graph_replays_equal_eager_calls(ops, layer) -> None:
     _assert_graph_replays_equal_eager_calls(ops, layer, seed=7)
 
 
-def test_fast_mode_moe_replays_in_cuda_graphs(layer) -> None:
+def test_reference_mode_moe_replays_in_cuda_graphs(layer) -> None:
     """The yardstick (torch's grouped GEMM where it runs) is graph-safe too, and accurate."""
-    from lockstep.ops.gpu_fast import GpuFastOps
+    from lockstep.ops.gpu_stock import GpuStockOps
 
-    fast = GpuFastOps()
+    stock = GpuStockOps()
     static = _tokens(8, 8).clone()
-    fast.moe(static, layer)
+    stock.moe(static, layer)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fast.moe(static, layer)
+        out = stock.moe(static, layer)
     x = _tokens(8, 9)
     static.copy_(x)
     graph.replay()
@@ -261,12 +261,12 @@ def fp8_layer():
 
 
 def test_fp8_moe_matches_a_float64_reference(ops, fp8_layer) -> None:
-    from lockstep.ops.reference import ReferenceOps
+    from lockstep.ops.float64 import Float64Ops
 
-    reference, _ = _fp8_layer(11, ReferenceOps(), torch.float64)
+    reference, _ = _fp8_layer(11, Float64Ops(), torch.float64)
     for t in (1, 5, 300):
         x = _tokens(t, 20 + t)
-        want = ReferenceOps().moe(x.double(), reference)
+        want = Float64Ops().moe(x.double(), reference)
         got = ops.moe(x, fp8_layer[0])
         assert got.dtype == torch.bfloat16 and got.shape == (t, H)
         err = float((got.double() - want).norm() / want.norm())
@@ -388,15 +388,15 @@ def test_fp8_kv_cache_random_schedules_match_cold_prefill(model) -> None:
     assert not failures, "; ".join(failures)
 
 
-def test_negative_control_fast_mode_fp8_kv_fails_the_property(model) -> None:
-    engine = _engine(model, mode="fast", kv_dtype="fp8_e4m3")
+def test_negative_control_reference_mode_fp8_kv_fails_the_property(model) -> None:
+    engine = _engine(model, mode="reference", kv_dtype="fp8_e4m3")
     failures = schedule_failures(engine, CASES, wide_mates=True)
-    assert failures, "fast mode matched every schedule: the property lost its teeth"
+    assert failures, "reference mode matched every schedule: the property lost its teeth"
 
 
-def test_negative_control_fast_mode_fails_the_property(model) -> None:
-    failures = schedule_failures(_engine(model, mode="fast"), CASES, wide_mates=True)
-    assert failures, "fast mode matched every schedule: the property lost its teeth"
+def test_negative_control_reference_mode_fails_the_property(model) -> None:
+    failures = schedule_failures(_engine(model, mode="reference"), CASES, wide_mates=True)
+    assert failures, "reference mode matched every schedule: the property lost its teeth"
 
 
 def _generate(engine, rng: random.Random) -> dict[str, list]:

@@ -6,7 +6,7 @@ the CPU suite's checks (tests/contract/test_moe_parallel.py) on CUDA in bf16.
   the chunked experts' host reads refuse), logits and every KV head; at TP 4 and EP 4 too
   where four GPUs are visible.
 * The property suite (random prefix hits, partitions, batch-mates) at TP 2 and EP 2.
-* Controls: TP 2 under "ranks", fast mode at TP 2, and EP 2 under "all_reduce" (NCCL's SUM
+* Controls: TP 2 under "ranks", reference mode at TP 2, and EP 2 under "all_reduce" (NCCL's SUM
   of each rank's own combination) differ from TP 1.
 
 Needs two CUDA devices (four for the degree-4 case); on fewer it skips, naming the count.
@@ -93,7 +93,7 @@ def test_controls_change_bits(engines) -> None:
     model = engines[1].config.model
     vocab = engines[1].decoder.spec.vocab_size
     sequences = _sequences(vocab, 3, 200, seed=2)
-    for options in ({"tp_reduction": "ranks"}, {"mode": "fast"},
+    for options in ({"tp_reduction": "ranks"}, {"mode": "reference"},
                     {"ep": 2, "tp_reduction": "all_reduce"}):  # fmt: skip
         llm = _llm(model, 2, **options)
         try:

@@ -14,7 +14,7 @@
   run, on the GPU's default path: CUDA graphs, overlapped decode).
 - Routed experts (`return_routed_experts`) on a MoE preset: the routing store written inside
   the decode graphs equals the eager engine's, a run alone's and a cold prefill's (control:
-  fast mode routes otherwise).
+  reference mode routes otherwise).
 
     python -m pytest tests/gpu/test_gpu_rl.py -x -q -s
 """
@@ -181,7 +181,7 @@ def test_routed_experts_under_cuda_graphs_equal_eager_and_a_run_alone() -> None:
     """`return_routed_experts` on a MoE preset: the routing store written inside the decode
     graphs (`Ops.moe`'s device copy) equals the eager engine's, each request's equals its run
     with no batch-mates and its cold full prefill's; the dense first layer's rows are zero.
-    Control: fast mode routes some position otherwise."""
+    Control: reference mode routes some position otherwise."""
     import gc
 
     import numpy as np
@@ -192,7 +192,7 @@ def test_routed_experts_under_cuda_graphs_equal_eager_and_a_run_alone() -> None:
     prompts = random_prompts(8, seed=5, longest=200)
     results = {}
     for name, options in [("graphs", {}), ("eager", {"cuda_graphs": False}),
-                          ("fast", {"mode": "fast"})]:  # fmt: skip
+                          ("reference", {"mode": "reference"})]:  # fmt: skip
         llm = make_llm(ROUTED_MODEL, enable_return_routed_experts=True, **options)
         if name == "graphs":
             assert llm.engine.runner.graphs is not None
@@ -216,4 +216,4 @@ def test_routed_experts_under_cuda_graphs_equal_eager_and_a_run_alone() -> None:
     for (t1, r1), (t2, r2) in zip(results["graphs"], results["eager"], strict=True):
         assert t1 == t2 and np.array_equal(r1, r2)
     assert any(not np.array_equal(a[1], b[1])
-               for a, b in zip(results["graphs"], results["fast"], strict=True))  # fmt: skip
+               for a, b in zip(results["graphs"], results["reference"], strict=True))  # fmt: skip

@@ -1,7 +1,7 @@
 """Logits processing and structured outputs on the GPU (bfloat16, CUDA graphs, overlapped
 decode): the processed rows equal the CPU's bit for bit, and requests with penalties and
 grammars mixed with plain ones give the tokens and logprobs they get alone, with and without
-CUDA graphs (processing runs eagerly after the graph's forward). The control: fast mode
+CUDA graphs (processing runs eagerly after the graph's forward). The control: reference mode
 differs. Runs only where CUDA is present."""
 
 from __future__ import annotations
@@ -97,6 +97,6 @@ def test_mixed_processing_batches_match_alone_with_and_without_graphs() -> None:
         json.loads(tok.decode(ids))
 
 
-def test_negative_control_fast_mode_batches_differ() -> None:
-    results = _run("fast", True, list(range(14)))
+def test_negative_control_reference_mode_batches_differ() -> None:
+    results = _run("reference", True, list(range(14)))
     assert any(results[(f"r{i}", True)] != results[(f"r{i}", False)] for i in range(14))

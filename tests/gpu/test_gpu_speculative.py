@@ -94,15 +94,15 @@ def test_speculation_with_cuda_graphs_equals_plain_decode() -> None:
     spec.check_integrity()
 
 
-def test_negative_control_fast_mode_speculation_differs() -> None:
-    plain = _engine(None, mode="fast")
+def test_negative_control_reference_mode_speculation_differs() -> None:
+    plain = _engine(None, mode="reference")
     requests = _copy_requests(plain, 64)
     want = _run(plain, requests)
     del plain
-    spec = _engine(None, mode="fast", speculative="ngram", num_draft_tokens=4)
+    spec = _engine(None, mode="reference", speculative="ngram", num_draft_tokens=4)
     got = _run(spec, requests)
     assert spec.speculator.counters.accepted > 0
-    assert any(got[r][1] != want[r][1] for r in requests), "fast mode gave the same bits"
+    assert any(got[r][1] != want[r][1] for r in requests), "reference mode gave the same bits"
 
 
 def _step_times(engine, prompt: list[int], steps: int) -> list[float]:

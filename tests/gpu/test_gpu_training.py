@@ -4,7 +4,7 @@ embeddings and head):
 
   * packed logprobs equal `LLM.score` on CUDA bit for bit, for random packed batches of
     random lengths (the engine's chunked prefill on its side); the control, the module in
-    fast mode (cuBLAS, SDPA), is close but differs;
+    reference mode (cuBLAS, SDPA), is close but differs;
   * gradients are finite and within twice transformers' own bfloat16 error of a float32
     reference (transformers' float32 autograd on the same weights and tokens), per parameter
     tensor (relative Frobenius norm); with gradient checkpointing, the same logprobs and
@@ -13,7 +13,7 @@ embeddings and head):
     the sampler's logprobs and `LLM.score` equal the module's (control: before the update
     they differ);
   * every family's tiny preset (Qwen3-MoE, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
-    Gemma 3, Mistral, Phi-3) through the Triton kernels: `LLM.score`'s bits (control: fast
+    Gemma 3, Mistral, Phi-3) through the Triton kernels: `LLM.score`'s bits (control: stock
     mode), finite gradients.
 
 Only where CUDA is present; the CPU runs the same code on the CPU kernels
@@ -79,7 +79,7 @@ def policy():
 def test_packed_logprobs_are_llm_score_bits_on_cuda(llm, policy) -> None:  # noqa: ANN001
     from lockstep.training import LockstepForCausalLM
 
-    fast = LockstepForCausalLM.from_pretrained(MODEL, device=DEVICE, dtype=DTYPE, mode="fast")
+    stock = LockstepForCausalLM.from_pretrained(MODEL, device=DEVICE, dtype=DTYPE, mode="reference")
     for case in range(CASES):
         rng = random.Random(case)
         sequences = _sequences(rng, rng.randint(2, 8), LONGEST)
@@ -87,13 +87,13 @@ def test_packed_logprobs_are_llm_score_bits_on_cuda(llm, policy) -> None:  # noq
         with torch.no_grad():
             got = policy(sequences).per_sequence()
             assert _bitwise_equal(got, expected), f"case {case}: {[len(s) for s in sequences]}"
-            # The control: the fast backend's logprobs are close but not the engine's bits.
-            fast_lps = fast(sequences).per_sequence()
-        assert not _bitwise_equal(fast_lps, expected), f"case {case}"
+            # The control: the stock backend's logprobs are close but not the engine's bits.
+            stock_lps = stock(sequences).per_sequence()
+        assert not _bitwise_equal(stock_lps, expected), f"case {case}"
         worst = max((a.cpu() - b).abs().max().item()
-                    for a, b in zip(fast_lps, expected, strict=True) if b.numel())  # fmt: skip
-        assert worst < 0.5, f"case {case}: fast mode is off by {worst}"
-    del fast
+                    for a, b in zip(stock_lps, expected, strict=True) if b.numel())  # fmt: skip
+        assert worst < 0.5, f"case {case}: reference mode is off by {worst}"
+    del stock
     torch.cuda.empty_cache()
 
 
@@ -211,7 +211,7 @@ TINY = ("random:tiny-qwen3-moe", "random:tiny-qwen3.5", "random:tiny-qwen3.5-moe
 @pytest.mark.parametrize("model", TINY)
 def test_family_logprobs_are_llm_score_bits_on_cuda(model: str) -> None:
     """Each family through the Triton kernels (bf16): the engine's bits for a packed batch
-    (control: fast mode), finite gradients on every parameter."""
+    (control: reference mode), finite gradients on every parameter."""
     from lockstep import LLM
     from lockstep.training import LockstepForCausalLM
 
@@ -227,6 +227,6 @@ def test_family_logprobs_are_llm_score_bits_on_cuda(model: str) -> None:
     (-out.logprobs.sum()).backward()
     params = list(policy.parameters())
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
-    fast = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE, mode="fast")
+    stock = LockstepForCausalLM.from_pretrained(model, device=DEVICE, dtype=DTYPE, mode="reference")
     with torch.no_grad():
-        assert not _bitwise_equal(fast(sequences).per_sequence(), expected)
+        assert not _bitwise_equal(stock(sequences).per_sequence(), expected)

@@ -17,10 +17,10 @@ import test_ops_triton  # noqa: F401  (installs the row-local interpreter dot on
 import torch
 
 from lockstep.ops import fp8 as spec
-from lockstep.ops.cpu_fast import CpuFastOps
+from lockstep.ops.cpu_stock import CpuStockOps
+from lockstep.ops.float64 import Float64Ops
 from lockstep.ops.gpu_deterministic import GpuDeterministicOps
 from lockstep.ops.moe import MoeLayer, combine_in_rank_order, prepare_fp8_experts
-from lockstep.ops.reference import ReferenceOps
 from lockstep.ops.triton import activation
 from lockstep.ops.triton import fp8_moe as fm
 from lockstep.ops.triton import moe as gm
@@ -48,7 +48,7 @@ def quantized(seed: int) -> dict:
 
 def layer_for(ops, q: dict) -> MoeLayer:
     """The layer as `Decoder.load` prepares it for `ops` (the reference on the CPU)."""
-    dev = "cpu" if isinstance(ops, (ReferenceOps, CpuFastOps)) else DEV
+    dev = "cpu" if isinstance(ops, (Float64Ops, CpuStockOps)) else DEV
 
     def stacked(parts: tuple[str, ...]):
         w = [q[e, p][0].to(dev) for e in range(E) for p in parts]
@@ -56,7 +56,7 @@ def layer_for(ops, q: dict) -> MoeLayer:
         return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E)
 
     gate_up, down = stacked(("gate", "up")), stacked(("down",))
-    router = q["router"].to(dev, torch.float64 if isinstance(ops, ReferenceOps) else DTYPE)
+    router = q["router"].to(dev, torch.float64 if isinstance(ops, Float64Ops) else DTYPE)
     return MoeLayer(ops.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K,
                     True, gate_up.scale, down.scale)  # fmt: skip
 
@@ -77,7 +77,7 @@ def layer(weights) -> MoeLayer:
 
 def test_fp8_moe_matches_the_float64_reference(weights, layer) -> None:
     x = tokens(11, 2)
-    want = ReferenceOps().moe(x.cpu().double(), layer_for(ReferenceOps(), weights))
+    want = Float64Ops().moe(x.cpu().double(), layer_for(Float64Ops(), weights))
     got = GpuDeterministicOps().moe(x, layer)  # the tables' configs, through the backend
     assert got.shape == (11, H) and got.dtype == DTYPE
     tol = 3e-2 if GPU else 1e-5
@@ -133,11 +133,11 @@ def test_negative_control_the_stock_loop_changes_with_the_batch(weights) -> None
         pytest.skip(
             "cuBLAS keeps these tiny shapes' bits; tests/gpu/test_gpu_moe.py has the control"
         )
-    fast = CpuFastOps()
-    stock_layer = layer_for(fast, weights)
+    stock = CpuStockOps()
+    stock_layer = layer_for(stock, weights)
     x = tokens(12, 4)
-    together = fast.moe(x, stock_layer)
-    assert any(not torch.equal(together[i], fast.moe(x[i : i + 1], stock_layer)[0])
+    together = stock.moe(x, stock_layer)
+    assert any(not torch.equal(together[i], stock.moe(x[i : i + 1], stock_layer)[0])
                for i in range(x.shape[0]))  # fmt: skip
 
 
@@ -163,7 +163,7 @@ def quantized_rows(seed: int, scheme: str) -> dict:
 
 def row_layer_for(ops, q: dict, scheme: str) -> MoeLayer:
     """The layer as `Decoder.load` prepares it for `ops` (`prepare_fp8_experts`)."""
-    dev = "cpu" if isinstance(ops, (ReferenceOps, CpuFastOps)) else DEV
+    dev = "cpu" if isinstance(ops, (Float64Ops, CpuStockOps)) else DEV
 
     def stacked(parts: tuple[str, ...]):
         names = [(e, p) for e in range(E) for p in parts]
@@ -173,7 +173,7 @@ def row_layer_for(ops, q: dict, scheme: str) -> MoeLayer:
         return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E, scheme, ins)
 
     gate_up, down = stacked(("gate", "up")), stacked(("down",))
-    router = q["router"].to(dev, torch.float64 if isinstance(ops, ReferenceOps) else DTYPE)
+    router = q["router"].to(dev, torch.float64 if isinstance(ops, Float64Ops) else DTYPE)
     return MoeLayer(ops.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K,
                     True, gate_up.scale, down.scale, None, scheme, gate_up.input_scale,
                     down.input_scale)  # fmt: skip
@@ -213,7 +213,7 @@ def test_row_scaled_fp8_moe_equals_the_dense_composition_and_the_reference(schem
     want = _row_composition(x, layer, q, scheme, up_in, down_in)
     for cfg in (NARROW, WIDE):
         assert torch.equal(fm.moe_fp8(x, layer, cfg, cfg), want), cfg
-    reference = ReferenceOps().moe(x.cpu().double(), row_layer_for(ReferenceOps(), q, scheme))
+    reference = Float64Ops().moe(x.cpu().double(), row_layer_for(Float64Ops(), q, scheme))
     tol = 3e-2 if GPU else 1e-5
     torch.testing.assert_close(want.cpu().double(), reference, rtol=tol, atol=tol)
     if scheme == "tensor":

@@ -19,7 +19,7 @@ import pytest
 import torch.nn.functional as F
 
 from lockstep.ops.base import PooledRows
-from lockstep.ops.torch_fast import stock_gated_delta_rule
+from lockstep.ops.torch_stock import stock_gated_delta_rule
 from lockstep.ops.triton import gated_delta
 
 GPU = torch.cuda.is_available()

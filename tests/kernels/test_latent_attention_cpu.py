@@ -11,7 +11,7 @@ import torch
 
 from lockstep.ops.base import build_attention_meta
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-from lockstep.ops.cpu_fast import CpuFastOps
+from lockstep.ops.cpu_stock import CpuStockOps
 
 HEADS, WIDTH, VALUES, SLOTS = 20, 96, 64, 400  # 20 heads: two head tiles of the kernel
 
@@ -92,7 +92,7 @@ def test_rows_keep_their_bits_under_any_split(ops) -> None:
 def test_negative_control_stock_sdpa_changes_bits_with_the_split() -> None:
     """The stock formulation (torch SDPA over the gathered rows) gives a row other bits as a
     decode step than inside a prefill: the checks above can fail."""
-    stock = CpuFastOps()
+    stock = CpuStockOps()
     cache = _cache(torch.float32)
     n = 75
     table = random.Random(3).sample(range(SLOTS), n)

@@ -18,6 +18,7 @@ import test_ops_triton  # noqa: F401  (installs the row-local interpreter dot on
 import torch
 import torch.nn.functional as F
 
+from lockstep.ops.float64 import Float64Ops
 from lockstep.ops.gpu_deterministic import GpuDeterministicOps
 from lockstep.ops.moe import (
     MoeLayer,
@@ -27,7 +28,6 @@ from lockstep.ops.moe import (
     prepare_expert_weights,
     route_sorted,
 )
-from lockstep.ops.reference import ReferenceOps
 from lockstep.ops.triton import moe as gm
 
 GPU = torch.cuda.is_available()
@@ -57,8 +57,8 @@ def raw_weights(seed: int) -> dict[str, torch.Tensor]:
 
 def layer_for(backend, raw: dict[str, torch.Tensor], renormalize: bool = True) -> MoeLayer:
     prep = backend.prepare_linear_weight
-    dtype = torch.float64 if isinstance(backend, ReferenceOps) else DTYPE
-    dev = "cpu" if isinstance(backend, ReferenceOps) else DEV
+    dtype = torch.float64 if isinstance(backend, Float64Ops) else DTYPE
+    dev = "cpu" if isinstance(backend, Float64Ops) else DEV
     w = {k: v.to(dev, dtype) for k, v in raw.items()}
     return MoeLayer(prep(w["router"]), prepare_expert_weights(prep, w["gate_up"]),
                     prepare_expert_weights(prep, w["down"]), TOP_K, renormalize)  # fmt: skip
@@ -129,7 +129,7 @@ def test_a_non_finite_row_leaves_its_batch_mates_bits(ops, bad) -> None:
 def test_moe_matches_the_float64_reference(ops, renormalize) -> None:
     raw = raw_weights(1)
     x = tokens(23, 2)
-    expected = ReferenceOps().moe(x.cpu().double(), layer_for(ReferenceOps(), raw, renormalize))
+    expected = Float64Ops().moe(x.cpu().double(), layer_for(Float64Ops(), raw, renormalize))
     assert expected.abs().max() > 0.1
     out = ops.moe(x, layer_for(ops, raw, renormalize))  # the tables' configs
     assert out.shape == (23, H) and out.dtype == DTYPE

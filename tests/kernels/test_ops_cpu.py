@@ -11,8 +11,8 @@ import torch
 
 from lockstep.ops.base import LayerKV, build_attention_meta
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-from lockstep.ops.cpu_fast import CpuFastOps
-from lockstep.ops.reference import ReferenceOps
+from lockstep.ops.cpu_stock import CpuStockOps
+from lockstep.ops.float64 import Float64Ops
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M attention shape
 SCALE = D**-0.5
@@ -24,13 +24,13 @@ def det() -> CpuDeterministicOps:
 
 
 @pytest.fixture(scope="module")
-def ref() -> ReferenceOps:
-    return ReferenceOps()
+def ref() -> Float64Ops:
+    return Float64Ops()
 
 
 @pytest.fixture(scope="module")
-def fast() -> CpuFastOps:
-    return CpuFastOps()
+def stock() -> CpuStockOps:
+    return CpuStockOps()
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_linear_independent_of_thread_count(det, threads) -> None:
     assert torch.equal(det.linear(x, w), one)
 
 
-def test_fast_linear_is_not_m_invariant(fast) -> None:
+def test_stock_linear_is_not_m_invariant(stock) -> None:
     """Negative control: stock torch fp32 GEMM changes row 0's bits with M on this machine,
     so the invariance tests above are able to fail."""
     torch.manual_seed(4)
@@ -110,9 +110,9 @@ def test_fast_linear_is_not_m_invariant(fast) -> None:
     for n, k in [(576, 576), (1536, 576), (576, 1536), (192, 576)]:
         w = torch.randn(n, k)
         x = torch.randn(16, k)
-        alone = fast.linear(x[:1], w)
+        alone = stock.linear(x[:1], w)
         for m in (4, 16):
-            if not torch.equal(fast.linear(x[:m], w)[:1], alone):
+            if not torch.equal(stock.linear(x[:m], w)[:1], alone):
                 found.append((n, k, m))
     assert found, "torch fp32 GEMM row 0 was the same at M=1 and M>=4 for every shape tried"
 
@@ -221,7 +221,7 @@ def test_log_softmax(det, ref) -> None:
     assert_rows_invariant(det.log_softmax, logits, [1, 2, 5, 12])
 
 
-def test_rope(det, ref, fast) -> None:
+def test_rope(det, ref, stock) -> None:
     torch.manual_seed(9)
     cos, sin = rope_tables(4096)
     x = torch.randn(33, HQ, D)
@@ -229,7 +229,7 @@ def test_rope(det, ref, fast) -> None:
     out = det.rope(x, positions, cos, sin)
     close(out, ref.rope(x, positions, cos, sin))
     # Separate fp32 multiplies and adds per element: the same bits as eager torch.
-    assert torch.equal(out, fast.rope(x, positions, cos, sin))
+    assert torch.equal(out, stock.rope(x, positions, cos, sin))
     assert torch.equal(det.rope(x[5:6], positions[5:6], cos, sin), out[5:6])
 
 
@@ -301,26 +301,26 @@ def random_batch(cache_dtype: torch.dtype, specs: list[tuple[int, int]], seed: i
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_attention_matches_reference(det, ref, fast, cache_dtype) -> None:
+def test_attention_matches_reference(det, ref, stock, cache_dtype) -> None:
     specs = [(70, 0), (1, 100), (13, 37), (33, 64)]
     q, k_cache, v_cache, meta = random_batch(cache_dtype, specs, seed=11)
     out = det.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     assert out.shape == q.shape and out.dtype == torch.float32
     expected = ref.attention(q, LayerKV(k_cache, v_cache), meta, SCALE)
     close(out, expected)
-    close(fast.attention(q, LayerKV(k_cache, v_cache), meta, SCALE), expected)
+    close(stock.attention(q, LayerKV(k_cache, v_cache), meta, SCALE), expected)
 
 
 @pytest.mark.parametrize("window", [1, 9, 40])
-def test_sliding_window_attention(det, ref, fast, window: int) -> None:
+def test_sliding_window_attention(det, ref, stock, window: int) -> None:
     """Sliding windows (Gemma 3) of 1 key, less than a key block and more than one: the
-    reference, fast mode, and every row's bits under chunking and batch-mates equal to a
+    reference, reference mode, and every row's bits under chunking and batch-mates equal to a
     full prefill's (rows' windows starting inside, at and past block edges)."""
     (seq, other), k_cache, v_cache = make_cache(torch.float32, [100, 60], seed=12)
     full = call(det, k_cache, v_cache, [(seq, 0, 100)], window)
     want = call(ref, k_cache, v_cache, [(seq, 0, 100)], window)
     close(full, want)
-    close(call(fast, k_cache, v_cache, [(seq, 0, 100)], window), want)
+    close(call(stock, k_cache, v_cache, [(seq, 0, 100)], window), want)
     assert not torch.equal(full, call(det, k_cache, v_cache, [(seq, 0, 100)]))  # it masks
     rng = random.Random(window)
     for start in range(0, 100, 7):

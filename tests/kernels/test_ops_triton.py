@@ -302,10 +302,10 @@ def test_moe_matches_reference_and_ignores_each_experts_load(ops: GpuDeterminist
     against the float64 reference, and a token's output bits beside 0 to ~100 near copies of
     itself (each of its experts loaded with them) equal to its output alone. Negative control
     (interpreter only, where the stock linear is torch's CPU GEMM, M-dependent on this
-    project's machines): `GpuFastOps.moe` changes the token's bits."""
-    from lockstep.ops.gpu_fast import GpuFastOps
+    project's machines): `GpuStockOps.moe` changes the token's bits."""
+    from lockstep.ops.float64 import Float64Ops
+    from lockstep.ops.gpu_stock import GpuStockOps
     from lockstep.ops.moe import MoeLayer, prepare_expert_weights
-    from lockstep.ops.reference import ReferenceOps
 
     experts, top_k, h, inter = (8, 2, 1024, 512) if GPU else (4, 2, 32, 48)
     raw = {
@@ -322,7 +322,7 @@ def test_moe_matches_reference_and_ignores_each_experts_load(ops: GpuDeterminist
     x = randn(40, h, seed=33)
     out = ops.moe(x, layer(ops))
     assert out.dtype == DTYPE and out.shape == (40, h)
-    assert rel_err(out, ReferenceOps().moe(x, layer(ReferenceOps()))) < TOL
+    assert rel_err(out, Float64Ops().moe(x, layer(Float64Ops()))) < TOL
     probe = x[7:8]
     loads = [1, 2, 5, 17, 100] if GPU else [1, 2, 5, 17]
 
@@ -339,7 +339,7 @@ def test_moe_matches_reference_and_ignores_each_experts_load(ops: GpuDeterminist
 
     assert changed_loads(ops) == []
     if not GPU:
-        assert changed_loads(GpuFastOps()), "the stock MoE kept its bits: the check is blind"
+        assert changed_loads(GpuStockOps()), "the stock MoE kept its bits: the check is blind"
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
@@ -347,10 +347,10 @@ def test_attention_input_matches_reference_and_is_per_token(
     ops: GpuDeterministicOps, with_norm: bool
 ) -> None:
     """The fused kernel (head norms, RoPE, cache writes) against the float64 composition
-    (ReferenceOps); v copied exactly into the slots given and k near the reference there;
+    (Float64Ops); v copied exactly into the slots given and k near the reference there;
     nothing written anywhere else (padding rows, slot -1, write nothing); each token's
     outputs equal those of the token computed alone, and a changed position changes them."""
-    from lockstep.ops.reference import ReferenceOps
+    from lockstep.ops.float64 import Float64Ops
 
     hq, hkv, d, t = (8, 2, HD, 7) if GPU else (4, 2, HD, 7)
     qkv = randn(t, (hq + 2 * hkv) * d, seed=30)
@@ -385,7 +385,7 @@ def test_attention_input_matches_reference_and_is_per_token(
     ref_slots = torch.where(slots.cpu() >= 0, slots.cpu(), 10)
     cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
     layer_cpu = AttentionInput(hq, cpu(qn), cpu(kn), 1e-6, cos.cpu(), sin.cpu())
-    q_ref = ReferenceOps().attention_input(qkv.cpu(), layer_cpu, pos.cpu(), ref_slots,
+    q_ref = Float64Ops().attention_input(qkv.cpu(), layer_cpu, pos.cpu(), ref_slots,
                                            LayerKV(ref_kc, ref_vc))  # fmt: skip
     used = slots[real.to(DEV)]
     assert rel_err(q, q_ref.to(DEV)) < TOL
@@ -919,11 +919,11 @@ def test_graph_span_counts_the_kernels_not_the_launch() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="the bf16 decoder on the Triton backend needs CUDA")
-@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+@pytest.mark.parametrize("mode", ["deterministic", "reference"])
 def test_decoder_on_gpu_any_schedule_matches_cold_prefill(mode: str) -> None:
     """The property suite's check (tests/support/invariance_harness.py) on CUDA in bfloat16: every
     position's logits and K/V under random prefix hits, chunkings, decode steps and batch-mates
-    equal one cold prefill bitwise. Fast mode (cuBLAS, SDPA) is the negative control."""
+    equal one cold prefill bitwise. Reference mode (cuBLAS, SDPA) is the negative control."""
     from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
     from tests.support.invariance_harness import compute, mismatches, random_plan, reference
@@ -945,7 +945,7 @@ def test_decoder_on_gpu_any_schedule_matches_cold_prefill(mode: str) -> None:
     if mode == "deterministic":
         assert not failures, "; ".join(failures)
     else:
-        assert failures, "fast mode matched every schedule: the property lost its teeth"
+        assert failures, "reference mode matched every schedule: the property lost its teeth"
 
 
 class _KV:
@@ -964,11 +964,11 @@ class _KV:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+@pytest.mark.parametrize("mode", ["deterministic", "reference"])
 def test_decode_cuda_graphs_match_eager(mode: str) -> None:
     """Decode steps replayed from CUDA graphs (padded to batch and context buckets, captured
     on first use, replayed after) give the eager step's logits and K/V: bit for bit in
-    deterministic mode, within rounding in fast mode (cuBLAS rows change with M)."""
+    deterministic mode, within rounding in reference mode (cuBLAS rows change with M)."""
     from lockstep.config import EngineConfig
     from lockstep.engine.cuda_graphs import DecodeGraphRunner
     from lockstep.engine.engine import Engine

@@ -14,7 +14,6 @@ follows SGLang's `abort_all_requests`."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,18 +27,18 @@ from test_server import ServerProcess
 
 pytest.importorskip("transformers")
 from lockstep.training import LockstepForCausalLM  # noqa: E402
-from lockstep.training.weight_sync import (  # noqa: E402
-    join_weight_group,
-    leave_weight_group,
-    named_weights,
-    push_weights,
-    tensor_update_request,
+from lockstep.training.weight_sync import named_weights  # noqa: E402
+from tests.support.rl_server import (  # noqa: E402
+    SERVER_ARGS,
+    assert_on_policy,
+    grpo_advantages,
+    push,
+    rollouts,
+    served_logprobs,
+    weight_group,
 )
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
-ARGS = ["--device", "cpu", "--dtype", "float32", "--kv-tokens", "4096", "--max-batch-tokens",
-        "256", "--chunk-size", "64", "--max-running", "32", "--max-model-len", "256",
-        "--debug-checks"]  # fmt: skip
 PROMPTS = [[(11 * j + 3 * i) % 280 + 5 for j in range(6 + 3 * i)] for i in range(3)]
 GROUP = 4  # samples per prompt
 TOKENS = 8
@@ -54,7 +53,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(["--model", str(folder), *ARGS]).start()
+    proc = ServerProcess(["--model", str(folder), *SERVER_ARGS]).start()
     yield proc
     proc.stop()
 
@@ -73,36 +72,11 @@ def trainer(folder: Path) -> LockstepForCausalLM:
 @pytest.fixture(scope="module")
 def group(http: httpx.Client) -> Iterator[Any]:
     """A gloo group of two ranks: this process (0) and the server (1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": "rl-test", "backend": "gloo"}  # fmt: skip
-    answer: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: answer.update(r=http.post("/init_weights_update_group", json=body))
-    )
-    thread.start()
-    pg = join_weight_group("127.0.0.1", port, 0, 2, "rl-test", "gloo", timeout_s=60)
-    thread.join(60)
-    assert answer["r"].status_code == 200, answer["r"].text
-    yield pg
-    destroyed = http.post("/destroy_weights_update_group", json={"group_name": "rl-test"})
-    assert destroyed.status_code == 200, destroyed.text
-    leave_weight_group(pg)
+    yield from weight_group(http, "rl-test")
 
 
 def _rollouts(http: httpx.Client, step: int) -> list[dict[str, Any]]:
-    prompts = [p for p in PROMPTS for _ in range(GROUP)]
-    body = {
-        "input_ids": prompts,
-        "sampling_params": [{"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True,
-                             "sampling_seed": 1000 * step + j} for j in range(len(prompts))],
-        "return_logprob": True,
-    }  # fmt: skip
-    response = http.post("/generate", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return rollouts(http, [p for p in PROMPTS for _ in range(GROUP)], TOKENS, step)
 
 
 def _trainer_logprobs(
@@ -112,23 +86,6 @@ def _trainer_logprobs(
     with torch.set_grad_enabled(grad):
         per = trainer([p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)])
     return [lps[len(p) - 1 :] for p, lps in zip(prompts, per.per_sequence(), strict=True)]
-
-
-def _served(outs: list[dict[str, Any]]) -> list[torch.Tensor]:
-    return [torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs]
-
-
-def _push(server: ServerProcess, trainer: Any, pg: Any, version: str, **fields: Any) -> dict:
-    return push_weights(server.base_url, trainer, pg, weight_version=version, timeout_s=60,
-                        **fields)  # fmt: skip
-
-
-def _push_tensors(http: httpx.Client, weights: Any, version: str) -> dict:
-    response = http.post("/update_weights_from_tensor",
-                         json=tensor_update_request(weights, version))  # fmt: skip
-    if response.status_code != 200:
-        raise RuntimeError(response.json()["message"])
-    return response.json()
 
 
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
@@ -145,20 +102,12 @@ def test_grpo_over_http_with_weights_from_the_trainer(
         outs = _rollouts(http, step)
         versions.append(outs[0]["meta_info"]["weight_version"])
         assert {o["meta_info"]["weight_version"] for o in outs} == {versions[-1]}
-        served = _served(outs)
+        served = served_logprobs(outs)
         training = _trainer_logprobs(trainer, outs, grad=True)
-        # Toy reward: the share of even token ids; group-normalized advantages (GRPO).
-        rewards = torch.tensor([sum(t % 2 == 0 for t in o["output_ids"]) / TOKENS for o in outs])
-        groups = rewards.view(len(PROMPTS), GROUP)
-        std = groups.std(dim=1, keepdim=True).clamp(min=1e-6)
-        advantages = ((groups - groups.mean(dim=1, keepdim=True)) / std).reshape(-1)
+        advantages = grpo_advantages(outs, len(PROMPTS), TOKENS)
         loss = torch.zeros(())
         for rollout, train, advantage in zip(served, training, advantages, strict=True):
-            d = (rollout - train.detach()).double()
-            k3 = d.exp() - d - 1.0
-            ratio = (train - rollout).exp()
-            assert torch.equal(k3, torch.zeros_like(k3)), f"step {step}: k3 {k3}"
-            assert torch.equal(ratio.detach(), torch.ones_like(ratio)), f"step {step}: {ratio}"
+            ratio = assert_on_policy(rollout, train, step)
             loss = loss - (ratio * advantage).sum() / (len(served) * TOKENS)
         optimizer.zero_grad()
         loss.backward()
@@ -169,11 +118,7 @@ def test_grpo_over_http_with_weights_from_the_trainer(
         paused = http.post("/pause_generation", json={"mode": "retract"})
         assert paused.status_code == 200, paused.text
         version = f"{transport}-{step}"
-        if transport == "distributed":
-            answer = _push(server, trainer, group, version)
-        else:
-            answer = _push_tensors(http, trainer, version)
-        assert answer["weight_version"] == version
+        assert push(http, trainer, group, transport, version)["weight_version"] == version
         assert http.post("/continue_generation").status_code == 200
     assert versions == [start] + [f"{transport}-{i}" for i in range(1, 5)]
     last = f"{transport}-5"
@@ -203,9 +148,8 @@ def _probe(http: httpx.Client) -> Any:
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
 @pytest.mark.parametrize("fault", ["shape", "dtype"])
 def test_a_bad_tensor_is_refused_and_the_old_weights_serve(
-    server: ServerProcess, http: httpx.Client, trainer: LockstepForCausalLM, group: Any,
-    fault: str, transport: str,
-) -> None:  # fmt: skip
+    http: httpx.Client, trainer: LockstepForCausalLM, group: Any, fault: str, transport: str
+) -> None:
     before = _probe(http)
     version = http.get("/model_info").json()["weight_version"]
     state = dict(named_weights(trainer))
@@ -215,20 +159,14 @@ def test_a_bad_tensor_is_refused_and_the_old_weights_serve(
         changed[name] = torch.cat([changed[name], torch.ones(1)])
     else:
         changed[name] = changed[name].double()
-
-    def push(weights: Any, version: str) -> Any:
-        if transport == "distributed":
-            return _push(server, weights, group, version)
-        return _push_tensors(http, weights, version)
-
     with pytest.raises(RuntimeError, match="shape" if fault == "shape" else "float64"):
-        push(changed, "bad")
+        push(http, changed, group, transport, "bad")
     assert http.get("/model_info").json()["weight_version"] == version
     assert _probe(http) == before
     # (The group is still in step:) a good set goes through and changes the output (control).
-    push({n: t + 0.5 for n, t in state.items()}, "shifted")
+    push(http, {n: t + 0.5 for n, t in state.items()}, group, transport, "shifted")
     assert _probe(http) != before
-    push(state, version)
+    push(http, state, group, transport, version)
     assert _probe(http) == before
 
 
@@ -257,7 +195,7 @@ def test_an_update_while_requests_run_follows_abort_all_requests(
     runner.start()
     while server.engine_stats()["generated_tokens_total"] - before < 8:
         time.sleep(0.01)
-    _push(server, trainer, group, version, abort_all_requests=abort_all)
+    push(http, trainer, group, "distributed", version, abort_all_requests=abort_all)
     runner.join(60)
     outs = result["r"].json()
     reasons = {o["meta_info"]["finish_reason"]["type"] for o in outs}

@@ -15,8 +15,6 @@ weights' routing, so the equality above is not vacuous)."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,17 +28,18 @@ from test_server import ServerProcess
 pytest.importorskip("transformers")
 from lockstep.server.routed_experts_field import decode  # noqa: E402
 from lockstep.training import LockstepForCausalLM  # noqa: E402
-from lockstep.training.weight_sync import (  # noqa: E402
-    join_weight_group,
-    leave_weight_group,
-    push_weights,
-    tensor_update_request,
+from tests.support.rl_server import (  # noqa: E402
+    SERVER_ARGS,
+    assert_on_policy,
+    grpo_advantages,
+    push_between_pause_and_continue,
+    rollouts,
+    served_logprobs,
+    weight_group,
 )
 from tests.support.tiny_hf import save_tiny  # noqa: E402
 
-ARGS = ["--device", "cpu", "--dtype", "float32", "--kv-tokens", "4096", "--max-batch-tokens",
-        "256", "--chunk-size", "64", "--max-running", "32", "--max-model-len", "256",
-        "--debug-checks", "--enable-return-routed-experts"]  # fmt: skip
+ARGS = [*SERVER_ARGS, "--enable-return-routed-experts"]
 PROMPTS = [[(13 * j + 5 * i) % 250 + 5 for j in range(5 + 4 * i)] for i in range(3)]
 GROUP = 4  # samples per prompt
 TOKENS = 8
@@ -70,37 +69,12 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def group(http: httpx.Client) -> Iterator[Any]:
     """A gloo group of two ranks: this process (0) and the server (1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": "routing", "backend": "gloo"}  # fmt: skip
-    answer: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: answer.update(r=http.post("/init_weights_update_group", json=body))
-    )
-    thread.start()
-    pg = join_weight_group("127.0.0.1", port, 0, 2, "routing", "gloo", timeout_s=60)
-    thread.join(60)
-    assert answer["r"].status_code == 200, answer["r"].text
-    yield pg
-    destroyed = http.post("/destroy_weights_update_group", json={"group_name": "routing"})
-    assert destroyed.status_code == 200, destroyed.text
-    leave_weight_group(pg)
+    yield from weight_group(http, "routing")
 
 
 def _rollouts(http: httpx.Client, step: int) -> list[dict[str, Any]]:
     prompts = [p for p in PROMPTS for _ in range(GROUP)]
-    body = {
-        "input_ids": prompts,
-        "sampling_params": [{"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True,
-                             "sampling_seed": 1000 * step + j} for j in range(len(prompts))],
-        "return_logprob": True,
-        "return_routed_experts": True,
-    }  # fmt: skip
-    response = http.post("/generate", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return rollouts(http, prompts, TOKENS, step, return_routed_experts=True)
 
 
 def _served_routing(outs: list[dict[str, Any]]) -> list[np.ndarray]:
@@ -119,24 +93,6 @@ def _same_routing(trainer_out: Any, served: list[np.ndarray]) -> list[bool]:
     return [np.array_equal(m.numpy(), s) for m, s in zip(mine, served, strict=True)]
 
 
-def _push(
-    server: ServerProcess, http: httpx.Client, trainer: Any, group: Any, transport: str,
-    version: str,
-) -> None:  # fmt: skip
-    """The trainer's weights to the server between a pause (`retract`) and a continue."""
-    assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
-    if transport == "distributed":
-        answer = push_weights(server.base_url, trainer, group, weight_version=version,
-                              timeout_s=60)  # fmt: skip
-    else:
-        response = http.post("/update_weights_from_tensor",
-                             json=tensor_update_request(trainer, version))  # fmt: skip
-        assert response.status_code == 200, response.text
-        answer = response.json()
-    assert answer["weight_version"] == version
-    assert http.post("/continue_generation").status_code == 200
-
-
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
 def test_grpo_routing_replay_equals_the_trainers_routing_at_every_step(
     server: ServerProcess, http: httpx.Client, group: Any, folder: Path, transport: str
@@ -145,7 +101,7 @@ def test_grpo_routing_replay_equals_the_trainers_routing_at_every_step(
     (`/update_weights_from_tensor`, a colocated trainer); each run starts by sending its fresh
     trainer's weights, so the server serves them whatever ran before."""
     trainer = LockstepForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    _push(server, http, trainer, group, transport, f"{transport}-0")
+    push_between_pause_and_continue(http, trainer, group, transport, f"{transport}-0")
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=5e-2)
     prompts = [p for p in PROMPTS for _ in range(GROUP)]
     moved = []
@@ -159,25 +115,17 @@ def test_grpo_routing_replay_equals_the_trainers_routing_at_every_step(
         out = _trainer_forward(trainer, outs, grad=True)
         assert all(_same_routing(out, served)), f"step {step}: routing differs from the trainer's"
         per = out.per_sequence()
-        rewards = torch.tensor([sum(t % 2 == 0 for t in o["output_ids"]) / TOKENS for o in outs])
-        groups = rewards.view(len(PROMPTS), GROUP)
-        std = groups.std(dim=1, keepdim=True).clamp(min=1e-6)
-        advantages = ((groups - groups.mean(dim=1, keepdim=True)) / std).reshape(-1)
+        advantages = grpo_advantages(outs, len(PROMPTS), TOKENS)
         loss = torch.zeros(())
-        for p, o, lps, advantage in zip(prompts, outs, per, advantages, strict=True):
-            train = lps[len(p) - 1 :]
-            rollout = torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]])
-            d = (rollout - train.detach()).double()
-            k3 = d.exp() - d - 1.0
-            ratio = (train - rollout).exp()
-            assert torch.equal(k3, torch.zeros_like(k3)), f"step {step}: k3 {k3}"
-            assert torch.equal(ratio.detach(), torch.ones_like(ratio)), f"step {step}: {ratio}"
+        for p, rollout, lps, advantage in zip(prompts, served_logprobs(outs), per, advantages,
+                                              strict=True):  # fmt: skip
+            ratio = assert_on_policy(rollout, lps[len(p) - 1 :], step)
             loss = loss - (ratio * advantage).sum() / (len(outs) * TOKENS)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         moved.append(not all(_same_routing(_trainer_forward(trainer, outs, False), served)))
-        _push(server, http, trainer, group, transport, f"{transport}-{step}")
+        push_between_pause_and_continue(http, trainer, group, transport, f"{transport}-{step}")
     assert any(moved), "no optimizer step changed any routing: the comparison is blind"
     server.wait_idle()
 

@@ -201,12 +201,12 @@ FLIPPED = ("model.layers.1.mlp.down_proj.weight", "model.layers.0.linear_attn.A_
 
 
 def _controls() -> dict[str, dict[str, Any]]:
-    """What must differ from the recording: the fast backend on random:tiny-qwen3, and
+    """What must differ from the recording: the stock backend on random:tiny-qwen3, and
     random:tiny-qwen3.5 with one bit of one weight flipped (`FLIPPED`)."""
     by_name = {case.name: case for case in CASES}
-    fast_case, flip_case = by_name["random:tiny-qwen3"], by_name["random:tiny-qwen3.5"]
-    loaded, _ = load_case(fast_case, Path())
-    out = {"fast mode": record(fast_case, loaded, get_ops("cpu", "fast"))}
+    stock_case, flip_case = by_name["random:tiny-qwen3"], by_name["random:tiny-qwen3.5"]
+    loaded, _ = load_case(stock_case, Path())
+    out = {"reference mode": record(stock_case, loaded, get_ops("cpu", "reference"))}
     for weight in FLIPPED:
         loaded, _ = load_case(flip_case, Path())
         flipped = dataclasses.replace(loaded, weights=OneBitFlipped(loaded.weights, weight))

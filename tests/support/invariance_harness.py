@@ -280,7 +280,7 @@ def schedule_failures(
     """Random schedules (`random_plan`, seeds 0..cases-1, sequences of `lengths` tokens)
     whose positions differ from a cold prefill: each failing case's description.
     `wide_mates`: sequences of 16 to 200 tokens beside 8- to 64-token batch-mates in every
-    pass and no prefix hit (the fast-mode controls: wide mates change their GEMMs' shapes)."""
+    pass and no prefix hit (the reference-mode controls: wide mates change their GEMMs' shapes)."""
     failures = []
     for seed in range(cases):
         rng = random.Random(seed)

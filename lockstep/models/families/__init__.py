@@ -25,7 +25,7 @@ from lockstep.models.families import (
 from lockstep.models.families.base import Family
 from lockstep.models.moe import refuse_unsupported_moe
 
-__all__ = ["FAMILIES", "Family", "family_of"]
+__all__ = ["FAMILIES", "Family", "family_named", "family_of"]
 
 FAMILIES: tuple[Family, ...] = tuple(
     m.FAMILY
@@ -48,6 +48,12 @@ FAMILIES: tuple[Family, ...] = tuple(
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family_named(name: str) -> Family:
+    """The family a `ModelSpec.family` names (every spec is built by one of `FAMILIES`)."""
+    return _BY_NAME[name]
 
 
 def family_of(config: dict[str, Any], where: str) -> Family:

@@ -1,5 +1,5 @@
 """`lockstep bench speculative`: its JSON line holds each prompt's acceptance and timings and
-says the outputs were identical (exit 0); in fast mode, where a verify row does not get a
+says the outputs were identical (exit 0); in reference mode, where a verify row does not get a
 decode row's bits, the same comparison fails (exit 1: the negative control)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize(("mode", "code"), [("deterministic", 0), ("fast", 1)])
+@pytest.mark.parametrize(("mode", "code"), [("deterministic", 0), ("reference", 1)])
 def test_bench_speculative_compares_outputs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, code: int
 ) -> None:

@@ -1,5 +1,5 @@
 """`lockstep bench throughput`: the JSON line, the step accounting behind its phases, the
-workload it draws, and the bitwise spot check, with its negative control (the fast mode,
+workload it draws, and the bitwise spot check, with its negative control (the reference mode,
 whose CPU matmuls change a row's bits with the batch, must fail it through the same code)."""
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ def test_json_line_holds_the_figures_and_the_spot_check_passes(
     assert "--max-batch-tokens 64" in doc["command"]
 
 
-def test_negative_control_fast_mode_fails_the_spot_check(
+def test_negative_control_reference_mode_fails_the_spot_check(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Fast mode's CPU matmuls round a row differently with the number of rows, so requests
+    """Reference mode's CPU matmuls round a row differently with the number of rows, so requests
     re-run alone differ from their batched run: the same comparison must say so and the
     command must exit with status 1."""
-    status, doc, out = _bench(capsys, "--spot-check", "8", "--mode", "fast")
+    status, doc, out = _bench(capsys, "--spot-check", "8", "--mode", "reference")
     assert status == 1
     assert doc["spot_check"]["passed"] is False and doc["spot_check"]["mismatches"]
     assert "spot check        FAILED" in out

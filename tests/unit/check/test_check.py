@@ -310,9 +310,9 @@ def test_cli_arguments() -> None:
     with pytest.raises(SystemExit):
         parse(["--url", "http://x", "--serve"])
     assert parse(["--url", "http://x", "--scenarios", "all"]).scenarios == list(SCENARIOS)
-    args = parse(["--serve", "--mode", "fast", "--no-prefix-cache", "--kv-tokens", "4096"])
-    assert serve_args(args) == ["--mode", "fast", "--kv-tokens", "4096", "--no-prefix-cache"]
-    assert run_cli(["--url", "http://127.0.0.1:9", "--mode", "fast"]) == 2
+    args = parse(["--serve", "--mode", "reference", "--no-prefix-cache", "--kv-tokens", "4096"])
+    assert serve_args(args) == ["--mode", "reference", "--kv-tokens", "4096", "--no-prefix-cache"]
+    assert run_cli(["--url", "http://127.0.0.1:9", "--mode", "reference"]) == 2
 
 
 # ---------------------------------------------------------------- scenarios over HTTP
@@ -530,10 +530,20 @@ def test_lockstep_passes_every_scenario_through_generate(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("api", ["openai", "sglang"])
-def test_lockstep_fast_mode_fails_batch(tmp_path: Path, api: str) -> None:
+def test_lockstep_reference_mode_fails_batch(tmp_path: Path, api: str) -> None:
     """Negative control: plain torch float32 matmuls are not batch-invariant on the CPU."""
     out = tmp_path / "out.json"
-    argv = ["--serve", *E2E, "--mode", "fast", "--scenarios", "batch", "--api", api, *HANG_GUARD]
+    argv = [
+        "--serve",
+        *E2E,
+        "--mode",
+        "reference",
+        "--scenarios",
+        "batch",
+        "--api",
+        api,
+        *HANG_GUARD,
+    ]
     assert run_cli([*argv, "--json", str(out)]) == 1
     batch = by_name(json.loads(out.read_text()))["batch"]
     assert batch["status"] == FAIL and "runs differ" in batch["reason"]
@@ -541,10 +551,10 @@ def test_lockstep_fast_mode_fails_batch(tmp_path: Path, api: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+@pytest.mark.parametrize("mode", ["deterministic", "reference"])
 def test_lockstep_speculative_scenario_compares_two_servers(tmp_path: Path, mode: str) -> None:
     """The speculative scenario runs its probes on the server as given, then on a second one
-    started with speculation, and compares: identical in deterministic mode; in fast mode
+    started with speculation, and compares: identical in deterministic mode; in reference mode
     (the negative control) a verify chunk's rows get other bits than one-row decode, so the
     same comparison fails."""
     out = tmp_path / "out.json"

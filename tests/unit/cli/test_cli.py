@@ -100,6 +100,28 @@ def test_bench_decode_sampling_options_reach_the_json(tmp_path: Path) -> None:
     _one_line_error(_lockstep(*args, "--top-p", "0.9"), "--temperature", "top_p=0.9")
 
 
+def test_bench_decode_says_what_the_reference_ratio_means(tmp_path: Path) -> None:
+    """`--modes deterministic,fast` runs the reference mode under its old name (one deprecation
+    line), and the ratio is printed and recorded with what it means: reference is the
+    stock-PyTorch control, not a speed target, and the ratio is not the cost of determinism."""
+    import json
+
+    out_file = tmp_path / "bench.json"
+    out = _lockstep("bench", "decode", "--model", "random:tiny", "--device", "cpu", "--modes",
+                    "deterministic,fast", "--batches", "2", "--prompt-len", "8", "--gen-len",
+                    "2", "--kv-tokens", "512", "--output", str(out_file))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out_file.read_text())
+    assert [r["mode"] for r in doc["results"]] == ["deterministic", "reference"]
+    assert set(doc["det_over_reference_decode"]) == {"2"}
+    meaning = doc["det_over_reference_meaning"]
+    assert "not a speed target" in meaning and "not the cost of determinism" in meaning
+    assert "batch 2: deterministic / reference decode throughput =" in out.stdout
+    assert meaning in out.stdout
+    (warning,) = [line for line in out.stderr.splitlines() if "deprecated" in line]
+    assert "mode='fast' is deprecated: it is now named 'reference'" in warning
+
+
 def _lockstep_without(module: str, *args: str) -> subprocess.CompletedProcess:
     """`lockstep ARGS` in a process where importing `module` fails, as on a broken install."""
     code = (

@@ -27,7 +27,7 @@ def test_cpu_keeps_modest_defaults() -> None:
     assert not c.use_overlap_decode
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+@pytest.mark.parametrize("mode", ["deterministic", "reference"])
 def test_cuda_defaults_run_batches_of_hundreds_in_every_mode(mode: str) -> None:
     c = EngineConfig(device="cuda", mode=mode)
     assert (c.resolved_max_running, c.resolved_max_batch_tokens, c.resolved_chunk_size) == (

@@ -69,7 +69,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def _load(folder: Path) -> None:
     loaded = resolve_model(str(folder))
-    Decoder.load(loaded, get_ops("cpu", "reference"), torch.float32, "cpu")
+    Decoder.load(loaded, get_ops("cpu", "float64"), torch.float32, "cpu")
 
 
 Q = "model/layers/0/self_attn/q_proj/"

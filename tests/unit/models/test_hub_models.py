@@ -115,7 +115,7 @@ def test_revision_without_a_hub_id_is_refused(capsys) -> None:
 
 
 def test_an_existing_folder_is_a_path_not_a_hub_id(tmp_path: Path, monkeypatch) -> None:
-    from lockstep.models.hub import is_hub_id
+    from lockstep.model_arguments import is_hub_id
 
     monkeypatch.chdir(tmp_path)
     assert is_hub_id(REPO_ID)

@@ -16,9 +16,9 @@ from lockstep.models.blocks import expected_weight_names
 from lockstep.models.presets import PRESETS
 from lockstep.models.resolver import resolve_model
 from lockstep.ops.cpu_deterministic import CpuDeterministicOps
-from lockstep.ops.cpu_fast import CpuFastOps
+from lockstep.ops.cpu_stock import CpuStockOps
+from lockstep.ops.float64 import Float64Ops
 from lockstep.ops.moe import MoeLayer, prepare_expert_weights, route_sorted
-from lockstep.ops.reference import ReferenceOps
 
 E, TOP_K, H, INTER = 8, 2, 128, 40  # INTER is not a multiple of the CPU's 16 lanes
 
@@ -69,9 +69,9 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
 def test_moe_matches_the_float64_reference(det, renormalize, dtype) -> None:
     raw = {k: v.to(dtype) for k, v in raw_weights(1).items()}  # both read the same roundings
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
-    expected = ReferenceOps().moe(x, layer_for(ReferenceOps(), raw, renormalize))
+    expected = Float64Ops().moe(x, layer_for(Float64Ops(), raw, renormalize))
     assert expected.abs().max() > 0.1
-    for ops in (det, CpuFastOps()):
+    for ops in (det, CpuStockOps()):
         out = ops.moe(x, layer_for(ops, raw, renormalize, dtype))
         assert out.shape == (37, H) and out.dtype == torch.float32
         close(out, expected, 1e-5)
@@ -114,7 +114,7 @@ def test_a_tied_router_picks_the_lower_expert_id(det, ops_name) -> None:
     bit for bit, and they rank first and second. Expert 5's weights are NaN: a routing that
     broke the tie toward 5 with top 1 would output NaN (the check can fail), and with top 2
     it must give NaN (5 is chosen second)."""
-    ops = det if ops_name == "cpu_deterministic" else ReferenceOps()
+    ops = det if ops_name == "cpu_deterministic" else Float64Ops()
     raw = raw_weights(3)
     g = torch.Generator().manual_seed(4)
     direction = torch.randn(H, generator=g)
@@ -176,11 +176,11 @@ def test_a_tokens_bits_do_not_depend_on_its_experts_load(det, dtype) -> None:
 
 def test_negative_control_stock_moe_bits_depend_on_the_load() -> None:
     """The same check on the stock implementation (torch GEMM rows change with M) fails."""
-    fast = CpuFastOps()
-    layer = layer_for(fast, raw_weights(5))
+    stock = CpuStockOps()
+    layer = layer_for(stock, raw_weights(5))
     probe = torch.randn(1, H, generator=torch.Generator().manual_seed(6))
-    alone = fast.moe(probe, layer)
-    changed = [load for load, row, _ in _probe_among_mates(fast, layer, probe, LOADS, seed=7)
+    alone = stock.moe(probe, layer)
+    changed = [load for load, row, _ in _probe_among_mates(stock, layer, probe, LOADS, seed=7)
                if not torch.equal(row, alone)]  # fmt: skip
     assert changed, "stock MoE kept every bit at every load: the check is blind"
 

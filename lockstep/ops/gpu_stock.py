@@ -1,6 +1,7 @@
-"""The fast GPU backend (`--mode fast`): cuBLAS, torch SDPA and torch norms.
+"""The stock GPU backend (`--mode reference`): cuBLAS, torch SDPA and torch norms.
 
-It exists to measure what determinism costs and as the negative control: cuBLAS picks kernels
+It is the stock-PyTorch negative control, not a speed target (the engine's deterministic
+kernels are faster on the models measured in docs/results.md): cuBLAS picks kernels
 by M and SDPA tiles by sequence length, so rows here may change with the batch.
 """
 
@@ -17,13 +18,13 @@ from lockstep.ops.moe import (
     experts_dense,
     write_routed_experts,
 )
-from lockstep.ops.torch_fast import TorchRowOps, stock_routing
+from lockstep.ops.torch_stock import TorchRowOps, stock_routing
 
 
-class GpuFastOps(TorchRowOps):
+class GpuStockOps(TorchRowOps):
     """Ops backend over plain torch CUDA ops (not position invariant)."""
 
-    name = "gpu_fast"
+    name = "gpu_stock"
     deterministic = False
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:

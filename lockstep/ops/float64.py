@@ -1,7 +1,7 @@
-"""Float64 reference backend: the slow, obvious oracle the fast kernels are tested against.
+"""Float64 backend: the slow, obvious oracle the engine's kernels are tested against.
 
 Every op converts its inputs to float64 and returns float64 (the KV cache keeps its own dtype),
-so a whole forward pass in reference mode stays in float64. Tests only; not for serving.
+so a whole forward pass on this backend stays in float64. Tests only; not for serving.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from lockstep.ops.moe import (
 f64 = torch.float64
 
 
-class ReferenceOps(IndexCopyKVWrite, ComposedAttentionInput):
+class Float64Ops(IndexCopyKVWrite, ComposedAttentionInput):
     """`Ops` in float64 torch, written for clarity rather than speed."""
 
-    name = "reference"
+    name = "float64"
     deterministic = True
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:

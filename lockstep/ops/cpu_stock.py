@@ -1,5 +1,5 @@
-"""Plain-torch CPU backend (`--mode fast`): the yardstick for speed and the negative control
-for determinism. Its linear (oneDNN/MKL GEMM) changes a row's bits with the number of rows,
+"""Plain-torch CPU backend (`--mode reference`): the stock-PyTorch negative control for
+determinism. Its linear (oneDNN/MKL GEMM) changes a row's bits with the number of rows,
 and its reductions may split across threads; nothing here is position invariant."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from lockstep.ops.base import AttentionMeta, LayerKV
 from lockstep.ops.fp8 import DequantizedFp8Linear, widened
 from lockstep.ops.moe import MoeLayer, fp8_swiglu_expert, swiglu_expert, write_routed_experts
-from lockstep.ops.torch_fast import TorchRowOps, stock_routing
+from lockstep.ops.torch_stock import TorchRowOps, stock_routing
 
 
-class CpuFastOps(DequantizedFp8Linear, TorchRowOps):
+class CpuStockOps(DequantizedFp8Linear, TorchRowOps):
     """`Ops` from stock torch kernels; fp32 activations, weights converted to fp32 at load
     (FP8 weights dequantized, activations quantized as `lockstep.ops.fp8` defines, then
     F.linear)."""
 
-    name = "cpu_fast"
+    name = "cpu_stock"
     deterministic = False
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:

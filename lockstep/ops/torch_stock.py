@@ -1,7 +1,7 @@
-"""The stock-torch row ops shared by both fast backends (CPU and GPU): RMSNorm, residual-add
-+ RMSNorm, SiLU-mul, RoPE, log-softmax, the KV write, MoE routing and MLA's latent attention.
-They make no invariance promise; the device-specific parts (linear, paged attention, the
-experts) live in `cpu_fast.py` and `gpu_fast.py`."""
+"""The stock-torch row ops shared by both stock backends of `--mode reference` (CPU and GPU):
+RMSNorm, residual-add + RMSNorm, SiLU-mul, RoPE, log-softmax, the KV write, MoE routing and
+MLA's latent attention. They make no invariance promise; the device-specific parts (linear,
+paged attention, the experts) live in `cpu_stock.py` and `gpu_stock.py`."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
         return None  # any widths
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One batched matmul over the groups (fast mode: any kernel torch picks)."""
+        """One batched matmul over the groups (reference mode: any kernel torch picks)."""
         return torch.einsum("tgk,gnk->tgn", x, weight.to(x.dtype))
 
     def latent_attention(
@@ -198,7 +198,7 @@ def stock_gated_delta_rule(
 
 
 def stock_routing(logits: torch.Tensor, layer: MoeLayer) -> Routing:
-    """The fast backends' routing of `layer`: DeepSeek's as transformers writes it where the
+    """The stock backends' routing of `layer`: DeepSeek's as transformers writes it where the
     layer has it, else `stock_route`."""
     if layer.deepseek is not None:
         return stock_route_deepseek(logits, layer.top_k, layer.renormalize, layer.deepseek)
