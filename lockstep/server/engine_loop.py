@@ -22,6 +22,9 @@ engine_wire.py:
     StepFailed(message, [request_id, ...])    a step raised; those requests were aborted
     Fatal(message)                            the engine cannot compute another step
 
+A request answered whole (not streamed) without stop strings gets its first output as it
+comes and the rest merged into one at its end (held_outputs.py): no per-token traffic.
+
 While requests are unfinished the loop steps continuously, taking new commands between steps;
 when idle it sleeps on a condition variable. A command therefore waits at most one step.
 A paused loop (SGLang's `/pause_generation`, lockstep/server/rl_api.py) takes commands and
@@ -59,6 +62,7 @@ from lockstep.server.engine_wire import (
     StepFailed,
     Stop,
 )
+from lockstep.server.held_outputs import HeldOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,8 @@ class EngineLoop:
         self._stopping = False
         self.paused: str | None = None  # the pause mode while paused
         self._memory: Any = None  # a MemoryOccupation, made at the first release
+        # Requests answered whole: their outputs past the first go out merged at their end.
+        self._held = HeldOutputs()
 
     def post(self, command: Command) -> None:
         with self._wakeup:
@@ -166,7 +172,8 @@ class EngineLoop:
             self._emit(StepFailed(message, self._abort_all()))
             return
         took = time.perf_counter() - started
-        self._emit(Outputs(outputs, took, sum(len(o.new_token_ids) for o in outputs)))
+        new_tokens = sum(len(o.new_token_ids) for o in outputs)
+        self._emit(Outputs(self._held.pass_on(outputs), took, new_tokens))
 
     def _run_command(self, command: Command) -> None:
         match command:
@@ -222,7 +229,8 @@ class EngineLoop:
         self.paused = mode
         done = self.engine.complete_launched_step()
         if done:
-            self._emit(Outputs(done, None, sum(len(o.new_token_ids) for o in done)))
+            new_tokens = sum(len(o.new_token_ids) for o in done)
+            self._emit(Outputs(self._held.pass_on(done), None, new_tokens))
         if mode == "abort":
             closing = [out for out in map(self._abort, list(self.engine.requests)) if out]
             if closing:
@@ -255,18 +263,21 @@ class EngineLoop:
                     request_id, prompt, params, namespace=namespace, stream=stream
                 )
                 added.append(request_id)
+                self._held.track(request_id, params, stream)
         except BaseException:
             for request_id in added:
                 self._abort(request_id)
             raise
 
     def _abort(self, request_id: str) -> Any:
-        """The request's closing output (None: it had finished already, or is unknown)."""
+        """The request's closing output, with what was held of it (None: it had finished
+        already, or is unknown)."""
         try:
-            return self.engine.abort_request(request_id)
+            closing = self.engine.abort_request(request_id)
         except Exception:
             logger.exception("aborting %s failed", request_id)
-            return None
+            closing = None
+        return self._held.close(request_id, closing)
 
     def _abort_all(self) -> list[str]:
         ids = list(self.engine.requests)
