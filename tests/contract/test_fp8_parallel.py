@@ -14,14 +14,18 @@ cut with their weights, and every degree gives TP 1's bits (lockstep/parallel/sh
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from lockstep import LLM
 from lockstep.errors import ConfigError
-from tests.support.invariance_harness import compute, mismatches, random_plan, reference
+from tests.support.parallel_cases import (
+    check_property_cases,
+    differing,
+    engines_at,
+    llm_at,
+    random_sequences,
+)
 from tests.support.tiny_fp8 import write_fp8_folder
 
 # Widths whose 8 reduction chunks and 2-rank boundaries fall on 128-wide scale blocks.
@@ -31,73 +35,38 @@ ALIGNED = {
 }
 
 
-def _llm(folder: Path, tp: int, **options) -> LLM:
-    return LLM(str(folder), device="cpu", dtype="float32", tp=tp, kv_tokens=1024, **options)
-
-
 def _folder(tmp_path_factory: pytest.TempPathFactory, family: str, **shape) -> Path:
     folder = tmp_path_factory.mktemp(f"fp8_{family}")
     write_fp8_folder(folder, "fp8-block", family=family, **shape)
     return folder
 
 
-def _sequences(count: int, max_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300) for _ in range(rng.randint(1, max_len))] for _ in range(count)]
-
-
-def _differing(engine, other, sequences) -> list[int]:
-    return [
-        i
-        for i, tokens in enumerate(sequences)
-        if mismatches(reference(engine, tokens), reference(other, tokens))
-    ]
-
-
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory):
     folder = _folder(tmp_path_factory, "deepseek_v3", **ALIGNED["deepseek_v3"])
-    llms = {}
-    try:
-        llms[1] = _llm(folder, 1, tp_reduction="chunked")
-        llms["default"] = _llm(folder, 1)
-        llms[2] = _llm(folder, 2)
-        llms["ep2"] = _llm(folder, 2, ep=2)
-        yield {name: llm.engine for name, llm in llms.items()}
-    finally:
-        for llm in llms.values():
-            llm.close()
+    with engines_at(folder) as found:
+        yield found
 
 
 def test_fp8_deepseek_v3_at_tp_2_and_ep_2_gives_the_bits_of_tp_1(deepseek) -> None:
     spec = deepseek[2].decoder.spec
     assert spec.fp8 is not None and spec.fp8.scheme == "block" and spec.mla is not None
     assert spec.is_fp8_linear("model.layers.1.mlp.experts.0.down_proj")
-    sequences = _sequences(3, 40, seed=8)
+    sequences = random_sequences(3, 40, seed=8)
     for degree in (2, "ep2"):
-        assert _differing(deepseek[1], deepseek[degree], sequences) == [], degree
-    assert _differing(deepseek[1], deepseek["default"], sequences), "the control agreed"
+        assert differing(deepseek[1], deepseek[degree], sequences) == [], degree
+    assert differing(deepseek[1], deepseek["default"], sequences), "the control agreed"
 
 
 def test_fp8_deepseek_v3_position_invariance_at_tp_2(deepseek) -> None:
-    engine, single = deepseek[2], deepseek[1]
-    for seed in range(5):
-        rng = random.Random(200 + seed)
-        n = rng.randint(1, 40)
-        tokens = [rng.randrange(300) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=3)
-        got = compute(engine, tokens, plan, rng)
-        problems = mismatches(reference(engine, tokens), got)
-        problems += mismatches(reference(single, tokens), got)
-        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
-        engine.check_integrity()
+    check_property_cases(deepseek[2], deepseek[1], range(200, 205))
 
 
 def test_fp8_qwen3_moe_at_tp_2_gives_the_bits_of_tp_1(tmp_path_factory) -> None:
     folder = _folder(tmp_path_factory, "qwen3_moe", **ALIGNED["qwen3_moe"])
-    single, two = _llm(folder, 1, tp_reduction="chunked"), _llm(folder, 2)
+    single, two = llm_at(folder, 1, tp_reduction="chunked"), llm_at(folder, 2)
     try:
-        assert _differing(single.engine, two.engine, _sequences(3, 40, seed=9)) == []
+        assert differing(single.engine, two.engine, random_sequences(3, 40, seed=9)) == []
     finally:
         two.close()
 
@@ -121,7 +90,7 @@ def test_fp8_degrees_that_split_a_block_are_refused_in_one_line(
 ) -> None:
     write_fp8_folder(tmp_path, fmt, family=family, **shape)
     with pytest.raises(ConfigError) as info:
-        _llm(tmp_path, 2)
+        llm_at(tmp_path, 2)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"tp=2 is invalid for {tmp_path.name}") and message.endswith(needle)

@@ -23,7 +23,6 @@ token's experts usually live on both expert-parallel ranks; dense and sparse lay
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -34,18 +33,18 @@ from lockstep import LLM, SamplingParams
 from lockstep.errors import ConfigError
 from lockstep.parallel.group import TensorParallelError
 from tests.support.invariance_harness import (
-    compute,
     generation_scoring_mismatches,
     mismatches,
-    random_plan,
     reference,
 )
+from tests.support.parallel_cases import (
+    check_property_cases,
+    differing,
+    engines_at,
+    llm_at,
+    random_sequences,
+)
 from tests.support.tiny_hf import check_serve_passes_every_scenario, save_tiny
-
-
-def _llm(folder: Path, tp: int, **options) -> LLM:
-    options.setdefault("kv_tokens", 1024)
-    return LLM(str(folder), device="cpu", dtype="float32", tp=tp, **options)
 
 
 @pytest.fixture(scope="module")
@@ -58,67 +57,36 @@ def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines(moe_folder: Path):
     """The Qwen3-MoE folder at TP 1 (chunked), TP 2 and EP 2: 5 processes."""
-    llms = {}
-    try:
-        llms[1] = _llm(moe_folder, 1, tp_reduction="chunked")
-        llms[2] = _llm(moe_folder, 2)
-        llms["ep2"] = _llm(moe_folder, 2, ep=2)
-        yield {name: llm.engine for name, llm in llms.items()}
-    finally:
-        for llm in llms.values():
-            llm.close()
-
-
-def _sequences(count: int, max_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300) for _ in range(rng.randint(1, max_len))] for _ in range(count)]
-
-
-def _differing(engine, other, sequences) -> list[int]:
-    """The sequences whose cold-prefill logits or KV differ between two engines."""
-    return [
-        i
-        for i, tokens in enumerate(sequences)
-        if mismatches(reference(engine, tokens), reference(other, tokens))
-    ]
+    with engines_at(moe_folder, (1, 2, "ep2")) as found:
+        yield found
 
 
 @pytest.mark.parametrize("degree", [2, "ep2"])
 def test_tp_2_and_ep_2_give_the_logits_and_kv_of_tp_1(engines, degree) -> None:
-    sequences = _sequences(4, 48, seed=1)
+    sequences = random_sequences(4, 48, seed=1)
     assert engines[degree].decoder.spec.moe.top_k == 4
-    assert _differing(engines[1], engines[degree], sequences) == []
+    assert differing(engines[1], engines[degree], sequences) == []
 
 
 @pytest.mark.parametrize("degree", [2, "ep2"])
 def test_position_invariance_at_tp_2_and_ep_2(engines, degree) -> None:
     """The property suite's case: random prefix hits, partitions and batch-mates equal one
     cold prefill at this degree and at TP 1."""
-    engine, single = engines[degree], engines[1]
-    for seed in range(8):
-        rng = random.Random(seed)
-        n = rng.randint(1, 40)
-        tokens = [rng.randrange(300) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=3)
-        got = compute(engine, tokens, plan, rng)
-        problems = mismatches(reference(engine, tokens), got)
-        problems += mismatches(reference(single, tokens), got)
-        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
-        engine.check_integrity()
+    check_property_cases(engines[degree], engines[1], range(8))
 
 
 @pytest.mark.parametrize("degree", [2, "ep2"])
 def test_decode_equals_rescoring(engines, degree) -> None:
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=10, logprobs=0, ignore_eos=True)
-    prompts = _sequences(3, 12, seed=4)
+    prompts = random_sequences(3, 12, seed=4)
     assert generation_scoring_mismatches(engines[degree], prompts, params) == []
     engines[degree].check_integrity()
 
 
 def test_tp_4_gives_the_bits_of_tp_1(engines, moe_folder: Path) -> None:
-    four = _llm(moe_folder, 4)
+    four = llm_at(moe_folder, 4)
     try:
-        assert _differing(engines[1], four.engine, _sequences(2, 32, seed=5)) == []
+        assert differing(engines[1], four.engine, random_sequences(2, 32, seed=5)) == []
     finally:
         four.close()
 
@@ -130,7 +98,7 @@ def test_controls_other_reductions_and_combines_change_bits(engines, moe_folder:
     the library's SUM adds two partials as "ranks" does (TP 2 gives the same bits under
     both), so EP 2's two reductions differ only in how a token's four expert outputs are
     combined (in rank order, or per rank then summed), which changes bits."""
-    sequences = _sequences(3, 48, seed=2)
+    sequences = random_sequences(3, 48, seed=2)
     options = {
         "tp=2 ranks": (2, {"tp_reduction": "ranks"}),
         "tp=2 all_reduce": (2, {"tp_reduction": "all_reduce"}),
@@ -141,7 +109,7 @@ def test_controls_other_reductions_and_combines_change_bits(engines, moe_folder:
     }
     got = {}
     for name, (tp, extra) in options.items():
-        llm = _llm(moe_folder, tp, **extra)
+        llm = llm_at(moe_folder, tp, **extra)
         try:
             got[name] = [reference(llm.engine, tokens) for tokens in sequences]
         finally:
@@ -159,7 +127,7 @@ def test_controls_other_reductions_and_combines_change_bits(engines, moe_folder:
 
 
 def test_a_killed_rank_ends_the_engine_with_one_line(moe_folder: Path) -> None:
-    llm = _llm(moe_folder, 2)
+    llm = llm_at(moe_folder, 2)
     try:
         engine = llm.engine
         params = SamplingParams(max_tokens=50, ignore_eos=True)
@@ -200,16 +168,8 @@ def deepseek_engines(tmp_path_factory: pytest.TempPathFactory):
     """A tiny DeepSeek-V3 folder at TP 1 (chunked and default), TP 2 and EP 2."""
     folder = tmp_path_factory.mktemp("deepseek_v3")
     save_tiny("deepseek_v3", folder)
-    llms = {}
-    try:
-        llms[1] = _llm(folder, 1, tp_reduction="chunked")
-        llms["default"] = _llm(folder, 1)
-        llms[2] = _llm(folder, 2)
-        llms["ep2"] = _llm(folder, 2, ep=2)
-        yield {name: llm.engine for name, llm in llms.items()}
-    finally:
-        for llm in llms.values():
-            llm.close()
+    with engines_at(folder) as found:
+        yield found
 
 
 def test_deepseek_v3_at_tp_2_and_ep_2_gives_the_bits_of_tp_1(deepseek_engines) -> None:
@@ -217,26 +177,16 @@ def test_deepseek_v3_at_tp_2_and_ep_2_gives_the_bits_of_tp_1(deepseek_engines) -
     spec = engines[2].decoder.spec
     assert spec.mla is not None and spec.moe is not None and spec.moe.shared_expert_size
     assert spec.moe.groups > 1 and spec.moe.correction_bias
-    sequences = _sequences(3, 40, seed=6)
+    sequences = random_sequences(3, 40, seed=6)
     for degree in (2, "ep2"):
-        assert _differing(engines[1], engines[degree], sequences) == [], degree
+        assert differing(engines[1], engines[degree], sequences) == [], degree
     # One latent row per token and layer on every rank, as at TP 1.
     assert engines[2].pool.k_cache(0).shape[1:] == (1, spec.mla.cache_width)
-    assert _differing(engines[1], engines["default"], sequences), "the control gave TP 1's bits"
+    assert differing(engines[1], engines["default"], sequences), "the control gave TP 1's bits"
 
 
 def test_deepseek_v3_position_invariance_at_tp_2(deepseek_engines) -> None:
-    engine, single = deepseek_engines[2], deepseek_engines[1]
-    for seed in range(6):
-        rng = random.Random(100 + seed)
-        n = rng.randint(1, 40)
-        tokens = [rng.randrange(300) for _ in range(n)]
-        plan = random_plan(rng, n, max_mates=3)
-        got = compute(engine, tokens, plan, rng)
-        problems = mismatches(reference(engine, tokens), got)
-        problems += mismatches(reference(single, tokens), got)
-        assert not problems, f"n={n} {plan.describe()}: " + "; ".join(problems)
-        engine.check_integrity()
+    check_property_cases(deepseek_engines[2], deepseek_engines[1], range(100, 106))
 
 
 @pytest.mark.slow
