@@ -19,22 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from gdn_kernel_bench import DK, DV, HK, HV, C, inputs  # noqa: E402  (scripts/: sys.path[0])
 
 from lockstep.ops.base import PooledRows  # noqa: E402
 from lockstep.ops.triton import chunked_delta, gated_delta  # noqa: E402
-
-HK, HV, DK, DV, C = 16, 32, 128, 128, 32  # Qwen3.5-9B's linear layers
-
-
-def inputs(n: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(n, HK, DK, generator=gen), dim=-1) * DK**-0.5
-    k = F.normalize(torch.randn(n, HK, DK, generator=gen), dim=-1)
-    v = torch.randn(n, HV, DV, generator=gen)
-    g = -torch.rand(n, HV, generator=gen) * 0.5
-    beta = torch.rand(n, HV, generator=gen)
-    return [t.cuda().contiguous() for t in (q, k, v, g, beta)]
 
 
 def pool(kind: str, slots: int) -> list[torch.Tensor]:

@@ -120,7 +120,6 @@ class _Hole:
 class _Bucket:
     pieces: list[torch.cuda.CUDAGraph]  # len(holes) + 1
     holes: list[_Hole]
-    inputs: ForwardBatch  # static token_ids / positions / out_slots [B] (meta: per step)
     hidden: torch.Tensor  # static [B, hidden]: the final-normed rows
 
 
@@ -287,7 +286,7 @@ class PiecewiseGraphRunner:
             hidden = forward_with_holes(decoder, static, self.kv, boundary)
             pieces[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        return _Bucket(pieces, holes, static, hidden)
+        return _Bucket(pieces, holes, hidden)
 
     def _replay(self, bucket: _Bucket, t: int, b: int, meta: AttentionMeta) -> None:
         q_static, o_static = self._q[:t], self._o[:b]
