@@ -3,9 +3,11 @@ recurrent one (gated_delta.py), alone on the GPU at Qwen3.5-9B's head sizes: tim
 call at prefill shapes (4 x 2048 and 64 x 128 rows, as rows/s) and decode shapes (64 sequences
 x 1 row at chunk rows 5 and 31), and the chunked kernels' split invariance (one prefill, one-row
 steps, a random split: outputs and boundary states bitwise) with their error against the
-recurrence in float64. A table, then one JSON line.
+recurrence in float64. A table, then one JSON line. `--profile` instead prints each kernel's
+GPU time per call at every shape (torch.profiler), for both kernels; `--variants` times the
+chunked kernels and checks their split invariance under each launch setting of VARIANTS.
 
-    python scripts/gdn_chunked_bench.py
+    python scripts/gdn_chunked_bench.py [--profile | --variants]
 """
 
 from __future__ import annotations
@@ -23,6 +25,22 @@ from gdn_kernel_bench import DK, DV, HK, HV, C, inputs  # noqa: E402  (scripts/:
 
 from lockstep.ops.base import PooledRows  # noqa: E402
 from lockstep.ops.triton import chunked_delta, gated_delta  # noqa: E402
+
+# Launch settings of the chunked kernels to compare (module constants of chunked_delta.py):
+# dot precision, value columns a state program, its warps and stages, the WY kernel's warps.
+VARIANTS = [
+    ("tf32x3", 32, 4, 3, 4),
+    ("tf32x3", 16, 4, 3, 4),
+    ("tf32x3", 16, 4, 1, 4),
+    ("tf32x3", 16, 8, 3, 8),
+    ("ieee", 16, 4, 3, 8),
+]
+
+
+def set_variant(prec: str, block_v: int, warps: int, stages: int, wy_warps: int) -> None:
+    chunked_delta.DOT_PRECISION, chunked_delta.BLOCK_V = prec, block_v
+    chunked_delta.STATE_WARPS, chunked_delta.STATE_STAGES = warps, stages
+    chunked_delta.WY_WARPS = wy_warps
 
 
 def pool(kind: str, slots: int) -> list[torch.Tensor]:
@@ -54,6 +72,27 @@ def time_call(kind: str, b: int, n: int, start: int) -> float:
     e.record()
     torch.cuda.synchronize()
     return s.elapsed_time(e) / 10 * 1e3
+
+
+def profile_call(kind: str, b: int, n: int, start: int, calls: int = 10) -> dict[str, float]:
+    """Each kernel's GPU microseconds per pooled call of b sequences x n rows."""
+    x = inputs(b * n, 1)
+    state = pool(kind, b)
+    seqs = PooledRows.build([n] * b, [start] * b, list(range(b)), C, x[0].device)
+    fn = call(kind)
+    for _ in range(3):
+        fn(*x, *state, seqs)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn(*x, *state, seqs)
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            times[ev.key[:60]] = ev.device_time_total / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def run_split(x: list[torch.Tensor], split: list[int]) -> tuple[torch.Tensor, dict]:
@@ -105,9 +144,27 @@ def check(n: int = 200) -> dict:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", action="store_true", help="each kernel's time per call")
+    parser.add_argument("--variants", action="store_true", help="the chunked kernels' settings")
+    args = parser.parse_args()
     shapes = {"4x2048": (4, 2048, 0), "64x128": (64, 128, 0), "64x1@5": (64, 1, 5),
               "64x1@31": (64, 1, 31)}  # fmt: skip
+    if args.variants:
+        for variant in VARIANTS:
+            set_variant(*variant)
+            times = {name: time_call("chunked", *shape) for name, shape in shapes.items()}
+            inv = check()
+            print(variant, " ".join(f"{k} {t:.1f} us" for k, t in times.items()),
+                  f"equal {inv['outputs_equal']} {inv['boundaries_equal']} "
+                  f"rel_err {inv['rel_err']:.2e}", flush=True)  # fmt: skip
+        return
+    if args.profile:
+        for kind in ("recurrent", "chunked"):
+            for name, shape in shapes.items():
+                times = profile_call(kind, *shape)
+                print(f"{kind} {name}: " + ", ".join(f"{k} {t:.1f} us" for k, t in times.items()))
+        return
     result = {"device": torch.cuda.get_device_name(), "us": {}}
     print(f"{'kernel':>10s} " + " ".join(f"{s + ' us':>12s}" for s in shapes)
           + f" {'prefill rows/s':>15s}")  # fmt: skip

@@ -212,3 +212,45 @@ def test_tiny_hybrid_decoder_chunked_pooled_split_equals_one_prefill() -> None:
     for a, b in zip(state.meaningful(), want_state.meaningful(), strict=True):
         assert torch.equal(a, b)
     assert state.open_beta[:, : n % chunk].abs().min() > 0
+
+
+def test_key_and_value_blocks_split_and_match_the_reference() -> None:
+    """Keys of four blocks of `chunked_delta.KB` columns (the state carried in blocks, the
+    dots accumulated block after block) and values of two:
+    one-row steps and a random split give one prefill's outputs, boundary states and state
+    bit for bit, and the outputs match the torch reference's formulas."""
+    hk, hv, dk, dv, c, n = 1, 2, 128, 64, 16, 2 * 16 + 3
+    gen = torch.Generator().manual_seed(7)
+    x = [F.normalize(torch.randn(n, hk, dk, generator=gen), dim=-1) * dk**-0.5,
+         F.normalize(torch.randn(n, hk, dk, generator=gen), dim=-1),
+         torch.randn(n, hv, dv, generator=gen), -torch.rand(n, hv, generator=gen) * 0.5,
+         torch.rand(n, hv, generator=gen)]  # fmt: skip
+    x = [t.to(DEV).contiguous() for t in x]
+
+    def fresh() -> list[torch.Tensor]:
+        return [t.to(DEV) for t in _zeros(hk, hv, dk, dv, c)]
+
+    def run(split: list[int]) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        state, outs, bounds, start = fresh(), [], {}, 0
+        for m in split:
+            part = [t[start : start + m].contiguous() for t in x]
+            out, got = chunked_delta.chunked_delta_rule(*part, *state, start)
+            outs.append(out)
+            bounds.update({p: s.clone() for p, s in got})
+            start += m
+        return torch.cat(outs), bounds, state[0]
+
+    want, want_bounds, want_state = run([n])
+    assert sorted(want_bounds) == [c, 2 * c]
+    for split in ([1] * n, [5, 13, 1, 16]):
+        out, bounds, state = run(split)
+        assert torch.equal(out, want), split
+        assert all(torch.equal(bounds[p], want_bounds[p]) for p in want_bounds), split
+        assert torch.equal(state, want_state), split
+    ref, _ = reference.chunked_delta_rule(*[t.cpu() for t in x], *_zeros(hk, hv, dk, dv, c), 0)
+    assert (want.cpu() - ref).abs().max() < TOL
+
+
+def _zeros(hk: int, hv: int, dk: int, dv: int, c: int) -> list[torch.Tensor]:
+    shapes = ((hv, dk, dv), (c, hk, dk), (c, hv, dv), (c, hv), (c, hv))
+    return [torch.zeros(s) for s in shapes]

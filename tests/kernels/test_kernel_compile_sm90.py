@@ -107,22 +107,24 @@ def _gated_delta() -> tuple[str, dict, dict]:
 def _chunked_delta(kernel: str) -> tuple[str, dict, dict]:
     """The chunked rule's kernels at Qwen3.5's head sizes (C = 32, Dk = Dv = 128), as
     chunked_delta_rule_pooled launches them."""
-    from lockstep.ops.triton.chunked_delta import BLOCK_V, DOT_PRECISION
+    from lockstep.ops.triton.chunked_delta import BLOCK_V, DOT_PRECISION, KB
 
     pointers = ("q", "k", "v", "g", "beta", "state", "open_k", "open_v", "open_g", "open_beta",
-                "ws_w", "ws_u", "ws_gamma", "out", "bounds")  # fmt: skip
+                "ws_w", "ws_u", "ws_gamma", "ws_p", "out", "bounds")  # fmt: skip
     types = dict.fromkeys(pointers, "*fp32")
     types |= dict.fromkeys(("task_seq", "task_pos", "task_row", "task_n", "task_cu", "starts",
                             "ends", "slots", "bound_at", "bound_index"), "*i32")  # fmt: skip
     types |= dict.fromkeys(("s_slot", "k_slot", "v_slot", "g_slot", "b_slot", "HK", "HV", "DK",
                             "DV"), "i32")  # fmt: skip
-    constexprs = {"C": 32, "BK": 128, "PDL": True}
-    if kernel != "_gdn_open_rows_kernel":
-        constexprs["PREC"] = DOT_PRECISION
+    constexprs = {"C": 32, "PDL": True}
+    if kernel == "_gdn_open_rows_kernel":
+        constexprs |= {"BK": 128, "BVF": 128}
+    else:
+        constexprs |= {"PREC": DOT_PRECISION, "KB": KB, "NKB": 128 // KB}
     if kernel == "_gdn_chunk_state_kernel":
         constexprs["BV"] = BLOCK_V
-    else:
-        constexprs["BVF"] = 128
+    if kernel == "_gdn_chunk_wy_kernel":
+        constexprs |= {"VB": KB, "NVB": 128 // KB}
     return f"chunked_delta.{kernel}", types, constexprs
 
 

@@ -97,20 +97,29 @@ def _gdn_rule_kernel(
         a = tl.where(rows < r, (bi * tl.sum(kk * ki[None, :], axis=1)) * decay, 0.0)
         u = bi * (vi - e * ks) - tl.sum(a[:, None] * uu, axis=0)
         uu = tl.where(rows[:, None] == r, u[None, :], uu)
+        # Row r's corrected values go to the slot now (this program owns its value columns
+        # of them), where the boundary update below reads them back.
+        tl.store(open_u + (r * HV + h) * DV + dv, u, mask=mv)
         c = tl.sum(kk * qi[None, :], axis=1) * decay
         o = e * qs + tl.sum(c[:, None] * uu, axis=0)
         tl.store(out + (i * HV + h) * DV + dv, o, mask=mv)
         if r == C - 1:
             # S' = e S + sum_j (w_j k_j) u_j^T, one outer product at a time in ascending j,
-            # row j taken out of the chunk tiles by a masked sum (exact: one value plus
-            # zeros). Not a tl.dot: with one, on an H200, the boundary state (though no row's
+            # each row j loaded from memory: its key from the step's rows (or the slot's,
+            # for rows of earlier calls), u_j from the slot, where every row's u already
+            # is (the barrier makes this program's own stores visible to all its threads).
+            # Not a tl.dot: with one, on an H200, the boundary state (though no row's
             # output) depended on how many open rows the call had loaded from memory.
-            kw = kk * tl.exp(gam - gammas)[:, None]
+            tl.debug_barrier()
             s = s * e
             for j in range(0, C):
-                kj = tl.sum(tl.where(rows[:, None] == j, kw, 0.0), axis=0)
-                uj = tl.sum(tl.where(rows[:, None] == j, uu, 0.0), axis=0)
-                s = s + kj[:, None] * uj[None, :]
+                gj = tl.sum(tl.where(rows == j, gammas, 0.0), axis=0)
+                pj = p - r + j
+                k_step = k + ((pj - start) * HK + kh) * DK + dk
+                k_slot_row = open_k + (j * HK + kh) * DK + dk
+                kj = tl.load(tl.where(pj >= start, k_step, k_slot_row), mask=mk, other=0.0)
+                uj = tl.load(open_u + (j * HV + h) * DV + dv, mask=mv, other=0.0)
+                s = s + (kj * tl.exp(gam - gj))[:, None] * uj[None, :]
             if i < n - 1:  # a boundary at the last row is the state the call ends in
                 b = tl.load(bound_index + (p + 1 - first_boundary) // C).to(tl.int64)
                 if b >= 0:  # a captured one
@@ -118,7 +127,6 @@ def _gdn_rule_kernel(
                              s, mask=mk[:, None] & mv[None, :])  # fmt: skip
     if (start + n) // C != start // C:  # a chunk closed: S moved (a decode step rarely)
         tl.store(s_ptr, s, mask=mk[:, None] & mv[None, :])
-    tl.store(open_u + (rows[:, None] * HV + h) * DV + dv[None, :], uu, mask=mv[None, :])
 
 
 @triton.jit
