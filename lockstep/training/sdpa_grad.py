@@ -84,13 +84,25 @@ def fused_attention_grads(
         place = _Placement(rows, slots.to(q.device), len(group), lens[0], dtype)
         leaves = [place.pad(x).requires_grad_() for x in (q, k, v)]
         with torch.enable_grad():
+            qp, kp, vp = leaves
+            native_gqa = hq != hkv and _native_gqa(q.device, dtype)
+            if hq != hkv and not native_gqa:  # autograd sums the repeats' gradients back
+                kp, vp = kp.repeat_interleave(hq // hkv, 1), vp.repeat_interleave(hq // hkv, 1)
             out = F.scaled_dot_product_attention(
-                *leaves, is_causal=True, scale=scale, enable_gqa=hq != hkv
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=native_gqa
             )
         grads = torch.autograd.grad(out, leaves, place.pad(grad_out))
         for target, g in zip((dq, dk, dv), grads, strict=True):
             target[rows] = place.unpad(g).to(target.dtype)
     return dq, dk, dv
+
+
+def _native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused kernel SDPA picks reads grouped KV heads itself (`enable_gqa`): the
+    CPU's, and FlashAttention's on CUDA (bfloat16, float16). CUDA's float32 kernel
+    (memory-efficient attention) does not: with `enable_gqa` SDPA would fall back to its math
+    backend, which builds the [L, L] scores, so the KV heads are repeated instead."""
+    return device.type == "cpu" or dtype in (torch.bfloat16, torch.float16)
 
 
 class _Placement:

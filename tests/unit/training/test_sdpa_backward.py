@@ -106,3 +106,18 @@ def test_fused_backward_holds_no_score_matrix() -> None:
     with _LargestTensor() as dense:
         _dense_grads(UNEVEN, q, k, v, grad)
     assert dense.largest >= full
+
+
+def test_repeated_kv_heads_where_the_kernel_lacks_grouped_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA's float32 attention reads no grouped KV heads: the KV heads are repeated before
+    the call and autograd sums their gradients back (forced here on the CPU)."""
+    import lockstep.training.sdpa_grad as sdpa_grad
+
+    monkeypatch.setattr(sdpa_grad, "_native_gqa", lambda device, dtype: False)
+    q, k, v, grad = _inputs(CLOSE)
+    expected = _dense_grads(CLOSE, q, k, v, grad)
+    got = fused_attention_grads(q, k, v, grad, CLOSE, SCALE)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert g.shape == e.shape and _relative(g, e) < 1e-5, name
