@@ -1,5 +1,6 @@
 """Fused Triton backwards of the row ops the training module runs most on CUDA: RMSNorm with
-its residual add, and SiLU-and-multiply. One kernel each, reading the saved rows and the
+its residual add, SiLU-and-multiply, and the LM head's log-softmax at the targets. One kernel
+each, reading the saved rows and the
 incoming gradient once and writing the input gradient once, in place of the float32 torch
 twins (lockstep/training/functions.py), whose dozen element-wise kernels each read and write
 float32 copies of every row.
@@ -12,6 +13,7 @@ y = silu(g) * u with s = sigmoid(g):
     dx = r * (dy * w) - x * r^3 * sum(dy * w * x) / H   (+ the residual stream's gradient)
     dw = sum over rows of dy * x * r                      (per-program partial sums, then torch)
     dg = dy * u * s * (1 + g * (1 - s)),    du = dy * g * s
+    dz = g_r * (1[v == target_r] - exp(c - lse_r)) * (1 - (c / cap)^2),  c = cap * tanh(z / cap)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 # Rows per program of the RMSNorm backward: each program adds its rows' dw into one partial
 # row, so the partials are [rows / ROWS, H] float32 (summed by torch afterwards).
 ROWS = 16
-# Columns per program of the SiLU-mul backward.
+# Columns per program of the SiLU-mul and head backwards.
 SILU_BLOCK = 1024
 
 
@@ -117,5 +119,53 @@ def silu_mul_backward(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
         _silu_mul_backward_kernel[(m, triton.cdiv(inter, block))](
             gate_up, grad_out, out, inter, gate_up.stride(0), grad_out.stride(0), out.stride(0),
             BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _head_dlogits_kernel(
+    z, lse, g, targets, dz, cols, lo, sz, sdz, cap,
+    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    c = tl.load(z + row * sz + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CAP:  # cap * tanh(c / cap), as the engine's soft-capping writes it
+        c = (1.0 - 2.0 / (tl.exp(c * (2.0 / cap)) + 1.0)) * cap
+    target = tl.load(targets + row) - lo
+    d = tl.where(offs == target, 1.0, 0.0) - tl.exp(c - tl.load(lse + row))
+    d = d * tl.load(g + row)
+    if HAS_CAP:
+        d = d * (1.0 - (c / cap) * (c / cap))
+    tl.store(dz + row * sdz + offs, d.to(dz.dtype.element_ty), mask=mask)
+
+
+def head_dlogits(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    targets: torch.Tensor,
+    lo: int,
+    softcap: float | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dL/dz [R, C] in `out_dtype` for vocabulary columns lo .. lo + C of the head's output z
+    [R, C] (before soft-capping), where L = sum_r grad_r * log_softmax(cap(z_r))[targets_r]
+    over the whole vocabulary and `lse` [R] float32 is each row's log-sum-exp of the capped
+    logits (lockstep/training/token_logprobs.py, `head_logprob_grads`, the same in torch)."""
+    if z.dim() != 2 or lse.shape != (z.shape[0],) or grad.shape != lse.shape:
+        raise ValueError(f"z [R, C], lse [R] and grad [R] wanted; got {tuple(z.shape)}, "
+                         f"{tuple(lse.shape)}, {tuple(grad.shape)}")  # fmt: skip
+    z = z.contiguous()
+    rows, cols = z.shape
+    out = torch.empty((rows, cols), dtype=out_dtype, device=z.device)
+    if rows and cols:
+        block = min(SILU_BLOCK, triton.next_power_of_2(cols))
+        _head_dlogits_kernel[(rows, triton.cdiv(cols, block))](
+            z, lse.float().contiguous(), grad.float().contiguous(), targets.contiguous(), out,
+            cols, lo, z.stride(0), out.stride(0), 1.0 if softcap is None else float(softcap),
+            HAS_CAP=softcap is not None, BLOCK=block,
         )  # fmt: skip
     return out

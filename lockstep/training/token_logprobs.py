@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lockstep.models.decoder import Decoder
+from lockstep.training import functions
 
 # Logit elements per chunk (2**26 float32: 256 MiB, about 440 rows of a 152k vocabulary).
 CHUNK_ELEMENTS = 2**26
@@ -72,13 +73,17 @@ def head_logprob_grads(
     grad: torch.Tensor,
     softcap: float | None = None,
     columns: int | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [T, H] in x's dtype, dW [V, H] in the head's) of sum_r grad_r * logprob_r, where
     logprob_r = log_softmax(c_r)[targets_r], c = cap * tanh(z / cap) (z itself without
     `softcap`), z = x @ head^T rounded to x's dtype, and `lse` [T] each row's log-sum-exp of c
     (from the forward). The matmuls run in the wider of x's and the head's dtypes (bfloat16
     with float32 accumulation for a bfloat16 model on CUDA), the rest in float32 (float64
-    stays); `columns` vocabulary columns at a time (default: `CHUNK_ELEMENTS` logits)."""
+    stays); `columns` vocabulary columns at a time (default: `CHUNK_ELEMENTS` logits).
+    `fused`: dlogits by one Triton kernel per chunk (lockstep/training/row_grads.py) instead
+    of torch's element-wise kernels (default: on the devices of
+    `functions.FUSED_ROW_GRAD_DEVICES`, CUDA)."""
     t, v = x.shape[0], head.shape[0]
     if columns is None:
         columns = max(MIN_COLUMNS, CHUNK_ELEMENTS // max(t, 1))
@@ -89,28 +94,44 @@ def head_logprob_grads(
     xm, g, lse = x.to(mm), grad.to(wide), lse.to(wide)
     grad_x = torch.zeros(x.shape, dtype=wide, device=x.device)
     grad_head = torch.empty_like(head)
+    if fused is None:
+        fused = x.device.type in functions.FUSED_ROW_GRAD_DEVICES
     for lo in range(0, v, columns):
         hi = min(lo + columns, v)
         w = head[lo:hi].to(mm)
-        # The forward's logits: the head linear's output in the activations' dtype, widened
-        # (a fresh tensor: the in-place steps below touch nothing else).
-        c = (xm @ w.T).to(x.dtype).to(wide)
-        slope = None
-        if softcap is not None:
-            c = torch.tanh(c / softcap) * softcap
-            slope = 1 - (c / softcap) ** 2
-        dc = c.sub_(lse[:, None]).exp_().mul_(-g[:, None])
-        # + g_r at each row's target column, where it falls in this chunk (a masked scatter:
-        # no host synchronization).
-        inside = (targets >= lo) & (targets < hi)
-        column = (targets - lo).clamp(0, hi - lo - 1)[:, None]
-        dc.scatter_add_(1, column, torch.where(inside, g, 0.0)[:, None])
-        if slope is not None:
-            dc.mul_(slope)
-        dz = dc.to(mm)
+        # The forward's logits: the head linear's output in the activations' dtype.
+        z = (xm @ w.T).to(x.dtype)
+        if fused:
+            from lockstep.training.row_grads import head_dlogits
+
+            dz = head_dlogits(z, lse, g, targets, lo, softcap, mm)
+        else:
+            dz = _dlogits(z.to(wide), lse, g, targets, lo, softcap).to(mm)
         grad_head[lo:hi] = (dz.T @ xm).to(head.dtype)
         grad_x += dz @ w
     return grad_x.to(x.dtype), grad_head
+
+
+def _dlogits(
+    c: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, lo: int,
+    softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """`row_grads.head_dlogits` in torch, in c's dtype (c: the chunk's logits before
+    soft-capping, a fresh tensor: the in-place steps touch nothing else)."""
+    hi = lo + c.shape[1]
+    slope = None
+    if softcap is not None:
+        c = torch.tanh(c / softcap) * softcap
+        slope = 1 - (c / softcap) ** 2
+    dc = c.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+    # + g_r at each row's target column, where it falls in this chunk (a masked scatter: no
+    # host synchronization).
+    inside = (targets >= lo) & (targets < hi)
+    column = (targets - lo).clamp(0, hi - lo - 1)[:, None]
+    dc.scatter_add_(1, column, torch.where(inside, g, 0.0)[:, None])
+    if slope is not None:
+        dc.mul_(slope)
+    return dc
 
 
 def token_logprobs(

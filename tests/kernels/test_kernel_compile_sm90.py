@@ -6,7 +6,7 @@ Covers the specializations an engine launch asks for that the GPU tests could mi
 attention input and attention kernels with an FP8 (e4m3) KV cache and with a bf16 one (decode
 and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule (the per-row kernel and
 the chunked one's three) at Qwen3.5's head sizes, and the training module's fused row-op
-backwards (RMSNorm, SiLU-mul). And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
+backwards (RMSNorm, SiLU-mul, the LM head's dlogits). And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
 as over a bf16 cache (`attention.widen_kv` says why), which the interpreter cannot show.
 The compiles run in one child process: the test session runs Triton's interpreter
 (TRITON_INTERPRET=1, conftest.py), under which kernels cannot be compiled."""
@@ -193,10 +193,23 @@ def _training_silu_mul_backward() -> tuple[str, dict, dict]:
     return "row_grads._silu_mul_backward_kernel", types, {"BLOCK": SILU_BLOCK}
 
 
+def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
+    """The training module's fused dlogits of the LM head (bf16 logits and gradient), with
+    and without soft-capping."""
+    from lockstep.training.row_grads import SILU_BLOCK
+
+    types = {"z": "*bf16", "lse": "*fp32", "g": "*fp32", "targets": "*i64", "dz": "*bf16",
+             "cap": "fp32"}  # fmt: skip
+    types |= dict.fromkeys(("cols", "lo", "sz", "sdz"), "i32")
+    return "row_grads._head_dlogits_kernel", types, {"HAS_CAP": cap, "BLOCK": SILU_BLOCK}
+
+
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
     "training rms_norm backward": _training_rms_norm_backward(),
     "training silu_mul backward": _training_silu_mul_backward(),
+    "training head dlogits": _training_head_dlogits(False),
+    "training head dlogits softcap": _training_head_dlogits(True),
     **{
         f"attention {c} d={d} partials={p}": _attention(c, d, p)
         for c in CACHES

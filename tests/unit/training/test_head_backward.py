@@ -1,9 +1,10 @@
 """The LM head's closed-form backward (lockstep/training/token_logprobs.py,
 `head_logprob_grads`): in float64 it is torch autograd's gradient of
 sum_r g_r * log_softmax(softcap(x W^T))[r, target_r] to 1e-12, with and without soft-capping,
-whatever the vocabulary chunk; in float32 within 1e-5; a bfloat16 head with float32 rows
-returns a bfloat16 gradient. Controls: a forgotten soft-cap, a wrong log-sum-exp and a
-shifted target each move it past the bound."""
+whatever the vocabulary chunk; in float32 within 1e-5, with the fused Triton dlogits kernel
+too (lockstep/training/row_grads.py, CUDA's path, here under Triton's interpreter); a
+bfloat16 head with float32 rows returns a bfloat16 gradient. Controls: a forgotten soft-cap,
+a wrong log-sum-exp and a shifted target each move it past the bound."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def test_closed_form_is_autograd_in_float64(softcap: float | None, columns: int 
     gx, gh = head_logprob_grads(x, head, targets, lse, grad, softcap, columns)
     assert gx.dtype == gh.dtype == torch.float64
     assert _relative(gx, ex) < 1e-12 and _relative(gh, eh) < 1e-12
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+def test_fused_dlogits_kernel_is_autograd(softcap: float | None) -> None:
+    x, head, targets, grad = _inputs(torch.float64)
+    (ex, eh), lse = _autograd(x, head, targets, grad, softcap)
+    x32, head32, lse32 = x.float(), head.float(), lse.float()
+    gx, gh = head_logprob_grads(x32, head32, targets, lse32, grad, softcap, 7, fused=True)
+    assert gx.dtype == gh.dtype == torch.float32
+    assert _relative(gx, ex) < 1e-5 and _relative(gh, eh) < 1e-5
+    # bfloat16 rows and head (CUDA's case): bfloat16 gradients within bfloat16's rounding.
+    gx, gh = head_logprob_grads(x.bfloat16(), head.bfloat16(), targets, lse32, grad, softcap, 7,
+                                fused=True)  # fmt: skip
+    assert gx.dtype == gh.dtype == torch.bfloat16
+    assert _relative(gx, ex) < 3e-2 and _relative(gh, eh) < 3e-2
+    # The control: the kernel with a shifted target.
+    _, other = head_logprob_grads(x32, head32, (targets + 1) % V, lse32, grad, softcap, 7,
+                                  fused=True)  # fmt: skip
+    assert _relative(other, eh) > 1e-3
 
 
 def test_float32_within_rounding_and_bfloat16_heads() -> None:
