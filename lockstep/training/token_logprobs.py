@@ -17,7 +17,8 @@ soft-capped), then with g the incoming gradient of row r,
     dW_c = dz^T @ x      written once per column chunk: every row's sum in one matmul
     dx  += dz @ W_c
 
-so the head's gradient is written once, not accumulated chunk after chunk of rows.
+so the head's gradient is written once, not accumulated chunk after chunk of rows. Rows
+whose incoming gradient is 0 (prompt tokens of an RL batch) are left out of the backward.
 """
 
 from __future__ import annotations
@@ -61,7 +62,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, head, targets, lse = ctx.saved_tensors
-        grad_x, grad_head = head_logprob_grads(x, head, targets, lse, grad, ctx.softcap)
+        # Rows without a gradient (each sequence's last row, whose target is the next
+        # sequence's first token; an RL batch's prompt tokens) add nothing: the backward
+        # takes the others only (one host synchronization for their count).
+        live = grad.nonzero()[:, 0]
+        if live.numel() == x.shape[0]:
+            grad_x, grad_head = head_logprob_grads(x, head, targets, lse, grad, ctx.softcap)
+            return None, None, grad_x, grad_head, None
+        some_x, grad_head = head_logprob_grads(x[live], head, targets[live], lse[live],
+                                               grad[live], ctx.softcap)  # fmt: skip
+        grad_x = torch.zeros_like(x)
+        grad_x[live] = some_x
         return None, None, grad_x, grad_head, None
 
 

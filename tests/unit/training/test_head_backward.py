@@ -4,14 +4,18 @@ sum_r g_r * log_softmax(softcap(x W^T))[r, target_r] to 1e-12, with and without 
 whatever the vocabulary chunk; in float32 within 1e-5, with the fused Triton dlogits kernel
 too (lockstep/training/row_grads.py, CUDA's path, here under Triton's interpreter); a
 bfloat16 head with float32 rows returns a bfloat16 gradient. Controls: a forgotten soft-cap,
-a wrong log-sum-exp and a shifted target each move it past the bound."""
+a wrong log-sum-exp and a shifted target each move it past the bound. Through the autograd
+Function (`token_logprobs`, a small fake head), rows without a gradient are left out and the
+gradients stay autograd's."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lockstep.training.token_logprobs import head_logprob_grads
+from lockstep.training.token_logprobs import head_logprob_grads, token_logprobs
 
 T, H, V = 23, 16, 50
 
@@ -93,3 +97,36 @@ def test_controls_move_the_gradient_past_the_bound() -> None:
     shifted = head_logprob_grads(x, head, (targets + 1) % V, lse, grad, 3.0, 7)
     for gx, gh in (forgotten_cap, wrong_lse, shifted):
         assert _relative(gx, ex) > 1e-3 and _relative(gh, eh) > 1e-3
+
+
+class _PlainHead:
+    """A small fake of the decoder's head for `token_logprobs`: plain torch logits (x W^T,
+    soft-capped) and log-softmax."""
+
+    def __init__(self, head: torch.Tensor, softcap: float | None) -> None:
+        self.lm_head = head
+        self.ops = SimpleNamespace(log_softmax=lambda z: torch.log_softmax(z, -1))
+        self.spec = SimpleNamespace(final_logit_softcap=softcap, vocab_size=head.shape[0])
+
+    def head_logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return _logits(x, head, self.spec.final_logit_softcap)
+
+
+def test_rows_without_a_gradient_are_left_out_exactly() -> None:
+    """Rows whose incoming gradient is 0 (prompt tokens) are skipped in the backward; the
+    gradients are still autograd's, in row chunks of 5 and the whole batch alike."""
+    x, head, targets, grad = _inputs(torch.float64)
+    grad[10:18] = 0.0  # a prompt
+    (ex, eh), _ = _autograd(x, head, targets, grad, 3.0)
+    for rows in (5, None):
+        leaves = [x.clone().requires_grad_(), head.clone().requires_grad_()]
+        fake = _PlainHead(leaves[1], 3.0)
+        picked = token_logprobs(fake, leaves[0], targets, rows)  # type: ignore[arg-type]
+        gx, gh = torch.autograd.grad((picked * grad.double()).sum(), leaves)
+        # The Function keeps a float32 log-sum-exp (its logprobs are float32): 1e-6.
+        assert _relative(gx, ex) < 1e-6 and _relative(gh, eh) < 1e-6
+        assert not gx[10:18].any()
+        # The control: other targets give another gradient.
+        shifted = token_logprobs(fake, leaves[0], (targets + 1) % V, rows)  # type: ignore[arg-type]
+        _, other = torch.autograd.grad((shifted * grad.double()).sum(), leaves)
+        assert _relative(other, eh) > 1e-3
