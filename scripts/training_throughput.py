@@ -15,6 +15,11 @@ same dtype, with its default attention (SDPA). Before timing, the module's logpr
 same sequences are compared bit for bit with `LLM.score` on the same device and dtype
 (`--mode reference` runs the module on the stock backend: the control, whose bits differ).
 
+`--profile` then runs one more step of the module under torch.profiler, its forward and its
+backward apart (each CUDA synchronized and timed), and prints the `--profile-top` kernels by
+total device time (by CPU time on the CPU), each with its calls and its forward and backward
+shares; the JSON document holds the same under "profile".
+
 A table, then one JSON document on the last line.
 """
 
@@ -60,6 +65,85 @@ def _peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
 
+def _event_time_us(event: object, device: str) -> float:
+    """The self time of one profiler row: device time of a kernel on CUDA, CPU time on the CPU
+    (torch names the device field `self_device_time_total`, older `self_cuda_time_total`)."""
+    if not device.startswith("cuda"):
+        return float(getattr(event, "self_cpu_time_total", 0.0))
+    for field in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, field):
+            return float(getattr(event, field))
+    return 0.0
+
+
+def _phase_kernels(run: Callable[[], object], device: str) -> tuple[float, dict]:
+    """Run `run` once under torch.profiler: its wall seconds (synchronized) and, per kernel
+    name (per CPU op on the CPU), [calls, self microseconds]."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    want = DeviceType.CUDA if cuda else DeviceType.CPU
+    _sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        if event.device_type != want:
+            continue
+        row = kernels.setdefault(event.key, [0, 0.0])
+        row[0] += event.count
+        row[1] += _event_time_us(event, device)
+    return seconds, kernels
+
+
+def profile_step(policy: object, sequences: list[list[int]], device: str, top: int) -> dict:
+    """One forward+backward of the training module (loss -sum(logprobs)), the forward and the
+    backward profiled apart: their wall seconds, their summed kernel time, and the `top`
+    kernels by total time with calls and each phase's share."""
+    policy.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+    held: dict[str, torch.Tensor] = {}
+
+    def forward() -> None:
+        held["loss"] = -policy(sequences).logprobs.sum()  # type: ignore[operator]
+
+    fwd_s, fwd = _phase_kernels(forward, device)
+    bwd_s, bwd = _phase_kernels(lambda: held.pop("loss").backward(), device)
+    names = set(fwd) | set(bwd)
+
+    def total(name: str) -> float:
+        return fwd.get(name, [0, 0.0])[1] + bwd.get(name, [0, 0.0])[1]
+
+    rows = []
+    for name in sorted(names, key=total, reverse=True)[:top]:
+        f, b = fwd.get(name, [0, 0.0]), bwd.get(name, [0, 0.0])
+        rows.append({"kernel": name, "calls": int(f[0] + b[0]), "total_ms": round(total(name) / 1e3, 3),
+                     "forward_ms": round(f[1] / 1e3, 3), "backward_ms": round(b[1] / 1e3, 3)})  # fmt: skip
+    return {
+        "forward_s": round(fwd_s, 4),
+        "backward_s": round(bwd_s, 4),
+        "forward_kernel_ms": round(sum(t for _, t in fwd.values()) / 1e3, 3),
+        "backward_kernel_ms": round(sum(t for _, t in bwd.values()) / 1e3, 3),
+        "top_kernels": rows,
+    }
+
+
+def _print_profile(profile: dict, device: str) -> None:
+    unit = "device" if device.startswith("cuda") else "CPU"
+    print(f"profile of one step: forward {profile['forward_s']:.4f} s "
+          f"({profile['forward_kernel_ms']:.1f} ms of {unit} time), backward "
+          f"{profile['backward_s']:.4f} s ({profile['backward_kernel_ms']:.1f} ms)")  # fmt: skip
+    print(f"{'total ms':>10}{'fwd ms':>10}{'bwd ms':>10}{'calls':>8}  kernel")
+    for r in profile["top_kernels"]:
+        name = r["kernel"] if len(r["kernel"]) <= 100 else r["kernel"][:97] + "..."
+        print(f"{r['total_ms']:>10.3f}{r['forward_ms']:>10.3f}{r['backward_ms']:>10.3f}"
+              f"{r['calls']:>8}  {name}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the JSON document it prints last."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="the training module's backend (reference: stock torch, the bitwise control)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step of the module: top kernels, fwd/bwd split",
+    )
+    parser.add_argument("--profile-top", type=int, default=25, help="kernels listed")
     args = parser.parse_args(argv)
 
     import transformers
@@ -141,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         results[name] = {"step_s": round(median, 4), "tokens_per_s": round(total / median, 1),
                          "steps_s": [round(t, 4) for t in times],
                          "peak_gib": _peak_gib(device)}  # fmt: skip
+    profile = profile_step(policy, sequences, device, args.profile_top) if args.profile else None
 
     doc = {
         "benchmark": "training_throughput",
@@ -163,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
             results["lockstep"]["tokens_per_s"] / results["transformers"]["tokens_per_s"], 3
         ),  # fmt: skip
     }
+    if profile is not None:
+        doc["profile"] = profile
+        _print_profile(profile, device)
     print(f"{'implementation':<15}{'step s':>10}{'tokens/s':>12}{'peak GiB':>10}")
     for name in ("lockstep", "transformers"):
         r = results[name]

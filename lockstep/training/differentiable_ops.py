@@ -12,14 +12,18 @@ differentiated by autograd at the saved inputs.
     linear, partial_linear      closed-form matmuls (functions.linear)
     log_softmax                 closed form in float32
     norms, activations, gates,  a float32 twin (`TwinBackward`): RMSNorm, SiLU, GeGLU, sigmoid
-    softcap, RoPE, L2 norm      and SiLU gates, soft-capping, RoPE, Gated DeltaNet's gates
+    softcap, RoPE, L2 norm      and SiLU gates, soft-capping, RoPE, Gated DeltaNet's gates;
+                                on CUDA RMSNorm and SiLU-mul by fused Triton kernels
+                                (training/row_grads.py)
     gated_delta_rule            the chunked torch form (`stock_gated_delta_rule`) from a zero
                                 state: a training sequence always starts at position 0
     attention, latent_attention `attention_input` / `write_latent` keep the differentiable rows
                                 they wrote to the cache; the attention's backward recomputes
                                 q, k, v from them in torch (norms, RoPE, the cache's rounding
                                 passed straight through) and takes the attention's gradient
-                                blockwise, window included (training/attention_grad.py)
+                                by torch's fused attention backward in the kernel's q dtype
+                                (training/sdpa_grad.py), or blockwise with a sliding window
+                                and for MLA's narrower values (training/attention_grad.py)
     moe                         a twin on the routing the kernel chose (the choice itself is
                                 piecewise constant): softmax or DeepSeek's scores of the chosen
                                 experts, each chosen expert's SwiGLU, in float32
@@ -44,6 +48,7 @@ from lockstep.ops.torch_stock import stock_gated_delta_rule
 from lockstep.training import functions as fn
 from lockstep.training.attention_grad import BLOCK, blocked_attention_grads
 from lockstep.training.functions import PreparedAttention, Tensors, TwinBackward, wide
+from lockstep.training.sdpa_grad import fused_attention_grads
 
 
 @dataclass(frozen=True)
@@ -180,8 +185,10 @@ class DifferentiableOps:
             k = fn.straight_through(_rotate_twin(k, positions, layer), kv_dtype)
             return q, k, fn.straight_through(v, kv_dtype)
 
-        def grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> Tensors:
-            return blocked_attention_grads(q, k, v, g, seq_lens, scale, self.block, window)
+        def grads(qw: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> Tensors:
+            if window is None:  # torch's fused attention backward, in the kernel's q dtype
+                return fused_attention_grads(qw, k, v, g, seq_lens, scale, q.dtype)
+            return blocked_attention_grads(qw, k, v, g, seq_lens, scale, self.block, window)
 
         return PreparedAttention.apply(
             lambda: self.base.attention(q, kv, meta, scale, window), prepare, grads,

@@ -14,9 +14,12 @@ float32 accumulation for a bfloat16 model on CUDA), `log_softmax` its closed for
 the row ops recompute a plain-torch twin of their formula in float32 (float64 stays) from the
 saved inputs and differentiate it (`TwinBackward`): the twin is the same function the
 kernel computes up to rounding, so its gradient at the kernel's inputs is the kernel's
-gradient. Attention (`PreparedAttention`) recomputes its q/k/v preparation the same way and
-takes the attention's own gradient blockwise (lockstep/training/attention_grad.py), never
-holding [n, n] scores. The backward is NOT batch invariant: torch's matmul picks its kernels
+gradient. On CUDA, RMSNorm (with its residual add) and SiLU-mul take their closed forms in
+one fused Triton kernel each instead (lockstep/training/row_grads.py). Attention
+(`PreparedAttention`) recomputes its q/k/v preparation the same way and takes the attention's
+own gradient by torch's fused attention backward (lockstep/training/sdpa_grad.py) or, with a
+sliding window, blockwise (lockstep/training/attention_grad.py), never holding [n, n]
+scores. The backward is NOT batch invariant: torch's matmul picks its kernels
 by shape, so a row's gradient bits may depend on its batch-mates (its value is correct to
 rounding). Gradients of values the forward rounds (float32 K/V written to a bfloat16 cache)
 pass straight through the rounding (`straight_through`).
@@ -154,6 +157,76 @@ class TwinBackward(torch.autograd.Function):
         return (None, None, *(None if leaf is None else next(by_leaf) for leaf in leaves))
 
 
+# Devices whose RMSNorm and SiLU-mul backwards run the fused Triton kernels
+# (lockstep/training/row_grads.py) instead of the float32 torch twins: CUDA, where the twins'
+# float32 copies of every row cost most (tests add "cpu" to run the kernels under Triton's
+# interpreter).
+FUSED_ROW_GRAD_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """`ops.rms_norm` forward; backward by the fused kernel at the saved rows."""
+
+    @staticmethod
+    def forward(ctx: Any, ops: Ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return ops.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        from lockstep.training.row_grads import rms_norm_backward
+
+        x, weight = ctx.saved_tensors
+        dx, dw = rms_norm_backward(x, weight, ctx.eps, grad)
+        return None, dx, dw.to(weight.dtype), None
+
+
+class _FusedAddRmsNorm(torch.autograd.Function):
+    """`ops.add_rms_norm` forward; backward by the fused kernel at the sum the kernel
+    returned and normalized: x and the residual both receive the sum's gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, ops: Ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        eps: float,
+    ) -> Any:  # fmt: skip
+        normed, summed = ops.add_rms_norm(x, residual, weight, eps)
+        ctx.save_for_backward(summed, weight)
+        ctx.eps, ctx.dtypes = eps, (x.dtype, residual.dtype)
+        ctx.set_materialize_grads(False)  # the last layer's sum has no use, hence no gradient
+        return normed, summed
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_normed: torch.Tensor | None, grad_summed: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        from lockstep.training.row_grads import rms_norm_backward
+
+        summed, weight = ctx.saved_tensors
+        if grad_normed is None:
+            grad_normed = torch.zeros_like(summed)
+        d_sum, dw = rms_norm_backward(summed, weight, ctx.eps, grad_normed, grad_summed)
+        x_dtype, residual_dtype = ctx.dtypes
+        return None, d_sum.to(x_dtype), d_sum.to(residual_dtype), dw.to(weight.dtype), None
+
+
+class _FusedSiluMul(torch.autograd.Function):
+    """`ops.silu_mul` forward; backward by the fused kernel at the saved gate|up rows."""
+
+    @staticmethod
+    def forward(ctx: Any, ops: Ops, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return ops.silu_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        from lockstep.training.row_grads import silu_mul_backward
+
+        (gate_up,) = ctx.saved_tensors
+        return None, silu_mul_backward(gate_up, grad)
+
+
 def rms_twin(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = wide(x)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wide(weight)
@@ -161,6 +234,8 @@ def rms_twin(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm(ops: Ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The engine's RMSNorm of x [M, H] with a float32 weight [H]."""
+    if x.device.type in FUSED_ROW_GRAD_DEVICES and x.dim() == 2:
+        return _FusedRmsNorm.apply(ops, x, weight, eps)
 
     def kernel(x: torch.Tensor, w: torch.Tensor) -> Tensors:
         return (ops.rms_norm(x, w, eps),)
@@ -175,6 +250,9 @@ def add_rms_norm(
     ops: Ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's fused residual add and RMSNorm: (rms_norm(x + residual), x + residual)."""
+    if x.device.type in FUSED_ROW_GRAD_DEVICES and x.dim() == 2:
+        normed, summed = _FusedAddRmsNorm.apply(ops, x, residual, weight, eps)
+        return normed, summed
 
     def kernel(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> Tensors:
         return ops.add_rms_norm(x, r, w, eps)
@@ -189,6 +267,8 @@ def add_rms_norm(
 
 def silu_mul(ops: Ops, gate_up: torch.Tensor) -> torch.Tensor:
     """The engine's SwiGLU activation: gate_up [M, 2I] (gate first) -> silu(gate) * up."""
+    if gate_up.device.type in FUSED_ROW_GRAD_DEVICES and gate_up.dim() == 2:
+        return _FusedSiluMul.apply(ops, gate_up)
 
     def kernel(gate_up: torch.Tensor) -> Tensors:
         return (ops.silu_mul(gate_up),)

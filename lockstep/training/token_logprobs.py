@@ -1,12 +1,24 @@
-"""Each row's log-probability of its target token, from the final-normed rows, chunk by chunk
-of rows: the [T, vocab] float32 logits and log-probabilities never exist at once.
+"""Each row's log-probability of its target token, from the final-normed rows: the [T, vocab]
+float32 logits and log-probabilities never exist at once, in the forward or the backward.
 
-Forward: per chunk of rows, the decoder's own LM head (`Decoder.head_logits`: the head linear,
-soft-capping) and the backend's log-softmax, then the target's entry. Every op is row-local
-on a deterministic backend, so a row's value has the bits of the whole-batch computation
-(`LLM.score`'s). Backward: per chunk, the same ops recomputed under autograd (the
-differentiable ops' own backwards, lockstep/training/differentiable_ops.py) and
-differentiated at the target entries; only the rows and the head are kept between the two.
+Forward, a chunk of rows at a time: the decoder's own LM head (`Decoder.head_logits`: the
+head linear, soft-capping) and the backend's log-softmax, then the target's entry. Every op is
+row-local on a deterministic backend, so a row's value has the bits of the whole-batch
+computation (`LLM.score`'s). Each row's log-sum-exp is kept (float32 [T]: the target's logit
+minus its log-probability), with the rows and the head.
+
+Backward (`head_logprob_grads`), a chunk of vocabulary columns at a time, in closed form by
+plain torch matmuls (it need not have the engine's bits, only the right values): the chunk's
+logits recomputed for every row as the forward computed them (x @ W_c^T rounded to x's dtype,
+soft-capped), then with g the incoming gradient of row r,
+
+    dc[r, v] = g_r * (1[v == target_r] - exp(c[r, v] - lse_r))      (log-softmax at the target)
+    dz = dc * (1 - (c / cap)^2)                                      (soft-capping, if any)
+    dW_c = dz^T @ x      written once per column chunk: every row's sum in one matmul
+    dx  += dz @ W_c
+
+so the head's gradient is written once, not accumulated chunk after chunk of rows. Rows
+whose incoming gradient is 0 (prompt tokens of an RL batch) are left out of the backward.
 """
 
 from __future__ import annotations
@@ -16,9 +28,13 @@ from typing import Any
 import torch
 
 from lockstep.models.decoder import Decoder
+from lockstep.training import functions
 
 # Logit elements per chunk (2**26 float32: 256 MiB, about 440 rows of a 152k vocabulary).
 CHUNK_ELEMENTS = 2**26
+# The fewest vocabulary columns a backward chunk takes, however many rows there are (a
+# narrower matmul only adds launches).
+MIN_COLUMNS = 256
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -31,38 +47,102 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         head: torch.Tensor,
         targets: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.decoder, ctx.rows = decoder, rows
-        ctx.save_for_backward(x, head, targets)
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        lse = torch.empty_like(out)
         for lo in range(0, x.shape[0], rows):
-            out[lo : lo + rows] = _picked(decoder, x[lo : lo + rows], head, targets[lo : lo + rows])
+            hi = min(lo + rows, x.shape[0])
+            logits = decoder.head_logits(x[lo:hi], head)
+            picked = decoder.ops.log_softmax(logits).gather(1, targets[lo:hi, None])[:, 0]
+            out[lo:hi] = picked
+            lse[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - picked
+        ctx.save_for_backward(x, head, targets, lse)
+        ctx.softcap = decoder.spec.final_logit_softcap
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, head, targets = ctx.saved_tensors
-        decoder, rows = ctx.decoder, ctx.rows
+        x, head, targets, lse = ctx.saved_tensors
+        # Rows without a gradient (each sequence's last row, whose target is the next
+        # sequence's first token; an RL batch's prompt tokens) add nothing: the backward
+        # takes the others only (one host synchronization for their count).
+        live = grad.nonzero()[:, 0]
+        if live.numel() == x.shape[0]:
+            grad_x, grad_head = head_logprob_grads(x, head, targets, lse, grad, ctx.softcap)
+            return None, None, grad_x, grad_head, None
+        some_x, grad_head = head_logprob_grads(x[live], head, targets[live], lse[live],
+                                               grad[live], ctx.softcap)  # fmt: skip
         grad_x = torch.zeros_like(x)
-        grad_head = torch.zeros_like(head)
-        for lo in range(0, x.shape[0], rows):
-            g = grad[lo : lo + rows]
-            if not g.any():
-                continue
-            x_leaf = x[lo : lo + rows].detach().requires_grad_()
-            head_leaf = head.detach().requires_grad_()
-            with torch.enable_grad():
-                picked = _picked(decoder, x_leaf, head_leaf, targets[lo : lo + rows])
-            gx, gh = torch.autograd.grad(picked, [x_leaf, head_leaf], g)
-            grad_x[lo : lo + rows] = gx
-            grad_head += gh
+        grad_x[live] = some_x
         return None, None, grad_x, grad_head, None
 
 
-def _picked(
-    decoder: Decoder, x: torch.Tensor, head: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    logprobs = decoder.ops.log_softmax(decoder.head_logits(x, head))
-    return logprobs.gather(1, targets[:, None])[:, 0]
+def head_logprob_grads(
+    x: torch.Tensor,
+    head: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    softcap: float | None = None,
+    columns: int | None = None,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, H] in x's dtype, dW [V, H] in the head's) of sum_r grad_r * logprob_r, where
+    logprob_r = log_softmax(c_r)[targets_r], c = cap * tanh(z / cap) (z itself without
+    `softcap`), z = x @ head^T rounded to x's dtype, and `lse` [T] each row's log-sum-exp of c
+    (from the forward). The matmuls run in the wider of x's and the head's dtypes (bfloat16
+    with float32 accumulation for a bfloat16 model on CUDA), the rest in float32 (float64
+    stays); `columns` vocabulary columns at a time (default: `CHUNK_ELEMENTS` logits).
+    `fused`: dlogits by one Triton kernel per chunk (lockstep/training/row_grads.py) instead
+    of torch's element-wise kernels (default: on the devices of
+    `functions.FUSED_ROW_GRAD_DEVICES`, CUDA)."""
+    t, v = x.shape[0], head.shape[0]
+    if columns is None:
+        columns = max(MIN_COLUMNS, CHUNK_ELEMENTS // max(t, 1))
+    if columns < 1:
+        raise ValueError(f"columns={columns} is invalid: expected >= 1")
+    mm = torch.promote_types(x.dtype, head.dtype)
+    wide = torch.float64 if mm == torch.float64 else torch.float32
+    xm, g, lse = x.to(mm), grad.to(wide), lse.to(wide)
+    grad_x = torch.zeros(x.shape, dtype=wide, device=x.device)
+    grad_head = torch.empty_like(head)
+    if fused is None:
+        fused = x.device.type in functions.FUSED_ROW_GRAD_DEVICES
+    for lo in range(0, v, columns):
+        hi = min(lo + columns, v)
+        w = head[lo:hi].to(mm)
+        # The forward's logits: the head linear's output in the activations' dtype.
+        z = (xm @ w.T).to(x.dtype)
+        if fused:
+            from lockstep.training.row_grads import head_dlogits
+
+            dz = head_dlogits(z, lse, g, targets, lo, softcap, mm)
+        else:
+            dz = _dlogits(z.to(wide), lse, g, targets, lo, softcap).to(mm)
+        grad_head[lo:hi] = (dz.T @ xm).to(head.dtype)
+        grad_x += dz @ w
+    return grad_x.to(x.dtype), grad_head
+
+
+def _dlogits(
+    c: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, lo: int,
+    softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """`row_grads.head_dlogits` in torch, in c's dtype (c: the chunk's logits before
+    soft-capping, a fresh tensor: the in-place steps touch nothing else)."""
+    hi = lo + c.shape[1]
+    slope = None
+    if softcap is not None:
+        c = torch.tanh(c / softcap) * softcap
+        slope = 1 - (c / softcap) ** 2
+    dc = c.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+    # + g_r at each row's target column, where it falls in this chunk (a masked scatter: no
+    # host synchronization).
+    inside = (targets >= lo) & (targets < hi)
+    column = (targets - lo).clamp(0, hi - lo - 1)[:, None]
+    dc.scatter_add_(1, column, torch.where(inside, g, 0.0)[:, None])
+    if slope is not None:
+        dc.mul_(slope)
+    return dc
 
 
 def token_logprobs(
@@ -71,7 +151,7 @@ def token_logprobs(
     """float32 [R]: row r's log-probability of token `targets[r]` from the final-normed rows
     x [R, hidden] (`Decoder.hidden_states`), by the decoder's head and log-softmax, `rows`
     rows at a time (default: `CHUNK_ELEMENTS` logits per chunk); the gradient reaches x and
-    the decoder's LM head weight."""
+    the decoder's LM head weight (module docstring)."""
     if rows is None:
         rows = max(1, CHUNK_ELEMENTS // decoder.spec.vocab_size)
     if rows < 1:

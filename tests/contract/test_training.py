@@ -172,7 +172,11 @@ def test_the_head_in_chunks_of_rows_gives_the_whole_heads_bits_and_gradients(
     """The default forward runs the LM head and log-softmax a chunk of rows at a time
     (lockstep/training/token_logprobs.py); with chunks of 5 rows (several per sequence) its
     logprobs are those of the whole [T, vocab] logits (`return_logits=True`) bit for bit, and
-    its gradients theirs within 1e-6."""
+    its gradients theirs within 1e-5: its backward is a closed form of its own (vocabulary
+    chunks, torch matmuls), so the two agree to float32 rounding, which on an ill-conditioned
+    tensor (a k_proj bias, whose gradient softmax's shift invariance makes small) reaches
+    1e-6 for either path against float64 autograd (the exact formula is
+    tests/unit/training/test_head_backward.py's)."""
     sequences = _sequences(seed=19, lengths=[3, 12, 7])
     gen = torch.Generator().manual_seed(2)
     weights = [torch.randn(len(s) - 1, generator=gen) for s in sequences]
@@ -186,7 +190,7 @@ def test_the_head_in_chunks_of_rows_gives_the_whole_heads_bits_and_gradients(
     assert chunked.logits is None
     assert torch.equal(chunked.logprobs, whole.logprobs)
     _weighted_loss(chunked.per_sequence(), weights).backward()
-    assert _worst_relative_error(model, reference) < 1e-6
+    assert _worst_relative_error(model, reference) < 1e-5
     # The control: a sequence with one token changed gives other logprobs and gradients.
     model.zero_grad()
     changed = [list(s) for s in sequences]
@@ -194,7 +198,7 @@ def test_the_head_in_chunks_of_rows_gives_the_whole_heads_bits_and_gradients(
     out = model(changed)
     assert not torch.equal(out.logprobs, whole.logprobs)
     _weighted_loss(out.per_sequence(), weights).backward()
-    assert _worst_relative_error(model, reference) > 1e-6
+    assert _worst_relative_error(model, reference) > 1e-5
 
 
 def test_the_backward_keeps_no_tensor_of_every_rows_logits(folders: dict[str, Path]) -> None:

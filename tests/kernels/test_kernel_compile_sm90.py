@@ -5,7 +5,8 @@ refuses (a type the interpreter never checks) fails here, in CI, rather than on 
 Covers the specializations an engine launch asks for that the GPU tests could miss: the
 attention input and attention kernels with an FP8 (e4m3) KV cache and with a bf16 one (decode
 and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule (the per-row kernel and
-the chunked one's three) at Qwen3.5's head sizes. And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
+the chunked one's three) at Qwen3.5's head sizes, and the training module's fused row-op
+backwards (RMSNorm, SiLU-mul, the LM head's dlogits). And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
 as over a bf16 cache (`attention.widen_kv` says why), which the interpreter cannot show.
 The compiles run in one child process: the test session runs Triton's interpreter
 (TRITON_INTERPRET=1, conftest.py), under which kernels cannot be compiled."""
@@ -173,8 +174,44 @@ def _fp8_grouped_moe(row_block: int = 128) -> tuple[str, dict, dict]:
     }  # fmt: skip
 
 
+def _training_rms_norm_backward() -> tuple[str, dict, dict]:
+    """The training module's fused RMSNorm backward (lockstep/training/row_grads.py) on bf16
+    rows of Qwen3-8B's hidden size, with the residual stream's gradient."""
+    from lockstep.training.row_grads import ROWS
+
+    types = dict.fromkeys(("x", "dy", "ds", "dx"), "*bf16") | {"w": "*fp32", "dw_part": "*fp32"}
+    types |= dict.fromkeys(("n_rows", "hidden", "sx", "sdy", "sds", "sdx"), "i32")
+    types["eps"] = "fp32"
+    return "row_grads._rms_norm_backward_kernel", types, {"HAS_DS": True, "ROWS": ROWS,
+                                                           "BLOCK": 4096}  # fmt: skip
+
+
+def _training_silu_mul_backward() -> tuple[str, dict, dict]:
+    """The training module's fused SiLU-mul backward on bf16 rows."""
+    from lockstep.training.row_grads import SILU_BLOCK
+
+    types = dict.fromkeys(("gu", "dy", "dgu"), "*bf16")
+    types |= dict.fromkeys(("inter", "sgu", "sdy", "sdgu"), "i32")
+    return "row_grads._silu_mul_backward_kernel", types, {"BLOCK": SILU_BLOCK}
+
+
+def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
+    """The training module's fused dlogits of the LM head (bf16 logits and gradient), with
+    and without soft-capping."""
+    from lockstep.training.row_grads import SILU_BLOCK
+
+    types = {"z": "*bf16", "lse": "*fp32", "g": "*fp32", "targets": "*i64", "dz": "*bf16",
+             "cap": "fp32"}  # fmt: skip
+    types |= dict.fromkeys(("cols", "lo", "sz", "sdz"), "i32")
+    return "row_grads._head_dlogits_kernel", types, {"HAS_CAP": cap, "BLOCK": SILU_BLOCK}
+
+
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
+    "training rms_norm backward": _training_rms_norm_backward(),
+    "training silu_mul backward": _training_silu_mul_backward(),
+    "training head dlogits": _training_head_dlogits(False),
+    "training head dlogits softcap": _training_head_dlogits(True),
     **{
         f"attention {c} d={d} partials={p}": _attention(c, d, p)
         for c in CACHES
@@ -255,9 +292,12 @@ def _compile_all(names: list[str]) -> dict[str, str]:
             dst = b
         tl.store(dst, 0.0)
 
+    from lockstep.training import row_grads
+
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
-               "latent_attention": latent_attention, "matmul": matmul, "moe": moe}  # fmt: skip
+               "latent_attention": latent_attention, "matmul": matmul, "moe": moe,
+               "row_grads": row_grads}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
