@@ -1,0 +1,133 @@
+"""Hybrid (Gated DeltaNet) models under tensor and expert parallelism on the CPU (gloo, one
+process per rank): the same bits at every degree (lockstep/parallel/sharding.py,
+lockstep/parallel/linear_states.py).
+
+On tiny Qwen3.5 and Qwen3.5-MoE folders written by transformers (3 Gated DeltaNet layers,
+then gated full attention; Qwen3.5 with 4 key heads serving 8 value heads, the MoE one with 2
+serving 4, 8 experts, top 2, and a gated shared expert):
+
+* TP 2 and TP 4 (Qwen3.5), TP 2 and EP 2 (Qwen3.5-MoE) give TP 1's bits under the chunked
+  reduction: logits, every KV head, the final linear state of every head and every
+  chunk-boundary snapshot (sequences past two chunks). Each rank holds 1/tp of the linear
+  heads' state.
+* The property suite at TP 2 (EP 2) through the engine's requests, whose states live in the
+  pools of every rank: batch-mates and chunked prefill (24-token steps), prefix hits resumed
+  from the snapshots of every rank, each request equal to TP 1 alone on a cold cache; decode
+  equal to rescoring.
+* Negative controls: reference mode at TP 2, TP 1's default reduction and TP 2 under "ranks"
+  each give other bits.
+* A degree that does not divide the linear-attention key heads, and speculative decoding at
+  tp > 1 (its rollback is rank 0's), are refused in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lockstep import LLM
+from lockstep.errors import ConfigError
+from tests.support.invariance_harness import mismatches, reference
+from tests.support.parallel_cases import (
+    check_request_cases,
+    differing,
+    engines_at,
+    llm_at,
+    random_sequences,
+)
+from tests.support.tiny_hf import save_tiny
+
+# Each family's folder options and degrees (tests/support/parallel_cases.py's DEGREES): the
+# Qwen3.5 folder has 4 key heads serving 8 value heads, so that TP 4 splits them too.
+FAMILIES = {
+    "qwen3_5": ({"linear_num_key_heads": 4, "linear_num_value_heads": 8}, (1, 2, 4)),
+    "qwen3_5_moe": ({}, (1, 2, "ep2")),
+}
+STEP_TOKENS = 24  # max_batch_tokens of every engine here: prompts prefill in chunks
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    found = {}
+    for family, (options, _) in FAMILIES.items():
+        found[family] = tmp_path_factory.mktemp(family)
+        save_tiny(family, found[family], **options)
+    return found
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hybrid(request, folders: dict[str, Path]):
+    """A family's engines at TP 1 (chunked) and its other degrees, and those degrees."""
+    family = request.param
+    degrees = FAMILIES[family][1]
+    with engines_at(folders[family], degrees, max_batch_tokens=STEP_TOKENS) as found:
+        yield degrees[1:], found
+
+
+def test_tp_2_4_and_ep_2_give_the_logits_kv_and_states_of_tp_1(hybrid) -> None:
+    degrees, engines = hybrid
+    sequences = random_sequences(4, 80, seed=1)
+    assert max(map(len, sequences)) > 64  # two chunk boundaries: snapshots at 32 and 64
+    full = engines[1].decoder.linear_layout
+    for degree in degrees:
+        tp = engines[degree].config.tp
+        layout = engines[degree].decoder.linear_layout  # each rank's share of the heads
+        assert layout.num_key_heads * tp == full.num_key_heads, degree
+        assert layout.num_value_heads * tp == full.num_value_heads, degree
+        assert differing(engines[1], engines[degree], sequences) == [], degree
+    got = reference(engines[degrees[-1]], max(sequences, key=len))
+    assert got.state and sorted(got.snapshots) == [32, 64], "no linear state compared"
+
+
+def test_position_invariance_through_requests_at_tp_2_and_ep_2(hybrid) -> None:
+    degrees, engines = hybrid
+    for degree in (d for d in degrees if d != 4):
+        for seed in (1, 2):
+            check_request_cases(engines[degree], engines[1], seed)
+
+
+def test_controls_other_modes_and_reductions_change_bits(folders: dict[str, Path]) -> None:
+    """The chunked reduction and the deterministic ops are what make the degrees agree:
+    reference mode at TP 2, TP 1's default reduction and TP 2 under "ranks" each differ
+    from TP 1 under the chunked one on the Qwen3.5-MoE folder; and the requests' check
+    (`check_request_cases`) fails TP 1's default reduction against the chunked one."""
+    folder = folders["qwen3_5_moe"]
+    sequences = random_sequences(3, 48, seed=2)
+    options = {
+        "tp=2 reference": (2, {"mode": "reference"}),
+        "tp=1 default": (1, {}),
+        "tp=2 ranks": (2, {"tp_reduction": "ranks"}),
+    }
+    chunked = llm_at(folder, 1, tp_reduction="chunked")
+    try:
+        expected = [reference(chunked.engine, tokens) for tokens in sequences]
+        for name, (tp, extra) in options.items():
+            llm = llm_at(folder, tp, **extra)
+            try:
+                got = [reference(llm.engine, tokens) for tokens in sequences]
+                if name == "tp=1 default":
+                    with pytest.raises(AssertionError, match="differ from TP 1 alone"):
+                        check_request_cases(llm.engine, chunked.engine, 1)
+            finally:
+                llm.close()
+            assert any(mismatches(a, b) for a, b in zip(expected, got, strict=True)), name
+    finally:
+        chunked.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"tp": 4}, "tp=4 is invalid for random:tiny-qwen3.5 (4 heads, 2 KV heads): it does "
+                    "not divide the 2 linear-attention key heads; degrees that work: 1, 2"),
+        ({"tp": 2, "speculative": "ngram"}, "speculative='ngram' is invalid for "
+                                            "random:tiny-qwen3.5 at tp=2: a hybrid model's "),
+    ],
+)  # fmt: skip
+def test_bad_hybrid_parallel_settings_are_refused_in_one_line(options, needle) -> None:
+    with pytest.raises(ConfigError) as info:
+        LLM("random:tiny-qwen3.5", device="cpu", kv_tokens=256, **options)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(needle), message
