@@ -3,10 +3,10 @@ process per rank): the same bits at every degree (lockstep/parallel/sharding.py,
 lockstep/parallel/linear_states.py).
 
 On tiny Qwen3.5 and Qwen3.5-MoE folders written by transformers (3 Gated DeltaNet layers,
-then gated full attention; Qwen3.5 with 4 key heads serving 8 value heads, the MoE one with 2
-serving 4, 8 experts, top 2, and a gated shared expert):
+then gated full attention; Qwen3.5 with 2 key heads serving 4 value heads, the MoE one with 4
+serving 8, 8 experts, top 2, and a gated shared expert):
 
-* TP 2 and TP 4 (Qwen3.5), TP 2 and EP 2 (Qwen3.5-MoE) give TP 1's bits under the chunked
+* TP 2 (Qwen3.5), TP 2, EP 2 and TP 4 (Qwen3.5-MoE) give TP 1's bits under the chunked
   reduction: logits, every KV head, the final linear state of every head and every
   chunk-boundary snapshot (sequences past two chunks). Each rank holds 1/tp of the linear
   heads' state.
@@ -18,6 +18,11 @@ serving 4, 8 experts, top 2, and a gated shared expert):
   each give other bits.
 * A degree that does not divide the linear-attention key heads, and speculative decoding at
   tp > 1 (its rollback is rank 0's), are refused in one line.
+* `lockstep check --serve` against `lockstep serve --tp 2 --ep 2` on a Qwen3.5-MoE folder
+  passes every scenario but restart, exactly.
+
+A rank killed mid-run: tests/server/test_tensor_parallel_server.py (random:tiny-qwen3.5-moe
+among its models).
 """
 
 from __future__ import annotations
@@ -36,13 +41,13 @@ from tests.support.parallel_cases import (
     llm_at,
     random_sequences,
 )
-from tests.support.tiny_hf import save_tiny
+from tests.support.tiny_hf import check_serve_passes_every_scenario, save_tiny
 
 # Each family's folder options and degrees (tests/support/parallel_cases.py's DEGREES): the
-# Qwen3.5 folder has 4 key heads serving 8 value heads, so that TP 4 splits them too.
+# Qwen3.5-MoE folder has 4 key heads serving 8 value heads, so that TP 4 splits them too.
 FAMILIES = {
-    "qwen3_5": ({"linear_num_key_heads": 4, "linear_num_value_heads": 8}, (1, 2, 4)),
-    "qwen3_5_moe": ({}, (1, 2, "ep2")),
+    "qwen3_5": ({}, (1, 2)),
+    "qwen3_5_moe": ({"linear_num_key_heads": 4, "linear_num_value_heads": 8}, (1, 2, "ep2", 4)),
 }
 STEP_TOKENS = 24  # max_batch_tokens of every engine here: prompts prefill in chunks
 
@@ -131,3 +136,13 @@ def test_bad_hybrid_parallel_settings_are_refused_in_one_line(options, needle) -
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(needle), message
+
+
+@pytest.mark.slow
+def test_check_serve_passes_at_tp_2_ep_2(tmp_path: Path) -> None:
+    """The one `check --serve` run of the parallel suites: a hybrid MoE folder at TP 2 / EP 2
+    exercises the routed experts of tests/contract/test_moe_parallel.py's folders, the
+    tensor-parallel attention and the linear states at once."""
+    check_serve_passes_every_scenario(
+        "qwen3_5_moe", tmp_path, serve_args=("--tp", "2", "--ep", "2")
+    )
