@@ -165,3 +165,25 @@ def test_real_shaped_presets_and_their_memory_arithmetic() -> None:
             "free; --tp 4 fits") in message  # fmt: skip
     refuse_oversized_weights("random:qwen3-next-80b-a3b", big, 2, 1, int(149 * GIB))
     refuse_oversized_weights("random:qwen3-next-80b-a3b", big, 2, 2, int(75 * GIB))
+
+
+def test_the_largest_hybrid_moe_preset_needs_eight_h200s() -> None:
+    """random:qwen3.5-397b-a17b (396.35 B parameters) is refused on one H200 with the
+    arithmetic and --tp 8; on H100s (78 GiB) even tp=8 is refused, naming its need;
+    at tp=8 / ep=8 on H200s it fits (the control)."""
+    spec = PRESETS["qwen3.5-397b-a17b"].spec
+    assert round(spec.num_parameters / 1e9, 2) == 396.35
+    name = "random:qwen3.5-397b-a17b"
+    h200, h100 = int(139 * GIB), int(78 * GIB)
+    with pytest.raises(ConfigError) as err:
+        refuse_oversized_weights(name, spec, 2, 1, h200)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "738.3 GiB per GPU (396.35 B parameters x 2 bytes / tp=1)" in message
+    assert message.endswith("139.0 GiB free; --tp 8 fits (degrees that work: 1, 2, 4, 8)")
+    with pytest.raises(ConfigError) as err:
+        refuse_oversized_weights(name, spec, 2, 8, h100, ep=8)
+    assert str(err.value).endswith(
+        "78.0 GiB free; even tp=8 needs 92.5 GiB per GPU (degrees that work: 1, 2, 4, 8)"
+    )
+    refuse_oversized_weights(name, spec, 2, 8, h200, ep=8)
