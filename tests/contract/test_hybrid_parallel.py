@@ -27,12 +27,17 @@ among its models).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
 from lockstep import LLM
 from lockstep.errors import ConfigError
+from lockstep.models.linear_attention import LinearLayout, LinearState, LinearStatePool
+from lockstep.models.presets import PRESETS
+from lockstep.parallel.linear_states import StateWire, wire_states
 from tests.support.invariance_harness import mismatches, reference
 from tests.support.parallel_cases import (
     check_request_cases,
@@ -86,10 +91,34 @@ def test_tp_2_4_and_ep_2_give_the_logits_kv_and_states_of_tp_1(hybrid) -> None:
 
 
 def test_position_invariance_through_requests_at_tp_2_and_ep_2(hybrid) -> None:
+    """The requests' property case; then its control: rank 0 resumes its states without the
+    workers filling their slots alike, and the case fails (so it does exercise every rank's
+    states and resumes)."""
     degrees, engines = hybrid
     for degree in (d for d in degrees if d != 4):
         for seed in (1, 2):
             check_request_cases(engines[degree], engines[1], seed)
+    engine = engines[2]
+    scheduler, mirrored = engine.scheduler, engine.scheduler.new_linear_state
+    scheduler.new_linear_state = partial(LinearState.resume, engine.decoder.linear_layout,
+                                         pool=engine.state_pool, keep_all=False)  # fmt: skip
+    try:
+        with pytest.raises(AssertionError, match="differ from TP 1 alone"):
+            check_request_cases(engine, engines[1], 3)
+    finally:
+        scheduler.new_linear_state = mirrored
+        engine.flush_cache()  # its snapshots were captured from the workers' stale slots
+
+
+def test_states_outside_the_pools_are_refused_at_tp_2() -> None:
+    """A tensor-parallel step of states outside the engine's pools (tensors on rank 0 only,
+    as the decoder-level harness makes) is refused before any rank computes, rather than
+    computed from whatever the workers' slots hold; a pooled state crosses as its slot."""
+    layout = LinearLayout.of(PRESETS["tiny-qwen3.5"].spec, torch.device("cpu"), tp=2)
+    with pytest.raises(ValueError, match="needs the engine's pooled linear states"):
+        wire_states([LinearState.resume(layout, None)])
+    pooled = LinearState.resume(layout, None, LinearStatePool(layout, 2), keep_all=False)
+    assert wire_states([pooled]) == [StateWire(pooled.slot, 0, {}, {})]
 
 
 def test_controls_other_modes_and_reductions_change_bits(folders: dict[str, Path]) -> None:
