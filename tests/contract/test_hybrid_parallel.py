@@ -6,8 +6,8 @@ On tiny Qwen3.5 and Qwen3.5-MoE folders written by transformers (3 Gated DeltaNe
 then gated full attention; Qwen3.5 with 2 key heads serving 4 value heads, the MoE one with 4
 serving 8, 8 experts, top 2, and a gated shared expert):
 
-* TP 2 (Qwen3.5), TP 2, EP 2 and TP 4 (Qwen3.5-MoE) give TP 1's bits under the chunked
-  reduction: logits, every KV head, the final linear state of every head and every
+* TP 2 (Qwen3.5, Qwen3-Next's grouped projections), TP 2, EP 2 and TP 4 (Qwen3.5-MoE) give
+  TP 1's bits under the chunked reduction: logits, every KV head, the final linear state of every head and every
   chunk-boundary snapshot (sequences past two chunks). Each rank holds 1/tp of the linear
   heads' state.
 * The property suite at TP 2 (EP 2) through the engine's requests, whose states live in the
@@ -119,6 +119,19 @@ def test_states_outside_the_pools_are_refused_at_tp_2() -> None:
         wire_states([LinearState.resume(layout, None)])
     pooled = LinearState.resume(layout, None, LinearStatePool(layout, 2), keep_all=False)
     assert wire_states([pooled]) == [StateWire(pooled.slot, 0, {}, {})]
+
+
+def test_qwen3_next_grouped_projections_at_tp_2_give_the_bits_of_tp_1(tmp_path: Path) -> None:
+    """Qwen3-Next stores its Gated DeltaNet inputs grouped by key head: reordered, then
+    sharded as Qwen3.5's; TP 2 gives TP 1's bits, states and snapshots included."""
+    save_tiny("qwen3_next", tmp_path)
+    single, two = llm_at(tmp_path, 1, tp_reduction="chunked"), llm_at(tmp_path, 2)
+    try:
+        assert two.engine.decoder.spec.linear.grouped_projections
+        assert differing(single.engine, two.engine, random_sequences(2, 70, seed=4)) == []
+    finally:
+        single.close()
+        two.close()
 
 
 def test_controls_other_modes_and_reductions_change_bits(folders: dict[str, Path]) -> None:
