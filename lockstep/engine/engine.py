@@ -147,6 +147,13 @@ class Engine:
                 "cannot capture; expected --no-cuda-graphs, or tp_reduction 'ranks' (the TP 1 "
                 "default)"
             )
+        if spec.hybrid and config.tp > 1 and config.speculative is not None:
+            # A verify step's rollback (LinearState.end_verify) rewrites rank 0's states only.
+            raise ConfigError(
+                f"speculative={config.speculative!r} is invalid for {loaded.name} at "
+                f"tp={config.tp}: a hybrid model's verify steps roll back on one rank only; "
+                "expected tp=1, or speculative off"
+            )
         problem = expert_problem(spec, config.ep)
         if problem is not None:
             works = [ep for ep in supported_degrees(spec) if expert_problem(spec, ep) is None]
@@ -238,6 +245,9 @@ class Engine:
         )  # fmt: skip
         if self.workers is not None:
             self.workers.send("kv_slots", kv_tokens)
+        if isinstance(self.decoder, ShardedDecoder) and layout is not None:
+            assert self.state_pool is not None and self.snapshot_pool is not None
+            self.decoder.set_linear_pools(self.state_pool, self.snapshot_pool)
         self.radix = RadixCache(
             self.pool,
             enabled=config.enable_prefix_cache,
@@ -247,6 +257,8 @@ class Engine:
         resume, policy = None, None
         if layout is not None:
             resume = partial(LinearState.resume, layout, pool=self.state_pool, keep_all=False)
+            if isinstance(self.decoder, ShardedDecoder):  # every rank fills the same slot
+                resume = self.decoder.resume_linear_state
             policy = SnapshotPolicy(layout.chunk, config.linear_snapshot_interval)
         self.scheduler = Scheduler(
             self.pool,

@@ -137,8 +137,11 @@ class Decoder:
         local = None  # the sliding layers' tables, where they have their own RoPE base
         if spec.sliding is not None and spec.sliding.rope_theta is not None:
             local = tuple(t.to(device) for t in rope_tables(spec, max_position, sliding=True))
-        # The state layout of the linear-attention layers (the engine's state pools use it).
-        self.linear_layout = LinearLayout.of(spec, device) if spec.hybrid else None
+        # The state layout of the linear-attention layers (the engine's state pools use it):
+        # this rank's heads.
+        self.linear_layout = None
+        if spec.hybrid:
+            self.linear_layout = LinearLayout.of(spec, device, tp=self.plan.tp)
         # The step hooks of mixers that keep state beyond the KV pool, one per mixer type.
         self.step_hooks: dict[type, StepHook] = {}
         for plan in spec.layer_plans:

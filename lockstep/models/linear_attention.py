@@ -52,6 +52,7 @@ from lockstep.ops.base import (
 if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
     from lockstep.ops.base import Ops
+    from lockstep.parallel.layers import RowParallelWeight, TensorParallel
 
 CHUNK = LINEAR_ATTENTION_CHUNK  # rows per chunk: part of the numerics (lockstep/numerics.py)
 
@@ -77,12 +78,18 @@ class LinearLayout:
         return self.kernel == "chunked"
 
     @classmethod
-    def of(cls, spec: ModelSpec, device: torch.device, chunk: int = CHUNK) -> LinearLayout:
+    def of(
+        cls, spec: ModelSpec, device: torch.device, chunk: int = CHUNK, tp: int = 1
+    ) -> LinearLayout:
+        """The layout of `spec`'s states, or at tensor parallelism `tp` one rank's: its
+        1/tp of the key and value heads and of the convolution channels (q | k | v of those
+        heads; lockstep/parallel/sharding.py)."""
         lin = spec.linear
         assert lin is not None, "not a hybrid model"
         num = sum(spec.is_linear(i) for i in range(spec.num_layers))
-        return cls(num, lin.conv_dim, lin.conv_kernel, lin.num_key_heads, lin.num_value_heads,
-                   lin.key_head_dim, lin.value_head_dim, chunk, device)  # fmt: skip
+        return cls(num, lin.conv_dim // tp, lin.conv_kernel, lin.num_key_heads // tp,
+                   lin.num_value_heads // tp, lin.key_head_dim, lin.value_head_dim, chunk,
+                   device)  # fmt: skip
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=self.device)
@@ -140,6 +147,7 @@ class LinearStatePool:
                         lay.value_head_dim)  # fmt: skip
         self.open_beta = z(rows, lay.num_layers, lay.chunk if lay.chunked else 0,
                            lay.num_value_heads)  # fmt: skip
+        self.num_slots = num_slots
         self.scratch_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -163,6 +171,19 @@ class LinearStatePool:
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
+
+    def fill(self, slot: int, snapshot: LinearSnapshot | None) -> None:
+        """Slot `slot` as the state after the snapshot's tokens (a copy), or after none."""
+        if snapshot is None:
+            self.conv[slot].zero_()
+            self.recurrent[slot].zero_()
+        else:
+            self.conv[slot].copy_(snapshot.conv)
+            self.recurrent[slot].copy_(snapshot.recurrent)
+        # As a state of its own starts: rows past the open ones enter the kernels' sums
+        # multiplied by zero, so the slot's last owner must leave nothing in them.
+        for t in (self.open_k, self.open_gamma, self.open_u, self.open_beta):
+            t[slot].zero_()
 
 
 @dataclass
@@ -226,22 +247,8 @@ class LinearState:
         z, lay = layout._zeros, layout
         if pool is not None:
             slot = pool.acquire()
-            parts = (pool.conv, pool.recurrent, pool.open_k, pool.open_gamma, pool.open_u,
-                     pool.open_beta)  # fmt: skip
-            conv, recurrent, open_k, open_gamma, open_u, open_beta = (t[slot] for t in parts)
-            if snapshot is None:
-                conv.zero_()
-                recurrent.zero_()
-            else:
-                conv.copy_(snapshot.conv)
-                recurrent.copy_(snapshot.recurrent)
-            position = 0 if snapshot is None else snapshot.position
-            # As a state of its own starts: rows past the open ones enter the kernels' sums
-            # multiplied by zero, so the slot's last owner must leave nothing in them.
-            for t in (open_k, open_gamma, open_u, open_beta):
-                t.zero_()
-            return cls(layout, position, conv, recurrent, open_k, open_gamma, open_u, open_beta,
-                       pool=pool, slot=slot)  # fmt: skip
+            pool.fill(slot, snapshot)
+            return cls.in_slot(pool, slot, 0 if snapshot is None else snapshot.position)
         if snapshot is None:
             conv = z(lay.num_layers, lay.conv_kernel - 1, lay.conv_dim)
             recurrent = z(lay.num_layers, lay.num_value_heads, lay.key_head_dim,
@@ -257,6 +264,13 @@ class LinearState:
             z(lay.num_layers, lay.chunk, lay.num_value_heads, lay.value_head_dim),
             z(lay.num_layers, lay.chunk if lay.chunked else 0, lay.num_value_heads),
         )  # fmt: skip
+
+    @classmethod
+    def in_slot(cls, pool: LinearStatePool, slot: int, position: int) -> LinearState:
+        """The state at `position` whose tensors are slot `slot` of `pool` (as they are)."""
+        parts = (pool.conv, pool.recurrent, pool.open_k, pool.open_gamma, pool.open_u,
+                 pool.open_beta)  # fmt: skip
+        return cls(pool.layout, position, *(t[slot] for t in parts), pool=pool, slot=slot)
 
     def release(self) -> None:
         """Give a pooled state's slot back (once; a no-op for a state of its own), and every
@@ -350,7 +364,7 @@ class LinearWeights:
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     norm: torch.Tensor
-    out_proj: torch.Tensor
+    out_proj: torch.Tensor | RowParallelWeight  # row-parallel in the engine's decoder
 
 
 def gated_deltanet(
@@ -364,6 +378,7 @@ def gated_deltanet(
     rows: list[int] | None = None,
     pooled: PooledRows | None = None,
     pool: LinearStatePool | None = None,
+    parallel: TensorParallel | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet layer over the step's rows x [T, hidden] -> [T, hidden], continuing
     each sequence's `LinearState` (batch.linear_states, in sequence order) in linear layer
@@ -374,7 +389,8 @@ def gated_deltanet(
     graph's decode step); else a loop over the sequences. Every op is row-local except the
     convolution (the sequence's own previous rows) and the delta rule
     (`Ops.gated_delta_rule`, or `ChunkedLinearAttentionOps` where `layout.chunked`), whose rows
-    are computed alike either way."""
+    are computed alike either way. `parallel`: out_proj is row-parallel over the value heads
+    (`TensorParallel.row_linear`, its weight a `RowParallelWeight`); None: a plain linear."""
     lay = layout
     kd, vd = lay.num_key_heads * lay.key_head_dim, lay.num_value_heads * lay.value_head_dim
     hv, dk = lay.num_value_heads, lay.key_head_dim
@@ -418,7 +434,10 @@ def gated_deltanet(
         out = _delta_rule_by_sequence(ops, mixed, g, beta, w, layer, batch, lay, rows)
     normed = ops.rms_norm(out.reshape(-1, lay.value_head_dim), w.norm, eps)
     gated = ops.gate_activation(normed, z.reshape(-1, lay.value_head_dim).contiguous(), "silu")
-    return ops.linear(gated.reshape(t, vd).to(x.dtype), w.out_proj)
+    gated = gated.reshape(t, vd).to(x.dtype)
+    if parallel is None:
+        return ops.linear(gated, w.out_proj)
+    return parallel.row_linear(gated, w.out_proj, "linear")
 
 
 def pooled_rows(

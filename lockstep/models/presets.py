@@ -236,8 +236,8 @@ PRESETS: dict[str, Preset] = {
         ),
         add_bos=False,
     ),
-    # Qwen3-Next-80B-A3B: its bf16 weights exceed one H200 (docs/models.md) and hybrid models
-    # do not run tensor-parallel yet, so the engine refuses it with that arithmetic.
+    # Qwen3-Next-80B-A3B: its bf16 weights exceed one H200 (docs/models.md), so the engine
+    # refuses it there with that arithmetic and the degree that fits (--tp 2).
     "qwen3-next-80b-a3b": Preset(
         ModelSpec(
             family="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
@@ -250,6 +250,25 @@ PRESETS: dict[str, Preset] = {
             ),
             moe=MoeSpec(num_experts=512, top_k=10, intermediate_size=512, renormalize=True,
                         sparse_layers=tuple(range(48)), shared_expert_size=512),
+        ),
+        add_bos=False,
+    ),
+    # Qwen3.5-397B-A17B's text model, the largest hybrid MoE released: 15 x (3 Gated DeltaNet
+    # + 1 gated full attention) layers, 512 experts of 1024 (top 10) and a shared expert of
+    # 1024 in every layer, 16 key / 64 value linear heads; 396.35 B parameters. Its bf16
+    # weights need 8 H200s (--tp 8: 92.5 GiB a GPU) and exceed 8 H100s.
+    "qwen3.5-397b-a17b": Preset(
+        ModelSpec(
+            family="qwen3_5_moe", vocab_size=248320, hidden_size=4096, intermediate_size=1024,
+            num_layers=60, num_heads=32, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
+            rms_norm_eps=1e-6, max_position=32768, tie_word_embeddings=False, qk_norm=True,
+            partial_rotary_factor=0.25, norm_style="offset", output_gate=True,
+            linear=LinearAttentionSpec(
+                layer_types=_hybrid_layers(60, 4), num_key_heads=16, num_value_heads=64,
+                key_head_dim=128, value_head_dim=128, conv_kernel=4,
+            ),
+            moe=MoeSpec(num_experts=512, top_k=10, intermediate_size=1024, renormalize=True,
+                        sparse_layers=tuple(range(60)), shared_expert_size=1024),
         ),
         add_bos=False,
     ),

@@ -2,5 +2,6 @@
 
 `sharding` says which slice of each weight a rank holds and where the fixed reduction chunks
 lie; `layers` runs the row-parallel, vocabulary-parallel and column-parallel pieces of a
-forward step over `collectives`; `workers` starts, feeds and watches the worker processes.
+forward step over `collectives`; `group` and `worker` start, feed and watch the worker
+processes; `linear_states` keeps a hybrid model's states on every rank.
 """

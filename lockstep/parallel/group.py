@@ -16,6 +16,7 @@ command raises `TensorParallelError` with that line.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing as mp
 import threading
@@ -28,11 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.cache.linear_snapshots import LinearSnapshotPool
 from lockstep.config import EngineConfig
 from lockstep.errors import LockstepError, ModelLoadError, RequestError
 from lockstep.models.decoder import Decoder, KVStorage, ScratchKV
 from lockstep.models.forward_batch import ForwardBatch
+from lockstep.models.linear_attention import LinearSnapshot, LinearState, LinearStatePool
 from lockstep.parallel import worker
+from lockstep.parallel.linear_states import gather_state, wire_states
 from lockstep.parallel.worker import gather_kv
 
 logger = logging.getLogger(__name__)
@@ -242,14 +246,20 @@ class ShardedDecoder:
         self.plan = local.plan
         self.parallel = local.parallel
         self.max_position = local.max_position
+        self.state_pool: LinearStatePool | None = None  # hybrid: rank 0's (`set_linear_pools`)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)  # what needs no other rank (linear_layout, ...)
 
     def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
         """`Decoder.forward` on every rank (workers write their KV heads into their own
-        stores at the same slots); float32 logits [R, vocab]."""
-        self.group.send("forward", batch.to("cpu"))
+        stores at the same slots, and a hybrid model's states into their own state and
+        snapshot slots: lockstep/parallel/linear_states.py); float32 logits [R, vocab]."""
+        wires = None
+        if batch.linear_states is not None:
+            wires = wire_states(batch.linear_states)
+        wire_batch = dataclasses.replace(batch.to("cpu"), linear_states=None)
+        self.group.send("forward", (wire_batch, wires))
         try:
             return self.local.forward(batch, kv)
         except RuntimeError as exc:
@@ -261,11 +271,32 @@ class ShardedDecoder:
         try:
             logits, scratch = self.local.cold_prefill(token_ids)
             k, v = gather_kv(self.local, scratch.k, scratch.v)
+            state = scratch.linear_state
+            if state is not None:
+                assert self.parallel.collectives is not None
+                state = gather_state(state, self.parallel.collectives)
         except RuntimeError as exc:
             raise self.group.failed(exc) from exc
         full = ScratchKV(self.spec, len(token_ids), self.dtype, self.device)
-        full.k, full.v = k, v
+        full.k, full.v, full.linear_state = k, v, state
         return logits, full
+
+    def resume_linear_state(self, snapshot: LinearSnapshot | None) -> LinearState:
+        """A running sequence's state in a slot of rank 0's state pool, resumed from a radix
+        snapshot (None: from nothing), and the same slot filled alike on every worker: the
+        engine's `Scheduler.new_linear_state` at tp > 1."""
+        assert self.state_pool is not None, "resume_linear_state before the state pool"
+        if snapshot is not None and snapshot.pool is None:
+            raise ValueError("a tensor-parallel hybrid state resumes from pooled snapshots only")
+        state = LinearState.resume(self.local.linear_layout, snapshot, self.state_pool,
+                                   keep_all=False)  # fmt: skip
+        self.group.send("linear_resume", (state.slot, None if snapshot is None else snapshot.slot))
+        return state
+
+    def set_linear_pools(self, states: LinearStatePool, snapshots: LinearSnapshotPool) -> None:
+        """Rank 0's state and snapshot pools; every worker allocates pools of as many slots."""
+        self.state_pool = states
+        self.group.send("linear_slots", (states.num_slots, snapshots.num_slots))
 
     def logits_for_sequence(self, token_ids: list[int]) -> torch.Tensor:
         return self.cold_prefill(token_ids)[0]

@@ -40,7 +40,7 @@ REDUCTIONS = TP_REDUCTIONS
 # are gathered whole (one collective). The same bits either way.
 SCATTER_ROWS_PER_RANK = 4
 # What a row-parallel linear reduces over (`TensorParallel.row_width`).
-ROW_KINDS = ("attention", "mlp", "expert", "shared")
+ROW_KINDS = ("attention", "mlp", "expert", "shared", "linear")
 
 
 def default_reduction(ops: Ops) -> str:
@@ -90,7 +90,13 @@ class TensorParallel:
             "attention": [[c for c in p.attention_chunks() if head_bounds[c][0] < head_bounds[c][1]]
                           for p in plans],
         }  # fmt: skip
-        for kind in ROW_KINDS[1:]:
+        if spec.linear is not None:  # Gated DeltaNet's out_proj, by value heads
+            value_bounds = chunk_bounds(spec.linear.num_value_heads)
+            self._gathered_chunks["linear"] = [
+                [c for c in p.linear_chunks() if value_bounds[c][0] < value_bounds[c][1]]
+                for p in plans
+            ]
+        for kind in ("mlp", "expert", "shared"):
             width = self.row_width(kind)
             self._gathered_chunks[kind] = [
                 [c for c in p.mlp_chunks() if _nonempty(width, c)] for p in plans
@@ -105,10 +111,12 @@ class TensorParallel:
     def row_width(self, kind: str) -> int:
         """The units of K a row-parallel `kind` reduces over: heads ("attention"), the dense
         MLP's intermediate size ("mlp"), an expert's ("expert"), the shared expert's
-        ("shared")."""
+        ("shared"), Gated DeltaNet's value heads ("linear")."""
         spec = self.plan.spec
         if kind == "attention":
             return spec.num_heads
+        if kind == "linear":
+            return 0 if spec.linear is None else spec.linear.num_value_heads
         if kind == "mlp":
             return spec.intermediate_size
         if kind not in ROW_KINDS:
@@ -131,6 +139,10 @@ class TensorParallel:
             mla = plan.spec.mla
             unit = plan.spec.head_dim if mla is None else mla.v_head_dim
             chunks = plan.attention_chunks()
+        elif kind == "linear":  # out_proj's input per value head: value_head_dim
+            assert plan.spec.linear is not None
+            unit = plan.spec.linear.value_head_dim
+            chunks = plan.linear_chunks()
         elif kind == "expert" and plan.ep > 1:
             chunks = list(range(CHUNKS))
         else:
@@ -143,7 +155,7 @@ class TensorParallel:
     def row_weight(self, weight: torch.Tensor, kind: str) -> RowParallelWeight:
         """This rank's pieces of a row-parallel weight [N, K] (`kind` "expert": stacked
         experts [E, N, K], every piece stacked alike): "attention" (K is heads x head_dim,
-        chunked by heads), "mlp", "expert" or "shared" (K is that MLP's width). `weight`
+        chunked by heads), "linear" (K is value heads x value_head_dim), "mlp", "expert" or "shared" (K is that MLP's width). `weight`
         holds every column, or for "expert" this rank's columns (`ShardPlan.expert_columns`)."""
         ranges = self.row_ranges(kind)
         offset = ranges[0][0]  # the rank's first column: where its local input starts

@@ -32,6 +32,15 @@ tensor-parallel over the same ranks:
     E = 8, I = 40      chunks of I: 5 columns each
     tp 2:   rank 0  experts 0-7, columns 0-19  | rank 1  experts 0-7, columns 20-39
     ep 2:   rank 0  experts 0-3, columns 0-39  | rank 1  experts 4-7, columns 0-39
+
+Gated DeltaNet (hybrid models, lockstep/models/blocks/gated_deltanet.py). A rank holds whole
+linear-attention heads, key heads and the value heads they serve together (value head j reads
+key head j // (Hv / Hk)): their q, k, v, z, b, a rows, their convolution channels, A_log and
+dt_bias, and its sequences' recurrent states and open rows for those heads only. out_proj is
+row-parallel over the value heads, chunked like o_proj over attention heads:
+
+    Hk = 2, Hv = 4     tp 2:  rank 0  key head 0, value heads 0-1 = chunks 0-3
+                              rank 1  key head 1, value heads 2-3 = chunks 4-7
 """
 
 from __future__ import annotations
@@ -54,8 +63,8 @@ def chunk_bounds(n: int) -> list[tuple[int, int]]:
 def degree_problem(spec: ModelSpec, tp: int) -> str | None:
     """Why `tp` cannot shard `spec` (None when it can)."""
     h, hkv = spec.num_heads, spec.num_kv_heads
-    if spec.hybrid and tp > 1:
-        return "hybrid (linear-attention) models run at tp=1 only"
+    if spec.hybrid and spec.fp8 is not None and tp > 1:
+        return "FP8 hybrid (linear-attention) models run at tp=1 only"
     if spec.fp8 is not None and tp > 1 and spec.fp8.scheme != "block":
         return f"{spec.fp8.scheme}-scaled FP8 models run at tp=1 only (block-FP8 ones shard)"
     if not 1 <= tp <= MAX_TP:
@@ -67,6 +76,14 @@ def degree_problem(spec: ModelSpec, tp: int) -> str | None:
     starts = {lo for lo, _ in chunk_bounds(h)}
     if any(r * h // tp not in starts for r in range(tp)):
         return f"its rank boundaries fall inside one of the {CHUNKS} reduction chunks"
+    lin = spec.linear
+    if lin is not None and tp > 1:
+        if lin.num_key_heads % tp:
+            return f"it does not divide the {lin.num_key_heads} linear-attention key heads"
+        hv, starts = lin.num_value_heads, {lo for lo, _ in chunk_bounds(lin.num_value_heads)}
+        if any(r * hv // tp not in starts for r in range(tp)):
+            return (f"its rank boundaries fall inside one of the {CHUNKS} reduction chunks of "
+                    f"the {hv} linear-attention value heads")  # fmt: skip
     if spec.fp8 is not None and tp > 1:
         problem = fp8_block_problem(spec, tp)
         if problem is not None:
@@ -188,6 +205,27 @@ class ShardPlan:
     def num_local_kv_heads(self) -> int:
         lo, hi = self.kv_heads
         return hi - lo
+
+    @property
+    def linear_key_heads(self) -> tuple[int, int]:
+        """This rank's Gated DeltaNet key heads [lo, hi) (a hybrid model's)."""
+        assert self.spec.linear is not None
+        per = self.spec.linear.num_key_heads // self.tp
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def linear_value_heads(self) -> tuple[int, int]:
+        """This rank's Gated DeltaNet value heads [lo, hi): those its key heads serve."""
+        assert self.spec.linear is not None
+        per = self.spec.linear.num_value_heads // self.tp
+        return self.rank * per, (self.rank + 1) * per
+
+    def linear_chunks(self) -> list[int]:
+        """Chunk ids of a Gated DeltaNet out_proj input (value heads) on this rank."""
+        assert self.spec.linear is not None
+        lo, hi = self.linear_value_heads
+        bounds = chunk_bounds(self.spec.linear.num_value_heads)
+        return [c for c, (s, _) in enumerate(bounds) if lo <= s < hi]
 
     def attention_chunks(self) -> list[int]:
         """Chunk ids of the o_proj input on this rank (those starting in its heads)."""

@@ -12,9 +12,15 @@ every rank enters the same collectives in the same order.
 
     command                   the worker                         rank 0 (lockstep.parallel.group)
     ("kv_slots", n)           allocates its KV store of n slots   after sizing its pool
-    ("forward", batch)        Decoder.forward(batch, its store)   the same, then samples
+    ("linear_slots", (s, n))  hybrid: its state pool of s slots   after sizing its own
+                              and snapshot pool of n
+    ("linear_resume", (s, n)) fills state slot s from snapshot    after its own resume
+                              slot n (None: zeros)                (lockstep/parallel/linear_states.py)
+    ("forward", (batch, w))   Decoder.forward(batch, its store),  the same, then samples
+                              hybrid: its states of wires w
     ("cold_prefill", tokens)  a cold prefill in a scratch store,  the same, gathers the heads
-                              then gathers its KV heads
+                              then gathers its KV heads (and      (and the state)
+                              linear state)
     ("read_kv", slots)        gathers its KV heads at `slots`     assembles [L, n, Hkv, D]
     ("stop",)                 exits with status 0
 
@@ -43,6 +49,7 @@ from lockstep.models.resolver import LoadedModel, resolve_model
 from lockstep.ops import get_ops
 from lockstep.parallel.collectives import Collectives
 from lockstep.parallel.layers import TensorParallel
+from lockstep.parallel.linear_states import RankStates, gather_state
 from lockstep.parallel.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
@@ -164,15 +171,29 @@ def _serve(decoder: Decoder, conn: Connection) -> None:
     kind, num_slots = conn.recv()
     assert kind == "kv_slots", kind
     store = KVShard(decoder.plan, num_slots, decoder.dtype, decoder.device)
+    states: RankStates | None = None
     while True:
         command, arg = conn.recv()
         if command == "stop":
             return
         if command == "forward":
-            decoder.forward(arg.to(decoder.device), store)
+            batch, wires = arg
+            if wires is not None:
+                assert states is not None, "a hybrid step before linear_slots"
+                batch = dataclasses.replace(batch, linear_states=states.step_states(wires))
+            decoder.forward(batch.to(decoder.device), store)
+        elif command == "linear_slots":
+            assert decoder.linear_layout is not None
+            states = RankStates(decoder.linear_layout, *arg)
+        elif command == "linear_resume":
+            assert states is not None, "linear_resume before linear_slots"
+            states.resume(*arg)
         elif command == "cold_prefill":
             _, scratch = decoder.cold_prefill(arg)
             gather_kv(decoder, scratch.k, scratch.v)
+            if scratch.linear_state is not None:
+                assert decoder.parallel.collectives is not None
+                gather_state(scratch.linear_state, decoder.parallel.collectives)
         elif command == "read_kv":
             index = arg.to(decoder.device)
             gather_kv(decoder, store.k[:, index], store.v[:, index])

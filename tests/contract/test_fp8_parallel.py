@@ -5,7 +5,8 @@ cut with their weights, and every degree gives TP 1's bits (lockstep/parallel/sh
 * A block-FP8 DeepSeek-V3 folder, quantized as DeepSeek-V3's release is (every MLA
   projection, dense MLP, shared and routed expert), with widths whose reduction chunks and
   rank boundaries fall on 128 edges: TP 2 and EP 2 give TP 1's chunked bits, logits and KV,
-  and the property suite holds at TP 2. Control: TP 1's default reduction differs.
+  and the property suite holds at TP 2; with 4 heads, TP 4 too. Controls: TP 1's default
+  reduction and reference mode at TP 2 differ.
 * A block-FP8 Qwen3-MoE folder likewise at TP 2.
 * Refused in one line with the arithmetic: a degree whose shard would split a scale block
   (heads of 64 columns in o_proj's chunks; experts of width 160, chunks of 20 columns), and
@@ -62,12 +63,34 @@ def test_fp8_deepseek_v3_position_invariance_at_tp_2(deepseek) -> None:
     check_property_cases(deepseek[2], deepseek[1], range(200, 205))
 
 
+def test_fp8_deepseek_v3_reference_mode_at_tp_2_changes_bits(deepseek) -> None:
+    reference_mode = llm_at(deepseek[1].config.model, 2, mode="reference")
+    try:
+        assert differing(deepseek[1], reference_mode.engine, random_sequences(3, 40, seed=8))
+    finally:
+        reference_mode.close()
+
+
+def test_fp8_deepseek_v3_at_tp_4_gives_the_bits_of_tp_1(tmp_path_factory) -> None:
+    """4 heads of 128 value columns: o_proj's chunks and the 4 rank boundaries fall on 128
+    edges."""
+    folder = _folder(tmp_path_factory, "deepseek_v3", num_attention_heads=4,
+                     **ALIGNED["deepseek_v3"])  # fmt: skip
+    single, four = llm_at(folder, 1, tp_reduction="chunked"), llm_at(folder, 4)
+    try:
+        assert differing(single.engine, four.engine, random_sequences(3, 40, seed=8)) == []
+    finally:
+        single.close()
+        four.close()
+
+
 def test_fp8_qwen3_moe_at_tp_2_gives_the_bits_of_tp_1(tmp_path_factory) -> None:
     folder = _folder(tmp_path_factory, "qwen3_moe", **ALIGNED["qwen3_moe"])
     single, two = llm_at(folder, 1, tp_reduction="chunked"), llm_at(folder, 2)
     try:
         assert differing(single.engine, two.engine, random_sequences(3, 40, seed=9)) == []
     finally:
+        single.close()
         two.close()
 
 

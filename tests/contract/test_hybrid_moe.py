@@ -140,8 +140,9 @@ def test_a_shared_expert_is_refused_where_the_family_has_none(tmp_path: Path) ->
 
 def test_real_shaped_presets_and_their_memory_arithmetic() -> None:
     """random:qwen3.5-35b-a3b fits one H200 in bf16 (139 GiB free); random:qwen3-next-80b-a3b
-    does not and cannot be sharded yet: refused with the arithmetic. Control: a free memory
-    above its weights passes."""
+    does not: refused with the arithmetic and the degree that fits; at tp=2 on 60 GiB it is
+    refused again, with its arithmetic per GPU and --tp 4. Control: a free memory above its
+    weights passes."""
     big = PRESETS["qwen3-next-80b-a3b"].spec
     small = PRESETS["qwen3.5-35b-a3b"].spec
     assert round(small.num_parameters / 1e9, 2) == 34.66
@@ -154,5 +155,35 @@ def test_real_shaped_presets_and_their_memory_arithmetic() -> None:
     message = str(err.value)
     assert "\n" not in message
     assert "148.4 GiB per GPU (79.67 B parameters x 2 bytes / tp=1)" in message
-    assert "139.0 GiB free" in message and "tp=1 only" in message
+    assert message.endswith("139.0 GiB free; --tp 2 fits (degrees that work: 1, 2, 4, 8)")
+    with pytest.raises(ConfigError) as err:
+        refuse_oversized_weights("random:qwen3-next-80b-a3b", big, 2, 2, int(60 * GIB))
+    message = str(err.value)
+    assert "\n" not in message
+    assert ("74.2 GiB per GPU (79.67 B parameters x 2 bytes: 79.62 B of them / tp=2 (experts "
+            "77.31 B), 0.051 B of norms and routers on every rank) and the device has 60.0 GiB "
+            "free; --tp 4 fits") in message  # fmt: skip
     refuse_oversized_weights("random:qwen3-next-80b-a3b", big, 2, 1, int(149 * GIB))
+    refuse_oversized_weights("random:qwen3-next-80b-a3b", big, 2, 2, int(75 * GIB))
+
+
+def test_the_largest_hybrid_moe_preset_needs_eight_h200s() -> None:
+    """random:qwen3.5-397b-a17b (396.35 B parameters) is refused on one H200 with the
+    arithmetic and --tp 8; on H100s (78 GiB) even tp=8 is refused, naming its need;
+    at tp=8 / ep=8 on H200s it fits (the control)."""
+    spec = PRESETS["qwen3.5-397b-a17b"].spec
+    assert round(spec.num_parameters / 1e9, 2) == 396.35
+    name = "random:qwen3.5-397b-a17b"
+    h200, h100 = int(139 * GIB), int(78 * GIB)
+    with pytest.raises(ConfigError) as err:
+        refuse_oversized_weights(name, spec, 2, 1, h200)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "738.3 GiB per GPU (396.35 B parameters x 2 bytes / tp=1)" in message
+    assert message.endswith("139.0 GiB free; --tp 8 fits (degrees that work: 1, 2, 4, 8)")
+    with pytest.raises(ConfigError) as err:
+        refuse_oversized_weights(name, spec, 2, 8, h100, ep=8)
+    assert str(err.value).endswith(
+        "78.0 GiB free; even tp=8 needs 92.5 GiB per GPU (degrees that work: 1, 2, 4, 8)"
+    )
+    refuse_oversized_weights(name, spec, 2, 8, h200, ep=8)

@@ -61,7 +61,7 @@ def test_degrees_each_model_takes() -> None:
     assert supported_degrees(PRESETS["smollm2-135m"].spec) == [1, 3]
     assert supported_degrees(PRESETS["qwen3-8b"].spec) == [1, 2, 4, 8]
     assert supported_degrees(PRESETS["tiny-qwen3-moe"].spec) == [1, 2, 4]
-    assert supported_degrees(PRESETS["tiny-qwen3.5"].spec) == [1]  # hybrid: tp 1 only
+    assert supported_degrees(PRESETS["tiny-qwen3.5"].spec) == [1, 2]  # 2 linear key heads
     assert supported_degrees(PRESETS["tiny-deepseek-v3"].spec) == [1, 2, 4]  # MLA: 4 heads
     assert supported_degrees(PRESETS["deepseek-v3-fp8"].spec) == [1, 2, 4, 8]  # block FP8
     assert supported_degrees(PRESETS["qwen3-8b-fp8-channel"].spec) == [1]  # per-channel FP8

@@ -1,7 +1,10 @@
 """A tensor-parallel server whose processes die: `lockstep serve --tp 2` on random:tiny.
 
 * A worker killed (SIGKILL) while a request streams: the server prints one line naming the
-  rank, fails the stream, stops the other processes and exits with status 1 within seconds.
+  rank, fails the stream, answers 503 to a request sent after the kill, stops the other
+  processes and exits with status 1 within seconds; on random:tiny and on
+  random:tiny-qwen3.5-moe (hybrid mixture of experts: routed experts and linear states on
+  both ranks).
 * The server killed (SIGKILL): its worker exits within seconds (no orphan).
 * A worker that dies at start (a script without a `__main__` guard, which each spawned worker
   re-runs): `LLM(..., tp=2)` raises within seconds, naming the rank, its status and the cause,
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_server import ServerProcess
 
 ARGS = ["--model", "random:tiny", "--device", "cpu", "--kv-tokens", "4096", "--tp", "2"]
@@ -62,35 +66,49 @@ def _wait_gone(pids: list[int], timeout: float) -> float:
     return time.monotonic() - start
 
 
-def test_a_killed_worker_ends_the_server_with_a_clear_error() -> None:
-    server = ServerProcess(ARGS).start()
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3.5-moe"])
+def test_a_killed_worker_ends_the_server_with_a_clear_error(model: str) -> None:
+    server = ServerProcess([*ARGS[:1], model, *ARGS[2:]]).start()
     assert server.proc is not None
     (worker,) = _workers(server.proc.pid)
-    body = {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True,
+    body = {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True,
             "stream": True}  # fmt: skip
     lines: list[str] = []
+    statuses: list[int] = []
 
     def stream() -> None:
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
                           timeout=120) as resp:  # fmt: skip
             lines.extend(line for line in resp.iter_lines() if line)
 
-    thread = threading.Thread(target=stream)
-    thread.start()
+    # Two requests of 1,503 tokens each fit the 4,096-token pool side by side (a reservation
+    # of their whole length each), so both run when the worker dies.
+    def whole() -> None:  # a request answered whole: its status tells the failure
+        resp = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False},
+                          timeout=120)  # fmt: skip
+        statuses.append(resp.status_code)
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+    for thread in threads:
+        thread.start()
     deadline = time.monotonic() + 120
-    while not any('"choices"' in line for line in lines):
-        assert time.monotonic() < deadline, "the request never streamed"
+    while (
+        not any('"choices"' in line for line in lines) or server.engine_stats()["num_running"] < 2
+    ):
+        assert time.monotonic() < deadline, "the requests never ran"
         time.sleep(0.05)
     os.kill(worker, signal.SIGKILL)
     killed = time.monotonic()
     code = server.proc.wait(EXIT_WITHIN_S + 30)
     took = time.monotonic() - killed
-    thread.join(30)
+    for thread in threads:
+        thread.join(30)
     log = "".join(server.log)
     assert code == 1, log[-3000:]
     assert took < EXIT_WITHIN_S, f"exited {took:.1f} s after the kill"
     assert f"tensor-parallel worker rank 1 (pid {worker}) exited with status -9" in log, log[-3000:]
     assert lines and lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
+    assert statuses == [503], statuses
 
 
 def test_a_killed_server_leaves_no_worker_behind() -> None:

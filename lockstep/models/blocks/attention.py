@@ -147,10 +147,13 @@ class Attention:
         rows separated, q | k | v | gate, then fused as one linear."""
         if entry.kind != "qkv_gate":
             return prepare_common(entry, parts, context)
-        spec = context.spec
-        q, k, v = shard(context.parallel.plan, entry.shard, parts)
+        spec, plan = context.spec, context.parallel.plan
+        q, k, v = parts
         q_gate = q.reshape(spec.num_heads, 2, spec.head_dim, -1)
         query, gate = (q_gate[:, i].reshape(spec.q_size, -1) for i in (0, 1))
+        # Separated first (q_proj interleaves them by head), then this rank's heads of each.
+        query, k, v = shard(plan, entry.shard, [query, k, v])
+        gate = gate[plan.heads[0] * spec.head_dim : plan.heads[1] * spec.head_dim]
         return fused_linear([query, k, v, gate], context)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> AttentionWeights:

@@ -24,7 +24,10 @@ Qwen3-Next stores the same rows as two projections grouped by key head (`grouped
 `fix_query_key_value_ordering`, applied to weight rows instead of outputs).
 
 Prepared: the four input projections fused (rows q | k | v | z | b | a), the convolution
-[channels, K] and the small vectors in float32.
+[channels, K] and the small vectors in float32, out_proj row-parallel over the value heads.
+A tensor-parallel rank keeps the rows of its key and value heads of each input projection,
+their convolution channels, A_log and dt_bias (`ShardPlan.linear_key_heads`,
+`linear_value_heads`; lockstep/parallel/sharding.py), and the norm whole.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from lockstep.models.blocks.base import BuildContext, CacheBytes, LayoutEntry, PrepareContext, Step
-from lockstep.models.blocks.prepare import fused_linear, prepare_common, shard
+from lockstep.models.blocks.prepare import fused_linear, prepare_common
 from lockstep.models.linear_attention import (
     LinearLayout,
     LinearStatePool,
@@ -49,10 +52,12 @@ if TYPE_CHECKING:
     from lockstep.models.forward_batch import ForwardBatch
     from lockstep.models.spec import LinearAttentionSpec, ModelSpec
     from lockstep.ops.base import Ops
+    from lockstep.parallel.sharding import ShardPlan
 
-# Canonical leaf -> prepared field and kind ("linear" fields are fused below).
-_SMALL = (("conv1d.weight", "conv", "conv"), ("A_log", "a_log", "norm"),
-          ("dt_bias", "dt_bias", "norm"), ("norm.weight", "norm", "norm"))  # fmt: skip
+# Canonical leaf -> prepared field and kind ("linear" fields are fused below; "value_heads":
+# float32, a rank's value heads).
+_SMALL = (("conv1d.weight", "conv", "conv"), ("A_log", "a_log", "value_heads"),
+          ("dt_bias", "dt_bias", "value_heads"), ("norm.weight", "norm", "norm"))  # fmt: skip
 
 
 @dataclass
@@ -120,6 +125,41 @@ def ungroup_projections(
     return [torch.cat(flat[:3]), *flat[3:]]
 
 
+def shard_inputs(plan: ShardPlan, lin: LinearAttentionSpec, parts: list[torch.Tensor]
+                 ) -> list[torch.Tensor]:  # fmt: skip
+    """This rank's rows of the four input projections [q | k | v, z, b, a]: the q and k rows
+    of its key heads, the v and z rows of its value heads, its value heads' b and a."""
+    if plan.tp == 1:
+        return parts
+    qkv, z, b, a = parts
+    return [qkv_channels(plan, lin, qkv), *_value_rows(plan, lin, [z, b, a])]
+
+
+def qkv_channels(plan: ShardPlan, lin: LinearAttentionSpec, t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a tensor laid out by the convolution's channels q | k | v (the
+    projection's rows, or the convolution's weight): q and k of its key heads, v of its
+    value heads, in that order."""
+    if plan.tp == 1:
+        return t
+    kd = lin.num_key_heads * lin.key_head_dim
+    (k0, k1), (v0, v1) = plan.linear_key_heads, plan.linear_value_heads
+    dk, dv = lin.key_head_dim, lin.value_head_dim
+    return torch.cat([t[k0 * dk : k1 * dk], t[kd + k0 * dk : kd + k1 * dk],
+                      t[2 * kd + v0 * dv : 2 * kd + v1 * dv]])  # fmt: skip
+
+
+def _value_rows(
+    plan: ShardPlan, lin: LinearAttentionSpec, parts: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each part's rows of this rank's value heads (a part holds value_heads x n rows)."""
+    v0, v1 = plan.linear_value_heads
+    out = []
+    for t in parts:
+        per = t.shape[0] // lin.num_value_heads
+        out.append(t[v0 * per : v1 * per])
+    return out
+
+
 @dataclass(frozen=True)
 class GatedDeltaNet:
     """Gated DeltaNet over `ModelSpec.linear`'s shapes; `grouped`: Qwen3-Next's two grouped
@@ -173,25 +213,31 @@ class GatedDeltaNet:
     def layout(self, spec: ModelSpec, layer: int, role: str) -> list[LayoutEntry]:
         g, t = f"model.layers.{layer}.linear_attn.", f"layers.{layer}.{role}."
         ins = [g + leaf for leaf in self._inputs()]
-        entries = [LayoutEntry(t + "in_proj", "qkvz_ba" if self.grouped else "linear", ins)]
+        entries = [LayoutEntry(t + "in_proj", "qkvz_ba" if self.grouped else "in_proj", ins)]
         entries += [LayoutEntry(t + field, kind, [g + leaf]) for leaf, field, kind in _SMALL]
-        entries.append(LayoutEntry(t + "out_proj", "linear", [g + "out_proj.weight"]))
+        entries.append(LayoutEntry(t + "out_proj", "row_linear", [g + "out_proj.weight"]))
         return entries
 
     def prepare(
         self, entry: LayoutEntry, parts: list[torch.Tensor], context: PrepareContext
     ) -> Any:
-        """Common kinds (blocks/prepare.py), "conv" (float32 [channels, kernel]) and
+        """Common kinds (blocks/prepare.py), "in_proj" (the four input projections fused),
         "qkvz_ba" (Qwen3-Next's grouped inputs reordered to q | k | v | z | b | a,
-        `ungroup_projections`, then fused as one linear)."""
-        if entry.kind not in ("conv", "qkvz_ba"):
+        `ungroup_projections`, then fused as one linear), "conv" (float32 [channels,
+        kernel]) and "value_heads" (float32 [value heads]), each of this rank's heads."""
+        if entry.kind not in ("in_proj", "qkvz_ba", "conv", "value_heads"):
             return prepare_common(entry, parts, context)
-        parts = shard(context.parallel.plan, entry.shard, parts)
+        lin, plan = context.spec.linear, context.parallel.plan
+        assert lin is not None
         if entry.kind == "conv":
-            weight = parts[0].to(device=context.device, dtype=torch.float32)
+            weight = qkv_channels(plan, lin, parts[0]).to(context.device, torch.float32)
             return weight.reshape(weight.shape[0], -1).contiguous()
-        assert context.spec.linear is not None
-        return fused_linear(ungroup_projections(context.spec.linear, parts[0], parts[1]), context)
+        if entry.kind == "value_heads":
+            (rows,) = _value_rows(plan, lin, parts)
+            return rows.to(device=context.device, dtype=torch.float32)
+        if entry.kind == "qkvz_ba":
+            parts = ungroup_projections(lin, parts[0], parts[1])
+        return fused_linear(shard_inputs(plan, lin, parts), context)
 
     def build(self, parts: dict[str, Any], context: BuildContext) -> GatedDeltaNetWeights:
         return GatedDeltaNetWeights(
@@ -203,4 +249,4 @@ class GatedDeltaNet:
     ) -> torch.Tensor:
         s: LinearStep = step.mixer_steps[GatedDeltaNet]
         return gated_deltanet(ops, x, w, w.state_index, step.batch, s.layout, w.eps, s.rows,
-                              s.pooled, s.pool)  # fmt: skip
+                              s.pooled, s.pool, step.parallel)  # fmt: skip

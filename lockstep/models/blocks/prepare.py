@@ -11,8 +11,9 @@ Common kinds (`LayoutEntry.kind`):
     embed           as is, in the model dtype
     linear          rows concatenated, then `Ops.prepare_linear_weight` (each output element's
                     reduction is unchanged by the fusion)
-    row_attention, row_mlp, row_shared   row-parallel (`TensorParallel.row_weight`): o_proj,
-                    down_proj, a shared expert's down_proj
+    row_attention, row_mlp, row_shared, row_linear   row-parallel
+                    (`TensorParallel.row_weight`): o_proj, down_proj, a shared expert's
+                    down_proj, Gated DeltaNet's out_proj
     fp8             an FP8 linear: its parts' weights, then their weight scales, then their
                     input scales ("tensor"), fused by `fuse_fp8`
     fp8_row_attention, fp8_row_mlp, fp8_row_shared   a block-FP8 row-parallel linear (weight,
@@ -59,7 +60,7 @@ def prepare_common(entry: LayoutEntry, parts: list[torch.Tensor], context: Prepa
         return torch.cat(parts).to(device=device, dtype=torch.float32) + 1.0
     if kind == "embed":
         return concatenated(parts, context)
-    if kind in ("row_attention", "row_mlp", "row_shared"):
+    if kind in ("row_attention", "row_mlp", "row_shared", "row_linear"):
         return context.parallel.row_weight(concatenated(parts, context), kind.removeprefix("row_"))
     if kind == "linear":
         return fused_linear(parts, context)
