@@ -4,10 +4,11 @@ interpreter on CPU machines) against the float64 emulation of the scaled cache.
 
 In bfloat16 activations, as on the GPU, the logits are judged against the bf16 floor of the
 same model (tests/support/kv_scale_accuracy.py, which tests/gpu/test_gpu_fp8_formats.py runs
-on the GPU with more prompts). In float32 activations the same kernels give the emulation's
-logits within 1e-5. Negative controls: the cache at scale 1.0 (keys and values beyond 448
-saturate) fails both checks, and so does attention that reads the cache without the scales
-its write used."""
+on the GPU with more prompts). In float32 activations, under the interpreter (whose dots are
+exact, where Hopper's FP8 and TF32 dots are not), the same kernels give the emulation's logits
+within 1e-6 RMS. Negative controls: the cache at scale 1.0 (keys and values beyond 448
+saturate) fails both checks, and attention that reads the cache without the scales its write
+used fails the float32 one."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from tests.support.kv_scale_accuracy import (  # noqa: E402
 )
 from tests.support.tiny_fp8_kv import write_kv_scaled_folder  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
 E4M3 = torch.float8_e4m3fn
 # Padding rows divide 0 by 0 in discarded branches; numpy (the interpreter) warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -72,6 +74,7 @@ def test_bf16_logits_over_the_scaled_cache_sit_at_the_bf16_floor(folder) -> None
     errors.check()  # with its control: the cache at scale 1.0 is beyond the floor
 
 
+@pytest.mark.skipif(GPU, reason="inexact tensor-core dots; the bf16 check runs on the GPU")
 def test_float32_logits_over_the_scaled_cache_equal_the_emulation(folder) -> None:
     path, model, scales, loaded = folder
     _, emulated = float64_logits(model, path, "modelopt", scales, [TOKENS])
