@@ -56,7 +56,8 @@ def layer_for(ops, q: dict) -> MoeLayer:
         return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E)
 
     gate_up, down = stacked(("gate", "up")), stacked(("down",))
-    router = q["router"].to(dev, torch.float64 if isinstance(ops, Float64Ops) else DTYPE)
+    # Rounded to DTYPE first: the float64 reference routes with the router the kernels hold.
+    router = q["router"].to(DTYPE).to(dev, torch.float64 if isinstance(ops, Float64Ops) else DTYPE)
     return MoeLayer(ops.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K,
                     True, gate_up.scale, down.scale)  # fmt: skip
 
@@ -173,7 +174,8 @@ def row_layer_for(ops, q: dict, scheme: str) -> MoeLayer:
         return prepare_fp8_experts(ops.prepare_fp8_linear, w, s, E, scheme, ins)
 
     gate_up, down = stacked(("gate", "up")), stacked(("down",))
-    router = q["router"].to(dev, torch.float64 if isinstance(ops, Float64Ops) else DTYPE)
+    # Rounded to DTYPE first: the float64 reference routes with the router the kernels hold.
+    router = q["router"].to(DTYPE).to(dev, torch.float64 if isinstance(ops, Float64Ops) else DTYPE)
     return MoeLayer(ops.prepare_linear_weight(router), gate_up.weight, down.weight, TOP_K,
                     True, gate_up.scale, down.scale, None, scheme, gate_up.input_scale,
                     down.input_scale)  # fmt: skip
