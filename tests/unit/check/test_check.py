@@ -456,9 +456,10 @@ def test_report_outputs(fake_server: Any, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- end to end, real Lockstep
 # `lockstep check --serve` starts `python -m lockstep serve` with the embedded default model
-# on the CPU. Small counts keep each run's server starts under about three minutes on 2 cores;
-# the context limit is cut to 512 so that the long scenario's prefill stays short. The model's
-# forward passes are most of the time: a check that two tests can share runs once per module.
+# on the CPU. Small counts keep each run (its server starts and scenarios) under about three
+# minutes on 2 cores; the context limit is cut to 512 so that the long scenario's prefill stays
+# short. The model's forward passes are most of the time: a run that two tests can share runs
+# once per module (lockstep_full_run, lockstep_reference_run).
 
 E2E = ["--max-model-len", "512", "--max-tokens", "8", "--concurrency", "4", "--device", "cpu"]
 
