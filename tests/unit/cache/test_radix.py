@@ -873,6 +873,7 @@ else:
     )
 
 
+@pytest.mark.slow  # hundreds of stateful runs
 def test_radix_cache_state_machine():
     run_state_machine_as_test(RadixMachine, settings=MACHINE_SETTINGS)
 

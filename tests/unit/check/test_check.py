@@ -456,8 +456,10 @@ def test_report_outputs(fake_server: Any, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- end to end, real Lockstep
 # `lockstep check --serve` starts `python -m lockstep serve` with the embedded default model
-# on the CPU. Small counts keep the three server starts under about three minutes on 2 cores;
-# the context limit is cut to 512 so that the long scenario's prefill stays short.
+# on the CPU. Small counts keep each run (its server starts and scenarios) under about three
+# minutes on 2 cores; the context limit is cut to 512 so that the long scenario's prefill stays
+# short. The model's forward passes are most of the time: a run that two tests can share runs
+# once per module (lockstep_full_run, lockstep_reference_run).
 
 E2E = ["--max-model-len", "512", "--max-tokens", "8", "--concurrency", "4", "--device", "cpu"]
 
@@ -477,6 +479,12 @@ def lockstep_full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, di
     return code, json.loads(out.read_text()), fp, port
 
 
+def _drafts_kept(speculative: dict[str, Any]) -> int:
+    """How many drafts the speculative scenario's second server kept (its note says)."""
+    kept = next(n for n in speculative["notes"] if n.startswith("the second server kept"))
+    return int(kept.split()[4])  # "the second server kept A of D drafts"
+
+
 @pytest.mark.slow
 def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path, int]) -> None:
     code, doc, fp, port = lockstep_full_run
@@ -486,8 +494,13 @@ def test_lockstep_passes_every_scenario(lockstep_full_run: tuple[int, dict, Path
     for name, r in results.items():
         assert r["status"] == PASS, (name, r)
     assert code == 0 and doc["engine"]["mode"] == "deterministic"
-    for name in ("batch", "prefix", "radix", "score", "sampling"):
+    for name in ("batch", "prefix", "radix", "score", "sampling", "speculative"):
         assert results[name]["positions_compared"] > 0, name
+    # The speculative scenario compared with a second server that speculated (prompt lookup)
+    # and kept drafts, so verify chunks did run: the same outputs as one-row decode.
+    speculative = results["speculative"]
+    assert any("--speculative ngram" in n for n in speculative["notes"]), speculative
+    assert _drafts_kept(speculative) > 0, speculative
     assert results["radix"]["cached_tokens"] > 0
     assert any(
         n.startswith("context limit 512 (from GET /v1/engine)") for n in results["long"]["notes"]
@@ -511,10 +524,14 @@ def test_serve_that_cannot_start_is_exit_2(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.slow
 def test_lockstep_passes_every_scenario_through_generate(tmp_path: Path) -> None:
-    """`--api sglang`: the same scenarios through SGLang's native /generate (generation, and
-    teacher forcing with max_new_tokens 0), the API RL frameworks drive."""
+    """`--api sglang`: the scenarios through SGLang's native /generate (generation, and
+    teacher forcing with max_new_tokens 0), the API RL frameworks drive: concurrent bursts,
+    cache hits and their cached_tokens, scoring, seeded sampling and the context limit, each
+    of which /generate carries in fields of its own. The prefix scenario is left to
+    test_lockstep_passes_every_scenario: what it adds to batch and radix (prompts sharing
+    prefixes in random orders) is the engine's, whichever route the requests came by."""
     out = tmp_path / "out.json"
-    scenarios = "batch,prefix,radix,score,sampling,long"
+    scenarios = "batch,radix,score,sampling,long"
     argv = ["--serve", *E2E, "--api", "sglang", "--scenarios", scenarios, *HANG_GUARD]
     assert run_cli([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -522,53 +539,61 @@ def test_lockstep_passes_every_scenario_through_generate(tmp_path: Path) -> None
     results = by_name(doc)
     for name, r in results.items():
         assert r["status"] == PASS, (name, r)
-    for name in ("batch", "prefix", "radix", "score", "sampling"):
+    assert list(results) == scenarios.split(",")
+    for name in ("batch", "radix", "score", "sampling"):
         assert results[name]["positions_compared"] > 0, name
     assert results["radix"]["cached_tokens"] > 0
     assert any("POST /generate" in n for n in results["score"]["notes"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("api", ["openai", "sglang"])
-def test_lockstep_reference_mode_fails_batch(tmp_path: Path, api: str) -> None:
-    """Negative control: plain torch float32 matmuls are not batch-invariant on the CPU."""
-    out = tmp_path / "out.json"
-    argv = [
-        "--serve",
-        *E2E,
-        "--mode",
-        "reference",
-        "--scenarios",
-        "batch",
-        "--api",
-        api,
-        *HANG_GUARD,
-    ]
-    assert run_cli([*argv, "--json", str(out)]) == 1
-    batch = by_name(json.loads(out.read_text()))["batch"]
-    assert batch["status"] == FAIL and "runs differ" in batch["reason"]
+@pytest.fixture(scope="module")
+def lockstep_reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
+    """The negative controls' run: Lockstep in reference mode (stock torch), the batch
+    scenario, then the speculative one, whose probes go to a second server started with
+    `--speculative ngram`. Both scenarios must FAIL; each test below asserts one of them."""
+    out = tmp_path_factory.mktemp("check-reference") / "out.json"
+    argv = ["--serve", *E2E, "--mode", "reference", "--scenarios", "batch,speculative"]
+    code = run_cli([*argv, *HANG_GUARD, "--json", str(out)])
+    return code, json.loads(out.read_text())
+
+
+def _batch_fails(doc: dict[str, Any]) -> None:
+    batch = by_name(doc)["batch"]
+    assert batch["status"] == FAIL and "runs differ" in batch["reason"], batch
     assert batch["max_abs_delta_logprob"] > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["deterministic", "reference"])
-def test_lockstep_speculative_scenario_compares_two_servers(tmp_path: Path, mode: str) -> None:
-    """The speculative scenario runs its probes on the server as given, then on a second one
-    started with speculation, and compares: identical in deterministic mode; in reference mode
-    (the negative control) a verify chunk's rows get other bits than one-row decode, so the
-    same comparison fails."""
+def test_lockstep_reference_mode_fails_batch(lockstep_reference_run: tuple[int, dict]) -> None:
+    """Negative control: plain torch float32 matmuls are not batch-invariant on the CPU."""
+    code, doc = lockstep_reference_run
+    assert code == 1 and doc["engine"]["mode"] == "reference"
+    _batch_fails(doc)
+
+
+@pytest.mark.slow
+def test_lockstep_reference_mode_fails_batch_through_generate(tmp_path: Path) -> None:
+    """The same negative control through SGLang's native /generate (`--api sglang`)."""
     out = tmp_path / "out.json"
-    argv = ["--serve", *E2E, "--mode", mode, "--scenarios", "speculative", *HANG_GUARD]
-    code = run_cli([*argv, "--max-tokens", "16", "--json", str(out)])
-    result = by_name(json.loads(out.read_text()))["speculative"]
+    argv = ["--serve", *E2E, "--mode", "reference", "--scenarios", "batch", "--api", "sglang"]
+    assert run_cli([*argv, *HANG_GUARD, "--json", str(out)]) == 1
+    _batch_fails(json.loads(out.read_text()))
+
+
+@pytest.mark.slow
+def test_lockstep_speculative_scenario_fails_in_reference_mode(
+    lockstep_reference_run: tuple[int, dict],
+) -> None:
+    """The speculative scenario runs its probes on the server as given, then on a second one
+    started with speculation, and compares. In reference mode (the negative control of the
+    speculative scenario that test_lockstep_passes_every_scenario passes in deterministic
+    mode) a verify chunk's rows get other bits than one-row decode, so the comparison fails."""
+    code, doc = lockstep_reference_run
+    result = by_name(doc)["speculative"]
     assert any("--speculative ngram" in n for n in result["notes"]), result
-    kept = next(n for n in result["notes"] if n.startswith("the second server kept"))
-    assert int(kept.split()[4]) > 0, result  # drafts were kept: verify chunks did run
+    assert _drafts_kept(result) > 0, result  # drafts were kept: verify chunks did run
     assert result["positions_compared"] > 0
-    if mode == "deterministic":
-        assert code == 0 and result["status"] == PASS, result
-    else:
-        assert code == 1 and result["status"] == FAIL, result
+    assert code == 1 and result["status"] == FAIL, result
 
 
 @pytest.mark.slow

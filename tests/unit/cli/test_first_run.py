@@ -161,6 +161,7 @@ def _builder_and_waiter(tmp_path: Path, runs: list[Run]) -> tuple[Path, Run, Run
     raise AssertionError("three builds ended before the run started beside them reached the lock")
 
 
+@pytest.mark.slow  # one real compile of the CPU kernels
 def test_killed_first_runs_never_block_the_next(tmp_path: Path, runs: list[Run]) -> None:
     # Ctrl-C while building; the other run was already waiting and names the builder.
     cache, ctrl_c, sigkill = _builder_and_waiter(tmp_path, runs)
