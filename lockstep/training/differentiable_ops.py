@@ -14,7 +14,7 @@ differentiated by autograd at the saved inputs.
     norms, activations, gates,  a float32 twin (`TwinBackward`): RMSNorm, SiLU, GeGLU, sigmoid
     softcap, RoPE, L2 norm      and SiLU gates, soft-capping, RoPE, Gated DeltaNet's gates;
                                 on CUDA RMSNorm and SiLU-mul by fused Triton kernels
-                                (training/row_grads.py)
+                                (ops/triton/row_grads.py)
     gated_delta_rule            the chunked torch form (`stock_gated_delta_rule`) from a zero
                                 state: a training sequence always starts at position 0
     attention, latent_attention `attention_input` / `write_latent` keep the differentiable rows

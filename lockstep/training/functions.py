@@ -15,7 +15,7 @@ the row ops recompute a plain-torch twin of their formula in float32 (float64 st
 saved inputs and differentiate it (`TwinBackward`): the twin is the same function the
 kernel computes up to rounding, so its gradient at the kernel's inputs is the kernel's
 gradient. On CUDA, RMSNorm (with its residual add) and SiLU-mul take their closed forms in
-one fused Triton kernel each instead (lockstep/training/row_grads.py). Attention
+one fused Triton kernel each instead (lockstep/ops/triton/row_grads.py). Attention
 (`PreparedAttention`) recomputes its q/k/v preparation the same way and takes the attention's
 own gradient by torch's fused attention backward (lockstep/training/sdpa_grad.py) or, with a
 sliding window, blockwise (lockstep/training/attention_grad.py), never holding [n, n]
@@ -158,7 +158,7 @@ class TwinBackward(torch.autograd.Function):
 
 
 # Devices whose RMSNorm and SiLU-mul backwards run the fused Triton kernels
-# (lockstep/training/row_grads.py) instead of the float32 torch twins: CUDA, where the twins'
+# (lockstep/ops/triton/row_grads.py) instead of the float32 torch twins: CUDA, where the twins'
 # float32 copies of every row cost most (tests add "cpu" to run the kernels under Triton's
 # interpreter).
 FUSED_ROW_GRAD_DEVICES: tuple[str, ...] = ("cuda",)
@@ -175,7 +175,7 @@ class _FusedRmsNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        from lockstep.training.row_grads import rms_norm_backward
+        from lockstep.ops.triton.row_grads import rms_norm_backward
 
         x, weight = ctx.saved_tensors
         dx, dw = rms_norm_backward(x, weight, ctx.eps, grad)
@@ -201,7 +201,7 @@ class _FusedAddRmsNorm(torch.autograd.Function):
     def backward(
         ctx: Any, grad_normed: torch.Tensor | None, grad_summed: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        from lockstep.training.row_grads import rms_norm_backward
+        from lockstep.ops.triton.row_grads import rms_norm_backward
 
         summed, weight = ctx.saved_tensors
         if grad_normed is None:
@@ -221,7 +221,7 @@ class _FusedSiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        from lockstep.training.row_grads import silu_mul_backward
+        from lockstep.ops.triton.row_grads import silu_mul_backward
 
         (gate_up,) = ctx.saved_tensors
         return None, silu_mul_backward(gate_up, grad)

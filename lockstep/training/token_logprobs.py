@@ -92,7 +92,7 @@ def head_logprob_grads(
     (from the forward). The matmuls run in the wider of x's and the head's dtypes (bfloat16
     with float32 accumulation for a bfloat16 model on CUDA), the rest in float32 (float64
     stays); `columns` vocabulary columns at a time (default: `CHUNK_ELEMENTS` logits).
-    `fused`: dlogits by one Triton kernel per chunk (lockstep/training/row_grads.py) instead
+    `fused`: dlogits by one Triton kernel per chunk (lockstep/ops/triton/row_grads.py) instead
     of torch's element-wise kernels (default: on the devices of
     `functions.FUSED_ROW_GRAD_DEVICES`, CUDA)."""
     t, v = x.shape[0], head.shape[0]
@@ -113,7 +113,7 @@ def head_logprob_grads(
         # The forward's logits: the head linear's output in the activations' dtype.
         z = (xm @ w.T).to(x.dtype)
         if fused:
-            from lockstep.training.row_grads import head_dlogits
+            from lockstep.ops.triton.row_grads import head_dlogits
 
             dz = head_dlogits(z, lse, g, targets, lo, softcap, mm)
         else:

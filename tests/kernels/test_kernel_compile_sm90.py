@@ -175,9 +175,9 @@ def _fp8_grouped_moe(row_block: int = 128) -> tuple[str, dict, dict]:
 
 
 def _training_rms_norm_backward() -> tuple[str, dict, dict]:
-    """The training module's fused RMSNorm backward (lockstep/training/row_grads.py) on bf16
+    """The training module's fused RMSNorm backward (lockstep/ops/triton/row_grads.py) on bf16
     rows of Qwen3-8B's hidden size, with the residual stream's gradient."""
-    from lockstep.training.row_grads import ROWS
+    from lockstep.ops.triton.row_grads import ROWS
 
     types = dict.fromkeys(("x", "dy", "ds", "dx"), "*bf16") | {"w": "*fp32", "dw_part": "*fp32"}
     types |= dict.fromkeys(("n_rows", "hidden", "sx", "sdy", "sds", "sdx"), "i32")
@@ -188,7 +188,7 @@ def _training_rms_norm_backward() -> tuple[str, dict, dict]:
 
 def _training_silu_mul_backward() -> tuple[str, dict, dict]:
     """The training module's fused SiLU-mul backward on bf16 rows."""
-    from lockstep.training.row_grads import SILU_BLOCK
+    from lockstep.ops.triton.row_grads import SILU_BLOCK
 
     types = dict.fromkeys(("gu", "dy", "dgu"), "*bf16")
     types |= dict.fromkeys(("inter", "sgu", "sdy", "sdgu"), "i32")
@@ -198,7 +198,7 @@ def _training_silu_mul_backward() -> tuple[str, dict, dict]:
 def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
     """The training module's fused dlogits of the LM head (bf16 logits and gradient), with
     and without soft-capping."""
-    from lockstep.training.row_grads import SILU_BLOCK
+    from lockstep.ops.triton.row_grads import SILU_BLOCK
 
     types = {"z": "*bf16", "lse": "*fp32", "g": "*fp32", "targets": "*i64", "dz": "*bf16",
              "cap": "fp32"}  # fmt: skip
@@ -292,7 +292,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
             dst = b
         tl.store(dst, 0.0)
 
-    from lockstep.training import row_grads
+    from lockstep.ops.triton import row_grads
 
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,

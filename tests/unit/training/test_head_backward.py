@@ -2,7 +2,7 @@
 `head_logprob_grads`): in float64 it is torch autograd's gradient of
 sum_r g_r * log_softmax(softcap(x W^T))[r, target_r] to 1e-12, with and without soft-capping,
 whatever the vocabulary chunk; in float32 within 1e-5, with the fused Triton dlogits kernel
-too (lockstep/training/row_grads.py, CUDA's path, here under Triton's interpreter); a
+too (lockstep/ops/triton/row_grads.py, CUDA's path, here under Triton's interpreter); a
 bfloat16 head with float32 rows returns a bfloat16 gradient. Controls: a forgotten soft-cap,
 a wrong log-sum-exp and a shifted target each move it past the bound. Through the autograd
 Function (`token_logprobs`, a small fake head), rows without a gradient are left out and the

@@ -1,5 +1,5 @@
 """The fused Triton backwards of RMSNorm (with its residual stream) and SiLU-mul
-(lockstep/training/row_grads.py), under Triton's interpreter on CPU tensors (tests/conftest.py
+(lockstep/ops/triton/row_grads.py), under Triton's interpreter on CPU tensors (tests/conftest.py
 sets it where there is no CUDA): each equals torch autograd of the plain formula in float64 to
 float32 rounding, and a bfloat16 input gets a bfloat16 gradient within bfloat16's rounding;
 the training module with them (forced on the CPU) gives the float32 twins' gradients. Controls:
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lockstep.ops.triton.row_grads import ROWS, rms_norm_backward, silu_mul_backward
 from lockstep.training import functions
-from lockstep.training.row_grads import ROWS, rms_norm_backward, silu_mul_backward
 
 M, H = 2 * ROWS + 5, 48  # rows past a program's ROWS, a hidden size not a power of 2
 EPS = 1e-6
