@@ -59,6 +59,7 @@ class _Written:
     rows: torch.Tensor
     layer: AttentionInput | None
     positions: torch.Tensor
+    slots: torch.Tensor | None = None  # `attention_input`'s cache slots of the rows
 
 
 class DifferentiableOps:
@@ -156,7 +157,7 @@ class DifferentiableOps:
         from the rows kept here)."""
         with torch.no_grad():
             q = self.base.attention_input(qkv.detach(), _detached(layer), positions, slots, kv)
-        self._written[kv.k.data_ptr()] = _Written(qkv, layer, positions)
+        self._written[kv.k.data_ptr()] = _Written(qkv, layer, positions, slots)
         return q
 
     def attention(
@@ -174,6 +175,12 @@ class DifferentiableOps:
         hkv, d = kv.k.shape[1], kv.k.shape[2]
         kv_dtype, positions = kv.k.dtype, written.positions.long()
         seq_lens = _cold_lengths(meta)
+        if (
+            window is None
+            and q.device.type in fn.FUSED_ROW_GRAD_DEVICES
+            and (layer.q_norm is None) == (layer.k_norm is None)
+        ):
+            return self._attention_fused_input_grad(q, kv, meta, scale, written, seq_lens)
 
         def prepare(qkv: torch.Tensor, qn: torch.Tensor | None, kn: torch.Tensor | None) -> Tensors:
             """q [T, Hq, D], k, v [T, Hkv, D] as the attention read them, in plain torch."""
@@ -193,6 +200,37 @@ class DifferentiableOps:
         return PreparedAttention.apply(
             lambda: self.base.attention(q, kv, meta, scale, window), prepare, grads,
             written.rows, layer.q_norm, layer.k_norm,
+        )  # fmt: skip
+
+    def _attention_fused_input_grad(
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float,
+        written: _Written, seq_lens: list[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """`attention` whose backward takes the attention's gradient at what the kernel read
+        (its q, the K/V rows the cache holds: nothing recomputed) and the input preparation's
+        gradient (head norms, RoPE, the cache's rounding) by one fused kernel per q and k
+        (training/attention_input_grad.py), in place of the float32 twin."""
+        from lockstep.training.attention_input_grad import attention_input_backward
+
+        layer = written.layer
+        assert layer is not None and written.slots is not None
+        t, hq, d = q.shape[0], layer.num_heads, kv.k.shape[2]
+        slots = written.slots.long()
+        keys, values = kv.k.index_select(0, slots), kv.v.index_select(0, slots)
+
+        def grads(grad: torch.Tensor, qkv: torch.Tensor, qn: torch.Tensor | None,
+                  kn: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> Tensors:  # fmt: skip
+            dq, dk, dv = fused_attention_grads(q.reshape(t, hq, d), k, v, grad.reshape(t, hq, d),
+                                               seq_lens, scale, q.dtype)  # fmt: skip
+            d_qkv, d_qn, d_kn = attention_input_backward(
+                qkv, dq, dk, dv, qn, kn, layer.eps, written.positions, layer.cos, layer.sin
+            )
+            return d_qkv, d_qn, d_kn, None, None, None
+
+        return fn.ClosedFormBackward.apply(
+            lambda: self.base.attention(q, kv, meta, scale, None), grads,
+            written.rows, layer.q_norm, layer.k_norm, q.detach(), keys, values,
         )  # fmt: skip
 
     def write_latent(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:

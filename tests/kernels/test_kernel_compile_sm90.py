@@ -206,8 +206,23 @@ def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
     return "row_grads._head_dlogits_kernel", types, {"HAS_CAP": cap, "BLOCK": SILU_BLOCK}
 
 
+def _training_attention_input_backward() -> tuple[str, dict, dict]:
+    """The training module's fused attention-input backward
+    (lockstep/training/attention_input_grad.py) on bf16 rows with head norms, head_dim 128."""
+    from lockstep.training.attention_input_grad import ROWS
+
+    types = dict.fromkeys(("x", "dy", "dx"), "*bf16") | {"w": "*fp32", "dw_part": "*fp32",
+                                                          "positions": "*i64", "cos": "*fp32",
+                                                          "sin": "*fp32", "eps": "fp32"}  # fmt: skip
+    types |= dict.fromkeys(("n_rows", "col0", "head_dim", "rot", "sx", "sdy_row", "sdy_head",
+                            "sdx", "scos"), "i32")  # fmt: skip
+    return "attention_input_grad._head_input_backward_kernel", types, {
+        "HAS_NORM": True, "ROWS": ROWS, "BLOCK": 128}  # fmt: skip
+
+
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
+    "training attention_input backward": _training_attention_input_backward(),
     "training rms_norm backward": _training_rms_norm_backward(),
     "training silu_mul backward": _training_silu_mul_backward(),
     "training head dlogits": _training_head_dlogits(False),
@@ -292,12 +307,12 @@ def _compile_all(names: list[str]) -> dict[str, str]:
             dst = b
         tl.store(dst, 0.0)
 
-    from lockstep.training import row_grads
+    from lockstep.training import attention_input_grad, row_grads
 
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
                "latent_attention": latent_attention, "matmul": matmul, "moe": moe,
-               "row_grads": row_grads}  # fmt: skip
+               "row_grads": row_grads, "attention_input_grad": attention_input_grad}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
