@@ -15,7 +15,7 @@ soft-capped), then with g the incoming gradient of row r,
     dc[r, v] = g_r * (1[v == target_r] - exp(c[r, v] - lse_r))      (log-softmax at the target)
     dz = dc * (1 - (c / cap)^2)                                      (soft-capping, if any)
     dW_c = dz^T @ x      written once per column chunk: every row's sum in one matmul
-    dx  += dz @ W_c
+    dx  += dz @ W_c      float32, accumulated by the matmul itself (beta = 1)
 
 so the head's gradient is written once, not accumulated chunk after chunk of rows. Rows
 whose incoming gradient is 0 (prompt tokens of an RL batch) are left out of the backward.
@@ -119,8 +119,22 @@ def head_logprob_grads(
         else:
             dz = _dlogits(z.to(wide), lse, g, targets, lo, softcap).to(mm)
         grad_head[lo:hi] = (dz.T @ xm).to(head.dtype)
-        grad_x += dz @ w
+        _add_product(grad_x, dz, w)
     return grad_x.to(x.dtype), grad_head
+
+
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b inside the matmul (its beta = 1 epilogue), with no product tensor and
+    no separate add: operands of total's dtype by `addmm_`; bfloat16 or float16 operands into
+    a float32 total on CUDA by cuBLAS's float32-output GEMM (`out_dtype`), which also keeps
+    each chunk's product unrounded. Elsewhere (mixed dtypes on the CPU) the product, then
+    the add."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif total.device.type == "cuda" and total.dtype == torch.float32:
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += a @ b
 
 
 def _dlogits(
