@@ -2,10 +2,11 @@
 float32 logits and log-probabilities never exist at once, in the forward or the backward.
 
 Forward, a chunk of rows at a time: the decoder's own LM head (`Decoder.head_logits`: the
-head linear, soft-capping) and the backend's log-softmax, then the target's entry. Every op is
-row-local on a deterministic backend, so a row's value has the bits of the whole-batch
-computation (`LLM.score`'s). Each row's log-sum-exp is kept (float32 [T]: the target's logit
-minus its log-probability), with the rows and the head.
+head linear, soft-capping) and the backend's log-softmax, then the target's entry; a backend
+with `TargetLogSoftmaxOps` (the GPU's) gives the target's entry and the row's log-sum-exp by
+the same arithmetic without writing the [rows, V] log-probabilities. Every op is row-local on
+a deterministic backend, so a row's value has the bits of the whole-batch computation
+(`LLM.score`'s). Each row's log-sum-exp is kept (float32 [T]), with the rows and the head.
 
 Backward (`head_logprob_grads`), a chunk of vocabulary columns at a time, in closed form by
 plain torch matmuls (it need not have the engine's bits, only the right values): the chunk's
@@ -28,7 +29,9 @@ from typing import Any
 import torch
 
 from lockstep.models.decoder import Decoder
+from lockstep.ops.base import TargetLogSoftmaxOps
 from lockstep.training import functions
+from lockstep.training.differentiable_ops import DifferentiableOps
 
 # Logit elements per chunk (2**26 float32: 256 MiB, about 440 rows of a 152k vocabulary).
 CHUNK_ELEMENTS = 2**26
@@ -49,10 +52,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     ) -> torch.Tensor:
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         lse = torch.empty_like(out)
+        ops = decoder.ops.base if isinstance(decoder.ops, DifferentiableOps) else decoder.ops
         for lo in range(0, x.shape[0], rows):
             hi = min(lo + rows, x.shape[0])
             logits = decoder.head_logits(x[lo:hi], head)
-            picked = decoder.ops.log_softmax(logits).gather(1, targets[lo:hi, None])[:, 0]
+            if isinstance(ops, TargetLogSoftmaxOps):  # no [rows, V] log-probabilities written
+                out[lo:hi], lse[lo:hi] = ops.target_log_softmax(logits, targets[lo:hi])
+                continue
+            picked = ops.log_softmax(logits).gather(1, targets[lo:hi, None])[:, 0]
             out[lo:hi] = picked
             lse[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - picked
         ctx.save_for_backward(x, head, targets, lse)

@@ -220,8 +220,17 @@ def _training_attention_input_backward() -> tuple[str, dict, dict]:
         "HAS_NORM": True, "ROWS": ROWS, "BLOCK": 128}  # fmt: skip
 
 
+def _target_log_softmax() -> tuple[str, dict, dict]:
+    """The training head's target log-softmax (lockstep/ops/triton/log_softmax.py) over
+    float32 logits of a 151,936 vocabulary (38 chunk partials)."""
+    types = {"x": "*fp32", "targets": "*i64", "y": "*fp32", "lse_out": "*fp32",
+             "part_m": "*fp32", "part_s": "*fp32", "sx": "i32", "C": "i32"}  # fmt: skip
+    return "log_softmax._target_output", types, {"C_POW2": 64, "PDL": False}
+
+
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
+    "target log_softmax": _target_log_softmax(),
     "training attention_input backward": _training_attention_input_backward(),
     "training rms_norm backward": _training_rms_norm_backward(),
     "training silu_mul backward": _training_silu_mul_backward(),
@@ -285,6 +294,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         fp8_moe,
         gated_delta,
         latent_attention,
+        log_softmax,
         matmul,
         moe,
     )
@@ -312,7 +322,8 @@ def _compile_all(names: list[str]) -> dict[str, str]:
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
                "latent_attention": latent_attention, "matmul": matmul, "moe": moe,
-               "row_grads": row_grads, "attention_input_grad": attention_input_grad}  # fmt: skip
+               "row_grads": row_grads, "attention_input_grad": attention_input_grad,
+               "log_softmax": log_softmax}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
