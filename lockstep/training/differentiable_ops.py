@@ -67,11 +67,15 @@ class DifferentiableOps:
     One instance serves one forward at a time: a cache write is paired with the attention
     that reads it (by the cache's storage) within a layer."""
 
-    def __init__(self, base: Ops, block: int = BLOCK) -> None:
+    def __init__(self, base: Ops, block: int = BLOCK, seq_lens: list[int] | None = None) -> None:
+        """`seq_lens`: the forward's sequence lengths, where the caller knows them on the host
+        (the training module's packed step of cold sequences); else each attention reads
+        them from its metadata on the device (a synchronization per layer)."""
         self.base = base
         self.name = f"differentiable {base.name}"
         self.deterministic = base.deterministic
         self.block = block
+        self.seq_lens = seq_lens
         self._written: dict[int, _Written] = {}
 
     # ---------------------------------------------------------------- dense
@@ -174,7 +178,7 @@ class DifferentiableOps:
         t, hq = q.shape[0], layer.num_heads
         hkv, d = kv.k.shape[1], kv.k.shape[2]
         kv_dtype, positions = kv.k.dtype, written.positions.long()
-        seq_lens = _cold_lengths(meta)
+        seq_lens = self._cold_lengths(meta)
         if (
             window is None
             and q.device.type in fn.FUSED_ROW_GRAD_DEVICES
@@ -255,7 +259,7 @@ class DifferentiableOps:
         value_dim: int,
     ) -> torch.Tensor:  # fmt: skip
         written = self._written.pop(cache.data_ptr())
-        seq_lens, cache_dtype = _cold_lengths(meta), cache.dtype
+        seq_lens, cache_dtype = self._cold_lengths(meta), cache.dtype
 
         def prepare(q: torch.Tensor, rows: torch.Tensor) -> Tensors:
             """The query and the cache rows as keys [T, 1, W] and values (their first
@@ -391,6 +395,10 @@ class DifferentiableOps:
             routing: Routing = self.base.route_deepseek(logits, layer)  # type: ignore[attr-defined]
             return routing.experts
         return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, : layer.top_k]
+
+    def _cold_lengths(self, meta: AttentionMeta) -> list[int]:
+        """Each sequence's row count: `seq_lens` where given, else from `meta`."""
+        return _cold_lengths(meta) if self.seq_lens is None else self.seq_lens
 
     @staticmethod
     def _twin(kernel: Any, twin: Any, *inputs: torch.Tensor | None) -> torch.Tensor:

@@ -251,7 +251,7 @@ class LockstepForCausalLM(nn.Module):
         host_ids, lens = self._pack(sequences, seq_lens)
         device = self.get_parameter("model.embed_tokens.weight").device
         token_ids = host_ids.to(device)
-        decoder = self._decoder(max(lens))
+        decoder = self._decoder(lens)
         t = token_ids.numel()
         cu = [0, *itertools.accumulate(lens)]
         rows = list(range(t))
@@ -280,13 +280,14 @@ class LockstepForCausalLM(nn.Module):
             routed = torch.from_numpy(sglang_layout(self.spec, kv.routed_experts)).to(device)
         return PackedOutput(logprobs, mask, cu, logits, routed)
 
-    def _decoder(self, longest: int) -> _TrainingDecoder:
-        """The engine's decoder over this module's parameters: every weight prepared by its
-        block's `prepare` (decoder.weight_layout) on the differentiable ops, so each prepared
-        weight is a view of parameters autograd follows back. RoPE tables for `longest`
+    def _decoder(self, lens: list[int]) -> _TrainingDecoder:
+        """The engine's decoder over this module's parameters for one packed step of cold
+        sequences of `lens` rows: every weight prepared by its block's `prepare`
+        (decoder.weight_layout) on the differentiable ops, so each prepared weight is a view
+        of parameters autograd follows back. RoPE tables for the longest sequence's
         positions (a table row is a function of its position alone)."""
         spec, device = self.spec, self.get_parameter("model.embed_tokens.weight").device
-        ops = DifferentiableOps(self.ops)
+        ops = DifferentiableOps(self.ops, seq_lens=list(lens))
         parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), self.tp_reduction)
         context = PrepareContext(spec, parallel, self.dtype, device)
         params = self.state_dict(keep_vars=True)  # parameters and buffers, as autograd sees them
@@ -298,7 +299,7 @@ class LockstepForCausalLM(nn.Module):
             else:
                 sources = [params[n] for n in entry.sources]
             parts[entry.target] = prepare(entry, sources, context)
-        decoder = _TrainingDecoder(spec, ops, self.dtype, device, parts, longest, parallel,  # type: ignore[arg-type]
+        decoder = _TrainingDecoder(spec, ops, self.dtype, device, parts, max(lens), parallel,  # type: ignore[arg-type]
                                    self.kv_dtype)  # fmt: skip
         decoder.checkpointing = self.gradient_checkpointing
         return decoder
