@@ -242,6 +242,17 @@ class SoftcapOps(Protocol):
 
 
 @runtime_checkable
+class TargetLogSoftmaxOps(Protocol):
+    """One log-probability per row without the [R, V] log-probabilities (the training
+    module's chunked LM head, lockstep/training/token_logprobs.py)."""
+
+    def target_log_softmax(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """(log_softmax(logits)[r, targets[r]] [R] float32, bit for bit what `log_softmax`
+        gives there, and each row's logsumexp [R] float32)."""
+        ...
+
+
+@runtime_checkable
 class GeluOps(Protocol):
     """The GeGLU activation (Gemma's gelu_pytorch_tanh MLP)."""
 

@@ -178,6 +178,12 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return log_softmax.log_softmax(logits)
 
+    def target_log_softmax(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TargetLogSoftmaxOps`: the same partials and log-sum-exp fold as `log_softmax`."""
+        return log_softmax.target_log_softmax(logits, targets)
+
     # ---- Gated DeltaNet (hybrid models): lockstep/ops/triton/gated_delta.py ----------------
 
     def gdn_gates(

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from safetensors.torch import save_file
 
 from lockstep.models.spec import ModelSpec
@@ -36,7 +37,7 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 def save_folder(model: LockstepForCausalLM, folder: Path) -> None:
     """Write `model` to `folder` (created if missing; files of the same names replaced)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
+    tensors = {n: _host_copy(t) for n, t in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     dtype_name = str(model.dtype).removeprefix("torch.")
     source = Path(model.source)
@@ -112,3 +113,10 @@ def hf_config(
                       mlp_only_layers=[i for i in range(spec.num_layers)
                                        if i not in moe.sparse_layers])  # fmt: skip
     return config
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the host, contiguous and alone in its storage: safetensors refuses tensors
+    that share memory, as the rows of one fused weight do (training/fused_parameters.py)."""
+    host = tensor.detach().to("cpu").contiguous()
+    return host if host.untyped_storage().nbytes() == host.nbytes else host.clone()

@@ -59,6 +59,7 @@ class _Written:
     rows: torch.Tensor
     layer: AttentionInput | None
     positions: torch.Tensor
+    slots: torch.Tensor | None = None  # `attention_input`'s cache slots of the rows
 
 
 class DifferentiableOps:
@@ -66,11 +67,15 @@ class DifferentiableOps:
     One instance serves one forward at a time: a cache write is paired with the attention
     that reads it (by the cache's storage) within a layer."""
 
-    def __init__(self, base: Ops, block: int = BLOCK) -> None:
+    def __init__(self, base: Ops, block: int = BLOCK, seq_lens: list[int] | None = None) -> None:
+        """`seq_lens`: the forward's sequence lengths, where the caller knows them on the host
+        (the training module's packed step of cold sequences); else each attention reads
+        them from its metadata on the device (a synchronization per layer)."""
         self.base = base
         self.name = f"differentiable {base.name}"
         self.deterministic = base.deterministic
         self.block = block
+        self.seq_lens = seq_lens
         self._written: dict[int, _Written] = {}
 
     # ---------------------------------------------------------------- dense
@@ -156,7 +161,7 @@ class DifferentiableOps:
         from the rows kept here)."""
         with torch.no_grad():
             q = self.base.attention_input(qkv.detach(), _detached(layer), positions, slots, kv)
-        self._written[kv.k.data_ptr()] = _Written(qkv, layer, positions)
+        self._written[kv.k.data_ptr()] = _Written(qkv, layer, positions, slots)
         return q
 
     def attention(
@@ -173,7 +178,13 @@ class DifferentiableOps:
         t, hq = q.shape[0], layer.num_heads
         hkv, d = kv.k.shape[1], kv.k.shape[2]
         kv_dtype, positions = kv.k.dtype, written.positions.long()
-        seq_lens = _cold_lengths(meta)
+        seq_lens = self._cold_lengths(meta)
+        if (
+            window is None
+            and q.device.type in fn.FUSED_ROW_GRAD_DEVICES
+            and (layer.q_norm is None) == (layer.k_norm is None)
+        ):
+            return self._attention_fused_input_grad(q, kv, meta, scale, written, seq_lens)
 
         def prepare(qkv: torch.Tensor, qn: torch.Tensor | None, kn: torch.Tensor | None) -> Tensors:
             """q [T, Hq, D], k, v [T, Hkv, D] as the attention read them, in plain torch."""
@@ -193,6 +204,37 @@ class DifferentiableOps:
         return PreparedAttention.apply(
             lambda: self.base.attention(q, kv, meta, scale, window), prepare, grads,
             written.rows, layer.q_norm, layer.k_norm,
+        )  # fmt: skip
+
+    def _attention_fused_input_grad(
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMeta, scale: float,
+        written: _Written, seq_lens: list[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """`attention` whose backward takes the attention's gradient at what the kernel read
+        (its q, the K/V rows the cache holds: nothing recomputed) and the input preparation's
+        gradient (head norms, RoPE, the cache's rounding) by one fused kernel per q and k
+        (ops/triton/attention_input_grad.py), in place of the float32 twin."""
+        from lockstep.ops.triton.attention_input_grad import attention_input_backward
+
+        layer = written.layer
+        assert layer is not None and written.slots is not None
+        t, hq, d = q.shape[0], layer.num_heads, kv.k.shape[2]
+        slots = written.slots.long()
+        keys, values = kv.k.index_select(0, slots), kv.v.index_select(0, slots)
+
+        def grads(grad: torch.Tensor, qkv: torch.Tensor, qn: torch.Tensor | None,
+                  kn: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> Tensors:  # fmt: skip
+            dq, dk, dv = fused_attention_grads(q.reshape(t, hq, d), k, v, grad.reshape(t, hq, d),
+                                               seq_lens, scale, q.dtype)  # fmt: skip
+            d_qkv, d_qn, d_kn = attention_input_backward(
+                qkv, dq, dk, dv, qn, kn, layer.eps, written.positions, layer.cos, layer.sin
+            )
+            return d_qkv, d_qn, d_kn, None, None, None
+
+        return fn.ClosedFormBackward.apply(
+            lambda: self.base.attention(q, kv, meta, scale, None), grads,
+            written.rows, layer.q_norm, layer.k_norm, q.detach(), keys, values,
         )  # fmt: skip
 
     def write_latent(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -217,7 +259,7 @@ class DifferentiableOps:
         value_dim: int,
     ) -> torch.Tensor:  # fmt: skip
         written = self._written.pop(cache.data_ptr())
-        seq_lens, cache_dtype = _cold_lengths(meta), cache.dtype
+        seq_lens, cache_dtype = self._cold_lengths(meta), cache.dtype
 
         def prepare(q: torch.Tensor, rows: torch.Tensor) -> Tensors:
             """The query and the cache rows as keys [T, 1, W] and values (their first
@@ -353,6 +395,10 @@ class DifferentiableOps:
             routing: Routing = self.base.route_deepseek(logits, layer)  # type: ignore[attr-defined]
             return routing.experts
         return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, : layer.top_k]
+
+    def _cold_lengths(self, meta: AttentionMeta) -> list[int]:
+        """Each sequence's row count: `seq_lens` where given, else from `meta`."""
+        return _cold_lengths(meta) if self.seq_lens is None else self.seq_lens
 
     @staticmethod
     def _twin(kernel: Any, twin: Any, *inputs: torch.Tensor | None) -> torch.Tensor:

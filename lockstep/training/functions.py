@@ -295,6 +295,30 @@ def straight_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x + (x.to(dtype).to(x.dtype) - x).detach()
 
 
+class ClosedFormBackward(torch.autograd.Function):
+    """`kernel()` forward (it reads what the engine's ops wrote, not these inputs); backward
+    `grads(grad, *inputs)`: each input's gradient in order (None where it has none), computed
+    in closed form (the fused attention-input backward: ops/triton/attention_input_grad.py)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        kernel: Callable[[], torch.Tensor],
+        grads: Callable[..., Tensors],
+        *inputs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.grads = grads
+        ctx.none = [t is None for t in inputs]
+        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        return kernel()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        inputs = [None if none else next(saved) for none in ctx.none]
+        return (None, None, *ctx.grads(grad, *inputs))
+
+
 class PreparedAttention(torch.autograd.Function):
     """An attention kernel's forward (`kernel()`: it reads what the engine's ops wrote to the
     cache, not these inputs); backward: `prepare(*inputs)` recomputes in torch the q, k, v

@@ -13,10 +13,11 @@ deterministic backends are batch invariant, so where a sequence sits in the pack
 and what sits beside it, never changes its bits. This module has no layer loop of its own.
 
 Parameters are `nn.Parameter`s under the canonical (Hugging Face) names (`state_dict()` keys
-are what `LLM.update_weights` takes), holding exactly the tensors the engine loads. Each
-forward prepares the decoder's weights from them with the blocks' own `prepare` (fused q|k|v
-and gate|up rows, MLA's absorbed per-head matrices, stacked experts, norms plus one), as
-differentiable views, so the gradient reaches every parameter.
+are what `LLM.update_weights` takes), holding exactly the tensors the engine loads. The
+parameters of a fused linear (q|k|v, gate|up) are rows of one buffer, the fused weight the
+decoder reads (training/fused_parameters.py). Each forward prepares the other decoder weights
+from the parameters with the blocks' own `prepare` (MLA's absorbed per-head matrices, stacked
+experts, norms plus one), as differentiable views, so the gradient reaches every parameter.
 
 Every family the engine serves is trainable (lockstep/models/families), unquantized, in
 float32 or bfloat16, on the CPU or CUDA, with the bits of an engine at tensor-parallel degree
@@ -53,6 +54,7 @@ from lockstep.parallel.layers import TensorParallel
 from lockstep.parallel.sharding import ShardPlan
 from lockstep.training import functions as fn
 from lockstep.training.differentiable_ops import DifferentiableOps
+from lockstep.training.fused_parameters import fusable, share_rows
 from lockstep.training.token_logprobs import token_logprobs
 
 MODES = ("deterministic", "reference")  # lockstep.config.MODES
@@ -195,6 +197,14 @@ class LockstepForCausalLM(nn.Module):
         self.logprob_chunk_rows: int | None = None
         for name, tensor in loaded.iter_weights(dtype, device):
             _register(self, name, tensor.clone())
+        # The fused linears' parameters as rows of one buffer each, the decoder's weight
+        # (training/fused_parameters.py): a step reads them without concatenating.
+        params = dict(self.named_parameters())
+        self._fused_rows = {
+            entry.target: share_rows(self, entry)
+            for entry, _ in weight_layout(spec)
+            if fusable(entry, params)
+        }
 
     @classmethod
     def from_pretrained(
@@ -241,7 +251,7 @@ class LockstepForCausalLM(nn.Module):
         host_ids, lens = self._pack(sequences, seq_lens)
         device = self.get_parameter("model.embed_tokens.weight").device
         token_ids = host_ids.to(device)
-        decoder = self._decoder(max(lens))
+        decoder = self._decoder(lens)
         t = token_ids.numel()
         cu = [0, *itertools.accumulate(lens)]
         rows = list(range(t))
@@ -270,21 +280,26 @@ class LockstepForCausalLM(nn.Module):
             routed = torch.from_numpy(sglang_layout(self.spec, kv.routed_experts)).to(device)
         return PackedOutput(logprobs, mask, cu, logits, routed)
 
-    def _decoder(self, longest: int) -> _TrainingDecoder:
-        """The engine's decoder over this module's parameters: every weight prepared by its
-        block's `prepare` (decoder.weight_layout) on the differentiable ops, so each prepared
-        weight is a view of parameters autograd follows back. RoPE tables for `longest`
+    def _decoder(self, lens: list[int]) -> _TrainingDecoder:
+        """The engine's decoder over this module's parameters for one packed step of cold
+        sequences of `lens` rows: every weight prepared by its block's `prepare`
+        (decoder.weight_layout) on the differentiable ops, so each prepared weight is a view
+        of parameters autograd follows back. RoPE tables for the longest sequence's
         positions (a table row is a function of its position alone)."""
         spec, device = self.spec, self.get_parameter("model.embed_tokens.weight").device
-        ops = DifferentiableOps(self.ops)
+        ops = DifferentiableOps(self.ops, seq_lens=list(lens))
         parallel = TensorParallel.single(ops, ShardPlan(spec, 1, 0), self.tp_reduction)
         context = PrepareContext(spec, parallel, self.dtype, device)
         params = self.state_dict(keep_vars=True)  # parameters and buffers, as autograd sees them
-        parts: dict[str, Any] = {
-            entry.target: prepare(entry, [params[n] for n in entry.sources], context)
-            for entry, prepare in weight_layout(spec)
-        }
-        decoder = _TrainingDecoder(spec, ops, self.dtype, device, parts, longest, parallel,  # type: ignore[arg-type]
+        parts: dict[str, Any] = {}
+        for entry, prepare in weight_layout(spec):
+            rows = self._fused_rows.get(entry.target)
+            if rows is not None and rows.intact(params):  # the fused weight itself, no copy
+                entry, sources = entry._replace(sources=[entry.target]), [rows.weight(params)]
+            else:
+                sources = [params[n] for n in entry.sources]
+            parts[entry.target] = prepare(entry, sources, context)
+        decoder = _TrainingDecoder(spec, ops, self.dtype, device, parts, max(lens), parallel,  # type: ignore[arg-type]
                                    self.kv_dtype)  # fmt: skip
         decoder.checkpointing = self.gradient_checkpointing
         return decoder

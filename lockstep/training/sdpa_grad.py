@@ -16,6 +16,10 @@ P * (dO V^T - rowsum(dO * O)) = 0); its own gradients are dropped.
     sequences (rows of the packed batch)      group (G = 2, L = 5)
     a: a0 a1 a2 a3 a4                          a0 a1 a2 a3 a4
     b: b0 b1 b2 b3                             b0 b1 b2 b3 __   (__: zeros, dO = 0)
+
+A group of equal lengths packed one after another (a batch of equal sequences, the usual
+training batch) needs no padding: its [G, H, L, D] batch is a view of the packed rows, and
+the gradients are written back by one slice copy each, with no index gathers or scatters.
 """
 
 from __future__ import annotations
@@ -78,10 +82,17 @@ def fused_attention_grads(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for group in length_groups(seq_lens):
         lens = [seq_lens[b] for b in group]
-        # Row i of sequence group[j] sits at slot j * L + i of the padded batch.
-        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in group]).to(q.device)
-        slots = torch.cat([torch.arange(n) + j * lens[0] for j, n in enumerate(lens)])
-        place = _Placement(rows, slots.to(q.device), len(group), lens[0], dtype)
+        first, longest = starts[group[0]], lens[0]
+        place: _Placement | _Slice
+        if all(starts[b] == first + j * longest and seq_lens[b] == longest
+               for j, b in enumerate(group)):  # fmt: skip
+            # Equal lengths, one after another in the packed rows: the batch is a view.
+            place = _Slice(first, len(group), longest, dtype)
+        else:
+            # Row i of sequence group[j] sits at slot j * L + i of the padded batch.
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in group])
+            slots = torch.cat([torch.arange(n) + j * longest for j, n in enumerate(lens)])
+            place = _Placement(rows.to(q.device), slots.to(q.device), len(group), longest, dtype)
         leaves = [place.pad(x).requires_grad_() for x in (q, k, v)]
         with torch.enable_grad():
             qp, kp, vp = leaves
@@ -93,7 +104,7 @@ def fused_attention_grads(
             )
         grads = torch.autograd.grad(out, leaves, place.pad(grad_out))
         for target, g in zip((dq, dk, dv), grads, strict=True):
-            target[rows] = place.unpad(g).to(target.dtype)
+            place.put(target, g)
     return dq, dk, dv
 
 
@@ -120,6 +131,25 @@ class _Placement:
         out[self.slots] = x[self.rows].to(self.dtype)
         return out.unflatten(0, (self.count, self.longest)).transpose(1, 2)
 
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[G, H, L, D] -> the group's packed rows [n, H, D] (padding dropped)."""
-        return x.transpose(1, 2).flatten(0, 1)[self.slots]
+    def put(self, target: torch.Tensor, x: torch.Tensor) -> None:
+        """The group's rows of [G, H, L, D] `x` into their rows of packed `target` [T, H, D]
+        (padding dropped)."""
+        target[self.rows] = x.transpose(1, 2).flatten(0, 1)[self.slots].to(target.dtype)
+
+
+class _Slice:
+    """A group of `count` sequences of `length` rows each, packed one after another from row
+    `first`: its [G, H, L, D] batch is a view of those rows (no padding, no index copies)."""
+
+    def __init__(self, first: int, count: int, length: int, dtype: torch.dtype) -> None:
+        self.rows = slice(first, first + count * length)
+        self.count, self.length, self.dtype = count, length, dtype
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed rows [T, H, D] -> the group's [G, H, L, D] in `dtype` (a view where x has
+        that dtype)."""
+        return x[self.rows].to(self.dtype).unflatten(0, (self.count, self.length)).transpose(1, 2)
+
+    def put(self, target: torch.Tensor, x: torch.Tensor) -> None:
+        """[G, H, L, D] `x` into the group's rows of packed `target` [T, H, D]."""
+        target[self.rows] = x.transpose(1, 2).flatten(0, 1)

@@ -2,10 +2,11 @@
 float32 logits and log-probabilities never exist at once, in the forward or the backward.
 
 Forward, a chunk of rows at a time: the decoder's own LM head (`Decoder.head_logits`: the
-head linear, soft-capping) and the backend's log-softmax, then the target's entry. Every op is
-row-local on a deterministic backend, so a row's value has the bits of the whole-batch
-computation (`LLM.score`'s). Each row's log-sum-exp is kept (float32 [T]: the target's logit
-minus its log-probability), with the rows and the head.
+head linear, soft-capping) and the backend's log-softmax, then the target's entry; a backend
+with `TargetLogSoftmaxOps` (the GPU's) gives the target's entry and the row's log-sum-exp by
+the same arithmetic without writing the [rows, V] log-probabilities. Every op is row-local on
+a deterministic backend, so a row's value has the bits of the whole-batch computation
+(`LLM.score`'s). Each row's log-sum-exp is kept (float32 [T]), with the rows and the head.
 
 Backward (`head_logprob_grads`), a chunk of vocabulary columns at a time, in closed form by
 plain torch matmuls (it need not have the engine's bits, only the right values): the chunk's
@@ -15,7 +16,7 @@ soft-capped), then with g the incoming gradient of row r,
     dc[r, v] = g_r * (1[v == target_r] - exp(c[r, v] - lse_r))      (log-softmax at the target)
     dz = dc * (1 - (c / cap)^2)                                      (soft-capping, if any)
     dW_c = dz^T @ x      written once per column chunk: every row's sum in one matmul
-    dx  += dz @ W_c
+    dx  += dz @ W_c      float32, accumulated by the matmul itself (beta = 1)
 
 so the head's gradient is written once, not accumulated chunk after chunk of rows. Rows
 whose incoming gradient is 0 (prompt tokens of an RL batch) are left out of the backward.
@@ -28,7 +29,9 @@ from typing import Any
 import torch
 
 from lockstep.models.decoder import Decoder
+from lockstep.ops.base import TargetLogSoftmaxOps
 from lockstep.training import functions
+from lockstep.training.differentiable_ops import DifferentiableOps
 
 # Logit elements per chunk (2**26 float32: 256 MiB, about 440 rows of a 152k vocabulary).
 CHUNK_ELEMENTS = 2**26
@@ -49,10 +52,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     ) -> torch.Tensor:
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         lse = torch.empty_like(out)
+        ops = decoder.ops.base if isinstance(decoder.ops, DifferentiableOps) else decoder.ops
         for lo in range(0, x.shape[0], rows):
             hi = min(lo + rows, x.shape[0])
             logits = decoder.head_logits(x[lo:hi], head)
-            picked = decoder.ops.log_softmax(logits).gather(1, targets[lo:hi, None])[:, 0]
+            if isinstance(ops, TargetLogSoftmaxOps):  # no [rows, V] log-probabilities written
+                out[lo:hi], lse[lo:hi] = ops.target_log_softmax(logits, targets[lo:hi])
+                continue
+            picked = ops.log_softmax(logits).gather(1, targets[lo:hi, None])[:, 0]
             out[lo:hi] = picked
             lse[lo:hi] = logits.gather(1, targets[lo:hi, None])[:, 0] - picked
         ctx.save_for_backward(x, head, targets, lse)
@@ -119,8 +126,22 @@ def head_logprob_grads(
         else:
             dz = _dlogits(z.to(wide), lse, g, targets, lo, softcap).to(mm)
         grad_head[lo:hi] = (dz.T @ xm).to(head.dtype)
-        grad_x += dz @ w
+        _add_product(grad_x, dz, w)
     return grad_x.to(x.dtype), grad_head
+
+
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b inside the matmul (its beta = 1 epilogue), with no product tensor and
+    no separate add: operands of total's dtype by `addmm_`; bfloat16 or float16 operands into
+    a float32 total on CUDA by cuBLAS's float32-output GEMM (`out_dtype`), which also keeps
+    each chunk's product unrounded. Elsewhere (mixed dtypes on the CPU) the product, then
+    the add."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif total.device.type == "cuda" and total.dtype == torch.float32:
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += a @ b
 
 
 def _dlogits(

@@ -11,9 +11,14 @@ float32 autograd of the plain formula:
     vocabulary: within twice the error of transformers' way (bfloat16 logits, float32
     log-softmax, autograd) of the float32 gradient, or 1e-2.
 
-Each has a control that moves it past the bound (another cut of the rows; shifted targets).
-Only where CUDA is present; the CPU runs the same checks at small shapes
-(tests/unit/training/test_sdpa_backward.py, test_head_backward.py).
+  * the fused attention-input backward (lockstep/ops/triton/attention_input_grad.py: q/k head
+    RMSNorms and RoPE) over 4,096 rows of q|k|v: within twice the error of torch's bfloat16
+    autograd of the same formula (or 1e-2) of the float32 gradient.
+
+Each has a control that moves it past the bound (another cut of the rows; shifted targets;
+the rotation turned the other way). Only where CUDA is present; the CPU runs the same checks
+at small shapes (tests/unit/training/test_sdpa_backward.py, test_head_backward.py,
+test_attention_input_grad.py).
 """
 
 from __future__ import annotations
@@ -125,3 +130,45 @@ def test_head_backward_on_cuda() -> None:
     # The control: the gradient of other targets is far from the reference.
     _, other = head_logprob_grads(x, head, (targets + 1) % VOCAB, lse, grad)
     assert _relative(other, eh) > 1e-1
+
+
+def test_attention_input_backward_on_cuda() -> None:
+    from lockstep.ops.triton.attention_input_grad import attention_input_backward
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    t, eps = 4096, 1e-6
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, device="cuda", generator=gen).bfloat16()
+    qn = torch.rand(D, device="cuda", generator=gen) + 0.5
+    kn = torch.rand(D, device="cuda", generator=gen) + 0.5
+    positions = torch.arange(t, device="cuda")
+    inv_freq = 1e6 ** -(torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D)
+    angles = torch.arange(t, device="cuda", dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = angles.cos().float(), angles.sin().float()
+    dq = torch.randn(t, HQ, D, device="cuda", generator=gen).bfloat16()
+    dk = torch.randn(t, HKV, D, device="cuda", generator=gen).bfloat16()
+    dv = torch.randn(t, HKV, D, device="cuda", generator=gen).bfloat16()
+
+    def autograd(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        x = qkv.to(dtype).requires_grad_()
+        weights = [qn.clone().requires_grad_(), kn.clone().requires_grad_()]
+        q, k, v = x.split([HQ * D, HKV * D, HKV * D], dim=1)
+        outs = []
+        for part, heads, w in ((q, HQ, weights[0]), (k, HKV, weights[1])):
+            h = part.reshape(t, heads, D)
+            normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w).to(dtype)
+            a, b = normed.chunk(2, -1)
+            c, s = cos[:, None].to(dtype), sin[:, None].to(dtype)
+            outs.append(torch.cat([a * c - b * s, b * c + a * s], -1))
+        outs.append(v.reshape(t, HKV, D))
+        return torch.autograd.grad(outs, [x, *weights], [g.to(dtype) for g in (dq, dk, dv)])
+
+    ex, eq, ek = autograd(torch.float32)
+    sx, sq, sk = autograd(torch.bfloat16)  # torch's own bf16 autograd, the yardstick
+    gx, gq, gk = attention_input_backward(qkv, dq, dk, dv, qn, kn, eps, positions, cos, sin)
+    assert gx.dtype == torch.bfloat16 and gq is not None and gk is not None
+    assert _relative(gx, ex) <= max(2 * _relative(sx, ex), 1e-2)
+    assert _relative(gq, eq) <= max(2 * _relative(sq, eq), 1e-2)
+    assert _relative(gk, ek) <= max(2 * _relative(sk, ek), 1e-2)
+    # The control: the rotation turned the other way is far from the reference.
+    turned, _, _ = attention_input_backward(qkv, dq, dk, dv, qn, kn, eps, positions, cos, -sin)
+    assert _relative(turned, ex) > 1e-1

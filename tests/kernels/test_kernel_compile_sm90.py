@@ -206,8 +206,32 @@ def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
     return "row_grads._head_dlogits_kernel", types, {"HAS_CAP": cap, "BLOCK": SILU_BLOCK}
 
 
+def _training_attention_input_backward() -> tuple[str, dict, dict]:
+    """The training module's fused attention-input backward
+    (lockstep/ops/triton/attention_input_grad.py) on bf16 rows with head norms, head_dim 128."""
+    from lockstep.ops.triton.attention_input_grad import ROWS
+
+    types = dict.fromkeys(("x", "dy", "dx"), "*bf16") | {"w": "*fp32", "dw_part": "*fp32",
+                                                          "positions": "*i64", "cos": "*fp32",
+                                                          "sin": "*fp32", "eps": "fp32"}  # fmt: skip
+    types |= dict.fromkeys(("n_rows", "col0", "head_dim", "rot", "sx", "sdy_row", "sdy_head",
+                            "sdx", "scos"), "i32")  # fmt: skip
+    return "attention_input_grad._head_input_backward_kernel", types, {
+        "HAS_NORM": True, "ROWS": ROWS, "BLOCK": 128}  # fmt: skip
+
+
+def _target_log_softmax() -> tuple[str, dict, dict]:
+    """The training head's target log-softmax (lockstep/ops/triton/log_softmax.py) over
+    float32 logits of a 151,936 vocabulary (38 chunk partials)."""
+    types = {"x": "*fp32", "targets": "*i64", "y": "*fp32", "lse_out": "*fp32",
+             "part_m": "*fp32", "part_s": "*fp32", "sx": "i32", "C": "i32"}  # fmt: skip
+    return "log_softmax._target_output", types, {"C_POW2": 64, "PDL": False}
+
+
 CASES = {
     **{f"attention_input {c}": _attention_input(c) for c in CACHES},
+    "target log_softmax": _target_log_softmax(),
+    "training attention_input backward": _training_attention_input_backward(),
     "training rms_norm backward": _training_rms_norm_backward(),
     "training silu_mul backward": _training_silu_mul_backward(),
     "training head dlogits": _training_head_dlogits(False),
@@ -270,6 +294,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         fp8_moe,
         gated_delta,
         latent_attention,
+        log_softmax,
         matmul,
         moe,
     )
@@ -292,12 +317,13 @@ def _compile_all(names: list[str]) -> dict[str, str]:
             dst = b
         tl.store(dst, 0.0)
 
-    from lockstep.ops.triton import row_grads
+    from lockstep.ops.triton import attention_input_grad, row_grads
 
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
                "latent_attention": latent_attention, "matmul": matmul, "moe": moe,
-               "row_grads": row_grads}  # fmt: skip
+               "row_grads": row_grads, "attention_input_grad": attention_input_grad,
+               "log_softmax": log_softmax}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:

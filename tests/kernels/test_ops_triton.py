@@ -432,6 +432,25 @@ def test_log_softmax(ops: GpuDeterministicOps) -> None:
     assert not torch.equal(raw(tricky, chunk=64), raw(tricky))
 
 
+def test_target_log_softmax_is_the_log_softmax_entry(ops: GpuDeterministicOps) -> None:
+    """The training head's op (`TargetLogSoftmaxOps`): each row's target entry of
+    `log_softmax`, bit for bit, and its logsumexp, without the [R, V] output."""
+    v = 151936 if GPU else 5000
+    logits = randn(7, v, seed=23, scale=4.0)
+    logits[4, :4096] = float("-inf")
+    logits[5, 100:9000:3] = float("-inf")
+    targets = torch.tensor([0, v - 1, 4096, 17, 4097, 103, 2], device=logits.device)
+    picked, lse = ops.target_log_softmax(logits, targets)
+    full = ops.log_softmax(logits)
+    assert picked.dtype == lse.dtype == torch.float32
+    assert torch.equal(picked, full.gather(1, targets[:, None])[:, 0])
+    ref = torch.logsumexp(logits.double(), dim=-1)
+    assert float((lse.double() - ref).abs().max()) < 1e-4
+    # Control: the neighbouring columns' entries are other values.
+    other, _ = ops.target_log_softmax(logits, (targets + 1) % v)
+    assert not torch.equal(other, picked)
+
+
 # ------------------------------------------------------------------------------- attention
 
 

@@ -47,6 +47,10 @@ def test_triton_backend_training_forward_is_the_decoder_bits(source: str) -> Non
     assert out.logits is not None
     for b, seq in enumerate(SEQUENCES):
         assert torch.equal(out.logits[cu[b] : cu[b + 1]], decoder.logits_for_sequence(seq))
+    # The chunked head (the backend's target log-softmax, no [T, V] log-probabilities) gives
+    # the whole log-softmax's entries.
+    with torch.no_grad():
+        assert torch.equal(model(SEQUENCES).logprobs, out.logprobs)
     # The control: the CPU backend's kernels (another reduction order) give other bits.
     cpu = LockstepForCausalLM.from_pretrained(source)
     cpu_out = cpu(SEQUENCES)

@@ -2,7 +2,8 @@
 full-matrix autograd gradients of causal attention (float32, relative 1e-5) on packed
 batches with grouped-query heads, sequences of close lengths right-padded into one call;
 computed in bfloat16 they stay within bfloat16's error; no tensor it makes is a score
-matrix, where the full-matrix backward makes [Hq, n, n]."""
+matrix, where the full-matrix backward makes [Hq, n, n]; a batch of equal lengths is viewed,
+not gathered (no index op, where a padded group makes them)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ HQ, HKV, D = 4, 2, 16
 SCALE = D**-0.5
 UNEVEN = [300, 17, 129, 64, 1]  # one group each: no two lengths are close
 CLOSE = [40, 37, 33, 40, 5, 1, 2]  # groups of several, padded: 40, 40, 37, 33 together
+EQUAL = [24, 24, 24, 9, 9]  # two groups of equal lengths, each packed in a row: views
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -69,7 +71,7 @@ def test_groups_pad_close_lengths_together() -> None:
     assert sorted(b for g in groups for b in g) == list(range(len(CLOSE)))
 
 
-@pytest.mark.parametrize("seq_lens", [UNEVEN, CLOSE], ids=["uneven", "close"])
+@pytest.mark.parametrize("seq_lens", [UNEVEN, CLOSE, EQUAL], ids=["uneven", "close", "equal"])
 def test_fused_gradients_equal_the_full_matrix_gradients(seq_lens: list[int]) -> None:
     q, k, v, grad = _inputs(seq_lens)
     expected = _dense_grads(seq_lens, q, k, v, grad)
@@ -121,3 +123,29 @@ def test_repeated_kv_heads_where_the_kernel_lacks_grouped_heads(
     got = fused_attention_grads(q, k, v, grad, CLOSE, SCALE)
     for name, g, e in zip("qkv", got, expected, strict=True):
         assert g.shape == e.shape and _relative(g, e) < 1e-5, name
+
+
+class _IndexOps(TorchDispatchMode):
+    """Counts the index gathers and scatters (aten.index, aten.index_put) run while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put,
+                                   torch.ops.aten.index_put_):  # fmt: skip
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_equal_lengths_in_a_row_are_viewed_not_gathered() -> None:
+    q, k, v, grad = _inputs(EQUAL)
+    with _IndexOps() as equal:
+        fused_attention_grads(q, k, v, grad, EQUAL, SCALE)
+    assert equal.count == 0
+    # The control: a padded group gathers its rows and scatters their gradients back.
+    q, k, v, grad = _inputs(CLOSE)
+    with _IndexOps() as close:
+        fused_attention_grads(q, k, v, grad, CLOSE, SCALE)
+    assert close.count > 0
