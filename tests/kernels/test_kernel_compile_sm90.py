@@ -183,7 +183,7 @@ def _training_rms_norm_backward() -> tuple[str, dict, dict]:
     types |= dict.fromkeys(("n_rows", "hidden", "sx", "sdy", "sds", "sdx"), "i32")
     types["eps"] = "fp32"
     return "row_grads._rms_norm_backward_kernel", types, {"HAS_DS": True, "ROWS": ROWS,
-                                                           "BLOCK": 4096}  # fmt: skip
+                                                           "BLOCK": 4096, "PDL": False}  # fmt: skip
 
 
 def _training_silu_mul_backward() -> tuple[str, dict, dict]:
@@ -192,7 +192,7 @@ def _training_silu_mul_backward() -> tuple[str, dict, dict]:
 
     types = dict.fromkeys(("gu", "dy", "dgu"), "*bf16")
     types |= dict.fromkeys(("inter", "sgu", "sdy", "sdgu"), "i32")
-    return "row_grads._silu_mul_backward_kernel", types, {"BLOCK": SILU_BLOCK}
+    return "row_grads._silu_mul_backward_kernel", types, {"BLOCK": SILU_BLOCK, "PDL": False}
 
 
 def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
@@ -203,7 +203,11 @@ def _training_head_dlogits(cap: bool) -> tuple[str, dict, dict]:
     types = {"z": "*bf16", "lse": "*fp32", "g": "*fp32", "targets": "*i64", "dz": "*bf16",
              "cap": "fp32"}  # fmt: skip
     types |= dict.fromkeys(("cols", "lo", "sz", "sdz"), "i32")
-    return "row_grads._head_dlogits_kernel", types, {"HAS_CAP": cap, "BLOCK": SILU_BLOCK}
+    return (
+        "row_grads._head_dlogits_kernel",
+        types,
+        {"HAS_CAP": cap, "BLOCK": SILU_BLOCK, "PDL": False},
+    )
 
 
 def _training_attention_input_backward() -> tuple[str, dict, dict]:
@@ -217,7 +221,7 @@ def _training_attention_input_backward() -> tuple[str, dict, dict]:
     types |= dict.fromkeys(("n_rows", "col0", "head_dim", "rot", "sx", "sdy_row", "sdy_head",
                             "sdx", "scos"), "i32")  # fmt: skip
     return "attention_input_grad._head_input_backward_kernel", types, {
-        "HAS_NORM": True, "ROWS": ROWS, "BLOCK": 128}  # fmt: skip
+        "HAS_NORM": True, "ROWS": ROWS, "BLOCK": 128, "PDL": False}  # fmt: skip
 
 
 def _target_log_softmax() -> tuple[str, dict, dict]:

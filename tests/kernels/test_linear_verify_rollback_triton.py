@@ -64,7 +64,7 @@ def test_verify_cut_back_equals_the_kept_rows_alone(kernel: str, chunk: int) -> 
         pooled = pooled_rows(ops, [state], [n], layout)
         assert pooled is not None, "the Triton backend runs the pooled path"
         out = gated_deltanet(ops, x, weights, 0, batch, layout, weights.eps, [n], pooled,
-                             state.pool)  # fmt: skip
+                             state.pool, decoder.parallel)  # fmt: skip
         state.advance(n)
         return out
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 # Rows per program: each program adds its rows' dw into one partial row, so the partials are
 # [rows / ROWS * heads, D] float32 (summed by torch afterwards).
 ROWS = 16
@@ -30,8 +32,9 @@ ROWS = 16
 def _head_input_backward_kernel(
     x, dy, dx, w, dw_part, positions, cos, sin, n_rows, col0, head_dim, rot, sx, sdy_row,
     sdy_head, sdx, scos, eps,
-    HAS_NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -120,6 +123,7 @@ def attention_input_backward(
                 col0, d, rot, qkv.stride(0), grad.stride(0), grad.stride(1), dx.stride(0),
                 cos.stride(0), eps,
                 HAS_NORM=has_norm, ROWS=ROWS, BLOCK=triton.next_power_of_2(d),
+                **pdl_launch(qkv.device, t),
             )  # fmt: skip
         grads.append(dw_part.sum(0) if has_norm else None)
     return dx, grads[0], grads[1]

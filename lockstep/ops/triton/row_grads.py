@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.ops.triton.launch import pdl_launch, wait_for_inputs
+
 # Rows per program of the RMSNorm backward: each program adds its rows' dw into one partial
 # row, so the partials are [rows / ROWS, H] float32 (summed by torch afterwards).
 ROWS = 16
@@ -32,8 +34,9 @@ SILU_BLOCK = 1024
 @triton.jit
 def _rms_norm_backward_kernel(
     x, w, dy, ds, dx, dw_part, n_rows, hidden, sx, sdy, sds, sdx, eps,
-    HAS_DS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     cols = offs < hidden
@@ -81,7 +84,7 @@ def rms_norm_backward(
             x, weight.contiguous(), grad_out, stream, dx, dw_part, m, hidden, x.stride(0),
             grad_out.stride(0), stream.stride(0), dx.stride(0), eps,
             HAS_DS=grad_stream is not None, ROWS=ROWS, BLOCK=block,
-            num_warps=8 if block >= 4096 else 4,
+            num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device, m),
         )  # fmt: skip
     else:
         dw_part.zero_()
@@ -89,7 +92,10 @@ def rms_norm_backward(
 
 
 @triton.jit
-def _silu_mul_backward_kernel(gu, dy, dgu, inter, sgu, sdy, sdgu, BLOCK: tl.constexpr):
+def _silu_mul_backward_kernel(
+    gu, dy, dgu, inter, sgu, sdy, sdgu, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -118,7 +124,7 @@ def silu_mul_backward(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
         block = min(SILU_BLOCK, triton.next_power_of_2(inter))
         _silu_mul_backward_kernel[(m, triton.cdiv(inter, block))](
             gate_up, grad_out, out, inter, gate_up.stride(0), grad_out.stride(0), out.stride(0),
-            BLOCK=block,
+            BLOCK=block, **pdl_launch(gate_up.device, m),
         )  # fmt: skip
     return out
 
@@ -126,8 +132,9 @@ def silu_mul_backward(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Te
 @triton.jit
 def _head_dlogits_kernel(
     z, lse, g, targets, dz, cols, lo, sz, sdz, cap,
-    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < cols
@@ -166,6 +173,6 @@ def head_dlogits(
         _head_dlogits_kernel[(rows, triton.cdiv(cols, block))](
             z, lse.float().contiguous(), grad.float().contiguous(), targets.contiguous(), out,
             cols, lo, z.stride(0), out.stride(0), 1.0 if softcap is None else float(softcap),
-            HAS_CAP=softcap is not None, BLOCK=block,
+            HAS_CAP=softcap is not None, BLOCK=block, **pdl_launch(z.device, rows),
         )  # fmt: skip
     return out
