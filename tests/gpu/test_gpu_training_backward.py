@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.support.largest_tensor import LargestTensor
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,21 +37,6 @@ HQ, HKV, D = 32, 8, 128  # Qwen3-8B's attention
 HIDDEN, VOCAB = 4096, 151936
 SCALE = D**-0.5
 LENS = [2048, 2048, 1500, 1450, 700, 3, 1]  # 2048, 2048 and 1500 share a padded call
-
-
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,7 +72,7 @@ def test_fused_attention_backward_on_cuda() -> None:
     bf16 = [x.bfloat16() for x in (q, k, v, grad)]
     stock = _dense_attention_grads(*bf16, LENS)  # torch's own bf16 autograd, the yardstick
 
-    with _LargestTensor() as fused:
+    with LargestTensor() as fused:
         ours = fused_attention_grads(q, k, v, grad, LENS, SCALE, dtype=torch.bfloat16)
     for name, g, e, s in zip("qkv", ours, reference, stock, strict=True):
         assert torch.isfinite(g).all(), name
@@ -100,7 +86,7 @@ def test_fused_attention_backward_on_cuda() -> None:
     assert _relative(moved[1], reference[1]) > 1e-1
     # The control of the size bound: the full-matrix backward makes [H, L, L] scores.
     assert HQ * LENS[0] ** 2 > 2 * bound
-    with _LargestTensor() as dense:
+    with LargestTensor() as dense:
         _dense_attention_grads(*bf16, LENS)
     assert dense.largest >= HQ * LENS[0] ** 2
 

@@ -148,6 +148,7 @@ def _gdn_chunk_wy_kernel(
     p = tl.where(causal, qk * decay, 0.0)
     tl.store(ws_p + (ws * C + rows[:, None]) * C + rows[None, :], p)
     eg = bt * tl.exp(gamma)
+    # The key blocks are loaded again (L1/L2 hits) rather than kept live through T's loop.
     for b in tl.static_range(NKB):
         dk = b * KB + tl.arange(0, KB)
         mk = dk < DK

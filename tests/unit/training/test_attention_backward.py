@@ -8,29 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lockstep.training.attention_grad import blocked_attention_grads
+from tests.support.largest_tensor import LargestTensor
 
 SEQ_LENS = [300, 17, 129, 64, 1]  # across tile edges, a sequence of one token
 HQ, HKV, D = 4, 2, 16
 BLOCK = 32
 SCALE = D**-0.5
-
-
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def _dense(
@@ -114,10 +99,10 @@ def test_blocked_backward_holds_no_score_matrix() -> None:
     bound = query_tiles * HQ * BLOCK * BLOCK
     full = HQ * max(SEQ_LENS) ** 2
     assert full > 4 * bound  # the shapes tell the two backwards apart
-    with _LargestTensor() as blocked:
+    with LargestTensor() as blocked:
         blocked_attention_grads(q, k, v, grad, SEQ_LENS, SCALE, block=BLOCK)
     assert blocked.largest <= bound
     # The control: the full-matrix backward makes a tensor of the longest sequence's scores.
-    with _LargestTensor() as dense:
+    with LargestTensor() as dense:
         _dense_grads(q, k, v, grad)
     assert dense.largest >= full

@@ -14,27 +14,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lockstep.training.sdpa_grad import fused_attention_grads, length_groups
+from tests.support.largest_tensor import LargestTensor
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D**-0.5
 UNEVEN = [300, 17, 129, 64, 1]  # one group each: no two lengths are close
 CLOSE = [40, 37, 33, 40, 5, 1, 2]  # groups of several, padded: 40, 40, 37, 33 together
 EQUAL = [24, 24, 24, 9, 9]  # two groups of equal lengths, each packed in a row: views
-
-
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def _inputs(seq_lens: Sequence[int]) -> tuple[torch.Tensor, ...]:
@@ -101,11 +87,11 @@ def test_fused_backward_holds_no_score_matrix() -> None:
     padded_inputs = max(UNEVEN) * HQ * D  # the largest group, one sequence of 300 rows
     full = HQ * max(UNEVEN) ** 2
     assert full > 4 * padded_inputs  # the shapes tell the two backwards apart
-    with _LargestTensor() as fused:
+    with LargestTensor() as fused:
         fused_attention_grads(q, k, v, grad, UNEVEN, SCALE)
     assert fused.largest <= sum(UNEVEN) * HQ * D  # the packed inputs and gradients
     # The control: the full-matrix backward makes a tensor of the longest sequence's scores.
-    with _LargestTensor() as dense:
+    with LargestTensor() as dense:
         _dense_grads(UNEVEN, q, k, v, grad)
     assert dense.largest >= full
 
