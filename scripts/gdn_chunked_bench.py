@@ -56,19 +56,30 @@ def call(kind: str):
             else gated_delta.gated_delta_rule_pooled)  # fmt: skip
 
 
-def time_call(kind: str, b: int, n: int, start: int) -> float:
-    """Microseconds per pooled call of b sequences x n rows from position `start`."""
+def warm_call(kind: str, b: int, n: int, start: int):
+    """A pooled call of b sequences x n rows from position `start`, run three times (kernels
+    compiled): returns it as a function of no arguments."""
     x = inputs(b * n, 1)
     state = pool(kind, b)
     seqs = PooledRows.build([n] * b, [start] * b, list(range(b)), C, x[0].device)
     fn = call(kind)
-    for _ in range(3):
+
+    def run() -> None:
         fn(*x, *state, seqs)
+
+    for _ in range(3):
+        run()
     torch.cuda.synchronize()
+    return run
+
+
+def time_call(kind: str, b: int, n: int, start: int) -> float:
+    """Microseconds per pooled call of b sequences x n rows from position `start`."""
+    run = warm_call(kind, b, n, start)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(10):
-        fn(*x, *state, seqs)
+        run()
     e.record()
     torch.cuda.synchronize()
     return s.elapsed_time(e) / 10 * 1e3
@@ -76,17 +87,11 @@ def time_call(kind: str, b: int, n: int, start: int) -> float:
 
 def profile_call(kind: str, b: int, n: int, start: int, calls: int = 10) -> dict[str, float]:
     """Each kernel's GPU microseconds per pooled call of b sequences x n rows."""
-    x = inputs(b * n, 1)
-    state = pool(kind, b)
-    seqs = PooledRows.build([n] * b, [start] * b, list(range(b)), C, x[0].device)
-    fn = call(kind)
-    for _ in range(3):
-        fn(*x, *state, seqs)
-    torch.cuda.synchronize()
+    run = warm_call(kind, b, n, start)
     acts = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
-            fn(*x, *state, seqs)
+            run()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for ev in prof.key_averages():

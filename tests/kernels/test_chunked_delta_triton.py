@@ -227,18 +227,9 @@ def test_key_and_value_blocks_split_and_match_the_reference() -> None:
          torch.rand(n, hv, generator=gen)]  # fmt: skip
     x = [t.to(DEV).contiguous() for t in x]
 
-    def fresh() -> list[torch.Tensor]:
-        return [t.to(DEV) for t in _zeros(hk, hv, dk, dv, c)]
-
     def run(split: list[int]) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        state, outs, bounds, start = fresh(), [], {}, 0
-        for m in split:
-            part = [t[start : start + m].contiguous() for t in x]
-            out, got = chunked_delta.chunked_delta_rule(*part, *state, start)
-            outs.append(out)
-            bounds.update({p: s.clone() for p, s in got})
-            start += m
-        return torch.cat(outs), bounds, state[0]
+        out, bounds, state = _run(split, x, [t.to(DEV) for t in _zeros(hk, hv, dk, dv, c)])
+        return out, bounds, state[0]
 
     want, want_bounds, want_state = run([n])
     assert sorted(want_bounds) == [c]
