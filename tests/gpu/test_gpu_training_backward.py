@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.largest_tensor import LargestTensor
+from tests.support.grad_checks import LargestTensor, relative
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,10 +37,6 @@ HQ, HKV, D = 32, 8, 128  # Qwen3-8B's attention
 HIDDEN, VOCAB = 4096, 151936
 SCALE = D**-0.5
 LENS = [2048, 2048, 1500, 1450, 700, 3, 1]  # 2048, 2048 and 1500 share a padded call
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _dense_attention_grads(q, k, v, grad, lens):  # type: ignore[no-untyped-def]
@@ -76,14 +72,14 @@ def test_fused_attention_backward_on_cuda() -> None:
         ours = fused_attention_grads(q, k, v, grad, LENS, SCALE, dtype=torch.bfloat16)
     for name, g, e, s in zip("qkv", ours, reference, stock, strict=True):
         assert torch.isfinite(g).all(), name
-        assert _relative(g, e) <= max(2 * _relative(s, e), 1e-2), name
+        assert relative(g, e) <= max(2 * relative(s, e), 1e-2), name
     padded = max(len(g) * LENS[g[0]] for g in length_groups(LENS))
     bound = max(padded, t) * HQ * D  # a padded group's q, or the packed gradients
     assert fused.largest <= bound
     # The control: another cut of the same rows moves the gradient past the bound.
     moved = fused_attention_grads(q, k, v, grad, [2000, 2096, *LENS[2:]], SCALE,
                                   dtype=torch.bfloat16)  # fmt: skip
-    assert _relative(moved[1], reference[1]) > 1e-1
+    assert relative(moved[1], reference[1]) > 1e-1
     # The control of the size bound: the full-matrix backward makes [H, L, L] scores.
     assert HQ * LENS[0] ** 2 > 2 * bound
     with LargestTensor() as dense:
@@ -111,11 +107,11 @@ def test_head_backward_on_cuda() -> None:
     (sx, sh), lse = autograd(x, head, torch.bfloat16, targets)  # transformers' way
     gx, gh = head_logprob_grads(x, head, targets, lse, grad)
     assert gx.dtype == gh.dtype == torch.bfloat16
-    assert _relative(gx, ex) <= max(2 * _relative(sx, ex), 1e-2)
-    assert _relative(gh, eh) <= max(2 * _relative(sh, eh), 1e-2)
+    assert relative(gx, ex) <= max(2 * relative(sx, ex), 1e-2)
+    assert relative(gh, eh) <= max(2 * relative(sh, eh), 1e-2)
     # The control: the gradient of other targets is far from the reference.
     _, other = head_logprob_grads(x, head, (targets + 1) % VOCAB, lse, grad)
-    assert _relative(other, eh) > 1e-1
+    assert relative(other, eh) > 1e-1
 
 
 def test_attention_input_backward_on_cuda() -> None:
@@ -152,9 +148,9 @@ def test_attention_input_backward_on_cuda() -> None:
     sx, sq, sk = autograd(torch.bfloat16)  # torch's own bf16 autograd, the yardstick
     gx, gq, gk = attention_input_backward(qkv, dq, dk, dv, qn, kn, eps, positions, cos, sin)
     assert gx.dtype == torch.bfloat16 and gq is not None and gk is not None
-    assert _relative(gx, ex) <= max(2 * _relative(sx, ex), 1e-2)
-    assert _relative(gq, eq) <= max(2 * _relative(sq, eq), 1e-2)
-    assert _relative(gk, ek) <= max(2 * _relative(sk, ek), 1e-2)
+    assert relative(gx, ex) <= max(2 * relative(sx, ex), 1e-2)
+    assert relative(gq, eq) <= max(2 * relative(sq, eq), 1e-2)
+    assert relative(gk, ek) <= max(2 * relative(sk, ek), 1e-2)
     # The control: the rotation turned the other way is far from the reference.
     turned, _, _ = attention_input_backward(qkv, dq, dk, dv, qn, kn, eps, positions, cos, -sin)
-    assert _relative(turned, ex) > 1e-1
+    assert relative(turned, ex) > 1e-1

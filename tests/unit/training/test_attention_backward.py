@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lockstep.training.attention_grad import blocked_attention_grads
-from tests.support.largest_tensor import LargestTensor
+from tests.support.grad_checks import LargestTensor
 
 SEQ_LENS = [300, 17, 129, 64, 1]  # across tile edges, a sequence of one token
 HQ, HKV, D = 4, 2, 16

@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from lockstep.ops.triton.attention_input_grad import ROWS, attention_input_backward
+from tests.support.grad_checks import graph_names, relative
 
 T, HQ, HKV, D = 2 * ROWS + 3, 4, 2, 16  # rows past a program's ROWS, grouped heads
 EPS = 1e-6
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,18 +59,18 @@ def test_attention_input_backward_is_autograd(rot: int, norms: bool) -> None:
     qkv, qn, kn, positions, cos, sin, dq, dk, dv = _inputs(0, rot, norms)
     expected = _autograd(qkv, qn, kn, positions, cos, sin, dq, dk, dv)
     dx, dqn, dkn = attention_input_backward(qkv, dq, dk, dv, qn, kn, EPS, positions, cos, sin)
-    assert dx.dtype == torch.float32 and _relative(dx, expected[0]) < 1e-6
+    assert dx.dtype == torch.float32 and relative(dx, expected[0]) < 1e-6
     if norms:
         assert dqn is not None and dkn is not None
-        assert _relative(dqn, expected[1]) < 1e-6 and _relative(dkn, expected[2]) < 1e-6
+        assert relative(dqn, expected[1]) < 1e-6 and relative(dkn, expected[2]) < 1e-6
     else:
         assert dqn is None and dkn is None
     bf = [t.bfloat16() for t in (qkv, dq, dk, dv)]
     dxb, dqnb, _ = attention_input_backward(bf[0], *bf[1:], qn, kn, EPS, positions, cos, sin)
     expected_bf = _autograd(bf[0], qn, kn, positions, cos, sin, *bf[1:])
-    assert dxb.dtype == torch.bfloat16 and _relative(dxb, expected_bf[0]) < 1e-2
+    assert dxb.dtype == torch.bfloat16 and relative(dxb, expected_bf[0]) < 1e-2
     if norms:
-        assert dqnb is not None and _relative(dqnb, expected_bf[1]) < 1e-5
+        assert dqnb is not None and relative(dqnb, expected_bf[1]) < 1e-5
     # The controls: the rotation turned the other way, another row's positions, the q heads'
     # gradients swapped in pairs: each moves d q|k|v past the bound.
     for wrong in (
@@ -83,19 +80,7 @@ def test_attention_input_backward_is_autograd(rot: int, norms: bool) -> None:
             qkv, dq[:, [1, 0, 3, 2]], dk, dv, qn, kn, EPS, positions, cos, sin
         )[0],  # fmt: skip
     ):
-        assert _relative(wrong, expected[0]) > 1e-2
-
-
-def _graph_names(t: torch.Tensor) -> set[str]:
-    names, stack, seen = set(), [t.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack += [n for n, _ in node.next_functions]
-    return names
+        assert relative(wrong, expected[0]) > 1e-2
 
 
 # Qwen3: q/k head norms, full rotary; Qwen3.5: partial rotary, gated attention, beside Gated
@@ -114,7 +99,7 @@ def test_the_module_with_the_fused_backward_gives_the_twins_gradients(
         out = model(seqs)
         (-out.logprobs.sum()).backward()
         named = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return named, _graph_names(out.logprobs), out.logprobs
+        return named, graph_names(out.logprobs), out.logprobs
 
     twins, twin_nodes, twin_logprobs = grads(sequences)
     monkeypatch.setattr(functions, "FUSED_ROW_GRAD_DEVICES", ("cuda", "cpu"))
@@ -123,7 +108,7 @@ def test_the_module_with_the_fused_backward_gives_the_twins_gradients(
     assert "ClosedFormBackwardBackward" in fused_nodes
     assert "ClosedFormBackwardBackward" not in twin_nodes
     assert set(fused) == set(twins)
-    assert max(_relative(fused[n], twins[n]) for n in twins) < 1e-5
+    assert max(relative(fused[n], twins[n]) for n in twins) < 1e-5
     # The control: one token changed moves some gradient past the bound.
     changed, _, _ = grads([[5, 9, 31, 7, 11, 2, 8], [1, 2, 3], [40, 17, 3, 3]])
-    assert max(_relative(changed[n], twins[n]) for n in twins) > 1e-5
+    assert max(relative(changed[n], twins[n]) for n in twins) > 1e-5

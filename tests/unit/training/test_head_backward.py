@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lockstep.training.token_logprobs import head_logprob_grads, token_logprobs
+from tests.support.grad_checks import relative
 
 T, H, V = 23, 16, 50
 
@@ -44,10 +45,6 @@ def _autograd(x, head, targets, grad, softcap):  # type: ignore[no-untyped-def]
     return grads, torch.logsumexp(logits.detach(), -1)
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("columns", [None, 7, V], ids=["default", "7", "whole"])
 def test_closed_form_is_autograd_in_float64(softcap: float | None, columns: int | None) -> None:
@@ -55,7 +52,7 @@ def test_closed_form_is_autograd_in_float64(softcap: float | None, columns: int 
     (ex, eh), lse = _autograd(x, head, targets, grad, softcap)
     gx, gh = head_logprob_grads(x, head, targets, lse, grad, softcap, columns)
     assert gx.dtype == gh.dtype == torch.float64
-    assert _relative(gx, ex) < 1e-12 and _relative(gh, eh) < 1e-12
+    assert relative(gx, ex) < 1e-12 and relative(gh, eh) < 1e-12
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
@@ -65,16 +62,16 @@ def test_fused_dlogits_kernel_is_autograd(softcap: float | None) -> None:
     x32, head32, lse32 = x.float(), head.float(), lse.float()
     gx, gh = head_logprob_grads(x32, head32, targets, lse32, grad, softcap, 7, fused=True)
     assert gx.dtype == gh.dtype == torch.float32
-    assert _relative(gx, ex) < 1e-5 and _relative(gh, eh) < 1e-5
+    assert relative(gx, ex) < 1e-5 and relative(gh, eh) < 1e-5
     # bfloat16 rows and head (CUDA's case): bfloat16 gradients within bfloat16's rounding.
     gx, gh = head_logprob_grads(x.bfloat16(), head.bfloat16(), targets, lse32, grad, softcap, 7,
                                 fused=True)  # fmt: skip
     assert gx.dtype == gh.dtype == torch.bfloat16
-    assert _relative(gx, ex) < 3e-2 and _relative(gh, eh) < 3e-2
+    assert relative(gx, ex) < 3e-2 and relative(gh, eh) < 3e-2
     # The control: the kernel with a shifted target.
     _, other = head_logprob_grads(x32, head32, (targets + 1) % V, lse32, grad, softcap, 7,
                                   fused=True)  # fmt: skip
-    assert _relative(other, eh) > 1e-3
+    assert relative(other, eh) > 1e-3
 
 
 def test_float32_within_rounding_and_bfloat16_heads() -> None:
@@ -82,11 +79,11 @@ def test_float32_within_rounding_and_bfloat16_heads() -> None:
     (ex, eh), lse = _autograd(x, head, targets, grad, 3.0)
     gx, gh = head_logprob_grads(x.float(), head.float(), targets, lse.float(), grad, 3.0, 7)
     assert gx.dtype == gh.dtype == torch.float32
-    assert _relative(gx, ex) < 1e-5 and _relative(gh, eh) < 1e-5
+    assert relative(gx, ex) < 1e-5 and relative(gh, eh) < 1e-5
     # A bfloat16 model on the CPU: float32 rows, a bfloat16 head, float32 matmuls.
     gx, gh = head_logprob_grads(x.float(), head.bfloat16(), targets, lse.float(), grad, 3.0, 7)
     assert gx.dtype == torch.float32 and gh.dtype == torch.bfloat16
-    assert _relative(gh, eh) < 2e-2
+    assert relative(gh, eh) < 2e-2
 
 
 def test_controls_move_the_gradient_past_the_bound() -> None:
@@ -96,7 +93,7 @@ def test_controls_move_the_gradient_past_the_bound() -> None:
     wrong_lse = head_logprob_grads(x, head, targets, lse + 0.1, grad, 3.0, 7)
     shifted = head_logprob_grads(x, head, (targets + 1) % V, lse, grad, 3.0, 7)
     for gx, gh in (forgotten_cap, wrong_lse, shifted):
-        assert _relative(gx, ex) > 1e-3 and _relative(gh, eh) > 1e-3
+        assert relative(gx, ex) > 1e-3 and relative(gh, eh) > 1e-3
 
 
 class _PlainHead:
@@ -124,9 +121,9 @@ def test_rows_without_a_gradient_are_left_out_exactly() -> None:
         picked = token_logprobs(fake, leaves[0], targets, rows)  # type: ignore[arg-type]
         gx, gh = torch.autograd.grad((picked * grad.double()).sum(), leaves)
         # The Function keeps a float32 log-sum-exp (its logprobs are float32): 1e-6.
-        assert _relative(gx, ex) < 1e-6 and _relative(gh, eh) < 1e-6
+        assert relative(gx, ex) < 1e-6 and relative(gh, eh) < 1e-6
         assert not gx[10:18].any()
         # The control: other targets give another gradient.
         shifted = token_logprobs(fake, leaves[0], (targets + 1) % V, rows)  # type: ignore[arg-type]
         _, other = torch.autograd.grad((shifted * grad.double()).sum(), leaves)
-        assert _relative(other, eh) > 1e-3
+        assert relative(other, eh) > 1e-3

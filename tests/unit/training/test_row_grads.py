@@ -13,13 +13,10 @@ import torch.nn.functional as F
 
 from lockstep.ops.triton.row_grads import ROWS, rms_norm_backward, silu_mul_backward
 from lockstep.training import functions
+from tests.support.grad_checks import graph_names, relative
 
 M, H = 2 * ROWS + 5, 48  # rows past a program's ROWS, a hidden size not a power of 2
 EPS = 1e-6
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _rms_autograd(x, w, dy, ds):  # type: ignore[no-untyped-def]
@@ -38,18 +35,18 @@ def test_rms_norm_backward_is_autograd(stream: bool) -> None:
     ex, ew = _rms_autograd(x, w, dy, ds)
     dx, dw = rms_norm_backward(x, w, EPS, dy, ds)
     assert dx.dtype == dw.dtype == torch.float32
-    assert _relative(dx, ex) < 1e-6 and _relative(dw, ew) < 1e-6
+    assert relative(dx, ex) < 1e-6 and relative(dw, ew) < 1e-6
     xb, dyb = x.bfloat16(), dy.bfloat16()
     dsb = None if ds is None else ds.bfloat16()
     dxb, dwb = rms_norm_backward(xb, w, EPS, dyb, dsb)
     ebx, ebw = _rms_autograd(xb, w, dyb, dsb)
     assert dxb.dtype == torch.bfloat16 and dwb.dtype == torch.float32
-    assert _relative(dxb, ebx) < 1e-2 and _relative(dwb, ebw) < 1e-6
+    assert relative(dxb, ebx) < 1e-2 and relative(dwb, ebw) < 1e-6
     # The controls: another weight moves dx (dw does not depend on it), another row's
     # gradient moves both.
-    assert _relative(rms_norm_backward(x, w.flip(0), EPS, dy, ds)[0], ex) > 1e-2
+    assert relative(rms_norm_backward(x, w.flip(0), EPS, dy, ds)[0], ex) > 1e-2
     other = rms_norm_backward(x, w, EPS, dy.roll(1, 0), ds)
-    assert _relative(other[0], ex) > 1e-2 and _relative(other[1], ew) > 1e-2
+    assert relative(other[0], ex) > 1e-2 and relative(other[1], ew) > 1e-2
 
 
 def test_silu_mul_backward_is_autograd() -> None:
@@ -59,24 +56,12 @@ def test_silu_mul_backward_is_autograd() -> None:
     gate, up = leaf.chunk(2, -1)
     (expected,) = torch.autograd.grad(F.silu(gate) * up, [leaf], [dy.double()])
     got = silu_mul_backward(gate_up, dy)
-    assert got.dtype == torch.float32 and _relative(got, expected) < 1e-6
+    assert got.dtype == torch.float32 and relative(got, expected) < 1e-6
     got_bf16 = silu_mul_backward(gate_up.bfloat16(), dy.bfloat16())
-    assert got_bf16.dtype == torch.bfloat16 and _relative(got_bf16, expected) < 1e-2
+    assert got_bf16.dtype == torch.bfloat16 and relative(got_bf16, expected) < 1e-2
     # The control: up and gate swapped.
     swapped = silu_mul_backward(torch.cat(gate_up.chunk(2, -1)[::-1], -1), dy)
-    assert _relative(swapped, expected) > 1e-2
-
-
-def _graph_names(t: torch.Tensor) -> set[str]:
-    names, stack, seen = set(), [t.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack += [n for n, _ in node.next_functions]
-    return names
+    assert relative(swapped, expected) > 1e-2
 
 
 def test_the_module_with_fused_row_grads_gives_the_twins_gradients(
@@ -92,7 +77,7 @@ def test_the_module_with_fused_row_grads_gives_the_twins_gradients(
         out = model(seqs)
         (-out.logprobs.sum()).backward()
         named = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return named, _graph_names(out.logprobs)
+        return named, graph_names(out.logprobs)
 
     twins, twin_nodes = grads(sequences)
     monkeypatch.setattr(functions, "FUSED_ROW_GRAD_DEVICES", ("cuda", "cpu"))
@@ -101,8 +86,8 @@ def test_the_module_with_fused_row_grads_gives_the_twins_gradients(
     for name in ("_FusedAddRmsNormBackward", "_FusedRmsNormBackward", "_FusedSiluMulBackward"):
         assert name in fused_nodes and name not in twin_nodes
     assert set(fused) == set(twins)
-    worst = max(_relative(fused[n], twins[n]) for n in twins)
+    worst = max(relative(fused[n], twins[n]) for n in twins)
     assert worst < 1e-5
     # The control: one token changed moves some gradient past the bound.
     changed, _ = grads([[5, 9, 31, 7, 11, 2, 8], [1, 2, 3], [40, 17, 3, 3]])
-    assert max(_relative(changed[n], twins[n]) for n in twins) > 1e-5
+    assert max(relative(changed[n], twins[n]) for n in twins) > 1e-5

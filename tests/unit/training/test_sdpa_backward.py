@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lockstep.training.sdpa_grad import fused_attention_grads, length_groups
-from tests.support.largest_tensor import LargestTensor
+from tests.support.grad_checks import LargestTensor, relative
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D**-0.5
@@ -45,10 +45,6 @@ def _dense_grads(seq_lens: Sequence[int], q, k, v, grad):  # type: ignore[no-unt
     return torch.autograd.grad(torch.cat(outs), leaves, grad)
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def test_groups_pad_close_lengths_together() -> None:
     assert length_groups([64] * 8) == [list(range(8))]
     assert length_groups(UNEVEN) == [[0], [2], [3], [1], [4]]
@@ -64,12 +60,12 @@ def test_fused_gradients_equal_the_full_matrix_gradients(seq_lens: list[int]) ->
     got = fused_attention_grads(q, k, v, grad, seq_lens, SCALE)
     for name, g, e in zip("qkv", got, expected, strict=True):
         assert g.shape == e.shape and g.dtype == torch.float32
-        assert _relative(g, e) < 1e-5, name
+        assert relative(g, e) < 1e-5, name
     # The control: another cut of the same rows (one sequence's keys seen by another) moves
     # the gradient far past the bound, so the comparison above could fail.
     moved = [seq_lens[0] - 3, seq_lens[1] + 3, *seq_lens[2:]]
     other = fused_attention_grads(q, k, v, grad, moved, SCALE)
-    assert _relative(other[1], expected[1]) > 1e-2
+    assert relative(other[1], expected[1]) > 1e-2
 
 
 def test_bfloat16_gradients_within_bfloat16_error() -> None:
@@ -79,7 +75,7 @@ def test_bfloat16_gradients_within_bfloat16_error() -> None:
     for name, g, e in zip("qkv", got, expected, strict=True):
         assert g.dtype == torch.float32  # q's dtype, whatever the attention ran in
         # The control side: it really ran in bfloat16 (float32 is within 1e-5, above).
-        assert 1e-4 < _relative(g, e) < 2e-2, name
+        assert 1e-4 < relative(g, e) < 2e-2, name
 
 
 def test_fused_backward_holds_no_score_matrix() -> None:
@@ -108,7 +104,7 @@ def test_repeated_kv_heads_where_the_kernel_lacks_grouped_heads(
     expected = _dense_grads(CLOSE, q, k, v, grad)
     got = fused_attention_grads(q, k, v, grad, CLOSE, SCALE)
     for name, g, e in zip("qkv", got, expected, strict=True):
-        assert g.shape == e.shape and _relative(g, e) < 1e-5, name
+        assert g.shape == e.shape and relative(g, e) < 1e-5, name
 
 
 class _IndexOps(TorchDispatchMode):
