@@ -4,8 +4,18 @@ against the float64 reference, every slot's row equal to the unfused dense compo
 FP8 GEMM of `fp8_gemm.py` per checkpoint part, `silu_mul`, the FP8 GEMM, the rank-order
 combine) bit for bit, and a token's bits independent of its batch-mates and of the tile
 config. Negative controls: the composition with another activation grouping differs (the
-equality sees the quantization), and the stock loop over experts changes a token's bits
-with the batch (the batch check can fail).
+equality sees the quantization), the stock loop over experts changes a token's bits
+with the batch (the batch check can fail), and a layer with one expert's down scales doubled
+misses the accuracy bound (the bound sees a wrong scale).
+
+Accuracy against the float64 reference: within 1e-5 in float32 activations (the CPU
+interpreter). In bfloat16 activations (the GPU) the bound is on the relative RMS error, 3%:
+the kernels round the SiLU-mul hidden to bf16 before quantizing it to e4m3, and a bf16
+rounding (2^-9) can move a value across an e4m3 rounding boundary, which changes it by a whole
+e4m3 step (2^-4), while the reference quantizes the exact hidden. Measured under the
+interpreter with these weights and tokens in bf16: 1.9-2.2% relative RMS, largest element
+error 0.036-0.045 (in float32: 2.3e-7), so no elementwise bound below a whole e4m3 step holds
+for every element.
 
 The interpreter's tl.dot is the row-local one of tests/kernels/test_ops_triton.py. On a GPU machine
 the same file runs the kernels compiled; tests/gpu/test_gpu_moe.py has the H200 shapes."""
@@ -30,6 +40,7 @@ GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16 if GPU else torch.float32
 E, TOP_K, H, INTER = 4, 2, 192, 160
+BF16_RELATIVE_RMS = 3e-2  # the module docstring's bf16 floor (~2%) with room
 NARROW = fm.Fp8GroupedConfig(64, 64, 4, 1)
 WIDE = fm.Fp8GroupedConfig(64, 128, 4, 1)
 
@@ -76,13 +87,32 @@ def layer(weights) -> MoeLayer:
     return layer_for(GpuDeterministicOps(), weights)
 
 
+def relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| over every element, in float64."""
+    got = got.cpu().double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def assert_near_reference(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within 1e-5 elementwise in float32 activations, within BF16_RELATIVE_RMS in bf16."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        assert relative_rms(got, want) <= BF16_RELATIVE_RMS, relative_rms(got, want)
+
+
 def test_fp8_moe_matches_the_float64_reference(weights, layer) -> None:
+    """The layer within the module docstring's bound of the float64 reference. Control: the
+    same layer with expert 1's down block scales doubled is beyond BF16_RELATIVE_RMS."""
     x = tokens(11, 2)
     want = Float64Ops().moe(x.cpu().double(), layer_for(Float64Ops(), weights))
     got = GpuDeterministicOps().moe(x, layer)  # the tables' configs, through the backend
     assert got.shape == (11, H) and got.dtype == DTYPE
-    tol = 3e-2 if GPU else 1e-5
-    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    assert_near_reference(got, want)
+    wrong = dict(weights)
+    wrong[1, "down"] = (weights[1, "down"][0], weights[1, "down"][1] * 2)
+    bad = GpuDeterministicOps().moe(x, layer_for(GpuDeterministicOps(), wrong))
+    assert relative_rms(bad, want) > BF16_RELATIVE_RMS, relative_rms(bad, want)
 
 
 def _composition(x: torch.Tensor, layer: MoeLayer, weights: dict, scheme: str) -> torch.Tensor:
@@ -206,8 +236,9 @@ def _row_composition(x: torch.Tensor, layer: MoeLayer, q: dict, scheme: str,
 def test_row_scaled_fp8_moe_equals_the_dense_composition_and_the_reference(scheme: str) -> None:
     """Per-channel and per-tensor experts: every slot equals the dense FP8 GEMMs' composition
     bit for bit (per tensor: at the layer's largest input scale), under both tile configs;
-    the layer is the float64 reference's within fp32 rounding. Control: per tensor, the
-    composition at expert 0's own input scales differs (the equality sees the scale)."""
+    the layer is within the module docstring's bound of the float64 reference. Control: per
+    tensor, the composition at expert 0's own input scales differs (the equality sees the
+    scale)."""
     q = quantized_rows(5, scheme)
     layer = row_layer_for(GpuDeterministicOps(), q, scheme)
     x = tokens(5, 6)
@@ -216,8 +247,7 @@ def test_row_scaled_fp8_moe_equals_the_dense_composition_and_the_reference(schem
     for cfg in (NARROW, WIDE):
         assert torch.equal(fm.moe_fp8(x, layer, cfg, cfg), want), cfg
     reference = Float64Ops().moe(x.cpu().double(), row_layer_for(Float64Ops(), q, scheme))
-    tol = 3e-2 if GPU else 1e-5
-    torch.testing.assert_close(want.cpu().double(), reference, rtol=tol, atol=tol)
+    assert_near_reference(want, reference)
     if scheme == "tensor":
         own = (q[0, "gate"][2].to(DEV), q[0, "down"][2].to(DEV))
         assert not torch.equal(_row_composition(x, layer, q, scheme, *own), want)
