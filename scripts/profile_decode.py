@@ -27,20 +27,32 @@ from lockstep.config import EngineConfig  # noqa: E402
 from lockstep.engine.engine import Engine  # noqa: E402
 from lockstep.engine.sampling_params import SamplingParams  # noqa: E402
 from lockstep.ops.fp8 import Fp8Weight  # noqa: E402
+from lockstep.ops.moe import MoeLayer  # noqa: E402
 
 
-def step_weight_bytes(engine: Engine) -> int:
-    """Bytes of weights one decode step must read: every tensor of every layer (its blocks'
-    weights objects walked through), the final norm and the LM head (the embedding table
-    contributes one row per token, left out; every expert of an MoE layer counted)."""
+def step_weight_bytes(engine: Engine, batch: int = 1) -> int:
+    """Bytes of weights one decode step of `batch` rows must read: every tensor of every layer
+    (its blocks' weights objects walked through), the final norm and the LM head (the
+    embedding table contributes one row per token, left out). Of an MoE layer's routed experts
+    only the expected number a step touches: E * (1 - (1 - k / E) ** batch) of E, k at
+    batch 1, as if routing were uniform (shared experts and the router are read whole)."""
     dec = engine.decoder
     tensors = {id(t): t for t in [dec.final_norm, dec.lm_head]}
+    fraction: dict[int, float] = {}  # id -> the share of a routed expert tensor read
 
     def walk(obj: object, depth: int = 0) -> None:
         if isinstance(obj, torch.Tensor):
             tensors[id(obj)] = obj
         elif isinstance(obj, Fp8Weight):  # e4m3 weight and its scales
             tensors.update((id(part), part) for part in obj.tensors())
+        elif isinstance(obj, MoeLayer):
+            e, k = obj.num_experts, obj.top_k
+            share = (1 - (1 - k / e) ** batch) if e > k else 1.0
+            for part in (obj.gate_up, obj.down, obj.gate_up_scale, obj.down_scale):
+                if isinstance(part, torch.Tensor) and part.dim() >= 1 and part.shape[0] == e:
+                    tensors[id(part)] = part
+                    fraction[id(part)] = share
+            walk(obj.router, depth + 1)
         elif isinstance(obj, (list, tuple)):
             for item in obj:
                 walk(item, depth + 1)
@@ -50,7 +62,8 @@ def step_weight_bytes(engine: Engine) -> int:
 
     for layer in dec.layers:
         walk(layer)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return int(sum(t.numel() * t.element_size() * fraction.get(i, 1.0)
+                   for i, t in tensors.items()))  # fmt: skip
 
 
 def time_phases(
@@ -191,7 +204,7 @@ def main() -> None:
         e.record()
         torch.cuda.synchronize()
         replays.append(s.elapsed_time(e))
-    param_bytes = step_weight_bytes(engine)
+    param_bytes = step_weight_bytes(engine, args.batch)
     bw = copy_bandwidth()
     floor_ms = param_bytes / (bw * 1e12) * 1e3
     # One eager forward of the same static batch, profiled per kernel.
