@@ -319,7 +319,15 @@ def run_bench_speculative(args: argparse.Namespace) -> int:
                           "invalid: expected both >= 1")  # fmt: skip
     options = engine_options_from_args(args)
     options["speculative"] = options.get("speculative") or "ngram"
-    plain = Engine(EngineConfig.from_options(**dict(options, speculative=None, draft_model=None)))
+    plain_config = EngineConfig.from_options(**dict(options, speculative=None, draft_model=None))
+    if plain_config.kv_tokens is None and plain_config.kv_memory_fraction is None:
+        # Two engines share the device: the first takes half its default share of the memory
+        # left, and the second's default share is of what the first leaves.
+        half = 0.5 * plain_config.resolved_kv_memory_fraction
+        plain_config = EngineConfig.from_options(
+            **dict(options, speculative=None, draft_model=None, kv_memory_fraction=half)
+        )
+    plain = Engine(plain_config)
     speculating = Engine(EngineConfig.from_options(**options))
     prompts = speculative.load_prompts(args.prompts_file, plain)
     results = speculative.bench_speculative(

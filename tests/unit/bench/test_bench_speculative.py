@@ -32,3 +32,36 @@ def test_bench_speculative_compares_outputs(
     assert all(r["generated_tokens"] > 0 for r in doc["results"])
     assert any(r["acceptance_rate"] > 0 for r in doc["results"])
     assert doc["command"].startswith("lockstep bench speculative --prompts-file ")
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("extra", [[], ["--kv-tokens", "4096"]])
+def test_the_two_engines_share_the_memory(monkeypatch, tmp_path: Path, extra: list[str]) -> None:
+    """Without --kv-tokens, the plain engine takes half its default share of the memory left,
+    so the speculating engine built after it finds room (on an 80 GB GPU the first engine's
+    default share left the second no KV pool); with --kv-tokens both take that size."""
+    import lockstep.engine.engine as engine_module
+
+    configs = []
+
+    def record(config):
+        configs.append(config)
+        if len(configs) == 2:
+            raise _Built
+
+    monkeypatch.setattr(engine_module, "Engine", record)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(PROMPTS[1]) + "\n")
+    with pytest.raises(_Built):
+        main(["bench", "speculative", "--prompts-file", str(prompts), "--device", "cpu", *extra])
+    plain, speculating = configs
+    assert plain.speculative is None and speculating.speculative == "ngram"
+    assert speculating.kv_memory_fraction is None
+    if extra:
+        assert plain.kv_tokens == speculating.kv_tokens == 4096
+        assert plain.kv_memory_fraction is None
+    else:
+        assert plain.kv_memory_fraction == 0.5 * speculating.resolved_kv_memory_fraction
