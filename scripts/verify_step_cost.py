@@ -7,6 +7,9 @@ alternate between the two engines (`--rounds`), each timing `--steps` steps; rep
 median step time of each and their ratio. A table, then one JSON document on the last line.
 
     python scripts/verify_step_cost.py --device cpu --k 4 --context 512
+
+--profile: then where a step's time goes on each engine: the host's functions (cProfile,
+by own time) and, on CUDA, the GPU's kernels (torch.profiler: time and launches a step).
 """
 
 from __future__ import annotations
@@ -51,6 +54,45 @@ def step_times(engine: Engine, prompt: list[int], steps: int) -> list[float]:
     return times
 
 
+def profile_steps(engine: Engine, prompt: list[int], steps: int, name: str) -> dict:
+    """Print the host's top functions over `steps` steps and, on CUDA, the GPU kernel time
+    and launches a step; return the figures."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    engine.add_request("p", prompt, SamplingParams(max_tokens=8 * steps + 8, temperature=0.0,
+                                                   ignore_eos=True))  # fmt: skip
+    engine.step()
+    engine.step()
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        engine.step()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(18)
+    print(f"--- {name} steps, host (cProfile, {steps} steps)\n{text.getvalue()}")
+    out: dict = {}
+    if engine.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        kernels = [ev for ev in prof.events() if ev.device_type.name == "CUDA"]
+        out = {"gpu_us_per_step": sum(ev.device_time_total for ev in kernels) / steps,
+               "kernels_per_step": len(kernels) / steps}  # fmt: skip
+        print(f"--- {name} steps, GPU: {out['gpu_us_per_step']:.0f} us of kernels and "
+              f"{out['kernels_per_step']:.0f} kernels a step")  # fmt: skip
+    engine.abort_request("p")
+    engine.flush_cache()
+    return out
+
+
 def main() -> None:
     import torch
 
@@ -61,6 +103,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens")
     parser.add_argument("--steps", type=int, default=32, help="steps timed per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, engines in turn")
+    parser.add_argument("--profile", action="store_true", help="host and GPU profiles of steps")
     args = parser.parse_args()
     base = dict(model=args.model, device=args.device, kv_tokens=args.context + 16 * args.steps)
     plain = Engine(EngineConfig(**base))
@@ -90,6 +133,9 @@ def main() -> None:
         "ratios": [v / d for v, d in zip(verify, decode, strict=True)],
     }  # fmt: skip
     doc["ratio"] = doc["verify_ms"] / doc["decode_ms"]
+    if args.profile:
+        for name, engine in (("decode", plain), ("verify", spec)):
+            doc[f"{name}_profile"] = profile_steps(engine, prompt, args.steps, name)
     print(f"{'decode ms/step':>16}{'verify ms/step (k=' + str(args.k) + ')':>24}{'ratio':>8}")
     print(f"{doc['decode_ms']:>16.2f}{doc['verify_ms']:>24.2f}{doc['ratio']:>8.2f}")
     print(json.dumps(doc))
