@@ -58,6 +58,9 @@ _HELP = {
     "piecewise_cuda_graphs": "replay steps with prompt rows (up to 1,024 rows) as per-layer CUDA "
     "graphs around eager attention (same bits; models with only paged attention, at tp 1; "
     "default: on with CUDA graphs)",
+    "verify_cuda_graphs": "replay speculative verify steps whose sequences verify the same "
+    "number of drafts as whole-step CUDA graphs (same bits; models with only paged attention; "
+    "default: on with CUDA graphs)",
     "num_threads": "CPU threads (default: the cores this process may use, its affinity and "
     'CPU quota; docs/cpu_ops.md, "Threads")',
     "random_seed": "seed of random-weight presets",

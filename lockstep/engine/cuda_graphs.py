@@ -18,16 +18,27 @@ Why a replay gives the bits of an eager step:
     at absolute positions). Buckets start above one split, so a graph may take the split path
     where the eager step folded: the same bits either way.
 
+Verify steps (exact speculative decoding: every sequence adds the same number Q > 1 of rows,
+its last token and Q - 1 drafts) replay graphs too, keyed by Q beside the two buckets, when the
+runner is built with `verify_graphs` (models whose mixers are all paged attention, no linear
+states). The same argument holds per sequence: a padding sequence repeats sequence 0's Q rows
+(tokens, positions, output slots, q_start, keys), so it computes sequence 0's rows bit for bit
+and writes the same K/V bits into the same slots; every row's logits are computed. A chunk of
+Q rows takes the attention path an eager step of that chunk takes (prefill tiles above
+`split_path_max_q`, decode tiles below), the path again chosen for speed only. The graph's
+rows, B x Q, stay within the runner's output buffer (B x Q <= max_batch).
+
 The first step of a bucket runs eagerly on the static buffers (warm-up and Triton compilation),
 then is captured and replayed; the eager run writes exactly the K/V the replay writes again.
 All graphs share one memory pool and one output buffer; they never run concurrently.
 
-    static inputs of bucket (B, C)       filled from a step of b <= B sequences
-    token_ids, positions, out_slots [B]  real rows 0..b-1, then copies of row 0
-    q_start, kv_len [B], cu_q = 0..B     (one query per sequence)
+    static inputs of bucket (B, C, Q)    filled from a step of b <= B sequences of Q rows
+    token_ids, positions, out_slots [BQ] real rows 0..bQ-1, then copies of sequence 0's Q
+    q_start, kv_len [B]                  (padding sequences: sequence 0's)
+    cu_q = 0, Q, .., BQ [B+1]            (Q queries per sequence; Q = 1 for decode)
     cu_kv [B+1]                          start of each sequence's slots (padding: row 0's)
     slot_table [B*C]                     the step's concatenated slot tables, then unused
-    logit_rows [B]                       0..B-1 (the graph computes every row's logits)
+    logit_rows [BQ]                      0..BQ-1 (the graph computes every row's logits)
 
 The int64 inputs are views of one device buffer and the int32 inputs of another, filled from
 one pinned staging area shared by all buckets by asynchronous transfers: three per step,
@@ -74,7 +85,7 @@ def graph_context_buckets(
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: _StaticInputs  # the static inputs (`inputs.batch`)
-    logits: torch.Tensor  # static output [B, vocab]: rows of the runner's shared output
+    logits: torch.Tensor  # static output [B * Q, vocab]: rows of the runner's shared output
 
 
 class DecodeGraphRunner:
@@ -93,10 +104,13 @@ class DecodeGraphRunner:
         context_buckets: tuple[int, ...] = DEFAULT_CONTEXT_BUCKETS,
         state_pool: LinearStatePool | None = None,
         spare_kv_slot: int | None = None,
+        verify_graphs: bool = False,
     ) -> None:
         """Hybrid models: `state_pool` holds the running sequences' linear states and
         `spare_kv_slot` is a KV row no sequence owns (`KVPool(spare_slots=1)`): padding rows
-        write there and to the pool's scratch slot, never to row 0's state."""
+        write there and to the pool's scratch slot, never to row 0's state. `verify_graphs`:
+        steps of Q > 1 rows per sequence replay graphs too (module docstring; not with a
+        state pool)."""
         if decoder.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA decoder, got device={decoder.device}")
         if max_batch < 1 or max_context < 1:
@@ -108,9 +122,12 @@ class DecodeGraphRunner:
         self.context_buckets = graph_context_buckets(max_context, context_buckets)
         if (state_pool is None) != (spare_kv_slot is None):
             raise ValueError("a hybrid model's graphs need both a state pool and a spare KV slot")
+        if verify_graphs and state_pool is not None:
+            raise ValueError("verify steps of a hybrid model do not run from graphs")
         self.state_pool = state_pool
         self.spare_kv_slot = spare_kv_slot
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.verify_graphs = verify_graphs
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._staging = _Staging(self.device)
         # Every graph writes its logits into the first B rows of one buffer (graphs never run
@@ -140,20 +157,23 @@ class DecodeGraphRunner:
         self._pool = torch.cuda.graph_pool_handle()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A pure decode step that fits the largest buckets."""
+        """A pure decode step that fits the largest buckets, or (`verify_graphs`) a step whose
+        sequences all have the same Q > 1 rows, whose bucket's B x Q rows fit the output."""
         meta = batch.meta
-        b = meta.num_seqs
+        b, q = meta.num_seqs, meta.max_q
         states = batch.linear_states
         if (states is not None or self.state_pool is not None) and (
             states is None or any(s.pool is not self.state_pool for s in states)
         ):
             return False  # linear states outside the pool (or a hybrid runner without any)
-        return (
-            0 < b <= self.max_batch
-            and meta.max_q == 1
-            and batch.num_tokens == b
-            and meta.max_kv <= self.max_context
-        )
+        if not (0 < b <= self.max_batch and q >= 1 and batch.num_tokens == b * q):
+            return False
+        if q > 1 and not (self.verify_graphs and self._batch_bucket(b) * q <= self.max_batch):
+            return False
+        return meta.max_kv <= self.max_context
+
+    def _batch_bucket(self, b: int) -> int:
+        return self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
 
     def run(
         self, batch: ForwardBatch, patch: tuple[list[tuple[int, int]], torch.Tensor] | None = None
@@ -161,19 +181,21 @@ class DecodeGraphRunner:
         """Replay the bucket's graph on `batch` (CPU tensors). `patch` = ([(row, index)],
         tokens): rows whose token is still on the device, copied from tokens[index] after the
         staged inputs land (padding rows copy row 0's, patched too), without a host wait."""
-        if not self.can_run(batch):
-            raise ValueError(
-                f"not a graph-sized decode step: {batch.meta.num_seqs} sequences (max "
-                f"{self.max_batch}), max_q={batch.meta.max_q} (need 1), "
-                f"max_kv={batch.meta.max_kv} (max {self.max_context})"
-            )
         meta = batch.meta
-        bb = self.batch_buckets[bisect.bisect_left(self.batch_buckets, meta.num_seqs)]
+        if not self.can_run(batch) or (patch is not None and meta.max_q > 1):
+            raise ValueError(
+                f"not a graph-sized step: {meta.num_seqs} sequences (max {self.max_batch}), "
+                f"{batch.num_tokens} rows, max_q={meta.max_q} (1, or the same for every "
+                f"sequence with verify graphs and no pending tokens), max_kv={meta.max_kv} "
+                f"(max {self.max_context})"
+            )  # fmt: skip
+        bb = self._batch_bucket(meta.num_seqs)
         cb = self.context_buckets[bisect.bisect_left(self.context_buckets, meta.max_kv)]
-        entry = self._graphs.get((bb, cb))
+        key = (bb, cb, meta.max_q)
+        entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(batch, bb, cb, patch)
-            self._graphs[(bb, cb)] = entry
+            entry = self._capture(batch, key, patch)
+            self._graphs[key] = entry
         else:
             entry.inputs.fill(batch, self._staging, patch)
             entry.graph.replay()
@@ -188,11 +210,11 @@ class DecodeGraphRunner:
     def _capture(
         self,
         batch: ForwardBatch,
-        bb: int,
-        cb: int,
+        key: tuple[int, int, int],
         patch: tuple[list[tuple[int, int]], torch.Tensor] | None,
     ) -> _Graph:
-        inputs = _StaticInputs(bb, cb, self.device, self.state_pool, self.spare_kv_slot)
+        bb, cb, q = key
+        inputs = _StaticInputs(bb, cb, self.device, self.state_pool, self.spare_kv_slot, q)
         static = inputs.batch
         inputs.fill(batch, self._staging, patch)
         if self.state_pool is not None:
@@ -206,7 +228,7 @@ class DecodeGraphRunner:
             self.decoder.forward(static, self.kv)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        out = self._out[:bb]
+        out = self._out[: bb * q]
         with torch.cuda.graph(graph, pool=self._pool):
             out.copy_(self.decoder.forward(static, self.kv))
         if self.state_pool is not None:
@@ -246,10 +268,10 @@ class _Staging:
 
 class _StaticInputs:
     """A bucket's static inputs as views of two device buffers (int64 and int32). Layout
-    (B = bucket, C = context bucket): int64 [token_ids B | positions B | out_slots B |
-    logit_rows = 0..B-1 | patch rows B | patch indices B], int32 [q_start B | kv_len B |
-    cu_kv B+1 | cu_q B+1 | slot_table B*C]. The constant parts (logit_rows, cu_q) are written
-    once; `fill` transfers the rest."""
+    (B = bucket, C = context bucket, Q rows per sequence, R = B * Q): int64 [token_ids R |
+    positions R | out_slots R | logit_rows = 0..R-1 | patch rows R | patch indices R], int32
+    [q_start B | kv_len B | cu_kv B+1 | cu_q = 0, Q, .., R | slot_table B*C]. The constant
+    parts (logit_rows, cu_q) are written once; `fill` transfers the rest."""
 
     def __init__(
         self,
@@ -258,17 +280,22 @@ class _StaticInputs:
         device: torch.device,
         state_pool: LinearStatePool | None = None,
         spare_kv_slot: int | None = None,
+        q: int = 1,
     ) -> None:
+        if q > 1 and state_pool is not None:
+            raise ValueError("a hybrid model's static inputs take one row per sequence")
         self.bb = bb
+        self.q = q
         self.state_pool = state_pool
         self.spare_kv_slot = spare_kv_slot
         i32, i64 = torch.int32, torch.int64
+        r = bb * q
         # The patch rows/indices are not graph inputs: they say where a step's pending tokens
         # (overlapped decode) are copied from, before the replay.
-        self.dev64 = torch.zeros(6 * bb, dtype=i64, device=device)
+        self.dev64 = torch.zeros(6 * r, dtype=i64, device=device)
         self.dev32 = torch.zeros(4 * bb + 2 + bb * cb, dtype=i32, device=device)
-        self.dev64[3 * bb : 4 * bb] = torch.arange(bb, dtype=i64, device=device)  # logit_rows
-        self.dev32[3 * bb + 1 : 4 * bb + 2] = torch.arange(bb + 1, dtype=i32, device=device)
+        self.dev64[3 * r : 4 * r] = torch.arange(r, dtype=i64, device=device)  # logit_rows
+        self.dev32[3 * bb + 1 : 4 * bb + 2] = q * torch.arange(bb + 1, dtype=i32, device=device)
         d64, d32 = self.dev64, self.dev32
         meta = AttentionMeta(
             cu_q=d32[3 * bb + 1 : 4 * bb + 2],
@@ -276,7 +303,7 @@ class _StaticInputs:
             kv_len=d32[bb : 2 * bb],
             cu_kv=d32[2 * bb : 3 * bb + 1],
             slot_table=d32[4 * bb + 2 :],
-            max_q=1,
+            max_q=q,
             max_kv=cb,
         )
         pooled = None
@@ -296,11 +323,11 @@ class _StaticInputs:
                 task_n=torch.ones_like(count), task_cu=meta.cu_q, task_count=bb,
             )  # fmt: skip
         self.batch = ForwardBatch(
-            token_ids=d64[0:bb],
-            positions=d64[bb : 2 * bb],
-            out_slots=d64[2 * bb : 3 * bb],
+            token_ids=d64[0:r],
+            positions=d64[r : 2 * r],
+            out_slots=d64[2 * r : 3 * r],
             meta=meta,
-            logit_rows=d64[3 * bb : 4 * bb],
+            logit_rows=d64[3 * r : 4 * r],
             pooled=pooled,
             state_pool=state_pool,
         )
@@ -318,17 +345,22 @@ class _StaticInputs:
         staging: _Staging,
         patch: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
     ) -> None:
-        """Stage `batch` (CPU tensors, b <= B sequences of one query each) and copy it in:
-        one asynchronous transfer per buffer; then copy pending tokens (`patch`) from the
-        device, padding rows included when row 0's token is pending."""
-        bb, meta = self.bb, batch.meta
+        """Stage `batch` (CPU tensors, b <= B sequences of Q queries each) and copy it in:
+        one asynchronous transfer per buffer; then copy pending tokens (`patch`, Q = 1 only)
+        from the device, padding rows included when row 0's token is pending."""
+        bb, q, meta = self.bb, self.q, batch.meta
         b = meta.num_seqs
+        r, real = bb * q, b * q
+        if batch.num_tokens != real or meta.max_q != q or (patch is not None and q > 1):
+            raise ValueError(f"a step of {batch.num_tokens} rows, max_q={meta.max_q}, does not "
+                             f"fill {b} sequences of {q} rows (pending tokens only at 1)")  # fmt: skip
         total = meta.slot_table.shape[0]
         n32 = 3 * bb + 1 + total  # q_start, kv_len, cu_kv, then the slot table
-        h64, h32 = staging.buffers(5 * bb, n32 + 3 * bb)  # (+ hybrid models' slots)
+        h64, h32 = staging.buffers(5 * r, n32 + 3 * bb)  # (+ hybrid models' slots)
         for i, src in enumerate((batch.token_ids, batch.positions, batch.out_slots)):
-            h64[i * bb : i * bb + b] = src
-            h64[i * bb + b : (i + 1) * bb] = src[0]  # padding rows repeat row 0
+            h64[i * r : i * r + real] = src
+            # Padding sequences repeat sequence 0's rows.
+            h64[i * r + real : (i + 1) * r] = src[:q].repeat(bb - b)
         if self.state_pool is not None:
             # Padding rows of a hybrid model compute from other states than row 0's: they
             # write the spare KV row and the scratch state, never row 0's.
@@ -356,11 +388,11 @@ class _StaticInputs:
             pairs = list(pairs)
             row0 = next((i for r, i in pairs if r == 0), None)
             if row0 is not None:  # padding rows repeat row 0: its token is theirs too
-                pairs += [(r, row0) for r in range(b, bb)]
+                pairs += [(row, row0) for row in range(b, bb)]
             n_patch = len(pairs)
-            h64[3 * bb : 3 * bb + n_patch] = torch.tensor([r for r, _ in pairs])
+            h64[3 * bb : 3 * bb + n_patch] = torch.tensor([row for row, _ in pairs])
             h64[4 * bb : 4 * bb + n_patch] = torch.tensor([i for _, i in pairs])
-        self.dev64[: 3 * bb].copy_(h64[: 3 * bb], non_blocking=True)
+        self.dev64[: 3 * r].copy_(h64[: 3 * r], non_blocking=True)
         if n_patch:
             self.dev64[4 * bb : 4 * bb + n_patch].copy_(h64[3 * bb : 3 * bb + n_patch],
                                                          non_blocking=True)  # fmt: skip

@@ -291,7 +291,7 @@ class Engine:
             graphs = DecodeGraphRunner(
                 self.decoder, self.pool, max_batch=config.resolved_max_running,
                 max_context=self.max_model_len, state_pool=self.state_pool,
-                spare_kv_slot=self.pool.spare_slot,
+                spare_kv_slot=self.pool.spare_slot, verify_graphs=self._runs_verify_graphs(),
             )  # fmt: skip
         piecewise = None
         if self._runs_piecewise():
@@ -961,6 +961,17 @@ class Engine:
         return (
             config.use_piecewise_cuda_graphs
             and config.speculative != "mtp"
+            and piecewise_graphs.supports(self.decoder) is None
+        )
+
+    def _runs_verify_graphs(self) -> bool:
+        """Whether verify steps of equal rows per sequence replay whole-step graphs: asked
+        for, speculating, and a model whose mixers are all paged attention (no linear state
+        to cut back, the attention whose chunk path a graph fixes)."""
+        return (
+            self.config.use_verify_cuda_graphs
+            and self.speculator is not None
+            and self.state_pool is None
             and piecewise_graphs.supports(self.decoder) is None
         )
 

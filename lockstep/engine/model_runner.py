@@ -143,7 +143,8 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Launches steps eagerly, pure decode steps from CUDA graphs when `graphs` is given
+    """Launches steps eagerly, pure decode steps (and verify steps of the same rows per
+    sequence, where `graphs` has verify graphs) from CUDA graphs when `graphs` is given
     (same bits: see lockstep/engine/cuda_graphs.py), and steps with prompt rows from graph
     pieces around eager attention when `piecewise` is given
     (lockstep/engine/piecewise_graphs.py). `keep_hidden`: every step also keeps the
@@ -307,7 +308,8 @@ class ModelRunner:
         batch, layout, patches = self.build(plan, source)
         patch = (patches, source.tokens) if patches and source is not None else None
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, patch), layout, None
+            if patch is None or batch.meta.max_q == 1:  # pending tokens: decode graphs only
+                return self.graphs.run(batch, patch), layout, None
         if self.piecewise is not None and self.piecewise.can_run(batch):
             return self.piecewise.run(batch, patch), layout, None
         if self.device.type != "cpu":
