@@ -521,6 +521,27 @@ class LatentAttentionOps(Protocol):
         (float8_e4m3fn: saturating, at scale 1.0), exactly."""
         ...
 
+    def write_latent_row(
+        self, cache: Tensor, latent: Tensor, k_rope: Tensor, positions: Tensor, cos: Tensor,
+        sin: Tensor, slots: Tensor,
+    ) -> None:  # fmt: skip
+        """A token's cache row from its parts: latent [T, R] (normalized) and the RoPE part of
+        the projection k_rope [T, dr] (a strided view is fine: last dim contiguous) give the
+        row latent | rope(k_rope) written into cache [S, 1, R + dr] at `slots` [T]. The bits
+        of `ComposedLatentInput.write_latent_row`: `rope` at `positions` from the float32
+        tables [max_position, dr/2], rounded to k_rope's dtype, then `write_latent`'s
+        rounding to the cache's dtype; every value is computed per token."""
+        ...
+
+    def latent_query(
+        self, q_lat: Tensor, q_rope: Tensor, positions: Tensor, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        """The absorbed query [T, H, R + dr] (contiguous, q_lat's dtype) from q_lat [T, H, R]
+        (W_UK^T q_nope per head) and the RoPE part of q, q_rope [T, H, dr] (a strided view is
+        fine: last dim contiguous): q_lat | rope(q_rope) rounded to q_rope's dtype, then to
+        q_lat's, bit for bit `ComposedLatentInput.latent_query`; per token and head."""
+        ...
+
     def latent_width_refusal(self, latent: int, rope: int) -> str | None:
         """Why this backend cannot run latent attention over rows of `latent` + `rope` values
         (a model of those widths is refused at load with it), or None where it can."""
@@ -601,6 +622,27 @@ class GroupedLinearByGroups:
     def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:
         linear = self.linear  # type: ignore[attr-defined]
         return torch.stack([linear(x[:, g].contiguous(), weight[g]) for g in range(x.shape[1])], 1)
+
+
+class ComposedLatentInput:
+    """`LatentAttentionOps.write_latent_row` and `latent_query` composed from the backend's own
+    `rope` and `write_latent` and torch's exact copies (cat): the definition of their bits.
+    (The GPU deterministic backend does each in one Triton kernel with these bits:
+    lockstep/ops/triton/latent_input.py.)"""
+
+    def write_latent_row(
+        self, cache: Tensor, latent: Tensor, k_rope: Tensor, positions: Tensor, cos: Tensor,
+        sin: Tensor, slots: Tensor,
+    ) -> None:  # fmt: skip
+        t, dr = k_rope.shape
+        k_pe = self.rope(k_rope.reshape(t, 1, dr).contiguous(), positions, cos, sin)
+        self.write_latent(cache, torch.cat([latent, k_pe.reshape(t, dr)], dim=1), slots)
+
+    def latent_query(
+        self, q_lat: Tensor, q_rope: Tensor, positions: Tensor, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        q_pe = self.rope(q_rope.contiguous(), positions, cos, sin)
+        return torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=2).contiguous()
 
 
 class ComposedAttentionInput:

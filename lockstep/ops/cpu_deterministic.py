@@ -17,6 +17,7 @@ from lockstep.ops import chunked_delta
 from lockstep.ops.base import (
     AttentionMeta,
     ComposedAttentionInput,
+    ComposedLatentInput,
     GroupedLinearByGroups,
     IndexCopyKVWrite,
     LayerKV,
@@ -46,7 +47,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuDeterministicOps(
-    DequantizedFp8Linear, IndexCopyKVWrite, ComposedAttentionInput, GroupedLinearByGroups
+    DequantizedFp8Linear,
+    IndexCopyKVWrite,
+    ComposedAttentionInput,
+    ComposedLatentInput,
+    GroupedLinearByGroups,
 ):
     """`Ops` backed by `csrc/lockstep_cpu.cpp`. FP8 linears: the dequantized weight and
     activation through the same `linear` (`DequantizedFp8Linear`); an FP8 KV cache is read

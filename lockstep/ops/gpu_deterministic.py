@@ -16,6 +16,7 @@ from lockstep.ops.base import (
     AttentionInput,
     AttentionMeta,
     ComposedAttentionInput,
+    ComposedLatentInput,
     IndexCopyKVWrite,
     LayerKV,
     PooledRows,
@@ -27,6 +28,7 @@ try:
         activation,
         chunked_delta,
         gated_delta,
+        latent_input,
         log_softmax,
         matmul,
         norm,
@@ -47,7 +49,7 @@ except ImportError as exc:  # triton missing: report when the backend is asked f
     _IMPORT_ERROR = exc
 
 
-class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
+class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLatentInput):
     """Ops backend over the Triton kernels (default on CUDA)."""
 
     name = "gpu_deterministic"
@@ -161,6 +163,22 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput):
         out = paged_attention(q, kv.k, kv.v, meta, scale * kv.k_scale, self.attention_config,
                               out_dtype=torch.float32, window=window)  # fmt: skip
         return (out * torch.full_like(out, kv.v_scale)).to(q.dtype)
+
+    def write_latent_row(
+        self, cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """One kernel: RoPE of the key tail and the cache row written
+        (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
+        latent_input.write_latent_row(cache, latent, k_rope, positions, cos, sin, slots)
+
+    def latent_query(
+        self, q_lat: torch.Tensor, q_rope: torch.Tensor, positions: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """One kernel: RoPE of the query tails and the query assembled
+        (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
+        return latent_input.latent_query(q_lat, q_rope, positions, cos, sin)
 
     def latent_attention(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMeta, scale: float,

@@ -8,11 +8,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite
+from lockstep.ops.base import (
+    AttentionMeta,
+    ComposedAttentionInput,
+    ComposedLatentInput,
+    IndexCopyKVWrite,
+)
 from lockstep.ops.moe import MoeLayer, Routing, stock_route_deepseek
 
 
-class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput):
+class TorchRowOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLatentInput):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops.base import AttentionInput, AttentionMeta, LayerKV, Ops
+from lockstep.ops.base import AttentionInput, AttentionMeta, ComposedLatentInput, LayerKV, Ops
 from lockstep.ops.fp8 import Fp8Weight
 from lockstep.ops.moe import MoeLayer, Routing, prepare_expert_weights
 from lockstep.ops.torch_stock import stock_gated_delta_rule
@@ -62,10 +62,13 @@ class _Written:
     slots: torch.Tensor | None = None  # `attention_input`'s cache slots of the rows
 
 
-class DifferentiableOps:
+class DifferentiableOps(ComposedLatentInput):
     """`Ops` whose outputs are `base`'s, bit for bit, and carry gradients (module docstring).
     One instance serves one forward at a time: a cache write is paired with the attention
-    that reads it (by the cache's storage) within a layer."""
+    that reads it (by the cache's storage) within a layer. MLA's `write_latent_row` and
+    `latent_query` are composed (`ComposedLatentInput`) from this class's `rope` and
+    `write_latent`, so gradients flow through the RoPE twin; a fused base gives the same
+    bits (their contract)."""
 
     def __init__(self, base: Ops, block: int = BLOCK, seq_lens: list[int] | None = None) -> None:
         """`seq_lens`: the forward's sequence lengths, where the caller knows them on the host

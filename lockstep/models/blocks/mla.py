@@ -232,19 +232,18 @@ class LatentAttention:
         else:
             q = a[:, : -(rank + rope_dim)]
         latent = ops.rms_norm(kv[:, :rank].contiguous(), w.kv_a_norm, MLA_NORM_EPS)
-        k_pe = mla_ops.rope(kv[:, rank:].reshape(t, 1, rope_dim).contiguous(), batch.positions,
-                            w.cos, w.sin)  # fmt: skip
         cache = step.kv.k_cache(w.kv_index)
-        mla_ops.write_latent(cache, torch.cat([latent, k_pe.reshape(t, rope_dim)], dim=1),
-                             batch.out_slots)  # fmt: skip
+        # The RoPE parts are read in place (strided views of the projections): the cache row
+        # and the query are each one op (`LatentAttentionOps.write_latent_row`, `latent_query`).
+        mla_ops.write_latent_row(cache, latent, kv[:, rank:], batch.positions, w.cos, w.sin,
+                                 batch.out_slots)  # fmt: skip
         q = q.reshape(t, heads, -1)
         nope = q.shape[2] - rope_dim
-        q_pe = mla_ops.rope(q[:, :, nope:].contiguous(), batch.positions, w.cos, w.sin)
         # W_UK and W_UV, heads as groups: one op each (`LatentAttentionOps.grouped_linear`,
         # every head's rows the bits of its own linear).
         q_lat = mla_ops.grouped_linear(q[:, :, :nope], w.w_uk)
-        query = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=2)
-        o = mla_ops.latent_attention(query.contiguous(), cache, batch.meta, w.scale, rank)
+        query = mla_ops.latent_query(q_lat, q[:, :, nope:], batch.positions, w.cos, w.sin)
+        o = mla_ops.latent_attention(query, cache, batch.meta, w.scale, rank)
         out = mla_ops.grouped_linear(o, w.w_uv).reshape(t, heads * w.w_uv.shape[1])
         if isinstance(w.o, RowParallelWeight):
             return step.parallel.row_linear(out, w.o, "attention")
