@@ -5,8 +5,8 @@ refuses (a type the interpreter never checks) fails here, in CI, rather than on 
 Covers the specializations an engine launch asks for that the GPU tests could miss: the
 attention input and attention kernels with an FP8 (e4m3) KV cache and with a bf16 one (decode
 and prefill tiles, Qwen3.5's head_dim 256), and the gated delta rule (the per-row kernel and
-the chunked one's three) at Qwen3.5's head sizes, and the training module's fused row-op
-backwards (RMSNorm, SiLU-mul, the LM head's dlogits). And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
+the chunked one's three) at Qwen3.5's head sizes, MLA's cache-row and query kernels, and the
+training module's fused row-op backwards (RMSNorm, SiLU-mul, the LM head's dlogits). And one layout the bits depend on: the decode tiles' dots over an FP8 cache must be laid out
 as over a bf16 cache (`attention.widen_kv` says why), which the interpreter cannot show.
 The compiles run in one child process: the test session runs Triton's interpreter
 (TRITON_INTERPRET=1, conftest.py), under which kernels cannot be compiled."""
@@ -81,6 +81,25 @@ def _latent_options(path: str) -> dict:
     return {"num_warps": cfg.num_warps if prefill else cfg.num_warps_split,
             "num_stages": cfg.num_stages if prefill else cfg.num_stages_split,
             "enable_fp_fusion": False}  # fmt: skip
+
+
+def _latent_row(cache: str, act: str = "*bf16") -> tuple[str, dict, dict]:
+    """MLA's cache row (`latent_input.write_latent_row`) at DeepSeek-V2-Lite's widths (latent
+    512, RoPE 64): bf16 activations into a bf16 or e4m3 cache."""
+    types = {"latent": act, "k_rope": act, "cache": cache, "positions": "*i64", "slots": "*i64",
+             "cos": "*fp32", "sin": "*fp32"}  # fmt: skip
+    types |= dict.fromkeys(("s_lat", "s_rope", "s_cache", "s_cos"), "i64")
+    return "latent_input._latent_row_kernel", types, {"R": 512, "HALF": 32, "BLOCK_R": 512,
+                                                      "BLOCK_H": 32, "PDL": True}  # fmt: skip
+
+
+def _latent_query() -> tuple[str, dict, dict]:
+    """MLA's absorbed query (`latent_input.latent_query`), bf16, V2-Lite's widths."""
+    types = {"q_lat": "*bf16", "q_rope": "*bf16", "out": "*bf16", "positions": "*i64",
+             "cos": "*fp32", "sin": "*fp32"}  # fmt: skip
+    types |= dict.fromkeys(("s_lt", "s_lh", "s_rt", "s_rh", "s_ot", "s_oh", "s_cos"), "i64")
+    return "latent_input._latent_query_kernel", types, {"R": 512, "HALF": 32, "BLOCK_R": 512,
+                                                        "BLOCK_H": 32, "PDL": True}  # fmt: skip
 
 
 def _route_deepseek(groups: int, top2: bool, softmax: bool) -> tuple[str, dict, dict]:
@@ -251,6 +270,9 @@ CASES = {
         for p in ("prefill", "fold", "split")
     },  # fmt: skip
     "latent attention wide *fp8e4nv split": _latent("*fp8e4nv", "split", wide=True),
+    **{f"mla cache row {c}": _latent_row(c) for c in CACHES},
+    "mla cache row *fp32 into *bf16": _latent_row("*bf16", "*fp32"),
+    "mla query": _latent_query(),
     "deepseek routing v3": _route_deepseek(8, True, False),
     "deepseek routing v2-lite": _route_deepseek(1, False, True),
     "gated delta rule": _gated_delta(),
@@ -279,6 +301,12 @@ LAYOUTS = {
     },  # fmt: skip
     "widened dot (control)": _widened_dot(),
 }
+# MLA's RoPE kernels with contraction off (as launched) and on (the control): the count of
+# float32 FMAs in the PTX. Their bits are the composed torch ops', one rounding per product.
+CONTRACTIONS = {
+    **{f"fma {case}": (case, False) for case in ("mla cache row *bf16", "mla query")},
+    "fma mla query contraction on (control)": ("mla query", True),
+}
 # Shared memory one program may use on an H100/H200 (the opt-in limit).
 SM90_SHARED = 232448
 
@@ -298,6 +326,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         fp8_moe,
         gated_delta,
         latent_attention,
+        latent_input,
         log_softmax,
         matmul,
         moe,
@@ -325,19 +354,23 @@ def _compile_all(names: list[str]) -> dict[str, str]:
 
     modules = {"attention": attention, "attention_input": attention_input,
                "gated_delta": gated_delta, "chunked_delta": chunked_delta, "fp8_moe": fp8_moe,
-               "latent_attention": latent_attention, "matmul": matmul, "moe": moe,
+               "latent_attention": latent_attention, "latent_input": latent_input,
+               "matmul": matmul, "moe": moe,
                "row_grads": row_grads, "attention_input_grad": attention_input_grad,
                "log_softmax": log_softmax}  # fmt: skip
     local = {"two_ways": two_ways, "widened_dot": widened_dot}
     results = {}
     for name in names:
-        path, types, constexprs = CASES[name] if name in CASES else LAYOUTS[name]
+        case, fusion = CONTRACTIONS.get(name, (name, False))
+        path, types, constexprs = CASES[case] if case in CASES else LAYOUTS[case]
         mod, _, attr = path.rpartition(".")
         kernel = getattr(modules[mod], attr) if mod else local[path]
         signature = {a: types.get(a, "constexpr") for a in kernel.arg_names}
         options, aligned = {}, {}
         if name.startswith("latent"):
             options = _latent_options(name.rpartition(" ")[2] if name in CASES else "fold")
+        if case.startswith("mla"):  # as latent_input launches them: contraction off
+            options = {"num_warps": 4 if "row" in case else 2, "enable_fp_fusion": fusion}
         if name in GROUPED_MATMULS:  # the table config's warps and stages
             cfg = matmul.pick_config(*GROUPED_MATMULS[name])
             options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -356,7 +389,9 @@ def _compile_all(names: list[str]) -> dict[str, str]:
         except Exception as exc:  # reported to the parent
             results[name] = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             continue
-        if name in LAYOUTS:
+        if name in CONTRACTIONS:
+            results[name] = str(len(re.findall(r"\bfma\.rn\.f32\b", compiled.asm["ptx"])))
+        elif name in LAYOUTS:
             results[name] = ",".join(re.findall(r"kWidth = (\d+)", compiled.asm["ttgir"]))
         elif "cubin" not in compiled.asm:
             results[name] = "no cubin"
@@ -370,7 +405,7 @@ def _compile_all(names: list[str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, *CASES, *LAYOUTS], env=env,
+    proc = subprocess.run([sys.executable, __file__, *CASES, *LAYOUTS, *CONTRACTIONS], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -404,6 +439,21 @@ def test_latent_decode_tile_dots_over_an_fp8_cache_are_laid_out_as_over_bf16(
     same = compiled[f"latent decode tiles *bf16 partials={partials}"]
     assert fp8 and same and "error" not in fp8.lower(), (fp8, same)
     assert set(fp8.split(",")) == set(same.split(",")), (fp8, same)
+
+
+@pytest.mark.parametrize("case", ["mla cache row *bf16", "mla query"])
+def test_mla_rope_kernels_compile_without_fma(compiled: dict[str, str], case: str) -> None:
+    """No product of the RoPE is fused into an add: the composed torch ops round each."""
+    assert compiled[f"fma {case}"] == "0", compiled[f"fma {case}"]
+
+
+def test_contraction_control_the_compiler_fuses_rope_products_when_allowed(
+    compiled: dict[str, str],
+) -> None:
+    """The control: with contraction on, the same kernel's PTX has FMAs, so the count above
+    sees them."""
+    count = compiled["fma mla query contraction on (control)"]
+    assert count.isdigit() and int(count) > 0, count
 
 
 def test_layout_control_a_plain_widening_changes_the_dot_layout(compiled: dict[str, str]) -> None:
