@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.ops.base import (
-    AttentionMeta,
-    ComposedAttentionInput,
-    ComposedLatentInput,
-    IndexCopyKVWrite,
-    LayerKV,
-)
+from lockstep.ops.base import AttentionMeta, ComposedAttentionInput, IndexCopyKVWrite, LayerKV
 from lockstep.ops.fp8 import Fp8Weight, check_fp8_weight, fp8_linear_reference
 from lockstep.ops.moe import (
     ExpertFn,
@@ -28,7 +22,7 @@ from lockstep.ops.moe import (
 f64 = torch.float64
 
 
-class Float64Ops(IndexCopyKVWrite, ComposedAttentionInput, ComposedLatentInput):
+class Float64Ops(IndexCopyKVWrite, ComposedAttentionInput):
     """`Ops` in float64 torch, written for clarity rather than speed."""
 
     name = "float64"
