@@ -6,9 +6,9 @@
     query of (token, h):  | q_lat (R, W_UK^T q_nope)  | rope(q_rope) |   [T, H, R + dr]
 
 The composed path (`lockstep.ops.base.ComposedLatentInput`) takes about nine torch kernels per
-RoPE and three copies per layer: at batch-1 decode each costs a launch (1-2 us) for almost no
-work, around 0.7 ms of a DeepSeek-V2-Lite step. These kernels do the same arithmetic in two
-launches and read the RoPE parts in place (strided views of the projections, no copies).
+RoPE and a few copies per layer: at batch-1 decode each is a launch for almost no work. These
+kernels do the same arithmetic in two launches and read the RoPE parts in place (strided
+views of the projections, no copies).
 
 The bits are the composed path's, value by value: RoPE `x1*c - x2*s`, `x2*c + x1*s` in float32
 from the float32 tables at the token's position (one rounding per product and per sum:
