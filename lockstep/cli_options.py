@@ -60,7 +60,7 @@ _HELP = {
     "default: on with CUDA graphs)",
     "verify_cuda_graphs": "replay speculative verify steps whose sequences verify the same "
     "number of drafts as whole-step CUDA graphs (same bits; models with only paged attention; "
-    "default: on with CUDA graphs)",
+    "default: off)",
     "num_threads": "CPU threads (default: the cores this process may use, its affinity and "
     'CPU quota; docs/cpu_ops.md, "Threads")',
     "random_seed": "seed of random-weight presets",

@@ -110,8 +110,9 @@ class EngineConfig:
     piecewise_cuda_graphs: bool | None = None
     # Verify steps of exact speculative decoding whose sequences all verify the same number
     # of drafts replay whole-step CUDA graphs, same bits (lockstep/engine/cuda_graphs.py);
-    # models with only paged attention, no linear states. None: on wherever CUDA graphs are.
-    verify_cuda_graphs: bool | None = None
+    # models with only paged attention, no linear states. Off by default until its GPU tests
+    # have run (tests/gpu/test_gpu_speculative.py).
+    verify_cuda_graphs: bool = False
     num_threads: int | None = None  # CPU threads; None: torch's default
     random_seed: int = 0  # weights of random-weight presets
     debug_checks: bool = False  # check cache integrity after every step
@@ -207,10 +208,9 @@ class EngineConfig:
                 f"piecewise_cuda_graphs={self.piecewise_cuda_graphs!r} is invalid: expected "
                 "true, false or null (on wherever CUDA graphs are)"
             )
-        if self.verify_cuda_graphs is not None and not isinstance(self.verify_cuda_graphs, bool):
+        if not isinstance(self.verify_cuda_graphs, bool):
             raise ConfigError(
-                f"verify_cuda_graphs={self.verify_cuda_graphs!r} is invalid: expected true, "
-                "false or null (on wherever CUDA graphs are)"
+                f"verify_cuda_graphs={self.verify_cuda_graphs!r} is invalid: expected true or false"
             )
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(
@@ -431,10 +431,10 @@ class EngineConfig:
 
     @property
     def use_verify_cuda_graphs(self) -> bool:
-        """Asked for (or left to the default) with CUDA graphs on; the engine still runs
-        verify steps as other steps with prompt rows for models the graphs do not take
-        (hybrid, MLA; `piecewise_graphs.supports`)."""
-        return self.use_cuda_graphs and self.verify_cuda_graphs is not False
+        """Asked for, with CUDA graphs on; the engine still runs verify steps as other steps
+        with prompt rows for models the graphs do not take (hybrid, MLA;
+        `piecewise_graphs.supports`)."""
+        return self.use_cuda_graphs and self.verify_cuda_graphs
 
     @property
     def use_overlap_decode(self) -> bool:

@@ -104,13 +104,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="steps timed per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, engines in turn")
     parser.add_argument("--profile", action="store_true", help="host and GPU profiles of steps")
-    parser.add_argument("--no-verify-graphs", action="store_true",
-                        help="verify steps as piecewise graphs / eagerly, not whole-step graphs")  # fmt: skip
+    parser.add_argument(
+        "--verify-graphs",
+        action="store_true",
+        help="verify steps as whole-step CUDA graphs (--verify-cuda-graphs)",
+    )
     args = parser.parse_args()
     base = dict(model=args.model, device=args.device, kv_tokens=args.context + 16 * args.steps)
     plain = Engine(EngineConfig(**base))
     spec = Engine(EngineConfig(**base, speculative="ngram", num_draft_tokens=args.k,
-                               verify_cuda_graphs=not args.no_verify_graphs))  # fmt: skip
+                               verify_cuda_graphs=args.verify_graphs))  # fmt: skip
     assert spec.speculator is not None
     spec.speculator.drafter = RepeatLastDrafter()
     rng = random.Random(0)
@@ -131,7 +134,7 @@ def main() -> None:
         "torch": torch.__version__,
         "k": args.k,
         "context": args.context,
-        "verify_graphs": not args.no_verify_graphs,
+        "verify_graphs": args.verify_graphs,
         "decode_ms": 1000 * statistics.median(decode),
         "verify_ms": 1000 * statistics.median(verify),
         "ratios": [v / d for v, d in zip(verify, decode, strict=True)],

@@ -127,7 +127,7 @@ def test_verify_graphs_equal_plain_decode(model: str, drafter: str) -> None:
     plain = _engine(model)
     want = _run(plain, requests)
     del plain
-    spec = _engine(model, speculative="ngram", num_draft_tokens=4)
+    spec = _engine(model, speculative="ngram", num_draft_tokens=4, verify_cuda_graphs=True)
     if drafter == "oracle":
         spec.speculator.drafter = _OracleDrafter(
             {tuple(p): want[rid][0] for rid, (p, _) in requests.items()}

@@ -133,6 +133,8 @@ def test_can_run_takes_verify_steps_only_when_asked() -> None:
 def test_config_refuses_a_non_boolean() -> None:
     with pytest.raises(ConfigError, match=r"^verify_cuda_graphs='yes' is invalid"):
         EngineConfig(verify_cuda_graphs="yes")  # type: ignore[arg-type]
-    assert EngineConfig(device="cuda").use_verify_cuda_graphs
-    assert not EngineConfig(device="cuda", verify_cuda_graphs=False).use_verify_cuda_graphs
+    assert not EngineConfig(device="cuda").use_verify_cuda_graphs  # off by default
+    assert EngineConfig(device="cuda", verify_cuda_graphs=True).use_verify_cuda_graphs
+    assert not EngineConfig(device="cuda", verify_cuda_graphs=True, cuda_graphs=False
+                            ).use_verify_cuda_graphs  # fmt: skip
     assert not EngineConfig(device="cpu", verify_cuda_graphs=True).use_verify_cuda_graphs
