@@ -61,6 +61,8 @@ _HELP = {
     "verify_cuda_graphs": "replay speculative verify steps whose sequences verify the same "
     "number of drafts as whole-step CUDA graphs (same bits; models with only paged attention; "
     "default: off)",
+    "mla_fused_input": "MLA models on CUDA: RoPE, the latent cache row and the query in two Triton "
+    "kernels instead of about 25 torch kernels a layer (same bits; default: off)",
     "num_threads": "CPU threads (default: the cores this process may use, its affinity and "
     'CPU quota; docs/cpu_ops.md, "Threads")',
     "random_seed": "seed of random-weight presets",

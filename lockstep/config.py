@@ -113,6 +113,10 @@ class EngineConfig:
     # models with only paged attention, no linear states. Off by default until its GPU tests
     # have run (tests/gpu/test_gpu_speculative.py).
     verify_cuda_graphs: bool = False
+    # MLA's attention input (RoPE, cache row, query) as two Triton kernels instead of about
+    # 25 torch kernels a layer, the same bits (lockstep/ops/triton/latent_input.py). Off by
+    # default until they have run compiled on a GPU (tests/kernels/test_latent_input_triton.py).
+    mla_fused_input: bool = False
     num_threads: int | None = None  # CPU threads; None: torch's default
     random_seed: int = 0  # weights of random-weight presets
     debug_checks: bool = False  # check cache integrity after every step
@@ -207,6 +211,10 @@ class EngineConfig:
             raise ConfigError(
                 f"piecewise_cuda_graphs={self.piecewise_cuda_graphs!r} is invalid: expected "
                 "true, false or null (on wherever CUDA graphs are)"
+            )
+        if not isinstance(self.mla_fused_input, bool):
+            raise ConfigError(
+                f"mla_fused_input={self.mla_fused_input!r} is invalid: expected true or false"
             )
         if not isinstance(self.verify_cuda_graphs, bool):
             raise ConfigError(

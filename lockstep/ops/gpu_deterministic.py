@@ -54,6 +54,10 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLate
 
     name = "gpu_deterministic"
     deterministic = True
+    # MLA's attention input as the two Triton kernels of lockstep/ops/triton/latent_input.py
+    # (the composed path's bits under the interpreter; not yet run compiled on a GPU, so off
+    # by default: `EngineConfig.mla_fused_input`). False: `ComposedLatentInput`'s torch ops.
+    fused_latent_input = False
 
     def __init__(
         self,
@@ -168,16 +172,22 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLate
         self, cache: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
     ) -> None:  # fmt: skip
-        """One kernel: RoPE of the key tail and the cache row written
-        (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
+        """With `fused_latent_input`, one kernel: RoPE of the key tail and the cache row
+        written (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
+        if not self.fused_latent_input:
+            return ComposedLatentInput.write_latent_row(
+                self, cache, latent, k_rope, positions, cos, sin, slots
+            )
         latent_input.write_latent_row(cache, latent, k_rope, positions, cos, sin, slots)
 
     def latent_query(
         self, q_lat: torch.Tensor, q_rope: torch.Tensor, positions: torch.Tensor,
         cos: torch.Tensor, sin: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """One kernel: RoPE of the query tails and the query assembled
-        (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
+        """With `fused_latent_input`, one kernel: RoPE of the query tails and the query
+        assembled (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
+        if not self.fused_latent_input:
+            return ComposedLatentInput.latent_query(self, q_lat, q_rope, positions, cos, sin)
         return latent_input.latent_query(q_lat, q_rope, positions, cos, sin)
 
     def latent_attention(

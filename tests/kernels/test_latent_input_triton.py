@@ -89,6 +89,19 @@ def _cache(dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(POOL, 1, R + DR, generator=gen).to(DEV, dtype)
 
 
+def _fused_ops() -> GpuDeterministicOps:
+    """The backend with its MLA input kernels on (`EngineConfig.mla_fused_input`; off by
+    default, when the backend composes the torch ops: then the comparisons below would
+    compare the composition with itself)."""
+    ops = GpuDeterministicOps()
+    ops.fused_latent_input = True
+    return ops
+
+
+def test_the_kernels_are_off_by_default() -> None:
+    assert GpuDeterministicOps().fused_latent_input is False
+
+
 def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
 
@@ -96,7 +109,7 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("act", "cache_dtype"), CACHE_CASES,
                          ids=[f"{_name(a)}-{_name(c)}" for a, c in CACHE_CASES])  # fmt: skip
 def test_cache_row_is_the_composed_row(act: torch.dtype, cache_dtype: torch.dtype) -> None:
-    ops, x = GpuDeterministicOps(), Inputs(act)
+    ops, x = _fused_ops(), Inputs(act)
     before = _cache(cache_dtype)
     fused, composed = before.clone(), before.clone()
     ops.write_latent_row(fused, x.latent, x.k_rope, x.positions, x.cos, x.sin, x.slots)
@@ -113,7 +126,7 @@ def test_cache_row_is_the_composed_row(act: torch.dtype, cache_dtype: torch.dtyp
 
 @pytest.mark.parametrize("act", [F32, BF16], ids=_name)
 def test_query_is_the_composed_query(act: torch.dtype) -> None:
-    ops, x = GpuDeterministicOps(), Inputs(act)
+    ops, x = _fused_ops(), Inputs(act)
     fused = ops.latent_query(x.q_lat, x.q_rope, x.positions, x.cos, x.sin)
     composed = ComposedLatentInput.latent_query(ops, x.q_lat, x.q_rope, x.positions, x.cos, x.sin)
     assert fused.is_contiguous() and fused.dtype == act
@@ -124,7 +137,7 @@ def test_query_is_the_composed_query(act: torch.dtype) -> None:
 def test_padding_rows_write_nothing() -> None:
     """A negative slot (a padding row) leaves the pool as it was; the other rows are
     written as usual."""
-    ops, x = GpuDeterministicOps(), Inputs(BF16)
+    ops, x = _fused_ops(), Inputs(BF16)
     before = _cache(BF16)
     fused = before.clone()
     slots = x.slots.clone()
@@ -138,7 +151,7 @@ def test_padding_rows_write_nothing() -> None:
 @pytest.mark.parametrize("act", [F32, BF16], ids=_name)
 def test_negative_control_positions_off_by_one_miss(act: torch.dtype) -> None:
     """The comparisons above see a RoPE at the wrong position."""
-    ops, x = GpuDeterministicOps(), Inputs(act)
+    ops, x = _fused_ops(), Inputs(act)
     shifted = x.positions + 1
     fused, composed = _cache(act), _cache(act)
     ops.write_latent_row(fused, x.latent, x.k_rope, shifted, x.cos, x.sin, x.slots)
@@ -174,7 +187,7 @@ def test_negative_control_fma_contracted_rope_misses() -> None:
     nothing rounds the difference away) fails the query comparison: the equality above
     would catch a kernel compiled with contraction on. The interpreter's `tl.fma` rounds
     once, as the GPU's does, so this control runs on both."""
-    ops, x = GpuDeterministicOps(), Inputs(F32)
+    ops, x = _fused_ops(), Inputs(F32)
     t = len(POSITIONS)
     rope = torch.empty(t, HEADS, DR, dtype=F32, device=DEV)
     q_rope = x.q_rope
@@ -189,7 +202,7 @@ def test_negative_control_fma_contracted_rope_misses() -> None:
 
 
 def test_shapes_and_dtypes_are_checked() -> None:
-    ops, x = GpuDeterministicOps(), Inputs(F32)
+    ops, x = _fused_ops(), Inputs(F32)
     with pytest.raises(ValueError, match="cache"):
         ops.write_latent_row(_cache(F32)[:, :, :R], x.latent, x.k_rope, x.positions, x.cos,
                              x.sin, x.slots)  # fmt: skip

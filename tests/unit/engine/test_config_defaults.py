@@ -266,3 +266,10 @@ def test_a_snapshot_pool_that_cannot_fit_is_refused_before_allocating() -> None:
     with pytest.raises(ConfigError, match="linear_snapshots=10000000000 .* the available RAM"):
         Engine(EngineConfig(model="random:tiny-qwen3.5", device="cpu", kv_tokens=64,
                             linear_snapshots=10**10))  # fmt: skip
+
+
+def test_mla_fused_input_option_is_a_boolean_and_off_by_default() -> None:
+    """The MLA input kernels stay off until they have run compiled on a GPU."""
+    assert EngineConfig().mla_fused_input is False
+    with pytest.raises(ConfigError, match=r"^mla_fused_input=1 is invalid"):
+        EngineConfig(mla_fused_input=1)  # type: ignore[arg-type]
