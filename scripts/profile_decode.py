@@ -122,6 +122,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine's steps")
+    ap.add_argument(
+        "--mla-fused-input",
+        action="store_true",
+        help="MLA's input as two Triton kernels (EngineConfig.mla_fused_input)",
+    )
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
                     help="launch each decode step before the previous one's tokens are read"
                     " (default: the engine's, on for CUDA)")  # fmt: skip
@@ -139,6 +144,7 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, mode=args.mode, device="cuda",
                                  dtype="bfloat16", kv_tokens=kv_tokens, max_model_len=4096,
                                  max_running=args.batch, cuda_graphs=True,
+                                 mla_fused_input=args.mla_fused_input,
                                  overlap_decode=args.overlap_decode))  # fmt: skip
     vocab = engine.decoder.spec.vocab_size
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
