@@ -118,9 +118,7 @@ class Engine:
                 f"context is {spec.max_position} tokens; expected at most {spec.max_position}"
             )
         self.max_model_len = config.max_model_len or spec.max_position
-        self.ops = get_ops(self.device.type, config.mode)
-        if hasattr(self.ops, "fused_latent_input"):
-            self.ops.fused_latent_input = config.mla_fused_input
+        self.ops = get_ops(self.device.type, config.mode, config.mla_fused_input)
         head_dims = getattr(self.ops, "supported_head_dims", None)
         # MLA's latent attention has a kernel of its own (any widths the family accepts).
         if head_dims is not None and spec.mla is None and spec.head_dim not in head_dims:

@@ -7,11 +7,12 @@ from lockstep.ops.base import AttentionMeta, Ops, build_attention_meta
 __all__ = ["AttentionMeta", "Ops", "build_attention_meta", "get_ops"]
 
 
-def get_ops(device: str, mode: str) -> Ops:
+def get_ops(device: str, mode: str, mla_fused_input: bool = False) -> Ops:
     """Return the backend for `device` ("cpu" | "cuda") and `mode`: "deterministic" (the
     engine's invariant kernels), "reference" (stock torch, the negative control), or "float64"
     (the float64 oracle, tests only). Modes arrive here already canonical (`fast`, the old
-    name of "reference", is resolved by `lockstep.config.canonical_mode`)."""
+    name of "reference", is resolved by `lockstep.config.canonical_mode`). `mla_fused_input`:
+    the CUDA deterministic backend's MLA input kernels (`EngineConfig.mla_fused_input`)."""
     if mode == "float64":
         from lockstep.ops.float64 import Float64Ops
 
@@ -30,7 +31,7 @@ def get_ops(device: str, mode: str) -> Ops:
         if mode == "deterministic":
             from lockstep.ops.gpu_deterministic import GpuDeterministicOps
 
-            return GpuDeterministicOps()
+            return GpuDeterministicOps(fused_latent_input=mla_fused_input)
         from lockstep.ops.gpu_stock import GpuStockOps
 
         return GpuStockOps()

@@ -54,16 +54,17 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLate
 
     name = "gpu_deterministic"
     deterministic = True
-    # MLA's attention input as the two Triton kernels of lockstep/ops/triton/latent_input.py
-    # (the composed path's bits under the interpreter; not yet run compiled on a GPU, so off
-    # by default: `EngineConfig.mla_fused_input`). False: `ComposedLatentInput`'s torch ops.
-    fused_latent_input = False
 
     def __init__(
         self,
         attention_config: AttentionConfig | None = None,
         latent_config: LatentConfig | None = None,
+        fused_latent_input: bool = False,
     ) -> None:
+        """`fused_latent_input`: MLA's attention input as the two Triton kernels of
+        lockstep/ops/triton/latent_input.py (the composed path's bits under the interpreter;
+        not yet run compiled on a GPU, so off by default: `EngineConfig.mla_fused_input`);
+        False: `ComposedLatentInput`'s torch ops."""
         if _IMPORT_ERROR is not None:
             raise RuntimeError(
                 f"the gpu_deterministic backend needs triton ({_IMPORT_ERROR}); install the "
@@ -71,6 +72,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLate
             )
         self.attention_config = attention_config or DEFAULT_CONFIG
         self.latent_config = latent_config or DEFAULT_LATENT_CONFIG
+        self.fused_latent_input = fused_latent_input
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
         # [N, K] with K contiguous is the layout the matmul kernels read. The split-K arrival
@@ -175,9 +177,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLate
         """With `fused_latent_input`, one kernel: RoPE of the key tail and the cache row
         written (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
         if not self.fused_latent_input:
-            return ComposedLatentInput.write_latent_row(
-                self, cache, latent, k_rope, positions, cos, sin, slots
-            )
+            return super().write_latent_row(cache, latent, k_rope, positions, cos, sin, slots)
         latent_input.write_latent_row(cache, latent, k_rope, positions, cos, sin, slots)
 
     def latent_query(
@@ -187,7 +187,7 @@ class GpuDeterministicOps(IndexCopyKVWrite, ComposedAttentionInput, ComposedLate
         """With `fused_latent_input`, one kernel: RoPE of the query tails and the query
         assembled (`lockstep/ops/triton/latent_input.py`), the bits of `ComposedLatentInput`'s."""
         if not self.fused_latent_input:
-            return ComposedLatentInput.latent_query(self, q_lat, q_rope, positions, cos, sin)
+            return super().latent_query(q_lat, q_rope, positions, cos, sin)
         return latent_input.latent_query(q_lat, q_rope, positions, cos, sin)
 
     def latent_attention(

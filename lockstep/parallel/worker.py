@@ -110,9 +110,7 @@ def load_rank_decoder(
 ) -> Decoder:
     """Rank `rank`'s shard of the model (`collectives`: its process group when tp > 1)."""
     device = rank_device(config, rank)
-    ops = get_ops(device.type, config.mode)
-    if hasattr(ops, "fused_latent_input"):
-        ops.fused_latent_input = config.mla_fused_input
+    ops = get_ops(device.type, config.mode, config.mla_fused_input)
     plan = ShardPlan(loaded.spec, config.tp, rank, config.ep)
     reduction = config.resolved_tp_reduction
     parallel = TensorParallel(ops, plan, reduction, collectives)

@@ -93,9 +93,7 @@ def _fused_ops() -> GpuDeterministicOps:
     """The backend with its MLA input kernels on (`EngineConfig.mla_fused_input`; off by
     default, when the backend composes the torch ops: then the comparisons below would
     compare the composition with itself)."""
-    ops = GpuDeterministicOps()
-    ops.fused_latent_input = True
-    return ops
+    return GpuDeterministicOps(fused_latent_input=True)
 
 
 def test_the_kernels_are_off_by_default() -> None:
