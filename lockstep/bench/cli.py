@@ -6,6 +6,7 @@ running server)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -324,9 +325,7 @@ def run_bench_speculative(args: argparse.Namespace) -> int:
         # Two engines share the device: the first takes half its default share of the memory
         # left, and the second's default share is of what the first leaves.
         half = 0.5 * plain_config.resolved_kv_memory_fraction
-        plain_config = EngineConfig.from_options(
-            **dict(options, speculative=None, draft_model=None, kv_memory_fraction=half)
-        )
+        plain_config = dataclasses.replace(plain_config, kv_memory_fraction=half)
     plain = Engine(plain_config)
     speculating = Engine(EngineConfig.from_options(**options))
     prompts = speculative.load_prompts(args.prompts_file, plain)
