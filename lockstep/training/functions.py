@@ -116,6 +116,19 @@ def log_softmax(ops: Ops, logits: torch.Tensor) -> torch.Tensor:
     return _LogSoftmax.apply(ops, logits)
 
 
+def _save_optional(ctx: Any, inputs: tuple[torch.Tensor | None, ...]) -> None:
+    """Save a Function's inputs for backward, None among them (save_for_backward takes
+    tensors only)."""
+    ctx.none = [t is None for t in inputs]
+    ctx.save_for_backward(*[t for t in inputs if t is not None])
+
+
+def _saved_optional(ctx: Any) -> list[torch.Tensor | None]:
+    """The inputs `_save_optional` saved, Nones in their places."""
+    saved = iter(ctx.saved_tensors)
+    return [None if none else next(saved) for none in ctx.none]
+
+
 class TwinBackward(torch.autograd.Function):
     """`kernel(*inputs)` forward; backward by autograd through `twin(*inputs)`, a plain-torch
     computation of the same formula (its outputs in the same order and shapes, in the
@@ -130,14 +143,12 @@ class TwinBackward(torch.autograd.Function):
         *inputs: torch.Tensor | None,
     ) -> Tensors:
         ctx.twin = twin
-        ctx.none = [t is None for t in inputs]
-        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        _save_optional(ctx, inputs)
         return kernel(*inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        inputs = [None if none else next(saved) for none in ctx.none]
+        inputs = _saved_optional(ctx)
         leaves = [
             None if t is None or not t.is_floating_point() else t.detach().requires_grad_()
             for t in inputs
@@ -308,14 +319,12 @@ class ClosedFormBackward(torch.autograd.Function):
         *inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.grads = grads
-        ctx.none = [t is None for t in inputs]
-        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        _save_optional(ctx, inputs)
         return kernel()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        inputs = [None if none else next(saved) for none in ctx.none]
+        inputs = _saved_optional(ctx)
         return (None, None, *ctx.grads(grad, *inputs))
 
 
@@ -334,14 +343,12 @@ class PreparedAttention(torch.autograd.Function):
         *inputs: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.prepare, ctx.attention_grads = prepare, attention_grads
-        ctx.none = [t is None for t in inputs]
-        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        _save_optional(ctx, inputs)
         return kernel()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        inputs = [None if none else next(saved) for none in ctx.none]
+        inputs = _saved_optional(ctx)
         leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
         with torch.enable_grad():
             q, k, v = ctx.prepare(*leaves)
